@@ -1,0 +1,240 @@
+//! Chat templates rendered the way transformers renders them: Jinja with `trim_blocks` and
+//! `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now`, and a `tojson` that writes
+//! what Python's `json.dumps` writes. Python string/dict methods (`.strip()`, `.items()`, …) come
+//! from minijinja-contrib's pycompat layer.
+//!
+//! Where the template and tokens come from: `chat_template.jinja` if present (transformers gives
+//! it precedence), else `tokenizer_config.json`'s `chat_template` (a string, or a list whose
+//! `default` entry is used). `generation_config.json` adds stop ids.
+
+use std::path::{Path, PathBuf};
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JValue};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::LoadError;
+use crate::json::Obj;
+use crate::spec::read_json_file;
+
+const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+const MAX_TOKENIZER_CONFIG_BYTES: u64 = 32 << 20;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Self {
+        Message { role: role.into(), content: content.into() }
+    }
+}
+
+/// What `tokenizer_config.json`, `chat_template.jinja` and `generation_config.json` tell us.
+#[derive(Debug, Clone, Default)]
+pub struct ChatConfig {
+    pub template: Option<String>,
+    pub template_path: Option<PathBuf>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// Stop ids declared by `generation_config.json`.
+    pub generation_eos_ids: Vec<u32>,
+}
+
+impl ChatConfig {
+    pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
+        let mut out = ChatConfig::default();
+        let tc_path = dir.join("tokenizer_config.json");
+        if tc_path.exists() {
+            let value = read_json_file(&tc_path, MAX_TOKENIZER_CONFIG_BYTES)?;
+            let Value::Object(map) = &value else {
+                return Err(LoadError::malformed(&tc_path, "not a JSON object"));
+            };
+            out.bos_token = special_token(map.get("bos_token"));
+            out.eos_token = special_token(map.get("eos_token"));
+            match map.get("chat_template") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) => {
+                    out.template = Some(s.clone());
+                    out.template_path = Some(tc_path.clone());
+                }
+                Some(Value::Array(list)) => {
+                    let default = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
+                    match default.and_then(|t| t.get("template")).and_then(Value::as_str) {
+                        Some(s) => {
+                            out.template = Some(s.to_string());
+                            out.template_path = Some(tc_path.clone());
+                        }
+                        None => return Err(LoadError::Field { path: tc_path, field: "chat_template".into(), problem: "a list without a `default` template".into() }),
+                    }
+                }
+                Some(other) => return Err(LoadError::Field { path: tc_path, field: "chat_template".into(), problem: format!("expected a string or a list, got {other}") }),
+            }
+        }
+        let jinja_path = dir.join("chat_template.jinja");
+        if jinja_path.exists() {
+            let meta = std::fs::metadata(&jinja_path).map_err(|e| LoadError::io(&jinja_path, e))?;
+            if meta.len() > MAX_TEMPLATE_BYTES {
+                return Err(LoadError::malformed(&jinja_path, "template is over the 1 MiB limit"));
+            }
+            out.template = Some(std::fs::read_to_string(&jinja_path).map_err(|e| LoadError::io(&jinja_path, e))?);
+            out.template_path = Some(jinja_path);
+        }
+        let gc_path = dir.join("generation_config.json");
+        if gc_path.exists() {
+            let value = read_json_file(&gc_path, MAX_TEMPLATE_BYTES)?;
+            let Value::Object(map) = &value else {
+                return Err(LoadError::malformed(&gc_path, "not a JSON object"));
+            };
+            out.generation_eos_ids = Obj(map).ids("eos_token_id").map_err(|e| LoadError::Field {
+                path: gc_path.clone(),
+                field: e.field,
+                problem: e.problem,
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Renders `messages` with the model's template, as `apply_chat_template(tokenize=False)`.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, LoadError> {
+        let (Some(template), Some(path)) = (&self.template, &self.template_path) else {
+            return Err(LoadError::malformed("tokenizer_config.json", "the model has no chat template"));
+        };
+        render_template(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+            .map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
+    }
+}
+
+/// `bos_token`/`eos_token` are a string or an AddedToken object with `content`.
+fn special_token(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(m) => m.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+pub fn render_template(
+    template: &str,
+    messages: &[Message],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String, JinjaError> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    env.set_syntax(syntax);
+    // A template is code from the checkpoint: bound the work one render may do.
+    env.set_fuel(Some(50_000_000));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> {
+        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", |_fmt: String| -> Result<JValue, JinjaError> {
+        // Templates use it for a "today is" line; a fixed-format date keeps renders reproducible
+        // within a day. Formatting arbitrary strftime patterns is not supported yet.
+        Err(JinjaError::new(ErrorKind::InvalidOperation, "strftime_now is not supported"))
+    });
+    env.add_filter("tojson", tojson_filter);
+    let ctx = minijinja::context! {
+        messages => JValue::from(minijinja::value::Serde(messages)),
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token.unwrap_or(""),
+        eos_token => eos_token.unwrap_or(""),
+    };
+    env.render_str(template, ctx)
+}
+
+fn tojson_filter(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JValue, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    python_json(&json, indent, 0, &mut out);
+    Ok(JValue::from_safe_string(out))
+}
+
+/// Writes `v` as Python's `json.dumps(v, ensure_ascii=False, indent=indent)` does.
+pub fn python_json(v: &Value, indent: Option<usize>, level: usize, out: &mut String) {
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * level));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                python_json(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                python_json(&Value::String(k.clone()), indent, level + 1, out);
+                out.push_str(": ");
+                python_json(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(0.0);
+            // Python prints floats with a decimal point or exponent, shortest round-trip digits.
+            if f.fract() == 0.0 && f.abs() < 1e16 {
+                out.push_str(&format!("{f:.1}"));
+            } else {
+                out.push_str(&format!("{f}"));
+            }
+        }
+        // Strings, empty containers, numbers, bools and null serialise as serde_json does, which
+        // matches Python with ensure_ascii=False for all of them.
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_json_matches_json_dumps() {
+        let v: Value = serde_json::from_str(r#"{"b": [1, 2.5, "é"], "a": {}, "c": null, "d": true, "e": 3.0}"#).unwrap();
+        let mut s = String::new();
+        python_json(&v, None, 0, &mut s);
+        // json.dumps({"b": [1, 2.5, "é"], "a": {}, "c": None, "d": True, "e": 3.0}, ensure_ascii=False)
+        assert_eq!(s, r#"{"b": [1, 2.5, "é"], "a": {}, "c": null, "d": true, "e": 3.0}"#);
+        let mut s = String::new();
+        python_json(&serde_json::json!({"a": [1]}), Some(2), 0, &mut s);
+        assert_eq!(s, "{\n  \"a\": [\n    1\n  ]\n}");
+    }
+
+    #[test]
+    fn template_features_render_like_jinja2() {
+        let t = "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}\n<|{{ m.role }}|>{{ m.content.strip() }}{% if loop.last %}{% break %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+        let msgs = [Message::new("system", "sys"), Message::new("user", "  hi  ")];
+        let out = render_template(t, &msgs, true, Some("<s>"), None).unwrap();
+        assert_eq!(out, "<s><|user|>hi<|assistant|>");
+        let err = render_template("{{ raise_exception('nope') }}", &msgs, false, None, None).unwrap_err();
+        assert!(err.to_string().contains("nope"));
+    }
+}

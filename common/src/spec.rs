@@ -1,0 +1,439 @@
+//! The typed model spec: what `config.json` says, checked, in one shape every crate can use.
+//!
+//! The family table (`FAMILIES`) is the only place a family's config dialect is known: an entry
+//! maps an architecture name to a parser in `spec/families.rs`. Everything downstream reads
+//! `ModelSpec` and never a family name, except the one model file per family in the coordinator.
+//!
+//! Both spellings real checkpoints use are accepted: `rope_theta` + `rope_scaling` + `torch_dtype`
+//! (most hub checkpoints) and `rope_parameters` + `dtype` (what transformers 5 writes).
+
+mod families;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::LoadError;
+use crate::json::{FieldError, FieldResult, Obj};
+
+/// Largest `config.json` we read; real ones are a few KiB.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Olmoe,
+    Qwen3Moe,
+    Mixtral,
+}
+
+/// One row of the family table.
+struct FamilyEntry {
+    architecture: &'static str,
+    model_type: &'static str,
+    parse: fn(&Obj) -> FieldResult<ModelSpec>,
+}
+
+const FAMILIES: &[FamilyEntry] = &[
+    FamilyEntry {
+        architecture: "OlmoeForCausalLM",
+        model_type: "olmoe",
+        parse: families::olmoe,
+    },
+    FamilyEntry {
+        architecture: "Qwen3MoeForCausalLM",
+        model_type: "qwen3_moe",
+        parse: families::qwen3_moe,
+    },
+    FamilyEntry {
+        architecture: "MixtralForCausalLM",
+        model_type: "mixtral",
+        parse: families::mixtral,
+    },
+];
+
+/// Where the per-head query/key RMSNorm sits, if the family has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// One RMSNorm over the whole projection (all heads at once), as OLMoE.
+    FullProjection,
+    /// One RMSNorm of size `head_dim` shared by every head, as Qwen3.
+    PerHead,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionSpec {
+    pub qk_norm: QkNorm,
+    /// Clamp q, k and v to ±clip after projection (OLMoE's `clip_qkv`).
+    pub clip_qkv: Option<f32>,
+    /// q/k/v/o projections carry a bias.
+    pub bias: bool,
+    /// Per layer: how many keys (the current one included) a query may see; `None` = all.
+    pub sliding_window: Vec<Option<usize>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerMlp {
+    Dense { intermediate_size: usize },
+    Moe,
+}
+
+/// How the router turns logits into (expert, weight) pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterScoring {
+    /// softmax over all experts in f32, top-k, then optionally renormalise the k weights.
+    SoftmaxTopK { norm_topk_prob: bool },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate_size: usize,
+    pub scoring: RouterScoring,
+}
+
+/// Tensor-name templates; `{L}` is the layer index, `{E}` the expert index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertNames {
+    pub router: &'static str,
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    pub fn router(&self, layer: usize) -> String {
+        fill(self.router, layer, 0)
+    }
+    /// `[gate, up, down]` weight names of one expert.
+    pub fn expert(&self, layer: usize, expert: usize) -> [String; 3] {
+        [
+            fill(self.gate, layer, expert),
+            fill(self.up, layer, expert),
+            fill(self.down, layer, expert),
+        ]
+    }
+}
+
+fn fill(template: &str, layer: usize, expert: usize) -> String {
+    template
+        .replace("{L}", &layer.to_string())
+        .replace("{E}", &expert.to_string())
+}
+
+/// Floating-point storage types a checkpoint may declare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatType {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSpec {
+    pub family: Family,
+    pub architecture: &'static str,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope: RopeSpec,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention: AttentionSpec,
+    /// One entry per layer.
+    pub layers: Vec<LayerMlp>,
+    pub moe: MoeSpec,
+    pub expert_names: ExpertNames,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// `torch_dtype` / `dtype` as declared; tensors are still checked one by one.
+    pub declared_dtype: Option<FloatType>,
+}
+
+impl ModelSpec {
+    /// Reads and checks `DIR/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
+        let path = dir.join("config.json");
+        let value = read_json_file(&path, MAX_CONFIG_BYTES)?;
+        Self::from_json(&value, &path)
+    }
+
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self, LoadError> {
+        let Value::Object(map) = value else {
+            return Err(LoadError::malformed(path, "config is not a JSON object"));
+        };
+        let obj = Obj(map);
+        let field_err = |e: FieldError| LoadError::Field {
+            path: path.to_path_buf(),
+            field: e.field,
+            problem: e.problem,
+        };
+        let entry = find_family(&obj, path)?;
+        let spec = (entry.parse)(&obj).map_err(field_err)?;
+        spec.check().map_err(field_err)?;
+        Ok(spec)
+    }
+
+    pub fn moe_layer_count(&self) -> usize {
+        self.layers.iter().filter(|l| **l == LayerMlp::Moe).count()
+    }
+
+    /// Invariants shared by every family; a parser may not hand out a spec that breaks them.
+    fn check(&self) -> FieldResult<()> {
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(FieldError::new(
+                "num_key_value_heads",
+                format!(
+                    "{} does not divide num_attention_heads = {}",
+                    self.num_kv_heads, self.num_heads
+                ),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(FieldError::new("head_dim", format!("{} is odd; rotary embeddings need an even size", self.head_dim)));
+        }
+        if self.moe.top_k > self.moe.num_experts {
+            return Err(FieldError::new(
+                "num_experts_per_tok",
+                format!("{} is more than the {} experts", self.moe.top_k, self.moe.num_experts),
+            ));
+        }
+        if self.layers.len() != self.num_layers || self.attention.sliding_window.len() != self.num_layers {
+            return Err(FieldError::new("num_hidden_layers", "per-layer tables disagree with the layer count"));
+        }
+        if let Some(bad) = self.eos_token_ids.iter().find(|id| **id as usize >= self.vocab_size) {
+            return Err(FieldError::new("eos_token_id", format!("{bad} is outside the vocabulary of {}", self.vocab_size)));
+        }
+        Ok(())
+    }
+}
+
+fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError> {
+    let supported = || {
+        FAMILIES
+            .iter()
+            .map(|f| f.architecture)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let field = |field: &str, problem: String| LoadError::Field {
+        path: path.to_path_buf(),
+        field: field.into(),
+        problem,
+    };
+    let architecture = match obj.get("architectures") {
+        None => None,
+        Some(Value::Array(list)) => match list.first() {
+            Some(Value::String(s)) => Some(s.as_str()),
+            _ => return Err(field("architectures", "expected a list holding one architecture name".into())),
+        },
+        Some(v) => return Err(field("architectures", format!("expected a list, got {v}"))),
+    };
+    let model_type = obj
+        .str_opt("model_type")
+        .map_err(|e| field(&e.field, e.problem))?;
+    let entry = match (architecture, model_type) {
+        (Some(arch), _) => FAMILIES.iter().find(|f| f.architecture == arch).ok_or_else(|| {
+            LoadError::Unsupported {
+                path: path.to_path_buf(),
+                found: arch.to_string(),
+                supported: supported(),
+            }
+        })?,
+        (None, Some(mt)) => FAMILIES.iter().find(|f| f.model_type == mt).ok_or_else(|| {
+            LoadError::Unsupported {
+                path: path.to_path_buf(),
+                found: mt.to_string(),
+                supported: supported(),
+            }
+        })?,
+        (None, None) => {
+            return Err(field("architectures", "missing (and no `model_type` either)".into()))
+        }
+    };
+    if let Some(mt) = model_type {
+        if mt != entry.model_type {
+            return Err(field(
+                "model_type",
+                format!("`{mt}` contradicts architecture {} (model_type `{}`)", entry.architecture, entry.model_type),
+            ));
+        }
+    }
+    Ok(entry)
+}
+
+/// Reads a JSON file with a size limit, mapping every failure to an error naming the file.
+pub fn read_json_file(path: &Path, limit: u64) -> Result<Value, LoadError> {
+    let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+    if meta.len() > limit {
+        return Err(LoadError::malformed(
+            path,
+            format!("{} bytes is over the {} byte limit for this file", meta.len(), limit),
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| LoadError::malformed(path, format!("not valid JSON: {e}")))
+}
+
+/// Parsed pieces every family shares; each family supplies its own defaults.
+pub(crate) struct Common {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope: RopeSpec,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub declared_dtype: Option<FloatType>,
+}
+
+pub(crate) struct Defaults {
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+    /// Whether the family reads an explicit `head_dim` field.
+    pub explicit_head_dim: bool,
+    /// `num_key_value_heads` when absent; `None` means "same as the attention heads".
+    pub num_kv_heads: Option<usize>,
+}
+
+pub(crate) fn parse_common(obj: &Obj, d: &Defaults) -> FieldResult<Common> {
+    let hidden_size = obj.positive("hidden_size")?;
+    let num_heads = obj.positive("num_attention_heads")?;
+    let num_kv_heads = obj
+        .usize_opt("num_key_value_heads")?
+        .or(d.num_kv_heads)
+        .unwrap_or(num_heads);
+    if num_kv_heads == 0 {
+        return Err(FieldError::new("num_key_value_heads", "must be greater than zero"));
+    }
+    let head_dim = match (d.explicit_head_dim, obj.usize_opt("head_dim")?) {
+        (true, Some(hd)) if hd > 0 => hd,
+        (true, Some(_)) => return Err(FieldError::new("head_dim", "must be greater than zero")),
+        _ => {
+            if hidden_size % num_heads != 0 {
+                return Err(FieldError::new(
+                    "num_attention_heads",
+                    format!("{num_heads} does not divide hidden_size = {hidden_size} and no head_dim is given"),
+                ));
+            }
+            hidden_size / num_heads
+        }
+    };
+    let rms_norm_eps = obj.f64_or("rms_norm_eps", d.rms_norm_eps)?;
+    if rms_norm_eps <= 0.0 {
+        return Err(FieldError::new("rms_norm_eps", "must be positive"));
+    }
+    let declared_dtype = match (obj.str_opt("dtype")?, obj.str_opt("torch_dtype")?) {
+        (Some(s), _) => Some(parse_dtype("dtype", s)?),
+        (None, Some(s)) => Some(parse_dtype("torch_dtype", s)?),
+        (None, None) => None,
+    };
+    Ok(Common {
+        vocab_size: obj.positive("vocab_size")?,
+        hidden_size,
+        num_layers: obj.positive("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps: rms_norm_eps as f32,
+        rope: parse_rope(obj, d.rope_theta)?,
+        max_position_embeddings: obj.positive("max_position_embeddings")?,
+        tie_word_embeddings: obj.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
+        bos_token_id: obj.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: obj.ids("eos_token_id")?,
+        declared_dtype,
+    })
+}
+
+fn parse_dtype(field: &str, s: &str) -> FieldResult<FloatType> {
+    match s {
+        "float32" => Ok(FloatType::F32),
+        "bfloat16" => Ok(FloatType::Bf16),
+        "float16" => Ok(FloatType::F16),
+        other => Err(FieldError::new(field, format!("unsupported dtype `{other}` (expected float32, bfloat16 or float16)"))),
+    }
+}
+
+fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec> {
+    // transformers 5: everything under `rope_parameters`; older: `rope_theta` + `rope_scaling`.
+    let (field, params) = match obj.obj_opt("rope_parameters")? {
+        Some(p) => ("rope_parameters", Some(p)),
+        None => ("rope_scaling", obj.obj_opt("rope_scaling")?),
+    };
+    let top_theta = obj.f64_opt("rope_theta")?;
+    let theta = match &params {
+        Some(p) => p.f64_opt("rope_theta").map_err(|e| nest(field, e))?.or(top_theta),
+        None => top_theta,
+    }
+    .unwrap_or(default_theta);
+    if theta <= 0.0 {
+        return Err(FieldError::new("rope_theta", "must be positive"));
+    }
+    let Some(p) = params else {
+        return Ok(RopeSpec { theta, scaling: RopeScaling::None });
+    };
+    let kind = match p.str_opt("rope_type").map_err(|e| nest(field, e))? {
+        Some(k) => k,
+        None => p.str_opt("type").map_err(|e| nest(field, e))?.unwrap_or("default"),
+    };
+    let num = |key: &str| -> FieldResult<f64> {
+        p.f64_opt(key)
+            .map_err(|e| nest(field, e))?
+            .ok_or_else(|| FieldError::new(&format!("{field}.{key}"), format!("missing (needed by rope type `{kind}`)")))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+        },
+        other => {
+            return Err(FieldError::new(
+                &format!("{field}.rope_type"),
+                format!("unsupported rope type `{other}` (supported: default, linear, llama3)"),
+            ))
+        }
+    };
+    Ok(RopeSpec { theta, scaling })
+}
+
+fn nest(parent: &str, e: FieldError) -> FieldError {
+    FieldError::new(&format!("{parent}.{}", e.field), e.problem)
+}
+
+/// Files of a checkpoint directory, for error messages.
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("config.json")
+}

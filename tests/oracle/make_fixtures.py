@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Makes shimmer's oracle fixtures: tiny random-initialised MoE models of each supported family,
+saved as standard Hugging Face checkpoints, with what transformers computes on them.
+
+For each fixture directory under tests/fixtures/<name>/ it writes the checkpoint (config.json,
+safetensors, tokenizer.json, tokenizer_config.json / chat_template.jinja, generation_config.json)
+and two oracle files:
+  oracle.json          prompts, their ids, greedy continuations, per-position argmax and top-2
+                       margins, chat-template renders, tokenizer round trips
+  oracle.safetensors   the teacher-forced logits [T, vocab] (f32) for each prompt
+
+The oracle is computed by *reloading the saved directory* with transformers in float32 and eager
+attention, so the files on disk are exactly what transformers reads (older config spellings
+included) and bf16/f16 weights are the rounded values both sides use.
+
+Usage (from the repository root):
+  python3 -m venv /tmp/oracle-venv && /tmp/oracle-venv/bin/pip install -r tests/oracle/requirements.txt
+  apt-get install -y bible-kjv          # the public-domain text the tokenizers are trained on
+  /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig, PreTrainedTokenizerFast,
+                          Qwen3MoeConfig)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "fixtures")
+NEAR_TIE = 1e-3  # logit margin under which the top-2 order is not meaningful in f32
+GREEDY_TOKENS = 40
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+BRACKETS = (
+    "{{ bos_token }}{% for m in messages %}\n"
+    "  {% if m.role == 'system' %}{% continue %}{% endif %}\n"
+    "[{{ m.role | upper }}] {{ m.content.strip() }}{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n"
+    "  {% if loop.index > 6 %}{% break %}{% endif %}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
+)
+META = (
+    "{% set roles = messages | map(attribute='role') | list %}"
+    "<meta>{{ {'turns': messages | length, 'roles': roles, 'first': messages[0]['content'][:12]} | tojson }}</meta>\n"
+    "{% for m in messages %}{% if loop.first and m.role != 'system' %}<|system|>\nYou are helpful.\n{% endif %}"
+    "<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who made the heaven and the earth?"}],
+    [{"role": "user", "content": "  Hello there  "}, {"role": "assistant", "content": "Peace be unto you."},
+     {"role": "user", "content": "Tell me of \"Moses\" — and Aaron."}],
+]
+BAD_CONVERSATION = [{"role": "wizard", "content": "abracadabra"}]
+
+PROMPTS = [
+    "In the beginning God created",
+    "And the LORD spake unto Moses, saying,",
+    "Blessed are the meek: for they shall inherit the earth. Blessed are they which do hunger and thirst after righteousness",
+]
+TOKENIZER_PROBES = ["Hello, world!", "  leading spaces\tand tabs\nnewlines", "ümlauts, émigré and 日本語", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def corpus():
+    books = ["Genesis 1:1-50:26", "Exodus 1:1-40:38", "Psalms 1:1-150:6", "Matthew 1:1-28:20"]
+    lines = []
+    for b in books:
+        out = subprocess.run(["bible", "-f", b], check=True, capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            parts = line.split(" ", 1)
+            if len(parts) == 2:
+                lines.append(parts[1])
+    return lines
+
+
+def train_tokenizer(lines, vocab_size, bos):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    if bos:
+        bos_id = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def randomize(model, std, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                # Norm weights of exactly 1 would hide a missing multiply.
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def old_spelling(config_path, rope_scaling=None):
+    """Rewrites a transformers-5 config.json into the spelling most hub checkpoints still use."""
+    cfg = json.load(open(config_path))
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp["rope_theta"]
+    cfg["rope_scaling"] = rope_scaling
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    json.dump(cfg, open(config_path, "w"), indent=2, sort_keys=True)
+
+
+def margins(logits):
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
+         extra_eos=None, prompts=PROMPTS):
+    d = os.path.join(OUT, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    for attempt in range(20):
+        torch.manual_seed(seed + attempt)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        randomize(model, std, seed + attempt)
+        model = model.to(dtype)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        model.save_pretrained(d, max_shard_size=shard) if shard else model.save_pretrained(d)
+        if old is not None:
+            old_spelling(os.path.join(d, "config.json"), old.get("rope_scaling"))
+        if extra_eos is not None:
+            json.dump({"eos_token_id": extra_eos, "do_sample": False}, open(os.path.join(d, "generation_config.json"), "w"), indent=2)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|im_end|>",
+                                       unk_token=None, chat_template=template)
+        fast.save_pretrained(d)
+        if template_in_config:
+            # The older layout: the template inside tokenizer_config.json.
+            tc_path = os.path.join(d, "tokenizer_config.json")
+            tc = json.load(open(tc_path))
+            tc["chat_template"] = template
+            json.dump(tc, open(tc_path, "w"), indent=2)
+            os.remove(os.path.join(d, "chat_template.jinja"))
+        ok, record, tensors = oracle(d, prompts)
+        if ok:
+            break
+        print(f"{name}: seed {seed + attempt} gives EOS or a near-tie on a greedy path; trying the next", file=sys.stderr)
+    else:
+        raise SystemExit(f"{name}: no seed without EOS/near-ties in 20 tries")
+    json.dump(record, open(os.path.join(d, "oracle.json"), "w"), indent=1, ensure_ascii=False)
+    save_file(tensors, os.path.join(d, "oracle.safetensors"))
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    print(f"{name}: {size / 1e6:.2f} MB, seed {seed + attempt}")
+
+
+def oracle(d, prompts):
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(d)
+    gen_eos = model.generation_config.eos_token_id
+    eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    record = {"transformers": __import__("transformers").__version__, "torch": torch.__version__,
+              "near_tie": NEAR_TIE, "eos_ids": sorted(eos), "prompts": [], "chat": [], "tokenizer": []}
+    tensors = {}
+    ok = True
+    for i, text in enumerate(prompts):
+        ids = tok(text)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            greedy = out[0, len(ids):].tolist()
+            full = ids + greedy
+            logits = model(torch.tensor([full])).logits[0].float()
+        m = margins(logits)
+        # The greedy path must be free of EOS and near-ties, so that an exact implementation
+        # reproduces it token for token.
+        path = m[len(ids) - 1: len(full) - 1]
+        if any(t in eos for t in greedy) or min(path) < 10 * NEAR_TIE:
+            ok = False
+        if logits.argmax(-1)[len(ids) - 1:-1].tolist() != greedy:
+            ok = False  # cached generate and a single full pass disagree: treat as a near-tie
+        tensors[f"logits.{i}"] = logits.contiguous()
+        record["prompts"].append({
+            "text": text, "ids": ids, "greedy": greedy, "greedy_text": tok.decode(greedy),
+            "argmax": logits.argmax(-1).tolist(), "margin": m,
+            "logprobs": torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(full[1:])[:, None])[:, 0].tolist(),
+        })
+    for conv in CONVERSATIONS:
+        for agp in (True, False):
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=agp, return_dict=False)
+            record["chat"].append({"messages": conv, "add_generation_prompt": agp, "text": text, "ids": list(ids)})
+    try:
+        tok.apply_chat_template(BAD_CONVERSATION, tokenize=False)
+        record["chat_error"] = None
+    except Exception as e:  # the template's raise_exception, if it has one
+        record["chat_error"] = {"messages": BAD_CONVERSATION, "message": str(e)}
+    for probe in TOKENIZER_PROBES:
+        ids = tok(probe)["input_ids"]
+        record["tokenizer"].append({"text": probe, "ids": ids, "ids_no_special": tok(probe, add_special_tokens=False)["input_ids"],
+                                    "decoded": tok.decode(ids), "decoded_skip_special": tok.decode(ids, skip_special_tokens=True)})
+    return ok, record, tensors
+
+
+def main():
+    lines = corpus()
+    tok_plain = train_tokenizer(lines, 512, bos=False)
+    tok_bos = train_tokenizer(lines, 640, bos=True)
+    end, im_end = tok_plain.token_to_id("<|endoftext|>"), tok_plain.token_to_id("<|im_end|>")
+
+    # OLMoE: MHA with QK-norm over the full projection, clip_qkv that bites, no top-k renorm,
+    # a hidden size that is not a power of two, bf16 weights, transformers-5 config spelling.
+    make("olmoe", OlmoeConfig(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=96, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+        num_experts=12, num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=1.5,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dtype=torch.bfloat16, std=0.25, seed=100, tokenizer=tok_plain, template=META, template_in_config=False)
+
+    # Qwen3-MoE: GQA, explicit head_dim (32, not 64/4), per-head QK-norm, a dense layer among MoE
+    # layers (mlp_only_layers and decoder_sparse_step), top-k renorm, tied embeddings, f32, older
+    # config spelling with llama3 rope scaling, sharded safetensors with an index.
+    make("qwen3_moe", Qwen3MoeConfig(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=[end, im_end], pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+        dtype=torch.float32, std=0.25, seed=200, tokenizer=tok_plain, template=CHATML, template_in_config=True,
+        old={"rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 32}},
+        shard="150KB")
+
+    # Mixtral: GQA, a sliding window shorter than the longest prompt, f16 weights, a BOS-adding
+    # tokenizer, linear rope scaling in the older spelling, extra stop ids in generation_config.
+    make("mixtral", MixtralConfig(
+        vocab_size=tok_bos.get_vocab_size(), hidden_size=80, intermediate_size=56, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=12, tie_word_embeddings=False,
+        bos_token_id=tok_bos.token_to_id("<s>"), eos_token_id=tok_bos.token_to_id("</s>"), pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dtype=torch.float16, std=0.25, seed=300, tokenizer=tok_bos, template=BRACKETS, template_in_config=False,
+        old={"rope_scaling": {"type": "linear", "factor": 2.0}},
+        extra_eos=[tok_bos.token_to_id("</s>"), tok_bos.token_to_id("<|im_end|>")])
+
+
+if __name__ == "__main__":
+    main()
