@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JValue};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::LoadError;
@@ -20,7 +20,7 @@ use crate::spec::read_json_file;
 const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
 const MAX_TOKENIZER_CONFIG_BYTES: u64 = 32 << 20;
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Message {
     pub role: String,
     pub content: String,

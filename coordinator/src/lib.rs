@@ -1,1 +1,16 @@
-//! x
+//! shimmer-coordinator: owns requests.
+//!
+//! Owns: the dense forward pass of each model family (`model/`, one file per family), the KV
+//! cache, sampling and stopping, the single-box engine, and the `shimmer` command line. Routed
+//! experts are reached only through `shimmer_worker::ExpertDispatch`.
+//!
+//! Must never: read or compute a routed expert directly, change routing because of where an
+//! expert lives, or let a client's input reach a panic: bad input is an `EngineError` naming it.
+
+pub mod cli;
+pub mod engine;
+pub mod kv_cache;
+pub mod model;
+pub mod sampling;
+
+pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

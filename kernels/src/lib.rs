@@ -1,1 +1,22 @@
-//! x
+//! shimmer-kernels: the math, and nothing but the math.
+//!
+//! Owns: matrix-vector and matrix-matrix products over f32/bf16/f16 weights, RMSNorm, softmax,
+//! SiLU, rotary embedding application, attention over a KV slice, and the fixed-point row
+//! accumulator that makes expert sums independent of where and in what order they were formed.
+//!
+//! Invariants:
+//! - Every kernel has a plain scalar reference (`reference` module) and a test against it.
+//! - Batch invariance: a row's result is bit-identical whether it is computed alone or in a batch
+//!   with any other rows (each row is computed by the same code with the same summation order).
+//!
+//! Must never: know a model family or a tensor name, read files, allocate on a per-row basis in
+//! the hot loops beyond the output buffers the caller hands in.
+
+pub mod attention;
+pub mod fixed;
+pub mod matrix;
+pub mod ops;
+pub mod reference;
+
+pub use fixed::{FixedPointOverflow, FIXED_SCALE};
+pub use matrix::{Matrix, WeightData};

@@ -1,1 +1,134 @@
-//! x
+//! shimmer-tests: end-to-end tests over the real binary and committed fixtures.
+//!
+//! Owns: helpers to find fixtures and the `shimmer` binary, read oracle records, and corrupt
+//! copies of checkpoints for bad-input tests. Tests live in `tests/`.
+//!
+//! Must never: need Python or a network at test time (fixtures are committed; see
+//! `oracle/README.md` for how they are made), or weaken an assertion to make a test pass.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde::Deserialize;
+
+pub const FAMILIES: [&str; 3] = ["olmoe", "qwen3_moe", "mixtral"];
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct OraclePrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub greedy_text: String,
+    pub argmax: Vec<u32>,
+    pub margin: Vec<f32>,
+    pub logprobs: Vec<f32>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct OracleChat {
+    pub messages: Vec<shimmer_common::chat_template::Message>,
+    pub add_generation_prompt: bool,
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct OracleChatError {
+    pub messages: Vec<shimmer_common::chat_template::Message>,
+    pub message: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct OracleTokenizer {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub ids_no_special: Vec<u32>,
+    pub decoded: String,
+    pub decoded_skip_special: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Oracle {
+    pub near_tie: f32,
+    pub eos_ids: Vec<u32>,
+    pub prompts: Vec<OraclePrompt>,
+    pub chat: Vec<OracleChat>,
+    pub chat_error: Option<OracleChatError>,
+    pub tokenizer: Vec<OracleTokenizer>,
+}
+
+pub fn oracle(name: &str) -> Oracle {
+    let path = fixture(name).join("oracle.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The teacher-forced logits transformers computed for prompt `i` (`[T, vocab]`, row-major).
+pub fn oracle_logits(name: &str, i: usize) -> (Vec<f32>, usize) {
+    let path = fixture(name).join("oracle.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("oracle.safetensors parses");
+    let t = st.tensor(&format!("logits.{i}")).expect("logits tensor");
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    let vocab = t.shape()[1];
+    let data = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    (data, vocab)
+}
+
+/// The `shimmer` binary of this build (target/<profile>/shimmer, next to the test's deps dir).
+pub fn shimmer_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let bin = dir.join(format!("shimmer{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.exists(), "{} is missing: build it first (`cargo build -p shimmer-coordinator`; the README's test command does)", bin.display());
+    bin
+}
+
+pub fn shimmer(args: &[&str]) -> Output {
+    Command::new(shimmer_bin()).args(args).env_remove("SHIMMER_LOG").output().expect("run shimmer")
+}
+
+/// Copies a fixture into a fresh temporary directory that the caller may corrupt.
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    dir
+}
+
+/// Rewrites a safetensors file's JSON header with `edit`, keeping the data bytes as they are.
+pub fn edit_safetensors_header(path: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let bytes = std::fs::read(path).expect("read safetensors");
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).expect("header json");
+    edit(&mut header);
+    let mut text = serde_json::to_string(&header).expect("serialise");
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(path, out).expect("write safetensors");
+}
+
+/// Asserts a failed run: non-zero exit, one `error:` line on stderr mentioning every `needles`,
+/// and no panic.
+pub fn assert_clean_failure(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    assert_eq!(out.status.code(), Some(1), "exit code; stderr: {stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for n in needles {
+        assert!(lines[0].contains(n), "error line does not mention `{n}`: {stderr}");
+    }
+}

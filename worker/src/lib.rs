@@ -1,1 +1,15 @@
-//! x
+//! shimmer-worker: owns experts.
+//!
+//! Owns: expert weights and their SwiGLU FFN, and the `ExpertDispatch` contract through which the
+//! coordinator's dense forward hands each MoE layer's rows and (expert, weight) selections to
+//! whoever holds the experts. This crate implements the in-process dispatcher; the tiered store
+//! (RAM/NVMe), prefetch and the QUIC server build on the same contract.
+//!
+//! Must never: route (the selections arrive decided), skip, substitute or re-weight an expert,
+//! or know a model family: tensor names come from the spec's templates.
+
+pub mod dispatch;
+pub mod expert;
+
+pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
+pub use expert::Expert;

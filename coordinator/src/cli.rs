@@ -1,0 +1,274 @@
+//! The `shimmer` command line: `generate`, `score`, `chat`. Flags are a contract scripts rely on
+//! (docs/cli.md); output with `--json` is exactly one JSON object on stdout.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use shimmer_common::chat_template::Message;
+
+use crate::engine::{Engine, GenerateOptions};
+use crate::sampling::SamplingParams;
+
+#[derive(Parser)]
+#[command(name = "shimmer", version, about = "Run Mixture-of-Experts language models whose experts do not fit in fast memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt, streaming text to stdout.
+    Generate(GenerateArgs),
+    /// Teacher-force a token sequence: argmax and log-probability at every position.
+    Score(ScoreArgs),
+    /// A streaming terminal chat (multi-turn; /reset clears; Ctrl-C stops an answer).
+    Chat(ChatArgs),
+}
+
+#[derive(Args)]
+struct SamplingArgs {
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Drop tokens less likely than P times the most likely one.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalise tokens already in the context (1.0: off).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Seed for sampling; the same seed gives the same output.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the output contains this string (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    fn params(&self, default_temperature: f32, default_top_p: f32) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(default_temperature),
+            top_p: self.top_p.unwrap_or(default_top_p),
+            top_k: self.top_k.unwrap_or(0),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// A Hugging Face checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// The prompt text.
+    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// The prompt as token ids, used exactly as given: 1,2,3
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt as one user message with the model's chat template.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// The token ids to score: 1,2,3
+    #[arg(long, value_delimiter = ',', required = true)]
+    ids: Vec<u32>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+pub fn run() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHIMMER_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
+    match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Score(a) => score(a),
+        Command::Chat(a) => chat(a),
+    }
+}
+
+fn load(dir: &std::path::Path) -> Result<Engine> {
+    Engine::load(dir).with_context(|| format!("cannot load model {}", dir.display()))
+}
+
+fn generate(a: GenerateArgs) -> Result<ExitCode> {
+    let engine = load(&a.model)?;
+    let prompt_ids = match (&a.prompt, &a.prompt_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(text), None) if a.chat => engine.encode_chat(&[Message::new("user", text)])?,
+        (Some(text), None) => engine.encode_prompt(text)?,
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let opts = GenerateOptions { max_tokens: a.max_tokens, sampling: a.sampling.params(0.0, 1.0), stop: a.sampling.stop.clone() };
+    let mut session = engine.new_session();
+    let mut stdout = std::io::stdout().lock();
+    let json_mode = a.json;
+    let gen = engine.generate(&mut session, &prompt_ids, &opts, |piece| {
+        if !json_mode {
+            // A closed stdout (e.g. `| head`) ends generation instead of failing it.
+            return stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_ok();
+        }
+        true
+    })?;
+    let decode_tok_s = if gen.decode_ms > 0.0 { gen.decode_tokens as f64 / (gen.decode_ms / 1e3) } else { 0.0 };
+    if a.json {
+        let out = json!({
+            "prompt_ids": prompt_ids,
+            "output_ids": gen.output_ids,
+            "text": gen.text,
+            "finish_reason": gen.finish_reason.as_str(),
+            "timings": {"load_ms": round2(engine.load_ms), "prefill_ms": round2(gen.prefill_ms), "decode_tok_s": round2(decode_tok_s)},
+        });
+        writeln!(stdout, "{out}")?;
+    } else {
+        let _ = writeln!(stdout);
+        eprintln!(
+            "[{} tokens, {}; load {:.0} ms, prefill {:.1} ms, decode {:.1} tok/s]",
+            gen.output_ids.len(),
+            gen.finish_reason.as_str(),
+            engine.load_ms,
+            gen.prefill_ms,
+            decode_tok_s
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn score(a: ScoreArgs) -> Result<ExitCode> {
+    let engine = load(&a.model)?;
+    let s = engine.score(&a.ids)?;
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        writeln!(stdout, "{}", json!({"argmax": s.argmax, "logprobs": s.logprobs}))?;
+    } else {
+        writeln!(stdout, "pos\tid\targmax\tlogprob(next)")?;
+        for (i, id) in a.ids.iter().enumerate() {
+            let lp = s.logprobs.get(i).map_or(String::from("-"), |l| format!("{l:.4}"));
+            writeln!(stdout, "{i}\t{id}\t{}\t{lp}", s.argmax[i])?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn chat(a: ChatArgs) -> Result<ExitCode> {
+    let Some(dir) = a.model.clone() else {
+        bail!("--model DIR is required until the bundled demo model ships");
+    };
+    let engine = load(&dir)?;
+    if engine.chat.template.is_none() {
+        bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
+    }
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let generating = Arc::new(AtomicBool::new(false));
+    {
+        let (interrupted, generating) = (interrupted.clone(), generating.clone());
+        ctrlc::set_handler(move || {
+            if generating.load(Ordering::SeqCst) {
+                interrupted.store(true, Ordering::SeqCst);
+            } else {
+                // At the prompt, Ctrl-C leaves, as in other terminal chats.
+                println!();
+                std::process::exit(130);
+            }
+        })
+        .context("cannot install the Ctrl-C handler")?;
+    }
+    let opts = GenerateOptions { max_tokens: a.max_tokens, sampling: a.sampling.params(0.7, 0.9), stop: a.sampling.stop.clone() };
+    eprintln!("shimmer chat · {} · /reset clears the conversation, Ctrl-C stops an answer, Ctrl-D leaves", dir.display());
+    let mut session = engine.new_session();
+    let mut messages: Vec<Message> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    let mut line = String::new();
+    loop {
+        print!("› ");
+        stdout.flush()?;
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            println!();
+            return Ok(ExitCode::SUCCESS);
+        }
+        let input = line.trim();
+        match input {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(ExitCode::SUCCESS),
+            "/reset" => {
+                messages.clear();
+                session = engine.new_session();
+                println!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message::new("user", input));
+        let ids = match engine.encode_chat(&messages) {
+            Ok(ids) => ids,
+            Err(e) => {
+                messages.pop();
+                eprintln!("error: {e}");
+                continue;
+            }
+        };
+        interrupted.store(false, Ordering::SeqCst);
+        generating.store(true, Ordering::SeqCst);
+        let result = engine.generate(&mut session, &ids, &opts, |piece| {
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+            !interrupted.load(Ordering::SeqCst)
+        });
+        generating.store(false, Ordering::SeqCst);
+        println!();
+        match result {
+            Ok(gen) => messages.push(Message::new("assistant", &gen.text)),
+            Err(e) => {
+                messages.pop();
+                eprintln!("error: {e} (use /reset to start over)");
+            }
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! The single-box engine: a loaded model (spec, tokenizer, chat template, dense decoder, the
+//! in-process expert dispatcher) and the operations the CLI and, later, the API offer on it:
+//! scoring, and generation that streams text and stops on EOS ids, stop strings or length.
+
+use std::path::Path;
+use std::time::Instant;
+
+use shimmer_common::chat_template::{ChatConfig, Message};
+use shimmer_common::tokenizer::Tokenizer;
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_worker::{ExpertDispatch, InProcessExperts};
+
+use crate::kv_cache::KvCache;
+use crate::model::{load_dense, Decoder, ForwardError, Logits};
+use crate::sampling::{argmax, Sampler, SamplingParams};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error("{0}")]
+    Input(String),
+}
+
+pub struct Engine {
+    pub spec: ModelSpec,
+    pub tokenizer: Tokenizer,
+    pub chat: ChatConfig,
+    decoder: Decoder,
+    experts: Box<dyn ExpertDispatch>,
+    /// Every id that ends generation: config.json's and generation_config.json's.
+    pub eos_ids: Vec<u32>,
+    pub load_ms: f64,
+}
+
+/// A conversation's KV cache and the tokens it holds, kept between turns.
+pub struct Session {
+    pub cache: KvCache,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    /// The caller asked to stop (Ctrl-C in the terminal chat).
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Every sampled token except a final EOS.
+    pub output_ids: Vec<u32>,
+    /// The decoded output, cut before the first stop string.
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// Tokens produced by decode steps (the first token comes from prefill).
+    pub decode_tokens: usize,
+}
+
+pub struct Score {
+    pub argmax: Vec<u32>,
+    pub logprobs: Vec<f32>,
+}
+
+impl Engine {
+    pub fn load(dir: &Path) -> Result<Self, EngineError> {
+        let t0 = Instant::now();
+        if !dir.is_dir() {
+            return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory)").into());
+        }
+        let spec = ModelSpec::from_dir(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let chat = ChatConfig::from_dir(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let decoder = load_dense(&ckpt, &spec)?;
+        let experts = InProcessExperts::load(&ckpt, &spec)?;
+        let mut eos_ids = spec.eos_token_ids.clone();
+        for id in &chat.generation_eos_ids {
+            if !eos_ids.contains(id) {
+                eos_ids.push(*id);
+            }
+        }
+        if eos_ids.is_empty() {
+            // Neither config declares one: fall back to the tokenizer's eos_token, as transformers does.
+            if let Some(id) = chat.eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+                eos_ids.push(id);
+            }
+        }
+        tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
+        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3 })
+    }
+
+    pub fn new_session(&self) -> Session {
+        Session { cache: self.decoder.new_cache(), tokens: Vec::new() }
+    }
+
+    /// Prompt ids must be in the vocabulary and fit the context.
+    pub fn check_prompt(&self, ids: &[u32]) -> Result<(), EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::Input("the prompt is empty".into()));
+        }
+        if let Some(bad) = ids.iter().find(|id| **id as usize >= self.spec.vocab_size) {
+            return Err(EngineError::Input(format!("prompt id {bad} is outside the vocabulary (vocab_size {})", self.spec.vocab_size)));
+        }
+        if ids.len() > self.spec.max_position_embeddings {
+            return Err(EngineError::Input(format!(
+                "the prompt has {} tokens but the model's context is {} (max_position_embeddings)",
+                ids.len(),
+                self.spec.max_position_embeddings
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        Ok(self.tokenizer.encode(text, true)?)
+    }
+
+    /// The ids of `messages` rendered with the model's chat template, ready for generation.
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>, EngineError> {
+        let text = self.chat.render(messages, true)?;
+        // The template already wrote any BOS it wants; the tokenizer must not add another.
+        Ok(self.tokenizer.encode(&text, false)?)
+    }
+
+    /// Teacher forcing over `ids` in one pass.
+    pub fn score(&self, ids: &[u32]) -> Result<Score, EngineError> {
+        self.check_prompt(ids)?;
+        let mut cache = self.decoder.new_cache();
+        let logits = self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?;
+        let v = self.spec.vocab_size;
+        let mut argmax_ids = Vec::with_capacity(ids.len());
+        let mut logprobs = Vec::with_capacity(ids.len().saturating_sub(1));
+        for (i, row) in logits.chunks_exact(v).enumerate() {
+            argmax_ids.push(argmax(row) as u32);
+            if let Some(next) = ids.get(i + 1) {
+                logprobs.push(log_softmax_at(row, *next as usize));
+            }
+        }
+        Ok(Score { argmax: argmax_ids, logprobs })
+    }
+
+    /// Logits of every position of `ids` (teacher forcing), for tests and tools.
+    pub fn logits_all(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.check_prompt(ids)?;
+        let mut cache = self.decoder.new_cache();
+        Ok(self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?)
+    }
+
+    /// Generates after `prompt` (the whole conversation so far, not just the new part): the
+    /// session's cached prefix is reused, the rest prefilled. `on_text` receives text as it becomes
+    /// final; returning `false` from it cancels.
+    pub fn generate(
+        &self,
+        session: &mut Session,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        self.check_prompt(prompt)?;
+        opts.sampling.validate().map_err(EngineError::Input)?;
+        // Reuse the longest cached prefix, but always recompute at least the last prompt token:
+        // its logits are what the first sampled token comes from.
+        let common = session.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        session.cache.truncate(common);
+        session.tokens.truncate(common);
+
+        let t0 = Instant::now();
+        let mut logits = self.decoder.forward(&prompt[common..], &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+        session.tokens.extend_from_slice(&prompt[common..]);
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let mut stream = TextStream::new(&opts.stop);
+        let mut output = Vec::new();
+        let t1 = Instant::now();
+        let mut decode_tokens = 0;
+        let finish = loop {
+            if output.len() >= opts.max_tokens {
+                break FinishReason::Length;
+            }
+            let next = sampler.sample(&mut logits, &session.tokens);
+            if self.eos_ids.contains(&next) {
+                break FinishReason::Stop;
+            }
+            output.push(next);
+            let text = self.tokenizer.decode(&output, true)?;
+            let (fresh, stopped) = stream.push(&text);
+            if !fresh.is_empty() && !on_text(fresh) {
+                break FinishReason::Cancelled;
+            }
+            if stopped {
+                break FinishReason::Stop;
+            }
+            if session.cache.len() >= session.cache.capacity() || output.len() >= opts.max_tokens {
+                break FinishReason::Length;
+            }
+            logits = self.decoder.forward(&[next], &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+            session.tokens.push(next);
+            decode_tokens += 1;
+        };
+        let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        let rest = stream.finish();
+        if !rest.is_empty() && finish != FinishReason::Cancelled {
+            on_text(rest);
+        }
+        Ok(Generation { output_ids: output, text: stream.text, finish_reason: finish, prefill_ms, decode_ms, decode_tokens })
+    }
+}
+
+fn log_softmax_at(row: &[f32], i: usize) -> f32 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = row.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
+    (row[i] as f64 - lse) as f32
+}
+
+/// Turns the growing decoded text into final pieces: holds back an incomplete UTF-8 sequence
+/// (decoded as U+FFFD) and any tail that could still become a stop string, and cuts the text
+/// before the first stop string.
+struct TextStream<'a> {
+    stops: &'a [String],
+    /// The text emitted so far (final).
+    text: String,
+    /// The latest full decode.
+    latest: String,
+    stopped: bool,
+}
+
+impl<'a> TextStream<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        TextStream { stops, text: String::new(), latest: String::new(), stopped: false }
+    }
+
+    /// Takes the full decode of the output so far; returns the newly final text and whether a
+    /// stop string was reached.
+    fn push(&mut self, decoded: &str) -> (&str, bool) {
+        self.latest = decoded.to_string();
+        let before = self.text.len();
+        if let Some(cut) = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str())).min() {
+            if cut >= before && decoded.is_char_boundary(before) {
+                self.text.push_str(&decoded[before..cut]);
+            }
+            self.stopped = true;
+            return (&self.text[before.min(self.text.len())..], true);
+        }
+        let mut end = decoded.len();
+        if decoded.ends_with('\u{FFFD}') {
+            end -= '\u{FFFD}'.len_utf8();
+        }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let mut hold = 0;
+        for stop in self.stops {
+            for (i, _) in stop.char_indices().skip(1) {
+                if decoded[..end].ends_with(&stop[..i]) {
+                    hold = hold.max(i);
+                }
+            }
+        }
+        end -= hold;
+        if end > before && decoded.is_char_boundary(before) && decoded.is_char_boundary(end) && decoded.starts_with(self.text.as_str()) {
+            self.text.push_str(&decoded[before..end]);
+        }
+        (&self.text[before..], false)
+    }
+
+    /// Whatever was held back, once generation ends without a stop string.
+    fn finish(&mut self) -> &str {
+        let before = self.text.len();
+        if !self.stopped && self.latest.len() > before && self.latest.starts_with(self.text.as_str()) {
+            let tail = self.latest[before..].trim_end_matches('\u{FFFD}').to_string();
+            self.text.push_str(&tail);
+        }
+        &self.text[before..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextStream;
+
+    #[test]
+    fn stream_holds_back_partial_stop_strings_and_cuts_at_them() {
+        let stops = vec!["END".to_string()];
+        let mut s = TextStream::new(&stops);
+        assert_eq!(s.push("Hello E"), ("Hello ", false));
+        assert_eq!(s.push("Hello EN"), ("", false));
+        assert_eq!(s.push("Hello ENX"), ("ENX", false));
+        assert_eq!(s.push("Hello ENX and END more"), (" and ", true));
+        assert_eq!(s.text, "Hello ENX and ");
+    }
+
+    #[test]
+    fn stream_waits_for_complete_characters() {
+        let mut s = TextStream::new(&[]);
+        assert_eq!(s.push("caf\u{FFFD}"), ("caf", false));
+        assert_eq!(s.push("café"), ("é", false));
+        assert_eq!(s.push("café \u{FFFD}"), (" ", false));
+        assert_eq!(s.finish(), "");
+        assert_eq!(s.text, "café ");
+    }
+}

@@ -1,0 +1,328 @@
+//! The shared decoder-only forward pass (DESIGN.md §3), dense part only.
+//!
+//! For each layer: `h += o_proj(attention(rope(qk_norm(q, k)), v))` over the KV cache, then either
+//! `h += mlp(norm(h))` (dense layer) or the router picks each row's experts and the
+//! `ExpertDispatch` returns Σ w·FFN as fixed-point sums, which are added to `h`.
+//!
+//! All activations are f32; weights stay in their stored precision. Every row is computed by the
+//! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
+
+use shimmer_common::spec::{LayerMlp, QkNorm, RouterScoring};
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_kernels::attention::{attend, AttentionShape};
+use shimmer_kernels::{fixed, ops, Matrix};
+use shimmer_worker::{DispatchError, ExpertDispatch, MoeBatch};
+
+use super::rope::Rope;
+use crate::kv_cache::KvCache;
+
+/// Where a family keeps its dense tensors; `{L}` is the layer index.
+pub struct TensorNames {
+    pub embed: &'static str,
+    pub final_norm: &'static str,
+    pub lm_head: &'static str,
+    pub input_norm: &'static str,
+    pub post_attention_norm: &'static str,
+    pub q: &'static str,
+    pub k: &'static str,
+    pub v: &'static str,
+    pub o: &'static str,
+    pub q_norm: &'static str,
+    pub k_norm: &'static str,
+    pub mlp_gate: &'static str,
+    pub mlp_up: &'static str,
+    pub mlp_down: &'static str,
+}
+
+impl TensorNames {
+    /// The layout Llama made standard and OLMoE, Qwen3-MoE and Mixtral share.
+    pub const LLAMA: TensorNames = TensorNames {
+        embed: "model.embed_tokens.weight",
+        final_norm: "model.norm.weight",
+        lm_head: "lm_head.weight",
+        input_norm: "model.layers.{L}.input_layernorm.weight",
+        post_attention_norm: "model.layers.{L}.post_attention_layernorm.weight",
+        q: "model.layers.{L}.self_attn.q_proj",
+        k: "model.layers.{L}.self_attn.k_proj",
+        v: "model.layers.{L}.self_attn.v_proj",
+        o: "model.layers.{L}.self_attn.o_proj",
+        q_norm: "model.layers.{L}.self_attn.q_norm.weight",
+        k_norm: "model.layers.{L}.self_attn.k_norm.weight",
+        mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
+        mlp_up: "model.layers.{L}.mlp.up_proj.weight",
+        mlp_down: "model.layers.{L}.mlp.down_proj.weight",
+    };
+}
+
+struct Linear {
+    weight: Matrix,
+    bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn forward(&self, xs: &[f32], out: &mut [f32]) {
+        self.weight.matmul(xs, out);
+        if let Some(b) = &self.bias {
+            for row in out.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+    }
+}
+
+enum Mlp {
+    Dense { gate: Matrix, up: Matrix, down: Matrix },
+    Moe { router: Matrix },
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    window: Option<usize>,
+    mlp: Mlp,
+}
+
+pub struct Decoder {
+    spec: ModelSpec,
+    embed: Matrix,
+    final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Matrix>,
+    layers: Vec<Layer>,
+    rope: Rope,
+}
+
+/// Which positions' logits a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    Last,
+    All,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("expert dispatch failed: {0}")]
+    Dispatch(#[from] DispatchError),
+    #[error("the context is full: {have} positions held + {adding} new > {capacity} (max_position_embeddings)")]
+    ContextFull { have: usize, adding: usize, capacity: usize },
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+}
+
+fn name(template: &str, layer: usize) -> String {
+    template.replace("{L}", &layer.to_string())
+}
+
+fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    Ok(ckpt.get(name, &[len])?.to_f32())
+}
+
+fn matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
+}
+
+fn linear(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {
+    Ok(Linear {
+        weight: matrix(ckpt, &format!("{base}.weight"), rows, cols)?,
+        bias: if bias { Some(vector(ckpt, &format!("{base}.bias"), rows)?) } else { None },
+    })
+}
+
+impl Decoder {
+    pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, names: &TensorNames) -> Result<Self, LoadError> {
+        let (h, d) = (spec.hidden_size, spec.head_dim);
+        let (qd, kvd) = (spec.num_heads * d, spec.num_kv_heads * d);
+        let bias = spec.attention.bias;
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        for l in 0..spec.num_layers {
+            let (q_norm, k_norm) = match spec.attention.qk_norm {
+                QkNorm::None => (None, None),
+                QkNorm::PerHead => (Some(vector(ckpt, &name(names.q_norm, l), d)?), Some(vector(ckpt, &name(names.k_norm, l), d)?)),
+                QkNorm::FullProjection => (Some(vector(ckpt, &name(names.q_norm, l), qd)?), Some(vector(ckpt, &name(names.k_norm, l), kvd)?)),
+            };
+            let mlp = match spec.layers[l] {
+                LayerMlp::Dense { intermediate_size: i } => Mlp::Dense {
+                    gate: matrix(ckpt, &name(names.mlp_gate, l), i, h)?,
+                    up: matrix(ckpt, &name(names.mlp_up, l), i, h)?,
+                    down: matrix(ckpt, &name(names.mlp_down, l), h, i)?,
+                },
+                LayerMlp::Moe => Mlp::Moe { router: matrix(ckpt, &spec.expert_names.router(l), spec.moe.num_experts, h)? },
+            };
+            layers.push(Layer {
+                input_norm: vector(ckpt, &name(names.input_norm, l), h)?,
+                post_attention_norm: vector(ckpt, &name(names.post_attention_norm, l), h)?,
+                q: linear(ckpt, &name(names.q, l), qd, h, bias)?,
+                k: linear(ckpt, &name(names.k, l), kvd, h, bias)?,
+                v: linear(ckpt, &name(names.v, l), kvd, h, bias)?,
+                o: linear(ckpt, &name(names.o, l), h, qd, bias)?,
+                q_norm,
+                k_norm,
+                window: spec.attention.sliding_window[l],
+                mlp,
+            });
+        }
+        let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, names.lm_head, spec.vocab_size, h)?) };
+        Ok(Decoder {
+            embed: matrix(ckpt, names.embed, spec.vocab_size, h)?,
+            final_norm: vector(ckpt, names.final_norm, h)?,
+            lm_head,
+            layers,
+            rope: Rope::new(&spec.rope, d),
+            spec: spec.clone(),
+        })
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        let s = &self.spec;
+        KvCache::new(s.num_layers, s.num_kv_heads, s.head_dim, s.max_position_embeddings)
+    }
+
+    /// Runs `tokens` at positions `cache.len()..` and returns logits (`vocab` per returned row).
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, experts: &dyn ExpertDispatch, want: Logits) -> Result<Vec<f32>, ForwardError> {
+        let s = &self.spec;
+        let (n, hd, d) = (tokens.len(), s.hidden_size, s.head_dim);
+        let start = cache.len();
+        if start + n > cache.capacity() {
+            return Err(ForwardError::ContextFull { have: start, adding: n, capacity: cache.capacity() });
+        }
+        let mut h = vec![0.0f32; n * hd];
+        for (t, row) in tokens.iter().zip(h.chunks_exact_mut(hd)) {
+            if *t as usize >= s.vocab_size {
+                return Err(ForwardError::TokenOutOfRange { id: *t, vocab: s.vocab_size });
+            }
+            self.embed.row_f32(*t as usize, row);
+        }
+        let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
+        let mut x = vec![0.0f32; n * hd];
+        let mut q = vec![0.0f32; n * qd];
+        let mut k = vec![0.0f32; n * kvd];
+        let mut v = vec![0.0f32; n * kvd];
+        let mut attn = vec![0.0f32; n * qd];
+        let mut proj = vec![0.0f32; n * hd];
+        let mut scratch = vec![0.0f32; qd.max(kvd)];
+        let mut scores = vec![0.0f32; start + n];
+        let (mut cos, mut sin) = (vec![0.0f32; d / 2], vec![0.0f32; d / 2]);
+        let shape = AttentionShape { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: d, scale: (d as f32).powf(-0.5) };
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
+            layer.q.forward(&x, &mut q);
+            layer.k.forward(&x, &mut k);
+            layer.v.forward(&x, &mut v);
+            self.qk_norm(layer, &mut q, &mut k, &mut scratch);
+            if let Some(c) = s.attention.clip_qkv {
+                for t in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                    *t = t.clamp(-c, c);
+                }
+            }
+            for i in 0..n {
+                self.rope.cos_sin(start + i, &mut cos, &mut sin);
+                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(d).chain(k[i * kvd..(i + 1) * kvd].chunks_exact_mut(d)) {
+                    ops::rope_rotate_half(head, &cos, &sin);
+                }
+            }
+            cache.append(l, &k, &v);
+            for i in 0..n {
+                let pos = start + i;
+                // A query sees keys j with pos - j < window (itself included), as transformers' mask.
+                let lo = layer.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let (keys, values) = cache.layer(l, lo..pos + 1);
+                attend(&shape, &q[i * qd..(i + 1) * qd], keys, values, &mut scores, &mut attn[i * qd..(i + 1) * qd]);
+            }
+            layer.o.forward(&attn, &mut proj);
+            add(&mut h, &proj);
+
+            norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
+            match &layer.mlp {
+                Mlp::Dense { gate, up, down } => {
+                    let i = gate.rows;
+                    let (mut g, mut u) = (vec![0.0f32; i], vec![0.0f32; i]);
+                    for (xr, pr) in x.chunks_exact(hd).zip(proj.chunks_exact_mut(hd)) {
+                        gate.matvec(xr, &mut g);
+                        up.matvec(xr, &mut u);
+                        ops::swiglu_in_place(&mut g, &u);
+                        down.matvec(&g, pr);
+                    }
+                }
+                Mlp::Moe { router } => self.moe(l, router, &x, experts, &mut proj)?,
+            }
+            add(&mut h, &proj);
+        }
+        cache.commit(n);
+
+        let rows: Vec<usize> = match want {
+            Logits::Last => vec![n - 1],
+            Logits::All => (0..n).collect(),
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0.0f32; rows.len() * s.vocab_size];
+        for (r, out) in rows.iter().zip(logits.chunks_exact_mut(s.vocab_size)) {
+            ops::rms_norm(&h[r * hd..(r + 1) * hd], &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
+            head.matvec(&x[..hd], out);
+        }
+        Ok(logits)
+    }
+
+    fn qk_norm(&self, layer: &Layer, q: &mut [f32], k: &mut [f32], scratch: &mut [f32]) {
+        let eps = self.spec.rms_norm_eps;
+        // Per-head norms have head_dim-long weights; full-projection norms span the whole row, so
+        // the same chunked kernel covers both.
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            ops::rms_norm_chunks(q, qn, eps, scratch);
+            ops::rms_norm_chunks(k, kn, eps, scratch);
+        }
+    }
+
+    fn moe(&self, layer: usize, router: &Matrix, x: &[f32], experts: &dyn ExpertDispatch, out: &mut [f32]) -> Result<(), ForwardError> {
+        let s = &self.spec;
+        let (hd, k) = (s.hidden_size, s.moe.top_k);
+        let n = x.len() / hd;
+        let mut probs = vec![0.0f32; s.moe.num_experts];
+        let mut ids = Vec::with_capacity(n * k);
+        let mut weights = Vec::with_capacity(n * k);
+        for xr in x.chunks_exact(hd) {
+            router.matvec(xr, &mut probs);
+            let RouterScoring::SoftmaxTopK { norm_topk_prob } = s.moe.scoring;
+            ops::softmax_in_place(&mut probs);
+            let top = top_k(&probs, k);
+            let sum: f32 = top.iter().map(|&e| probs[e]).sum();
+            for &e in &top {
+                ids.push(e as u32);
+                weights.push(if norm_topk_prob { probs[e] / sum } else { probs[e] });
+            }
+        }
+        let mut acc = vec![0i64; n * hd];
+        experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
+        fixed::to_f32(&acc, out);
+        Ok(())
+    }
+}
+
+/// Indices of the `k` largest values, largest first; equal values keep index order.
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|a, b| values[*b].total_cmp(&values[*a]).then(a.cmp(b)));
+    idx.truncate(k);
+    idx
+}
+
+fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let w = weight.len();
+    for (hr, xr) in h.chunks_exact(w).zip(out.chunks_exact_mut(w)) {
+        ops::rms_norm(hr, weight, eps, xr);
+    }
+}
+
+fn add(h: &mut [f32], y: &[f32]) {
+    h.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}

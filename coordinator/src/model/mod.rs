@@ -1,0 +1,26 @@
+//! Model families' dense forward passes.
+//!
+//! `decoder.rs` is the one shared mechanism for decoder-only transformers with GQA attention
+//! (optional QK-norm, clip, bias, sliding window), RMSNorm, RoPE, dense SwiGLU MLPs and softmax
+//! top-k routers; a fix there reaches every family. Each family file only says where its tensors
+//! live and which options it uses. Routed experts never pass through here: the decoder hands
+//! each MoE layer's rows and selections to an `ExpertDispatch`.
+
+pub mod decoder;
+pub mod mixtral;
+pub mod olmoe;
+pub mod qwen3_moe;
+pub mod rope;
+
+use shimmer_common::{Checkpoint, Family, LoadError, ModelSpec};
+
+pub use decoder::{Decoder, ForwardError, Logits};
+
+/// Loads the dense part of the model the spec describes.
+pub fn load_dense(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Decoder, LoadError> {
+    match spec.family {
+        Family::Olmoe => olmoe::load(ckpt, spec),
+        Family::Qwen3Moe => qwen3_moe::load(ckpt, spec),
+        Family::Mixtral => mixtral::load(ckpt, spec),
+    }
+}

@@ -1,0 +1,80 @@
+//! Fixed-point accumulation of weighted expert outputs (DESIGN.md §1).
+//!
+//! Each row's Σ wₑ·FFNₑ(x) is summed as i64 at a scale of 2⁻³²: integer addition is associative,
+//! so partial sums formed on different workers, in any order, merge into the same bit pattern as
+//! one box summing everything. |value| must stay below 2³¹; beyond that the sum is refused rather
+//! than saturated, because a clamped hidden state would silently be a different model.
+
+/// Units per 1.0.
+pub const FIXED_SCALE: f64 = 4294967296.0; // 2^32
+const LIMIT: f64 = 2147483648.0; // 2^31: |acc| stays < 2^63 even after adding many terms
+
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("expert output {value} is outside the fixed-point accumulator's range (|x| < 2^31)")]
+pub struct FixedPointOverflow {
+    pub value: f32,
+}
+
+/// `acc[i] += round(y[i] · 2³²)`, where the caller has already formed y = w·FFN(x) in f32.
+pub fn accumulate(acc: &mut [i64], y: &[f32]) -> Result<(), FixedPointOverflow> {
+    for (a, v) in acc.iter_mut().zip(y) {
+        let f = *v as f64;
+        if !(f.abs() < LIMIT) {
+            return Err(FixedPointOverflow { value: *v });
+        }
+        *a = a.wrapping_add((f * FIXED_SCALE).round() as i64);
+    }
+    Ok(())
+}
+
+/// Adds another partial sum (e.g. one worker's) into `acc`.
+pub fn merge(acc: &mut [i64], other: &[i64]) {
+    for (a, b) in acc.iter_mut().zip(other) {
+        *a = a.wrapping_add(*b);
+    }
+}
+
+pub fn to_f32(acc: &[i64], out: &mut [f32]) {
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = (*a as f64 / FIXED_SCALE) as f32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn order_and_grouping_do_not_change_the_sum() {
+        let terms: Vec<Vec<f32>> = (0..8).map(|e| (0..16).map(|i| ((e * 16 + i) as f32).sin() * 10f32.powi(e as i32 % 4 - 2)).collect()).collect();
+        let mut one_box = vec![0i64; 16];
+        for t in &terms {
+            accumulate(&mut one_box, t).unwrap();
+        }
+        // "worker A" takes the odd experts in reverse, "worker B" the even ones; merge B then A.
+        let (mut a, mut b) = (vec![0i64; 16], vec![0i64; 16]);
+        for t in terms.iter().skip(1).step_by(2).rev() {
+            accumulate(&mut a, t).unwrap();
+        }
+        for t in terms.iter().step_by(2) {
+            accumulate(&mut b, t).unwrap();
+        }
+        let mut merged = vec![0i64; 16];
+        merge(&mut merged, &b);
+        merge(&mut merged, &a);
+        assert_eq!(merged, one_box);
+        let mut out = vec![0.0f32; 16];
+        to_f32(&one_box, &mut out);
+        for i in 0..16 {
+            let exact: f64 = terms.iter().map(|t| t[i] as f64).sum();
+            assert!((out[i] as f64 - exact).abs() < 1e-6 * exact.abs().max(1.0));
+        }
+    }
+
+    #[test]
+    fn out_of_range_values_are_refused_not_clamped() {
+        let mut acc = vec![0i64; 2];
+        assert!(accumulate(&mut acc, &[1.0, 3.0e9]).is_err());
+        assert!(accumulate(&mut acc, &[f32::NAN, 0.0]).is_err());
+    }
+}

@@ -1,0 +1,188 @@
+//! Weight matrices (row-major, `rows × cols`, as a `nn.Linear` weight stores them) and their
+//! products with activation rows. Weights stay in their stored precision and are widened to f32
+//! inside the dot product; activations and accumulation are f32.
+//!
+//! Summation order inside a dot product is fixed (eight interleaved partial sums, then a fixed
+//! tree), so results do not depend on threads or on which other rows share a call.
+
+use rayon::prelude::*;
+use shimmer_common::{DType, TensorView};
+
+/// Work below this many multiply-adds stays on the calling thread: rayon's fan-out costs more.
+const PARALLEL_MIN_WORK: usize = 1 << 16;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+    /// IEEE half bit patterns.
+    F16(Vec<u16>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+impl Matrix {
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(data.len(), rows * cols, "matrix data does not match its shape");
+        Matrix { rows, cols, data: WeightData::F32(data) }
+    }
+
+    /// Copies a 2-D checkpoint tensor, keeping its precision.
+    pub fn from_view(view: &TensorView<'_>) -> Self {
+        let (rows, cols) = match view.shape {
+            [r, c] => (*r, *c),
+            [n] => (1, *n),
+            _ => (1, view.len()),
+        };
+        let data = match view.dtype {
+            DType::F32 => WeightData::F32(view.to_f32()),
+            DType::Bf16 => WeightData::Bf16(view.to_u16()),
+            DType::F16 => WeightData::F16(view.to_u16()),
+        };
+        Matrix { rows, cols, data }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::Bf16(v) | WeightData::F16(v) => v.len() * 2,
+        }
+    }
+
+    /// Row `r` widened to f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let range = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            WeightData::F32(v) => out.copy_from_slice(&v[range]),
+            WeightData::Bf16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = bf16_to_f32(*b)),
+            WeightData::F16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = half::f16::from_bits(*b).to_f32()),
+        }
+    }
+
+    fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+        let range = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            WeightData::F32(v) => dot(&v[range], x, |w| w),
+            WeightData::Bf16(v) => dot(&v[range], x, bf16_to_f32),
+            WeightData::F16(v) => dot(&v[range], x, |b| half::f16::from_bits(b).to_f32()),
+        }
+    }
+
+    /// `out = W · x` for one activation row (`x.len() == cols`, `out.len() == rows`).
+    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        assert_eq!(x.len(), self.cols, "matvec input length");
+        assert_eq!(out.len(), self.rows, "matvec output length");
+        if self.rows * self.cols >= PARALLEL_MIN_WORK {
+            let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+                for (i, slot) in o.iter_mut().enumerate() {
+                    *slot = self.dot_row(c * chunk + i, x);
+                }
+            });
+        } else {
+            for (r, slot) in out.iter_mut().enumerate() {
+                *slot = self.dot_row(r, x);
+            }
+        }
+    }
+
+    /// `out[i] = W · xs[i]` for `n` rows laid out back to back. Each row goes through `matvec`,
+    /// so its result is the same whatever else is in the batch.
+    pub fn matmul(&self, xs: &[f32], out: &mut [f32]) {
+        let n = xs.len() / self.cols;
+        assert_eq!(xs.len(), n * self.cols, "matmul input is not whole rows");
+        assert_eq!(out.len(), n * self.rows, "matmul output length");
+        for (x, o) in xs.chunks_exact(self.cols).zip(out.chunks_exact_mut(self.rows)) {
+            self.matvec(x, o);
+        }
+    }
+}
+
+#[inline]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Dot product with eight interleaved f32 partial sums combined in a fixed tree; the compiler
+/// vectorises the inner loop, and the order is the same for every call.
+#[inline]
+fn dot<W: Copy>(w: &[W], x: &[f32], widen: impl Fn(W) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = w.len() / 8;
+    for c in 0..chunks {
+        let wb = &w[c * 8..c * 8 + 8];
+        let xb = &x[c * 8..c * 8 + 8];
+        for j in 0..8 {
+            acc[j] += widen(wb[j]) * xb[j];
+        }
+    }
+    let mut tail = 0.0f32;
+    for i in chunks * 8..w.len() {
+        tail += widen(w[i]) * x[i];
+    }
+    let s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    s + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn random(rows: usize, cols: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let mut s = seed;
+        let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+        let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 3.0).collect();
+        (w, x)
+    }
+
+    #[test]
+    fn matvec_matches_scalar_reference_on_awkward_shapes() {
+        for &(rows, cols) in &[(1, 1), (1, 7), (3, 8), (5, 9), (17, 33), (64, 96), (300, 257), (2, 4099)] {
+            let (w, x) = random(rows, cols, (rows * 31 + cols) as u64);
+            for dtype in ["f32", "bf16", "f16"] {
+                let m = match dtype {
+                    "f32" => Matrix::from_f32(rows, cols, w.clone()),
+                    "bf16" => Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) },
+                    _ => Matrix { rows, cols, data: WeightData::F16(w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect()) },
+                };
+                let widened: Vec<f32> = (0..rows).flat_map(|r| { let mut o = vec![0.0; cols]; m.row_f32(r, &mut o); o }).collect();
+                let want = reference::matvec(&widened, rows, cols, &x);
+                let mut got = vec![0.0; rows];
+                m.matvec(&x, &mut got);
+                for (g, w) in got.iter().zip(&want) {
+                    // f32 accumulation against an f64 reference: error grows like sqrt(cols)·ulp·|terms|.
+                    let tol = 1e-5 * (cols as f32).sqrt() * 3.0 * 4.0;
+                    assert!((g - w).abs() <= tol, "{dtype} {rows}x{cols}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_batch_invariant() {
+        let (rows, cols) = (300, 257);
+        let (w, _) = random(rows, cols, 7);
+        let m = Matrix::from_f32(rows, cols, w);
+        let mut s = 99u64;
+        let xs: Vec<f32> = (0..5 * cols).map(|_| lcg(&mut s)).collect();
+        let mut batch = vec![0.0; 5 * rows];
+        m.matmul(&xs, &mut batch);
+        for i in 0..5 {
+            let mut alone = vec![0.0; rows];
+            m.matvec(&xs[i * cols..(i + 1) * cols], &mut alone);
+            assert_eq!(alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), batch[i * rows..(i + 1) * rows].iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+}

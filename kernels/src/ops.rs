@@ -1,0 +1,90 @@
+//! Row-wise elementwise kernels: RMSNorm, softmax, SiLU gating, rotary embedding.
+
+/// `out = weight ⊙ x / sqrt(mean(x²) + eps)`, as transformers' RMSNorm computes it in f32.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = w * (v * inv);
+    }
+}
+
+/// In-place RMSNorm of each `width`-long chunk of `x` with the same weight (per-head QK-norm).
+pub fn rms_norm_chunks(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
+    let width = weight.len();
+    for chunk in x.chunks_exact_mut(width) {
+        rms_norm(chunk, weight, eps, &mut scratch[..width]);
+        chunk.copy_from_slice(&scratch[..width]);
+    }
+}
+
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `gate = silu(gate) ⊙ up`, in place (SwiGLU).
+pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
+
+/// Rotary embedding, "rotate half" layout: for i < d/2, (x[i], x[i+d/2]) rotates by the angle
+/// whose cos/sin are `cos[i]`, `sin[i]`.
+pub fn rope_rotate_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference;
+
+    #[test]
+    fn rms_norm_and_softmax_match_reference() {
+        let x: Vec<f32> = (0..37).map(|i| ((i * 7919) % 23) as f32 - 11.0).collect();
+        let w: Vec<f32> = (0..37).map(|i| 0.5 + i as f32 / 37.0).collect();
+        let mut out = vec![0.0; 37];
+        rms_norm(&x, &w, 1e-6, &mut out);
+        for (a, b) in out.iter().zip(reference::rms_norm(&x, &w, 1e-6)) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        let mut s = x.clone();
+        softmax_in_place(&mut s);
+        for (a, b) in s.iter().zip(reference::softmax(&x)) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        for v in [-20.0f32, -1.0, 0.0, 0.5, 30.0] {
+            assert!((silu(v) - reference::silu(v)).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn rope_is_a_rotation() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        let (c, s) = (0.6f32, 0.8f32);
+        rope_rotate_half(&mut x, &[c, 1.0], &[s, 0.0]);
+        assert!((x[0] - (1.0 * c - 3.0 * s)).abs() < 1e-6);
+        assert!((x[2] - (3.0 * c + 1.0 * s)).abs() < 1e-6);
+        assert_eq!((x[1], x[3]), (2.0, 4.0));
+        let norm: f32 = x.iter().map(|v| v * v).sum();
+        assert!((norm - 30.0).abs() < 1e-4);
+    }
+}

@@ -1,0 +1,126 @@
+//! The expert-dispatch contract and its in-process implementation.
+//!
+//! A `MoeBatch` carries, for one MoE layer, `n` rows of the normalised hidden state and for each
+//! row its `top_k` (expert, weight) pairs exactly as the router chose them. The dispatcher adds
+//! Σ weight·FFN_expert(row) for each row into fixed-point accumulators (`shimmer_kernels::fixed`),
+//! so sums from several dispatchers, formed in any order, merge bit-identically.
+//!
+//! Each expert is applied once per batch, to every row that selected it (the union of experts).
+
+use rayon::prelude::*;
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_common::spec::LayerMlp;
+use shimmer_kernels::{fixed, FixedPointOverflow, Matrix};
+
+use crate::expert::{Expert, FfnScratch};
+
+pub struct MoeBatch<'a> {
+    pub layer: usize,
+    pub hidden: usize,
+    /// `n × hidden`, row-major.
+    pub rows: &'a [f32],
+    pub top_k: usize,
+    /// `n × top_k` expert ids.
+    pub experts: &'a [u32],
+    /// `n × top_k` routing weights, already normalised as the model defines.
+    pub weights: &'a [f32],
+}
+
+impl MoeBatch<'_> {
+    pub fn num_rows(&self) -> usize {
+        self.rows.len() / self.hidden
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("layer {layer} has no routed experts here")]
+    NotMoeLayer { layer: usize },
+    #[error("layer {layer}: expert {expert} does not exist (the layer has {count})")]
+    NoSuchExpert { layer: usize, expert: u32, count: usize },
+    #[error("layer {layer}: {source}")]
+    Overflow {
+        layer: usize,
+        #[source]
+        source: FixedPointOverflow,
+    },
+}
+
+/// Whoever holds the experts: in-process now, QUIC workers later.
+pub trait ExpertDispatch: Send + Sync {
+    /// Adds each row's weighted expert sum into `acc` (`n × hidden` fixed-point units).
+    fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError>;
+}
+
+/// Every expert of every MoE layer, in this process's memory.
+pub struct InProcessExperts {
+    /// Indexed by layer; `None` for dense layers.
+    layers: Vec<Option<Vec<Expert>>>,
+}
+
+impl InProcessExperts {
+    /// Loads every routed expert named by the spec's templates, checking each tensor's shape.
+    pub fn load(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Self, LoadError> {
+        let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        for (l, kind) in spec.layers.iter().enumerate() {
+            if *kind != LayerMlp::Moe {
+                layers.push(None);
+                continue;
+            }
+            let mut experts = Vec::with_capacity(spec.moe.num_experts);
+            for e in 0..spec.moe.num_experts {
+                let [g, u, d] = spec.expert_names.expert(l, e);
+                experts.push(Expert {
+                    gate: Matrix::from_view(&ckpt.get(&g, &[i, h])?),
+                    up: Matrix::from_view(&ckpt.get(&u, &[i, h])?),
+                    down: Matrix::from_view(&ckpt.get(&d, &[h, i])?),
+                });
+            }
+            layers.push(Some(experts));
+        }
+        Ok(InProcessExperts { layers })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().flatten().flatten().map(Expert::bytes).sum()
+    }
+}
+
+impl ExpertDispatch for InProcessExperts {
+    fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
+        let layer = batch.layer;
+        let experts = self
+            .layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .ok_or(DispatchError::NotMoeLayer { layer })?;
+        let h = batch.hidden;
+        // The union of selected experts, each with the (row, weight) pairs that chose it.
+        let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
+        for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
+            let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: experts.len() })?;
+            list.push((slot / batch.top_k, w));
+        }
+        let work: Vec<(usize, &Vec<(usize, f32)>)> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).collect();
+        // Experts run in parallel; their weighted outputs are added afterwards. Integer addition
+        // makes the order irrelevant, so threads cannot change a bit of the result.
+        let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
+            .par_iter()
+            .map_init(FfnScratch::default, |scratch, (e, rows)| {
+                rows.iter()
+                    .map(|&(row, w)| {
+                        let mut y = vec![0.0f32; h];
+                        experts[*e].forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
+                        y.iter_mut().for_each(|v| *v *= w);
+                        (row, y)
+                    })
+                    .collect()
+            })
+            .collect();
+        for (row, y) in outputs.iter().flatten() {
+            fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|source| DispatchError::Overflow { layer, source })?;
+        }
+        Ok(())
+    }
+}
