@@ -1,0 +1,251 @@
+//! The `shimmer` binary's contract: `generate` and `score` flags and JSON shapes, and bad input of
+//! every kind ending in one clear error line, exit code 1, and no panic.
+
+use serde_json::Value;
+use shimmer_tests::{assert_clean_failure, copy_fixture, edit_safetensors_header, fixture, oracle, shimmer, FAMILIES};
+
+fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn json_stdout(out: &std::process::Output) -> Value {
+    assert!(out.status.success(), "shimmer failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout.clone()).expect("utf-8 stdout");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "--json prints exactly one line: {stdout}");
+    serde_json::from_str(lines[0]).expect("stdout is one JSON object")
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+#[test]
+fn generate_json_reproduces_the_oracle_greedy_continuation() {
+    for name in FAMILIES {
+        let o = oracle(name);
+        let p = &o.prompts[1];
+        let dir = fixture(name);
+        let max = p.greedy.len().to_string();
+        let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&p.ids), "--max-tokens", &max, "--temperature", "0", "--json"]);
+        let v = json_stdout(&out);
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["prompt_ids", "output_ids", "text", "finish_reason", "timings"]);
+        assert_eq!(u32s(&v["prompt_ids"]), p.ids);
+        assert_eq!(u32s(&v["output_ids"]), p.greedy, "{name}");
+        assert_eq!(v["finish_reason"], "length");
+        assert_eq!(v["text"], p.greedy_text.trim_end_matches('\u{FFFD}'));
+        for k in ["load_ms", "prefill_ms", "decode_tok_s"] {
+            assert!(v["timings"][k].as_f64().expect(k) > 0.0, "{name}: timings.{k}");
+        }
+
+        // The same prompt as text tokenizes to the same ids.
+        let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", &p.text, "--max-tokens", "3", "--json"]);
+        let v = json_stdout(&out);
+        assert_eq!(u32s(&v["prompt_ids"]), p.ids, "{name}: --prompt tokenization");
+        assert_eq!(u32s(&v["output_ids"]), p.greedy[..3], "{name}: greedy is the default");
+    }
+}
+
+#[test]
+fn generate_streams_text_and_chat_wraps_the_prompt() {
+    let name = "qwen3_moe";
+    let o = oracle(name);
+    let p = &o.prompts[1];
+    let dir = fixture(name);
+    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", &p.text, "--max-tokens", "40"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.trim_end_matches('\n'), p.greedy_text.trim_end_matches('\u{FFFD}'));
+
+    let chat = &o.chat[0];
+    let user = &chat.messages.iter().find(|m| m.role == "user").unwrap().content;
+    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", user, "--chat", "--max-tokens", "2", "--json"]);
+    let v = json_stdout(&out);
+    let ids = u32s(&v["prompt_ids"]);
+    // ChatML: <|im_start|>user\n…<|im_end|>\n<|im_start|>assistant\n, rendered and tokenized as transformers does.
+    let want: Vec<u32> = {
+        let eng = shimmer_coordinator::Engine::load(&dir).unwrap();
+        eng.encode_chat(&[shimmer_common::chat_template::Message::new("user", user)]).unwrap()
+    };
+    assert_eq!(ids, want);
+    assert!(ids.len() > p.ids.len());
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_stop_strings_cut_the_text() {
+    let dir = fixture("olmoe");
+    let run = |seed: &str| {
+        json_stdout(&shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "And God said", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", seed, "--json"]))
+    };
+    let (a, b, c) = (run("7"), run("7"), run("8"));
+    assert_eq!(a["output_ids"], b["output_ids"]);
+    assert_ne!(a["output_ids"], c["output_ids"], "a different seed should sample differently");
+
+    let text = a["text"].as_str().unwrap().to_string();
+    // Pick a stop string from the middle of the sampled text: the output must end right before it.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let cut = text.find(&stop).unwrap();
+    let v = json_stdout(&shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "And God said", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", "7", "--stop", &stop, "--json"]));
+    assert_eq!(v["text"].as_str().unwrap(), &text[..cut]);
+    assert_eq!(v["finish_reason"], "stop");
+}
+
+#[test]
+fn score_json_has_one_argmax_per_position_and_one_fewer_logprob() {
+    for name in FAMILIES {
+        let o = oracle(name);
+        let p = &o.prompts[0];
+        let ids: Vec<u32> = p.ids.iter().chain(&p.greedy).copied().collect();
+        let v = json_stdout(&shimmer(&["score", "--model", fixture(name).to_str().unwrap(), "--ids", &ids_arg(&ids), "--json"]));
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["argmax", "logprobs"]);
+        let argmax = u32s(&v["argmax"]);
+        assert_eq!(argmax.len(), ids.len());
+        for (pos, (a, want)) in argmax.iter().zip(&p.argmax).enumerate() {
+            if p.margin[pos] >= o.near_tie {
+                assert_eq!(a, want, "{name} position {pos}");
+            }
+        }
+        let lps = v["logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), ids.len() - 1);
+        for (a, b) in lps.iter().zip(&p.logprobs) {
+            assert!((a.as_f64().unwrap() as f32 - b).abs() < 1e-3);
+        }
+    }
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+fn generate_on(dir: &std::path::Path) -> std::process::Output {
+    shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-tokens", "2"])
+}
+
+#[test]
+fn missing_or_garbled_config_is_named() {
+    let d = copy_fixture("olmoe");
+    std::fs::remove_file(d.path().join("config.json")).unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["config.json", "No such file"]);
+
+    std::fs::write(d.path().join("config.json"), "{\"architectures\": [\"OlmoeForCausalLM\", ").unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["config.json", "not valid JSON"]);
+
+    std::fs::write(d.path().join("config.json"), "{\"architectures\": [\"OlmoeForCausalLM\"], \"vocab_size\": 512}").unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["config.json", "field `hidden_size`: missing"]);
+
+    assert_clean_failure(&generate_on(&d.path().join("nope")), &["nope", "not a directory"]);
+}
+
+#[test]
+fn unsupported_architecture_is_named() {
+    let d = copy_fixture("mixtral");
+    let path = d.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["config.json", "unsupported architecture `GPT2LMHeadModel`", "MixtralForCausalLM"]);
+}
+
+#[test]
+fn lying_safetensors_headers_are_refused() {
+    // Offsets past the end of the file: the file is shorter than its header says.
+    let d = copy_fixture("mixtral");
+    let st = d.path().join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 100).unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "bad safetensors header"]);
+
+    // Two tensors claiming the same bytes.
+    let d = copy_fixture("mixtral");
+    let st = d.path().join("model.safetensors");
+    edit_safetensors_header(&st, |h| {
+        let offsets = h["model.norm.weight"]["data_offsets"].clone();
+        h["model.layers.0.input_layernorm.weight"]["data_offsets"] = offsets;
+    });
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "bad safetensors header"]);
+
+    // A header length that points past the end.
+    let d = copy_fixture("mixtral");
+    let st = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    bytes[..8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+    std::fs::write(&st, bytes).unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "bad safetensors header"]);
+}
+
+#[test]
+fn wrong_dtype_or_shape_for_the_spec_is_named() {
+    let d = copy_fixture("mixtral");
+    let st = d.path().join("model.safetensors");
+    // F16 → I16 keeps every size valid, so only the spec check can catch it.
+    edit_safetensors_header(&st, |h| h["model.norm.weight"]["dtype"] = "I16".into());
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "model.norm.weight", "dtype I16"]);
+
+    let d = copy_fixture("mixtral");
+    let st = d.path().join("model.safetensors");
+    edit_safetensors_header(&st, |h| {
+        let shape = h["model.layers.0.self_attn.k_proj.weight"]["shape"].as_array().unwrap().clone();
+        h["model.layers.0.self_attn.k_proj.weight"]["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "model.layers.0.self_attn.k_proj.weight", "shape [80, 40] but the model config needs [40, 80]"]);
+}
+
+#[test]
+fn a_tensor_the_family_needs_but_the_checkpoint_lacks_is_named() {
+    let d = copy_fixture("olmoe");
+    let st = d.path().join("model.safetensors");
+    edit_safetensors_header(&st, |h| {
+        let v = h.remove("model.layers.1.self_attn.k_norm.weight").unwrap();
+        h.insert("model.layers.1.self_attn.k_norm_renamed.weight".into(), v);
+    });
+    assert_clean_failure(&generate_on(d.path()), &["model.layers.1.self_attn.k_norm.weight", "does not have it"]);
+
+    // A routed expert, in a sharded checkpoint whose index still names it.
+    let d = copy_fixture("qwen3_moe");
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let tensor = "model.layers.2.mlp.experts.5.down_proj.weight";
+    let shard = index["weight_map"][tensor].as_str().unwrap().to_string();
+    edit_safetensors_header(&d.path().join(&shard), |h| {
+        let v = h.remove(tensor).unwrap();
+        h.insert("unused.tensor".into(), v);
+    });
+    assert_clean_failure(&generate_on(d.path()), &["model.safetensors.index.json", tensor, &shard]);
+}
+
+#[test]
+fn a_tokenizer_that_does_not_parse_is_named() {
+    let d = copy_fixture("qwen3_moe");
+    std::fs::write(d.path().join("tokenizer.json"), "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\": 3}}").unwrap();
+    assert_clean_failure(&generate_on(d.path()), &["tokenizer.json", "does not parse"]);
+}
+
+#[test]
+fn prompt_ids_outside_the_vocabulary_are_refused() {
+    let dir = fixture("olmoe");
+    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,512,3"]);
+    assert_clean_failure(&out, &["prompt id 512", "outside the vocabulary", "512"]);
+    let out = shimmer(&["score", "--model", dir.to_str().unwrap(), "--ids", "1,99999"]);
+    assert_clean_failure(&out, &["prompt id 99999", "outside the vocabulary"]);
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_refused() {
+    let dir = fixture("mixtral");
+    let ids = vec!["5"; 257].join(",");
+    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids]);
+    assert_clean_failure(&out, &["257 tokens", "context is 256", "max_position_embeddings"]);
+    let out = shimmer(&["score", "--model", dir.to_str().unwrap(), "--ids", &ids, "--json"]);
+    assert_clean_failure(&out, &["257 tokens", "context is 256"]);
+}
+
+#[test]
+fn generation_stops_at_the_context_limit_with_length() {
+    let dir = fixture("mixtral");
+    let ids = vec!["5"; 250].join(",");
+    let v = json_stdout(&shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids, "--max-tokens", "100", "--json"]));
+    assert_eq!(v["finish_reason"], "length");
+    // 250 prompt positions + 6 generated positions fill the 256-token context; the 7th sampled
+    // token has no position left to be fed back, so it is the last.
+    assert_eq!(u32s(&v["output_ids"]).len(), 7);
+}
