@@ -169,6 +169,13 @@ impl Engine {
         Ok(self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?)
     }
 
+    /// Feeds `ids` after what the session holds and returns the last position's logits.
+    pub fn step(&self, session: &mut Session, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let logits = self.decoder.forward(ids, &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+        session.tokens.extend_from_slice(ids);
+        Ok(logits)
+    }
+
     /// Generates after `prompt` (the whole conversation so far, not just the new part): the
     /// session's cached prefix is reused, the rest prefilled. `on_text` receives text as it becomes
     /// final; returning `false` from it cancels.

@@ -1,0 +1,59 @@
+//! `shimmer chat` in a real process: multi-turn over stdin, `/reset`, and leaving with Ctrl-C at
+//! the prompt.
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+
+use shimmer_tests::{fixture, shimmer, shimmer_bin};
+
+#[test]
+fn chat_answers_like_generate_and_reset_clears_the_conversation() {
+    let dir = fixture("qwen3_moe");
+    let model = dir.to_str().unwrap();
+    let mut child = Command::new(shimmer_bin())
+        .args(["chat", "--model", model, "--temperature", "0", "--max-tokens", "16"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Who made the earth?\nAnd the sea?\n/reset\nWho made the earth?\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+
+    let single = shimmer(&["generate", "--model", model, "--prompt", "Who made the earth?", "--chat", "--temperature", "0", "--max-tokens", "16", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    let answer = v["text"].as_str().unwrap();
+
+    // Prompts are "› "; each answer follows one.
+    let turns: Vec<&str> = stdout.split("› ").skip(1).collect();
+    assert_eq!(turns.len(), 5, "{stdout}"); // 3 answers, the reset notice, the final prompt at EOF
+    assert_eq!(turns[0].trim_end_matches('\n'), answer);
+    assert!(turns[2].contains("(conversation cleared)"));
+    // After /reset the same question gets the same answer as the first time.
+    assert_eq!(turns[3].trim_end_matches('\n'), answer);
+    // The second turn saw the first: its prompt is the whole conversation.
+    assert_ne!(turns[1].trim_end_matches('\n'), "");
+}
+
+#[test]
+fn ctrl_c_at_the_prompt_leaves_the_chat() {
+    let dir = fixture("mixtral");
+    let mut child = Command::new(shimmer_bin())
+        .args(["chat", "--model", dir.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the banner, which is printed once the model is loaded and the handler installed.
+    let mut stderr = child.stderr.take().unwrap();
+    let mut buf = [0u8; 256];
+    let n = stderr.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("shimmer chat"));
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+}

@@ -1,0 +1,75 @@
+//! DESIGN.md §1 starts here: how a sequence is cut into forward calls (one prefill, token-by-token
+//! decode, or any chunking) must not change a single bit of the logits, because every row is
+//! computed by the same kernels in the same order and expert sums are fixed-point.
+
+use shimmer_coordinator::Engine;
+use shimmer_tests::{fixture, oracle, FAMILIES};
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn chunking_a_sequence_never_changes_its_logits() {
+    for name in FAMILIES {
+        let engine = Engine::load(&fixture(name)).unwrap();
+        let o = oracle(name);
+        let p = &o.prompts[2];
+        let ids: Vec<u32> = p.ids.iter().chain(&p.greedy).copied().collect();
+        let vocab = engine.spec.vocab_size;
+        let all = engine.logits_all(&ids).unwrap();
+        for chunk in [1usize, 3, 7, ids.len()] {
+            let mut session = engine.new_session();
+            let mut at = 0;
+            while at < ids.len() {
+                let end = (at + chunk).min(ids.len());
+                let last = engine.step(&mut session, &ids[at..end]).unwrap();
+                assert_eq!(bits(&last), bits(&all[(end - 1) * vocab..end * vocab]), "{name}: chunk {chunk}, position {}", end - 1);
+                at = end;
+            }
+        }
+    }
+}
+
+#[test]
+fn a_chat_session_reuses_its_cache_without_changing_tokens() {
+    use shimmer_coordinator::engine::GenerateOptions;
+    use shimmer_coordinator::sampling::SamplingParams;
+    let engine = Engine::load(&fixture("qwen3_moe")).unwrap();
+    let o = oracle("qwen3_moe");
+    let opts = GenerateOptions { max_tokens: 12, sampling: SamplingParams::default(), stop: vec![] };
+    // Turn one, then a second prompt that extends the first: the warm session must answer exactly
+    // as a cold one does.
+    let first = &o.prompts[0].ids;
+    let mut warm = engine.new_session();
+    let g1 = engine.generate(&mut warm, first, &opts, |_| true).unwrap();
+    let mut second: Vec<u32> = first.iter().chain(&g1.output_ids).copied().collect();
+    second.extend_from_slice(&o.prompts[1].ids);
+    let held = warm.tokens.len();
+    let g2_warm = engine.generate(&mut warm, &second, &opts, |_| true).unwrap();
+    let g2_cold = engine.generate(&mut engine.new_session(), &second, &opts, |_| true).unwrap();
+    assert_eq!(g2_warm.output_ids, g2_cold.output_ids);
+    assert!(held >= first.len(), "the first turn's positions stay cached");
+    // A prompt that diverges early truncates the cache to the shared prefix and still agrees.
+    let other = &o.prompts[2].ids;
+    let g3_warm = engine.generate(&mut warm, other, &opts, |_| true).unwrap();
+    let g3_cold = engine.generate(&mut engine.new_session(), other, &opts, |_| true).unwrap();
+    assert_eq!(g3_warm.output_ids, g3_cold.output_ids);
+}
+
+#[test]
+fn cancelling_from_the_text_callback_stops_generation() {
+    use shimmer_coordinator::engine::{FinishReason, GenerateOptions};
+    use shimmer_coordinator::sampling::SamplingParams;
+    let engine = Engine::load(&fixture("mixtral")).unwrap();
+    let opts = GenerateOptions { max_tokens: 40, sampling: SamplingParams::default(), stop: vec![] };
+    let mut pieces = 0;
+    let g = engine
+        .generate(&mut engine.new_session(), &oracle("mixtral").prompts[0].ids, &opts, |_| {
+            pieces += 1;
+            pieces < 3
+        })
+        .unwrap();
+    assert_eq!(g.finish_reason, FinishReason::Cancelled);
+    assert!(g.output_ids.len() < 40);
+}
