@@ -44,7 +44,7 @@ struct Shard {
     mmap: Mmap,
 }
 
-struct TensorEntry {
+pub struct TensorEntry {
     shard: usize,
     dtype: StDtype,
     shape: Vec<usize>,
@@ -145,12 +145,9 @@ impl Checkpoint {
         // SAFETY: the mapping is read-only; a checkpoint changed underneath a running engine is
         // outside what we promise, as for every mmap-based loader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(&path, e))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&mmap[..])
-            .map_err(|e| LoadError::malformed(&path, format!("bad safetensors header: {e}")))?;
-        let data_start = 8 + header_len;
+        let entries = parse_header(&mmap[..]).map_err(|problem| LoadError::malformed(&path, problem))?;
         let shard = self.shards.len();
-        for (name, info) in metadata.tensors() {
-            let (start, end) = info.data_offsets;
+        for (name, mut entry) in entries {
             if self.tensors.contains_key(&name) {
                 return Err(LoadError::Tensor {
                     path: path.clone(),
@@ -158,16 +155,8 @@ impl Checkpoint {
                     problem: "appears in more than one shard".into(),
                 });
             }
-            self.tensors.insert(
-                name,
-                TensorEntry {
-                    shard,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    start: data_start + start,
-                    end: data_start + end,
-                },
-            );
+            entry.shard = shard;
+            self.tensors.insert(name, entry);
         }
         self.shards.push(Shard { path, mmap });
         Ok(())
@@ -213,6 +202,21 @@ impl Checkpoint {
             bytes: &shard.mmap[entry.start..entry.end],
         })
     }
+}
+
+/// Validates a whole safetensors file's header against its length and returns each tensor's
+/// absolute byte range (shard index 0). This is the parser a file's bytes first meet; it is fuzzed.
+pub fn parse_header(file: &[u8]) -> Result<Vec<(String, TensorEntry)>, String> {
+    let (header_len, metadata) = SafeTensors::read_metadata(file).map_err(|e| format!("bad safetensors header: {e}"))?;
+    let data_start = 8 + header_len;
+    Ok(metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| {
+            let (start, end) = info.data_offsets;
+            (name, TensorEntry { shard: 0, dtype: info.dtype, shape: info.shape.clone(), start: data_start + start, end: data_start + end })
+        })
+        .collect())
 }
 
 fn list_safetensors(dir: &Path) -> Result<Vec<String>, LoadError> {
