@@ -253,6 +253,18 @@ def main():
                               "original_max_position_embeddings": 32}},
         shard="150KB")
 
+    # Qwen3-MoE, the other dialect: attention biases, MQA (one kv head), an explicit head_dim,
+    # use_sliding_window with a window shorter than the prompts, decoder_sparse_step 2 (dense and
+    # MoE layers alternate), no top-k renorm, untied, bf16, transformers-5 spelling.
+    make("qwen3_moe_variant", Qwen3MoeConfig(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+        max_position_embeddings=192, rms_norm_eps=1e-6, num_experts=10, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True, use_sliding_window=True,
+        sliding_window=10, tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+        dtype=torch.bfloat16, std=0.25, seed=400, tokenizer=tok_plain, template=CHATML, template_in_config=False)
+
     # Mixtral: GQA, a sliding window shorter than the longest prompt, f16 weights, a BOS-adding
     # tokenizer, linear rope scaling in the older spelling, extra stop ids in generation_config.
     make("mixtral", MixtralConfig(

@@ -11,7 +11,8 @@ use std::process::{Command, Output};
 
 use serde::Deserialize;
 
-pub const FAMILIES: [&str; 3] = ["olmoe", "qwen3_moe", "mixtral"];
+/// Every oracle fixture (three families; Qwen3-MoE in both of its configurations).
+pub const FAMILIES: [&str; 4] = ["olmoe", "qwen3_moe", "qwen3_moe_variant", "mixtral"];
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)

@@ -47,6 +47,8 @@ fn ctrl_c_at_the_prompt_leaves_the_chat() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Hold stdin open: EOF would also end the chat (with 0), and the test is about the signal.
+    let stdin = child.stdin.take();
     // Wait for the banner, which is printed once the model is loaded and the handler installed.
     let mut stderr = child.stderr.take().unwrap();
     let mut buf = [0u8; 256];
@@ -54,6 +56,7 @@ fn ctrl_c_at_the_prompt_leaves_the_chat() {
     assert!(String::from_utf8_lossy(&buf[..n]).contains("shimmer chat"));
     let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(status.success());
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(130));
+    let status = child.wait().unwrap();
+    drop(stdin);
+    assert_eq!(status.code(), Some(130));
 }
