@@ -219,6 +219,13 @@ pub fn parse_header(file: &[u8]) -> Result<Vec<(String, TensorEntry)>, String> {
         .collect())
 }
 
+impl TensorEntry {
+    /// Where the tensor's bytes lie in its shard file.
+    pub fn byte_range(&self) -> std::ops::Range<usize> {
+        self.start..self.end
+    }
+}
+
 fn list_safetensors(dir: &Path) -> Result<Vec<String>, LoadError> {
     let entries = std::fs::read_dir(dir).map_err(|e| LoadError::io(dir, e))?;
     let mut names = Vec::new();

@@ -6,7 +6,8 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(entries) = shimmer_common::checkpoint::parse_header(data) {
         for (_, e) in entries {
             // Every range the parser hands out must lie inside the file.
-            assert!(e.start <= e.end && e.end <= data.len());
+            let r = e.byte_range();
+            assert!(r.start <= r.end && r.end <= data.len());
         }
     }
 });
