@@ -9,7 +9,7 @@
 
 mod families;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
@@ -298,21 +298,18 @@ pub fn read_json_file(path: &Path, limit: u64) -> Result<Value, LoadError> {
     serde_json::from_str(&text).map_err(|e| LoadError::malformed(path, format!("not valid JSON: {e}")))
 }
 
-/// Parsed pieces every family shares; each family supplies its own defaults.
-pub(crate) struct Common {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
+/// What a family's parser decides; everything else in a spec is parsed once, in `build`.
+pub(crate) struct FamilyParts {
+    pub attention: AttentionSpec,
+    pub layers: Vec<LayerMlp>,
+    pub moe: MoeSpec,
+    pub expert_names: ExpertNames,
+}
+
+/// Sizes a family parser needs while deciding its parts.
+pub(crate) struct Sizes {
     pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
     pub head_dim: usize,
-    pub rms_norm_eps: f32,
-    pub rope: RopeSpec,
-    pub max_position_embeddings: usize,
-    pub tie_word_embeddings: bool,
-    pub bos_token_id: Option<u32>,
-    pub eos_token_ids: Vec<u32>,
-    pub declared_dtype: Option<FloatType>,
 }
 
 pub(crate) struct Defaults {
@@ -325,7 +322,15 @@ pub(crate) struct Defaults {
     pub num_kv_heads: Option<usize>,
 }
 
-pub(crate) fn parse_common(obj: &Obj, d: &Defaults) -> FieldResult<Common> {
+/// Parses the fields every family shares (with the family's defaults), then lets `parts` decide
+/// the family-specific ones.
+pub(crate) fn build(
+    obj: &Obj,
+    d: &Defaults,
+    family: Family,
+    architecture: &'static str,
+    parts: impl FnOnce(&Sizes) -> FieldResult<FamilyParts>,
+) -> FieldResult<ModelSpec> {
     let hidden_size = obj.positive("hidden_size")?;
     let num_heads = obj.positive("num_attention_heads")?;
     let num_kv_heads = obj
@@ -357,10 +362,14 @@ pub(crate) fn parse_common(obj: &Obj, d: &Defaults) -> FieldResult<Common> {
         (None, Some(s)) => Some(parse_dtype("torch_dtype", s)?),
         (None, None) => None,
     };
-    Ok(Common {
+    let num_layers = obj.positive("num_hidden_layers")?;
+    let FamilyParts { attention, layers, moe, expert_names } = parts(&Sizes { num_layers, head_dim })?;
+    Ok(ModelSpec {
+        family,
+        architecture,
         vocab_size: obj.positive("vocab_size")?,
         hidden_size,
-        num_layers: obj.positive("num_hidden_layers")?,
+        num_layers,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -368,6 +377,10 @@ pub(crate) fn parse_common(obj: &Obj, d: &Defaults) -> FieldResult<Common> {
         rope: parse_rope(obj, d.rope_theta)?,
         max_position_embeddings: obj.positive("max_position_embeddings")?,
         tie_word_embeddings: obj.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
+        attention,
+        layers,
+        moe,
+        expert_names,
         bos_token_id: obj.ids("bos_token_id")?.first().copied(),
         eos_token_ids: obj.ids("eos_token_id")?,
         declared_dtype,
@@ -431,11 +444,6 @@ fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec> {
 
 fn nest(parent: &str, e: FieldError) -> FieldError {
     FieldError::new(&format!("{parent}.{}", e.field), e.problem)
-}
-
-/// Files of a checkpoint directory, for error messages.
-pub fn config_path(dir: &Path) -> PathBuf {
-    dir.join("config.json")
 }
 
 #[cfg(test)]

@@ -147,9 +147,7 @@ impl Engine {
 
     /// Teacher forcing over `ids` in one pass.
     pub fn score(&self, ids: &[u32]) -> Result<Score, EngineError> {
-        self.check_prompt(ids)?;
-        let mut cache = self.decoder.new_cache();
-        let logits = self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?;
+        let logits = self.logits_all(ids)?;
         let v = self.spec.vocab_size;
         let mut argmax_ids = Vec::with_capacity(ids.len());
         let mut logprobs = Vec::with_capacity(ids.len().saturating_sub(1));
