@@ -30,6 +30,8 @@ enum Command {
     Score(ScoreArgs),
     /// A streaming terminal chat (multi-turn; /reset clears; Ctrl-C stops an answer).
     Chat(ChatArgs),
+    /// Routing analysis over a text: expert-usage skew per layer and next-layer predictability.
+    Routing(RoutingArgs),
 }
 
 #[derive(Args)]
@@ -72,9 +74,9 @@ impl SamplingArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// A Hugging Face checkpoint directory.
+    /// A Hugging Face checkpoint directory (default: the bundled demo model).
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// The prompt text.
     #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -96,8 +98,9 @@ struct GenerateArgs {
 
 #[derive(Args)]
 struct ScoreArgs {
+    /// A Hugging Face checkpoint directory (default: the bundled demo model).
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// The token ids to score: 1,2,3
     #[arg(long, value_delimiter = ',', required = true)]
     ids: Vec<u32>,
@@ -107,12 +110,31 @@ struct ScoreArgs {
 
 #[derive(Args)]
 struct ChatArgs {
+    /// A Hugging Face checkpoint directory (default: the bundled demo model).
     #[arg(long)]
     model: Option<PathBuf>,
     #[arg(long, default_value_t = 1024)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct RoutingArgs {
+    /// A Hugging Face checkpoint directory (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A UTF-8 text file to route (e.g. held-out text).
+    #[arg(long)]
+    text: PathBuf,
+    /// Tokens per independent sequence (at most the model's context).
+    #[arg(long, default_value_t = 256)]
+    chunk: usize,
+    /// Stop after this many tokens.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_tokens: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run() -> Result<ExitCode> {
@@ -125,7 +147,18 @@ pub fn run() -> Result<ExitCode> {
         Command::Generate(a) => generate(a),
         Command::Score(a) => score(a),
         Command::Chat(a) => chat(a),
+        Command::Routing(a) => routing(a),
     }
+}
+
+/// The model directory to use: `--model`, or the bundled demo model (saying so on stderr).
+fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(dir) = model {
+        return Ok(dir.clone());
+    }
+    let dir = crate::demo::demo_model_dir()?;
+    eprintln!("shimmer: no --model given, using the bundled demo model ({})", dir.display());
+    Ok(dir)
 }
 
 fn load(dir: &std::path::Path) -> Result<Engine> {
@@ -133,7 +166,7 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 }
 
 fn generate(a: GenerateArgs) -> Result<ExitCode> {
-    let engine = load(&a.model)?;
+    let engine = load(&model_dir(&a.model)?)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) if a.chat => engine.encode_chat(&[Message::new("user", text)])?,
@@ -180,7 +213,7 @@ fn round2(x: f64) -> f64 {
 }
 
 fn score(a: ScoreArgs) -> Result<ExitCode> {
-    let engine = load(&a.model)?;
+    let engine = load(&model_dir(&a.model)?)?;
     let s = engine.score(&a.ids)?;
     let mut stdout = std::io::stdout().lock();
     if a.json {
@@ -196,9 +229,7 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
 }
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
-    let Some(dir) = a.model.clone() else {
-        bail!("--model DIR is required until the bundled demo model ships");
-    };
+    let dir = model_dir(&a.model)?;
     let engine = load(&dir)?;
     if engine.chat.template.is_none() {
         bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
@@ -271,4 +302,39 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
             }
         }
     }
+}
+
+fn routing(a: RoutingArgs) -> Result<ExitCode> {
+    let engine = load(&model_dir(&a.model)?)?;
+    let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
+    if a.chunk < 2 || a.chunk > engine.spec.max_position_embeddings {
+        bail!("--chunk must be between 2 and the model's context ({})", engine.spec.max_position_embeddings);
+    }
+    let ids = engine.tokenizer.encode(&text, false)?;
+    let ids = &ids[..ids.len().min(a.max_tokens)];
+    if ids.len() < 2 {
+        bail!("{}: the text is too short to analyse", a.text.display());
+    }
+    let mut analysis = crate::routing::RoutingAnalysis::for_decoder(engine.decoder());
+    for chunk in ids.chunks(a.chunk) {
+        analysis.start_sequence();
+        engine.observe(chunk, &mut analysis)?;
+    }
+    let report = analysis.report();
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        writeln!(stdout, "{}", json!({"tokens": ids.len(), "experts": engine.spec.moe.num_experts, "top_k": engine.spec.moe.top_k, "layers": report}))?;
+    } else {
+        writeln!(stdout, "{} tokens, {} experts, top-{}", ids.len(), engine.spec.moe.num_experts, engine.spec.moe.top_k)?;
+        writeln!(stdout, "layer\tentropy (bits, max)\thottest 10%\tcoldest 50%\tnext-layer recall@k\tconsecutive overlap")?;
+        for r in &report {
+            let recall = r.next_layer_recall.map_or("-".to_string(), |x| format!("{:.3}", x));
+            writeln!(
+                stdout,
+                "{}\t{:.2} ({:.2})\t{:.3}\t{:.3}\t{}\t{:.3}",
+                r.layer, r.entropy_bits, r.max_entropy_bits, r.hottest_10pct_share, r.coldest_half_share, recall, r.consecutive_overlap
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }

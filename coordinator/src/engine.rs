@@ -11,7 +11,7 @@ use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_worker::{ExpertDispatch, InProcessExperts};
 
 use crate::kv_cache::KvCache;
-use crate::model::{load_dense, Decoder, ForwardError, Logits};
+use crate::model::{load_dense, Decoder, ForwardError, Logits, MoeObserver};
 use crate::sampling::{argmax, Sampler, SamplingParams};
 
 #[derive(Debug, thiserror::Error)]
@@ -165,6 +165,18 @@ impl Engine {
         self.check_prompt(ids)?;
         let mut cache = self.decoder.new_cache();
         Ok(self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?)
+    }
+
+    /// One teacher-forced pass over `ids` (fresh cache) reporting each MoE layer's routing.
+    pub fn observe(&self, ids: &[u32], observer: &mut dyn MoeObserver) -> Result<(), EngineError> {
+        self.check_prompt(ids)?;
+        let mut cache = self.decoder.new_cache();
+        self.decoder.forward_observed(ids, &mut cache, self.experts.as_ref(), Logits::Last, observer)?;
+        Ok(())
+    }
+
+    pub fn decoder(&self) -> &Decoder {
+        &self.decoder
     }
 
     /// Feeds `ids` after what the session holds and returns the last position's logits.

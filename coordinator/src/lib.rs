@@ -8,9 +8,11 @@
 //! expert lives, or let a client's input reach a panic: bad input is an `EngineError` naming it.
 
 pub mod cli;
+pub mod demo;
 pub mod engine;
 pub mod kv_cache;
 pub mod model;
+pub mod routing;
 pub mod sampling;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

@@ -173,6 +173,7 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--experts-impl", default="grouped_mm")
     ap.add_argument("--probe", action="store_true", help="time a few steps and exit")
+    ap.add_argument("--write-heldout", metavar="FILE", help="write the held-out text (the same split training uses) and exit")
     args = ap.parse_args()
 
     torch.manual_seed(SEED)
@@ -186,6 +187,11 @@ def main():
     rng.shuffle(units)
     n_held = max(20, len(units) // 50)
     held, train = units[:n_held], units[n_held:]
+    if args.write_heldout:
+        with open(args.write_heldout, "w", encoding="utf-8") as f:
+            f.write("\n\n".join(held) + "\n")
+        print(f"wrote {len(held)} held-out units to {args.write_heldout}")
+        return
     chars = sum(len(u) for u in units)
     print(f"data: {len(kjv)} KJV chapters, {len(gut)} passages from {nfiles} Gutenberg files, {chars / 1e6:.1f} M chars; "
           f"{len(train)} train / {len(held)} held-out units", flush=True)

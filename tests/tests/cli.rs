@@ -249,3 +249,30 @@ fn generation_stops_at_the_context_limit_with_length() {
     // token has no position left to be fed back, so it is the last.
     assert_eq!(u32s(&v["output_ids"]).len(), 7);
 }
+
+#[test]
+fn routing_reports_every_moe_layer() {
+    let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/README.md");
+    for name in FAMILIES {
+        let dir = fixture(name);
+        let v = json_stdout(&shimmer(&["routing", "--model", dir.to_str().unwrap(), "--text", text.to_str().unwrap(), "--chunk", "64", "--json"]));
+        let tokens = v["tokens"].as_u64().unwrap();
+        let k = v["top_k"].as_u64().unwrap();
+        let layers = v["layers"].as_array().unwrap();
+        let engine = shimmer_coordinator::Engine::load(&dir).unwrap();
+        assert_eq!(layers.len(), engine.spec.moe_layer_count(), "{name}");
+        for (i, l) in layers.iter().enumerate() {
+            assert_eq!(l["selections"].as_u64().unwrap(), tokens * k, "{name}");
+            assert!(l["entropy_bits"].as_f64().unwrap() <= l["max_entropy_bits"].as_f64().unwrap() + 1e-9);
+            let recall = &l["next_layer_recall"];
+            if i == 0 {
+                assert!(recall.is_null());
+            } else {
+                let r = recall.as_f64().unwrap();
+                assert!((0.0..=1.0).contains(&r), "{name}: {r}");
+            }
+        }
+    }
+    let out = shimmer(&["routing", "--model", fixture("olmoe").to_str().unwrap(), "--text", "/nonexistent.txt"]);
+    assert_clean_failure(&out, &["/nonexistent.txt"]);
+}

@@ -98,6 +98,22 @@ pub struct Decoder {
     rope: Rope,
 }
 
+/// Sees each MoE layer's input rows and the router's choices as the forward pass makes them:
+/// the routing-trace recorder and the routing analysis hang here. It observes; it cannot change
+/// a selection.
+pub trait MoeObserver {
+    /// `rows` is `n × hidden` (the MoE input after post-attention norm); `experts` and `weights`
+    /// are `n × top_k`, in the router's order.
+    fn moe_layer(&mut self, layer: usize, rows: &[f32], experts: &[u32], weights: &[f32]);
+}
+
+/// The observer that does nothing, for the ordinary path.
+pub struct NoObserver;
+
+impl MoeObserver for NoObserver {
+    fn moe_layer(&mut self, _: usize, _: &[f32], _: &[u32], _: &[f32]) {}
+}
+
 /// Which positions' logits a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -189,6 +205,18 @@ impl Decoder {
 
     /// Runs `tokens` at positions `cache.len()..` and returns logits (`vocab` per returned row).
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, experts: &dyn ExpertDispatch, want: Logits) -> Result<Vec<f32>, ForwardError> {
+        self.forward_observed(tokens, cache, experts, want, &mut NoObserver)
+    }
+
+    /// `forward`, reporting every MoE layer's routing to `observer`.
+    pub fn forward_observed(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        experts: &dyn ExpertDispatch,
+        want: Logits,
+        observer: &mut dyn MoeObserver,
+    ) -> Result<Vec<f32>, ForwardError> {
         let s = &self.spec;
         let (n, hd, d) = (tokens.len(), s.hidden_size, s.head_dim);
         let start = cache.len();
@@ -254,7 +282,7 @@ impl Decoder {
                         down.matvec(&g, pr);
                     }
                 }
-                Mlp::Moe { router } => self.moe(l, router, &x, experts, &mut proj)?,
+                Mlp::Moe { router } => self.moe(l, router, &x, experts, observer, &mut proj)?,
             }
             add(&mut h, &proj);
         }
@@ -283,28 +311,48 @@ impl Decoder {
         }
     }
 
-    fn moe(&self, layer: usize, router: &Matrix, x: &[f32], experts: &dyn ExpertDispatch, out: &mut [f32]) -> Result<(), ForwardError> {
+    fn moe(&self, layer: usize, router: &Matrix, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32]) -> Result<(), ForwardError> {
         let s = &self.spec;
         let (hd, k) = (s.hidden_size, s.moe.top_k);
         let n = x.len() / hd;
-        let mut probs = vec![0.0f32; s.moe.num_experts];
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
+        let mut probs = vec![0.0f32; s.moe.num_experts];
         for xr in x.chunks_exact(hd) {
-            router.matvec(xr, &mut probs);
-            let RouterScoring::SoftmaxTopK { norm_topk_prob } = s.moe.scoring;
-            ops::softmax_in_place(&mut probs);
-            let top = top_k(&probs, k);
-            let sum: f32 = top.iter().map(|&e| probs[e]).sum();
-            for &e in &top {
-                ids.push(e as u32);
-                weights.push(if norm_topk_prob { probs[e] / sum } else { probs[e] });
-            }
+            self.route_row(router, xr, &mut probs, &mut ids, &mut weights);
         }
+        observer.moe_layer(layer, x, &ids, &weights);
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
         fixed::to_f32(&acc, out);
         Ok(())
+    }
+
+    /// The router's (expert, weight) choice for one row, exactly as the model defines it.
+    fn route_row(&self, router: &Matrix, x: &[f32], probs: &mut [f32], ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
+        let RouterScoring::SoftmaxTopK { norm_topk_prob } = self.spec.moe.scoring;
+        router.matvec(x, probs);
+        ops::softmax_in_place(probs);
+        let top = top_k(probs, self.spec.moe.top_k);
+        let sum: f32 = top.iter().map(|&e| probs[e]).sum();
+        for &e in &top {
+            ids.push(e as u32);
+            weights.push(if norm_topk_prob { probs[e] / sum } else { probs[e] });
+        }
+    }
+
+    /// What layer `layer`'s router would choose for row `x` (n rows → n × top_k experts), or
+    /// `None` for a dense layer. Used to predict a layer's experts from an earlier layer's state.
+    pub fn route(&self, layer: usize, x: &[f32]) -> Option<Vec<u32>> {
+        let Mlp::Moe { router } = &self.layers.get(layer)?.mlp else {
+            return None;
+        };
+        let mut probs = vec![0.0f32; self.spec.moe.num_experts];
+        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        for xr in x.chunks_exact(self.spec.hidden_size) {
+            self.route_row(router, xr, &mut probs, &mut ids, &mut weights);
+        }
+        Some(ids)
     }
 }
 

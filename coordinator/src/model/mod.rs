@@ -14,7 +14,7 @@ pub mod rope;
 
 use shimmer_common::{Checkpoint, Family, LoadError, ModelSpec};
 
-pub use decoder::{Decoder, ForwardError, Logits};
+pub use decoder::{Decoder, ForwardError, Logits, MoeObserver, NoObserver};
 
 /// Loads the dense part of the model the spec describes.
 pub fn load_dense(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Decoder, LoadError> {
