@@ -17,6 +17,7 @@ Usage (from the repository root):
   python3 -m venv /tmp/oracle-venv && /tmp/oracle-venv/bin/pip install -r tests/oracle/requirements.txt
   apt-get install -y bible-kjv          # the public-domain text the tokenizers are trained on
   /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py
+  /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py --demo models/demo   # the demo model's oracle
 """
 import json
 import math
@@ -222,7 +223,51 @@ def oracle(d, prompts):
     return ok, record, tensors
 
 
+DEMO_PROMPTS = [
+    "In the beginning God created the heaven and the earth. And the earth was",
+    "To be, or not to be, that is the question:",
+    "And the LORD said unto Moses,",
+]
+DEMO_TOP = 16
+
+
+def make_demo(model_dir):
+    """The demo model's oracle: greedy continuations, per-position argmax and margins, and the
+    top-16 logits per position (the full 6k-wide rows would be megabytes)."""
+    d = os.path.join(OUT, "demo_oracle")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    record = {"transformers": __import__("transformers").__version__, "torch": torch.__version__, "near_tie": NEAR_TIE,
+              "top": DEMO_TOP, "prompts": [], "chat": []}
+    for text in DEMO_PROMPTS:
+        ids = tok(text)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, temperature=None, top_p=None)
+            greedy = out[0, len(ids):].tolist()
+            full = ids + greedy
+            logits = model(torch.tensor([full])).logits[0].float()
+        top = torch.topk(logits, DEMO_TOP, dim=-1)
+        record["prompts"].append({
+            "text": text, "ids": ids, "greedy": greedy, "greedy_text": tok.decode(greedy, skip_special_tokens=True),
+            "argmax": logits.argmax(-1).tolist(), "margin": margins(logits),
+            "top_ids": top.indices.tolist(), "top_logits": top.values.tolist(),
+        })
+    for conv in CONVERSATIONS:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
+        record["chat"].append({"messages": conv, "add_generation_prompt": True, "text": text, "ids": list(ids)})
+    json.dump(record, open(os.path.join(d, "oracle.json"), "w"), indent=1, ensure_ascii=False)
+    print(f"demo_oracle: {os.path.getsize(os.path.join(d, 'oracle.json')) / 1e6:.2f} MB")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--demo":
+        make_demo(sys.argv[2])
+        return
     lines = corpus()
     tok_plain = train_tokenizer(lines, 512, bos=False)
     tok_bos = train_tokenizer(lines, 640, bos=True)
