@@ -136,10 +136,9 @@ pub fn render_template(
     env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> {
         Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
     });
-    env.add_function("strftime_now", |_fmt: String| -> Result<JValue, JinjaError> {
-        // Templates use it for a "today is" line; a fixed-format date keeps renders reproducible
-        // within a day. Formatting arbitrary strftime patterns is not supported yet.
-        Err(JinjaError::new(ErrorKind::InvalidOperation, "strftime_now is not supported"))
+    env.add_function("strftime_now", |fmt: String| -> Result<JValue, JinjaError> {
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+        strftime_utc(&fmt, secs).map(JValue::from).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e))
     });
     env.add_filter("tojson", tojson_filter);
     let ctx = minijinja::context! {
@@ -153,23 +152,105 @@ pub fn render_template(
 
 fn tojson_filter(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JValue, JinjaError> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
+    let mut json = serde_json::to_value(&value)
         .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    if sort_keys == Some(true) {
+        sort_json_keys(&mut json);
+    }
+    let seps = match separators.as_deref() {
+        None => None,
+        Some([item, key]) => Some((item.as_str(), key.as_str())),
+        Some(_) => return Err(JinjaError::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
+    };
     let mut out = String::new();
-    python_json(&json, indent, 0, &mut out);
+    python_json_with(&json, indent, seps, 0, &mut out);
     Ok(JValue::from_safe_string(out))
+}
+
+fn sort_json_keys(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            let mut entries: Vec<(String, Value)> = std::mem::take(map).into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut item) in entries {
+                sort_json_keys(&mut item);
+                map.insert(k, item);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(sort_json_keys),
+        _ => {}
+    }
+}
+
+/// `time.strftime(fmt)` in UTC for the directives chat templates use (a date line); any other
+/// directive is an error naming it, not a silently different string.
+pub fn strftime_utc(fmt: &str, unix_secs: i64) -> Result<String, String> {
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('B') => out.push_str(month_name),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('j') => out.push_str(&format!("{:03}", doy_in_year(year, month, day))),
+            Some('%') => out.push('%'),
+            other => return Err(format!("strftime_now: unsupported directive %{}", other.map(String::from).unwrap_or_default())),
+        }
+    }
+    Ok(out)
+}
+
+fn doy_in_year(year: i64, month: i64, day: i64) -> i64 {
+    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    CUM[(month - 1) as usize] + day + i64::from(leap && month > 2)
 }
 
 /// Writes `v` as Python's `json.dumps(v, ensure_ascii=False, indent=indent)` does.
 pub fn python_json(v: &Value, indent: Option<usize>, level: usize, out: &mut String) {
+    python_json_with(v, indent, None, level, out)
+}
+
+/// `python_json` with explicit `separators=(item, key)`, as `json.dumps` takes them.
+pub fn python_json_with(v: &Value, indent: Option<usize>, separators: Option<(&str, &str)>, level: usize, out: &mut String) {
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');
             out.extend(std::iter::repeat_n(' ', n * level));
         }
     };
-    let item_sep = if indent.is_some() { "," } else { ", " };
+    let (item_sep, key_sep) = separators.unwrap_or(if indent.is_some() { (",", ": ") } else { (", ", ": ") });
     match v {
         Value::Array(items) if !items.is_empty() => {
             out.push('[');
@@ -178,7 +259,7 @@ pub fn python_json(v: &Value, indent: Option<usize>, level: usize, out: &mut Str
                     out.push_str(item_sep);
                 }
                 newline(out, level + 1);
-                python_json(item, indent, level + 1, out);
+                python_json_with(item, indent, separators, level + 1, out);
             }
             newline(out, level);
             out.push(']');
@@ -190,9 +271,9 @@ pub fn python_json(v: &Value, indent: Option<usize>, level: usize, out: &mut Str
                     out.push_str(item_sep);
                 }
                 newline(out, level + 1);
-                python_json(&Value::String(k.clone()), indent, level + 1, out);
-                out.push_str(": ");
-                python_json(item, indent, level + 1, out);
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(key_sep);
+                python_json_with(item, indent, separators, level + 1, out);
             }
             newline(out, level);
             out.push('}');
@@ -226,6 +307,22 @@ mod tests {
         let mut s = String::new();
         python_json(&serde_json::json!({"a": [1]}), Some(2), 0, &mut s);
         assert_eq!(s, "{\n  \"a\": [\n    1\n  ]\n}");
+    }
+
+    #[test]
+    fn strftime_matches_python() {
+        // time.strftime("%d %b %Y %A %j %H:%M:%S", time.gmtime(1764374400 + 3723)) (2025-11-29 01:02:03 UTC)
+        assert_eq!(strftime_utc("%d %b %Y %A %j %H:%M:%S", 1_764_374_400 + 3723).unwrap(), "29 Nov 2025 Saturday 333 01:02:03");
+        assert_eq!(strftime_utc("%B %d, %y %%", 951_782_400).unwrap(), "February 29, 00 %"); // 2000-02-29
+        assert_eq!(strftime_utc("%a %m/%d/%Y", 0).unwrap(), "Thu 01/01/1970");
+        assert!(strftime_utc("%Z", 0).unwrap_err().contains("%Z"));
+    }
+
+    #[test]
+    fn tojson_takes_json_dumps_keywords() {
+        let t = "{{ {'b': 1, 'a': [1, 2]} | tojson(sort_keys=true) }}|{{ {'b': 1} | tojson(separators=[',', ':']) }}|{{ {'x': 1} | tojson(indent=2) }}";
+        let out = render_template(t, &[], false, None, None).unwrap();
+        assert_eq!(out, "{\"a\": [1, 2], \"b\": 1}|{\"b\":1}|{\n  \"x\": 1\n}");
     }
 
     #[test]
