@@ -24,6 +24,8 @@ pub enum Family {
     Olmoe,
     Qwen3Moe,
     Mixtral,
+    DeepseekV3,
+    Glm4Moe,
 }
 
 /// One row of the family table.
@@ -49,6 +51,16 @@ const FAMILIES: &[FamilyEntry] = &[
         model_type: "mixtral",
         parse: families::mixtral,
     },
+    FamilyEntry {
+        architecture: "DeepseekV3ForCausalLM",
+        model_type: "deepseek_v3",
+        parse: families::deepseek_v3,
+    },
+    FamilyEntry {
+        architecture: "Glm4MoeForCausalLM",
+        model_type: "glm4_moe",
+        parse: families::glm4_moe,
+    },
 ];
 
 /// Where the per-head query/key RMSNorm sits, if the family has one.
@@ -65,6 +77,18 @@ pub enum QkNorm {
 pub enum RopeScaling {
     None,
     Linear { factor: f64 },
+    /// YaRN as transformers computes it (`_compute_yarn_parameters`).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Multiplies cos and sin (so q·k by its square).
+        attention_factor: f64,
+        /// Also scales the attention softmax (DeepSeek's `mscale_all_dim`), if set.
+        mscale_all_dim: Option<f64>,
+        truncate: bool,
+    },
     Llama3 {
         factor: f64,
         low_freq_factor: f64,
@@ -79,13 +103,47 @@ pub struct RopeSpec {
     pub scaling: RopeScaling,
 }
 
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries and keys/values pass through
+/// low-rank projections, and the cache holds only the compressed latent and the rotary key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaSpec {
+    /// `None`: a plain `q_proj` (DeepSeek-V2-Lite); `Some(r)`: `q_a_proj` → norm → `q_b_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+impl MlaSpec {
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttentionKind {
+    /// Grouped-query attention (MHA, GQA, MQA) with q/k/v/o projections.
+    Gqa,
+    Mla(MlaSpec),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionSpec {
+    pub kind: AttentionKind,
     pub qk_norm: QkNorm,
     /// Clamp q, k and v to ±clip after projection (OLMoE's `clip_qkv`).
     pub clip_qkv: Option<f32>,
-    /// q/k/v/o projections carry a bias.
+    /// q/k/v projections (MLA: `q_a_proj`, `kv_a_proj_with_mqa`) carry a bias.
     pub bias: bool,
+    /// `o_proj` carries a bias.
+    pub o_bias: bool,
+    /// Leading dims of each head's rotary part that rotate (partial rotary); the rest pass through.
+    pub rotary_dim: usize,
+    /// Rotary pairs are interleaved, (x0, x1), (x2, x3), …, instead of split halves.
+    pub rope_interleave: bool,
+    /// The attention softmax scale.
+    pub scale: f32,
     /// Per layer: how many keys (the current one included) a query may see; `None` = all.
     pub sliding_window: Vec<Option<usize>>,
 }
@@ -97,10 +155,15 @@ pub enum LayerMlp {
 }
 
 /// How the router turns logits into (expert, weight) pairs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RouterScoring {
     /// softmax over all experts in f32, top-k, then optionally renormalise the k weights.
     SoftmaxTopK { norm_topk_prob: bool },
+    /// DeepSeek-V3 / GLM-4.5: sigmoid scores; selection on score + `e_score_correction_bias`,
+    /// limited to the `topk_group` groups (of `n_group`) whose two best biased scores sum
+    /// highest; weights are the unbiased scores, optionally renormalised, times
+    /// `routed_scaling_factor`.
+    SigmoidGrouped { n_group: usize, topk_group: usize, norm_topk_prob: bool, routed_scaling_factor: f32 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -109,12 +172,19 @@ pub struct MoeSpec {
     pub top_k: usize,
     pub expert_intermediate_size: usize,
     pub scoring: RouterScoring,
+    /// Intermediate size of the always-on shared expert(s) in MoE layers, if any
+    /// (`n_shared_experts × moe_intermediate_size`).
+    pub shared_intermediate_size: Option<usize>,
 }
 
 /// Tensor-name templates; `{L}` is the layer index, `{E}` the expert index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertNames {
     pub router: &'static str,
+    /// The router's selection bias (`e_score_correction_bias`), for sigmoid-grouped routers.
+    pub router_bias: Option<&'static str>,
+    /// `[gate, up, down]` of the shared expert, if the family has one.
+    pub shared: Option<[&'static str; 3]>,
     pub gate: &'static str,
     pub up: &'static str,
     pub down: &'static str,
@@ -123,6 +193,12 @@ pub struct ExpertNames {
 impl ExpertNames {
     pub fn router(&self, layer: usize) -> String {
         fill(self.router, layer, 0)
+    }
+    pub fn router_bias(&self, layer: usize) -> Option<String> {
+        self.router_bias.map(|t| fill(t, layer, 0))
+    }
+    pub fn shared(&self, layer: usize) -> Option<[String; 3]> {
+        self.shared.map(|[g, u, d]| [fill(g, layer, 0), fill(u, layer, 0), fill(d, layer, 0)])
     }
     /// `[gate, up, down]` weight names of one expert.
     pub fn expert(&self, layer: usize, expert: usize) -> [String; 3] {
@@ -212,8 +288,22 @@ impl ModelSpec {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
-            return Err(FieldError::new("head_dim", format!("{} is odd; rotary embeddings need an even size", self.head_dim)));
+        if self.attention.rotary_dim % 2 != 0 || self.attention.rotary_dim > self.head_dim {
+            return Err(FieldError::new(
+                "head_dim",
+                format!("the rotary part ({} of {}) must be even and fit the head", self.attention.rotary_dim, self.head_dim),
+            ));
+        }
+        if let RouterScoring::SigmoidGrouped { n_group, topk_group, .. } = self.moe.scoring {
+            if n_group == 0 || self.moe.num_experts % n_group != 0 || self.moe.num_experts / n_group < 2 {
+                return Err(FieldError::new("n_group", format!("{n_group} groups must divide the {} experts into groups of at least 2", self.moe.num_experts)));
+            }
+            if topk_group == 0 || topk_group > n_group {
+                return Err(FieldError::new("topk_group", format!("{topk_group} must be between 1 and n_group = {n_group}")));
+            }
+            if self.moe.top_k > topk_group * (self.moe.num_experts / n_group) {
+                return Err(FieldError::new("num_experts_per_tok", "more than the selected groups hold"));
+            }
         }
         if self.moe.top_k > self.moe.num_experts {
             return Err(FieldError::new(
@@ -306,18 +396,20 @@ pub(crate) struct FamilyParts {
     pub expert_names: ExpertNames,
 }
 
-/// Sizes a family parser needs while deciding its parts.
-pub(crate) struct Sizes {
+/// What a family parser may need while deciding its parts.
+pub(crate) struct Sizes<'a> {
     pub num_layers: usize,
     pub head_dim: usize,
+    pub rope: &'a RopeSpec,
 }
 
 pub(crate) struct Defaults {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
-    /// Whether the family reads an explicit `head_dim` field.
-    pub explicit_head_dim: bool,
+    /// The field that gives the (rotary) head size explicitly, if the family has one; without
+    /// it (or when absent) head_dim is hidden_size / num_attention_heads.
+    pub head_dim_field: Option<&'static str>,
     /// `num_key_value_heads` when absent; `None` means "same as the attention heads".
     pub num_kv_heads: Option<usize>,
 }
@@ -340,10 +432,14 @@ pub(crate) fn build(
     if num_kv_heads == 0 {
         return Err(FieldError::new("num_key_value_heads", "must be greater than zero"));
     }
-    let head_dim = match (d.explicit_head_dim, obj.usize_opt("head_dim")?) {
-        (true, Some(hd)) if hd > 0 => hd,
-        (true, Some(_)) => return Err(FieldError::new("head_dim", "must be greater than zero")),
-        _ => {
+    let explicit = match d.head_dim_field {
+        Some(f) => obj.usize_opt(f)?.map(|hd| (f, hd)),
+        None => None,
+    };
+    let head_dim = match explicit {
+        Some((_, hd)) if hd > 0 => hd,
+        Some((f, _)) => return Err(FieldError::new(f, "must be greater than zero")),
+        None => {
             if hidden_size % num_heads != 0 {
                 return Err(FieldError::new(
                     "num_attention_heads",
@@ -363,7 +459,8 @@ pub(crate) fn build(
         (None, None) => None,
     };
     let num_layers = obj.positive("num_hidden_layers")?;
-    let FamilyParts { attention, layers, moe, expert_names } = parts(&Sizes { num_layers, head_dim })?;
+    let rope = parse_rope(obj, d.rope_theta)?;
+    let FamilyParts { attention, layers, moe, expert_names } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
     Ok(ModelSpec {
         family,
         architecture,
@@ -374,7 +471,7 @@ pub(crate) fn build(
         num_kv_heads,
         head_dim,
         rms_norm_eps: rms_norm_eps as f32,
-        rope: parse_rope(obj, d.rope_theta)?,
+        rope,
         max_position_embeddings: obj.positive("max_position_embeddings")?,
         tie_word_embeddings: obj.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
         attention,
@@ -396,11 +493,24 @@ fn parse_dtype(field: &str, s: &str) -> FieldResult<FloatType> {
     }
 }
 
-fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec> {
+/// `partial_rotary_factor`, wherever the config keeps it (inside the rope parameters in
+/// transformers 5, at the top level in older configs).
+pub(crate) fn partial_rotary_factor(obj: &Obj) -> FieldResult<Option<f64>> {
+    for key in ["rope_parameters", "rope_scaling"] {
+        if let Some(p) = obj.obj_opt(key)? {
+            if let Some(f) = p.f64_opt("partial_rotary_factor").map_err(|e| nest(key, e))? {
+                return Ok(Some(f));
+            }
+        }
+    }
+    obj.f64_opt("partial_rotary_factor")
+}
+
+pub(crate) fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec> {
     // transformers 5: everything under `rope_parameters`; older: `rope_theta` + `rope_scaling`.
-    let (field, params) = match obj.obj_opt("rope_parameters")? {
-        Some(p) => ("rope_parameters", Some(p)),
-        None => ("rope_scaling", obj.obj_opt("rope_scaling")?),
+    let (field, params) = match obj.obj_opt("rope_scaling")? {
+        Some(p) => ("rope_scaling", Some(p)),
+        None => ("rope_parameters", obj.obj_opt("rope_parameters")?),
     };
     let top_theta = obj.f64_opt("rope_theta")?;
     let theta = match &params {
@@ -418,24 +528,60 @@ fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec> {
         Some(k) => k,
         None => p.str_opt("type").map_err(|e| nest(field, e))?.unwrap_or("default"),
     };
+    let opt = |key: &str| -> FieldResult<Option<f64>> { p.f64_opt(key).map_err(|e| nest(field, e)) };
     let num = |key: &str| -> FieldResult<f64> {
-        p.f64_opt(key)
-            .map_err(|e| nest(field, e))?
-            .ok_or_else(|| FieldError::new(&format!("{field}.{key}"), format!("missing (needed by rope type `{kind}`)")))
+        opt(key)?.ok_or_else(|| FieldError::new(&format!("{field}.{key}"), format!("missing (needed by rope type `{kind}`)")))
+    };
+    let positive = |key: &str, v: f64| -> FieldResult<f64> {
+        if v > 0.0 {
+            Ok(v)
+        } else {
+            Err(FieldError::new(&format!("{field}.{key}"), format!("must be positive, got {v}")))
+        }
     };
     let scaling = match kind {
         "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "linear" => RopeScaling::Linear { factor: positive("factor", num("factor")?)? },
         "llama3" => RopeScaling::Llama3 {
-            factor: num("factor")?,
+            factor: positive("factor", num("factor")?)?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+            original_max_position_embeddings: positive("original_max_position_embeddings", num("original_max_position_embeddings")?)? as usize,
         },
+        "yarn" => {
+            let original = positive("original_max_position_embeddings", num("original_max_position_embeddings")?)?;
+            let factor = match opt("factor")? {
+                Some(f) => positive("factor", f)?,
+                None => obj.positive("max_position_embeddings")? as f64 / original,
+            };
+            let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let (mscale, mscale_all_dim) = (opt("mscale")?, opt("mscale_all_dim")?);
+            let attention_factor = match opt("attention_factor")? {
+                Some(a) => a,
+                None => match (mscale, mscale_all_dim) {
+                    (Some(m), Some(a)) if m != 0.0 && a != 0.0 => get_mscale(factor, m) / get_mscale(factor, a),
+                    _ => get_mscale(factor, 1.0),
+                },
+            };
+            let truncate = match p.get("truncate") {
+                None => true,
+                Some(serde_json::Value::Bool(b)) => *b,
+                Some(v) => return Err(FieldError::new(&format!("{field}.truncate"), format!("expected true or false, got {v}"))),
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original as usize,
+                beta_fast: opt("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0),
+                beta_slow: opt("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0),
+                attention_factor,
+                mscale_all_dim: mscale_all_dim.filter(|m| *m != 0.0),
+                truncate,
+            }
+        }
         other => {
             return Err(FieldError::new(
                 &format!("{field}.rope_type"),
-                format!("unsupported rope type `{other}` (supported: default, linear, llama3)"),
+                format!("unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"),
             ))
         }
     };
@@ -545,8 +691,12 @@ mod tests {
         assert!(message(parse(v)).contains("field `hidden_size`: expected a non-negative integer"));
 
         let mut v = mixtral();
-        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
         assert!(message(parse(v)).contains("rope_scaling.rope_type"));
+
+        let mut v = mixtral();
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        assert!(message(parse(v)).contains("rope_scaling.original_max_position_embeddings"));
 
         let mut v = mixtral();
         v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 4.0});

@@ -1,8 +1,10 @@
-//! The attention KV cache: per layer, keys and values for every position so far
-//! (`kv_heads × head_dim` values each), grown on demand up to the model's context.
+//! The attention KV cache: per layer, a key slot and a value slot for every position so far,
+//! grown on demand up to the model's context. GQA stores `kv_heads × head_dim` in each; MLA stores
+//! the compressed latent in the key slot and the shared rotary key in the value slot.
 
 pub struct KvCache {
-    stride: usize,
+    k_width: usize,
+    v_width: usize,
     capacity: usize,
     len: usize,
     keys: Vec<Vec<f32>>,
@@ -10,8 +12,14 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
-        KvCache { stride: kv_heads * head_dim, capacity, len: 0, keys: vec![Vec::new(); layers], values: vec![Vec::new(); layers] }
+    /// `k_width`/`v_width`: values per position in each layer's key and value slot.
+    pub fn new(layers: usize, k_width: usize, v_width: usize, capacity: usize) -> Self {
+        KvCache { k_width, v_width, capacity, len: 0, keys: vec![Vec::new(); layers], values: vec![Vec::new(); layers] }
+    }
+
+    /// Values per position per layer, (key slot, value slot).
+    pub fn widths(&self) -> (usize, usize) {
+        (self.k_width, self.v_width)
     }
 
     /// Positions held.
@@ -29,16 +37,16 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
         for (k, v) in self.keys.iter_mut().zip(&mut self.values) {
-            k.truncate(self.len * self.stride);
-            v.truncate(self.len * self.stride);
+            k.truncate(self.len * self.k_width);
+            v.truncate(self.len * self.v_width);
         }
     }
 
     /// Appends `n` positions' keys/values for `layer`; every layer must append the same `n`
     /// before `commit(n)`.
     pub fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
-        self.keys[layer].truncate(self.len * self.stride);
-        self.values[layer].truncate(self.len * self.stride);
+        self.keys[layer].truncate(self.len * self.k_width);
+        self.values[layer].truncate(self.len * self.v_width);
         self.keys[layer].extend_from_slice(keys);
         self.values[layer].extend_from_slice(values);
     }
@@ -50,8 +58,12 @@ impl KvCache {
     /// Keys and values of `layer` for positions `range` (which may include appended, not yet
     /// committed positions).
     pub fn layer(&self, layer: usize, range: std::ops::Range<usize>) -> (&[f32], &[f32]) {
-        let r = range.start * self.stride..range.end * self.stride;
-        (&self.keys[layer][r.clone()], &self.values[layer][r])
+        (&self.keys[layer][range.start * self.k_width..range.end * self.k_width], &self.values[layer][range.start * self.v_width..range.end * self.v_width])
+    }
+
+    /// Every layer's key and value slots for the positions held, for saving a session.
+    pub fn layers(&self) -> impl Iterator<Item = (&[f32], &[f32])> {
+        self.keys.iter().zip(&self.values).map(|(k, v)| (&k[..self.len * self.k_width], &v[..self.len * self.v_width]))
     }
 
     pub fn bytes(&self) -> usize {

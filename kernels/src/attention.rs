@@ -37,10 +37,54 @@ pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], s
     }
 }
 
+/// Absorbed multi-head latent attention for one head: scores are `q_lat·c_j + q_rot·r_j` over
+/// each position's latent `c_j` (`latents`, n × rank) and rotary key `r_j` (`rots`, n × rope),
+/// scaled; the result is the probability-weighted sum of latents (`out`, rank long), which the
+/// caller maps to the head's value with W_UV. Full keys and values are never formed.
+pub fn attend_latent(q_lat: &[f32], q_rot: &[f32], latents: &[f32], rots: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let (rank, rope) = (q_lat.len(), q_rot.len());
+    let n = latents.len() / rank;
+    let s = &mut scores[..n];
+    for (j, slot) in s.iter_mut().enumerate() {
+        let c = &latents[j * rank..(j + 1) * rank];
+        let r = &rots[j * rope..(j + 1) * rope];
+        let dot = q_lat.iter().zip(c).map(|(a, b)| a * b).sum::<f32>() + q_rot.iter().zip(r).map(|(a, b)| a * b).sum::<f32>();
+        *slot = dot * scale;
+    }
+    softmax_in_place(s);
+    out.iter_mut().for_each(|v| *v = 0.0);
+    for (j, p) in s.iter().enumerate() {
+        for (o, c) in out.iter_mut().zip(&latents[j * rank..(j + 1) * rank]) {
+            *o += p * c;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::reference;
+
+    #[test]
+    fn latent_attention_equals_attention_over_concatenated_keys() {
+        // q = [q_lat | q_rot], k_j = [c_j | r_j], v_j = c_j: the absorbed form is plain attention.
+        let f = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0;
+        let (rank, rope, n) = (6, 4, 7);
+        let q_lat: Vec<f32> = (0..rank).map(f).collect();
+        let q_rot: Vec<f32> = (0..rope).map(|i| f(i + 50)).collect();
+        let lat: Vec<f32> = (0..n * rank).map(|i| f(i + 100)).collect();
+        let rot: Vec<f32> = (0..n * rope).map(|i| f(i + 500)).collect();
+        let mut out = vec![0.0; rank];
+        attend_latent(&q_lat, &q_rot, &lat, &rot, 0.3, &mut vec![0.0; n], &mut out);
+        let q: Vec<f32> = q_lat.iter().chain(&q_rot).copied().collect();
+        let keys: Vec<Vec<f32>> = (0..n).map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
+        let ks: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+        let vs: Vec<&[f32]> = (0..n).map(|j| &lat[j * rank..(j + 1) * rank]).collect();
+        let want = reference::attend_head(&q, &ks, &vs, 0.3);
+        for (a, b) in out.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
 
     #[test]
     fn gqa_attention_matches_reference() {

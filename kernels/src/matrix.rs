@@ -92,6 +92,15 @@ impl Matrix {
         }
     }
 
+    /// `out = W[rows] · x`: the product with a contiguous block of rows only.
+    pub fn matvec_rows(&self, rows: std::ops::Range<usize>, x: &[f32], out: &mut [f32]) {
+        assert_eq!(x.len(), self.cols, "matvec input length");
+        assert_eq!(out.len(), rows.len(), "matvec output length");
+        for (slot, r) in out.iter_mut().zip(rows) {
+            *slot = self.dot_row(r, x);
+        }
+    }
+
     /// `out[i] = W · xs[i]` for `n` rows laid out back to back. Each row goes through `matvec`,
     /// so its result is the same whatever else is in the batch.
     pub fn matmul(&self, xs: &[f32], out: &mut [f32]) {

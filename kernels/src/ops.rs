@@ -52,6 +52,21 @@ pub fn rope_rotate_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Rotary embedding, interleaved layout (DeepSeek): pair (x[2i], x[2i+1]) rotates by the angle of
+/// `cos[i]`, `sin[i]`. transformers de-interleaves the result; since queries and keys get the same
+/// permutation, their dot products — all attention uses — are the same.
+pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (i, pair) in x.chunks_exact_mut(2).enumerate() {
+        let (a, b) = (pair[0], pair[1]);
+        pair[0] = a * cos[i] - b * sin[i];
+        pair[1] = b * cos[i] + a * sin[i];
+    }
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,6 +89,19 @@ mod tests {
         for v in [-20.0f32, -1.0, 0.0, 0.5, 30.0] {
             assert!((silu(v) - reference::silu(v)).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn interleaved_rope_is_the_split_layout_permuted() {
+        let x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let (cos, sin) = ([0.6f32, 0.8, -1.0], [0.8f32, 0.6, 0.0]);
+        let mut inter = x;
+        rope_interleaved(&mut inter, &cos, &sin);
+        // The same rotation on the de-interleaved vector [x0 x2 x4 | x1 x3 x5].
+        let mut split = [x[0], x[2], x[4], x[1], x[3], x[5]];
+        rope_rotate_half(&mut split, &cos, &sin);
+        assert_eq!(inter, [split[0], split[3], split[1], split[4], split[2], split[5]]);
+        assert!((sigmoid(0.0) - 0.5).abs() < 1e-7 && sigmoid(-100.0) >= 0.0);
     }
 
     #[test]

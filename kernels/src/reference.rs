@@ -24,14 +24,14 @@ pub fn silu(x: f32) -> f32 {
     (x as f64 / (1.0 + (-(x as f64)).exp())) as f32
 }
 
-/// Attention of one query head over `n` keys/values of one kv head (each `d` long).
+/// Attention of one query head over `n` keys and values of one kv head.
 pub fn attend_head(q: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f32) -> Vec<f32> {
     let scores: Vec<f32> = keys
         .iter()
         .map(|k| (q.iter().zip(k.iter()).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64) as f32)
         .collect();
     let p = softmax(&scores);
-    let d = q.len();
+    let d = values.first().map_or(0, |v| v.len());
     (0..d)
         .map(|i| p.iter().zip(values).map(|(w, v)| *w as f64 * v[i] as f64).sum::<f64>() as f32)
         .collect()

@@ -13,6 +13,7 @@ fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_topk_prob: boo
         top_k,
         expert_intermediate_size: obj.positive(intermediate_key)?,
         scoring: RouterScoring::SoftmaxTopK { norm_topk_prob },
+        shared_intermediate_size: None,
     })
 }
 
@@ -23,8 +24,25 @@ fn check_act(obj: &Obj) -> FieldResult<()> {
     }
 }
 
+/// Attention fields every GQA family without partial rotary shares.
+fn gqa(sz: &Sizes, qk_norm: QkNorm, clip_qkv: Option<f32>, bias: bool, o_bias: bool, sliding_window: Vec<Option<usize>>) -> AttentionSpec {
+    AttentionSpec {
+        kind: AttentionKind::Gqa,
+        qk_norm,
+        clip_qkv,
+        bias,
+        o_bias,
+        rotary_dim: sz.head_dim,
+        rope_interleave: false,
+        scale: (sz.head_dim as f32).powf(-0.5),
+        sliding_window,
+    }
+}
+
 const GATE_UP_DOWN: ExpertNames = ExpertNames {
     router: "model.layers.{L}.mlp.gate.weight",
+    router_bias: None,
+    shared: None,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
     down: "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
@@ -32,7 +50,7 @@ const GATE_UP_DOWN: ExpertNames = ExpertNames {
 
 pub(super) fn olmoe(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
-    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 10_000.0, tie_word_embeddings: false, explicit_head_dim: false, num_kv_heads: None };
+    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: None, num_kv_heads: None };
     build(obj, &defaults, Family::Olmoe, "OlmoeForCausalLM", |sz| {
         // transformers sizes k_norm by hidden/heads, so an explicit, different head_dim cannot load there.
         if let Some(hd) = obj.usize_opt("head_dim")? {
@@ -46,11 +64,9 @@ pub(super) fn olmoe(obj: &Obj) -> FieldResult<ModelSpec> {
             other => other.map(|c| c as f32),
         };
         Ok(FamilyParts {
-            attention: AttentionSpec {
-                qk_norm: QkNorm::FullProjection,
-                clip_qkv,
-                bias: obj.bool_or("attention_bias", false)?,
-                sliding_window: vec![None; sz.num_layers],
+            attention: {
+                let bias = obj.bool_or("attention_bias", false)?;
+                gqa(sz, QkNorm::FullProjection, clip_qkv, bias, bias, vec![None; sz.num_layers])
             },
             layers: vec![LayerMlp::Moe; sz.num_layers],
             moe: moe(obj, experts_key, "intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
@@ -61,7 +77,7 @@ pub(super) fn olmoe(obj: &Obj) -> FieldResult<ModelSpec> {
 
 pub(super) fn qwen3_moe(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
-    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, explicit_head_dim: true, num_kv_heads: Some(4) };
+    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(4) };
     build(obj, &defaults, Family::Qwen3Moe, "Qwen3MoeForCausalLM", |sz| {
         let n = sz.num_layers;
         // transformers 5 writes `num_local_experts` (an alias); hub checkpoints write `num_experts`.
@@ -89,11 +105,9 @@ pub(super) fn qwen3_moe(obj: &Obj) -> FieldResult<ModelSpec> {
             return Err(FieldError::new("sliding_window", "must be greater than zero"));
         }
         Ok(FamilyParts {
-            attention: AttentionSpec {
-                qk_norm: QkNorm::PerHead,
-                clip_qkv: None,
-                bias: obj.bool_or("attention_bias", false)?,
-                sliding_window: vec![window; n],
+            attention: {
+                let bias = obj.bool_or("attention_bias", false)?;
+                gqa(sz, QkNorm::PerHead, None, bias, bias, vec![window; n])
             },
             layers,
             moe: moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
@@ -104,23 +118,127 @@ pub(super) fn qwen3_moe(obj: &Obj) -> FieldResult<ModelSpec> {
 
 pub(super) fn mixtral(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
-    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 1_000_000.0, tie_word_embeddings: false, explicit_head_dim: true, num_kv_heads: None };
+    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 1_000_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: None };
     build(obj, &defaults, Family::Mixtral, "MixtralForCausalLM", |sz| {
         let window = obj.usize_opt("sliding_window")?;
         if window == Some(0) {
             return Err(FieldError::new("sliding_window", "must be greater than zero"));
         }
         Ok(FamilyParts {
-            attention: AttentionSpec { qk_norm: QkNorm::None, clip_qkv: None, bias: false, sliding_window: vec![window; sz.num_layers] },
+            attention: gqa(sz, QkNorm::None, None, false, false, vec![window; sz.num_layers]),
             layers: vec![LayerMlp::Moe; sz.num_layers],
             // Mixtral always renormalises its top-k weights.
             moe: moe(obj, "num_local_experts", "intermediate_size", true)?,
             expert_names: ExpertNames {
                 router: "model.layers.{L}.block_sparse_moe.gate.weight",
+                router_bias: None,
+                shared: None,
                 gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
                 up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
                 down: "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
             },
         })
+    })
+}
+
+const GROUPED_SIGMOID_NAMES: ExpertNames = ExpertNames {
+    router: "model.layers.{L}.mlp.gate.weight",
+    router_bias: Some("model.layers.{L}.mlp.gate.e_score_correction_bias"),
+    shared: Some([
+        "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+        "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+        "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+    ]),
+    gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+    up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+    down: "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+};
+
+/// The sigmoid, group-limited, bias-corrected MoE of DeepSeek-V3 and GLM-4.5, with shared
+/// experts, after `first_k_dense_replace` dense layers.
+fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usize)) -> FieldResult<(Vec<LayerMlp>, MoeSpec)> {
+    let (scaling_default, group_default, topk_group_default, first_dense_default) = defaults;
+    let experts_key = if obj.get("n_routed_experts").is_some() { "n_routed_experts" } else { "num_local_experts" };
+    let num_experts = obj.positive(experts_key)?;
+    let expert_intermediate_size = obj.positive("moe_intermediate_size")?;
+    let first_dense = obj.usize_opt("first_k_dense_replace")?.unwrap_or(first_dense_default);
+    let layers = (0..n)
+        .map(|l| if l < first_dense { Ok(LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? }) } else { Ok(LayerMlp::Moe) })
+        .collect::<FieldResult<_>>()?;
+    let shared = obj.usize_opt("n_shared_experts")?.unwrap_or(1);
+    let scaling = obj.f64_or("routed_scaling_factor", scaling_default)?;
+    Ok((
+        layers,
+        MoeSpec {
+            num_experts,
+            top_k: obj.positive("num_experts_per_tok")?,
+            expert_intermediate_size,
+            scoring: RouterScoring::SigmoidGrouped {
+                n_group: obj.usize_opt("n_group")?.unwrap_or(group_default),
+                topk_group: obj.usize_opt("topk_group")?.unwrap_or(topk_group_default),
+                norm_topk_prob: obj.bool_or("norm_topk_prob", true)?,
+                routed_scaling_factor: scaling as f32,
+            },
+            shared_intermediate_size: (shared > 0).then_some(shared * expert_intermediate_size),
+        },
+    ))
+}
+
+pub(super) fn deepseek_v3(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("qk_rope_head_dim"), num_kv_heads: None };
+    build(obj, &defaults, Family::DeepseekV3, "DeepseekV3ForCausalLM", |sz| {
+        let mla = MlaSpec {
+            q_lora_rank: obj.usize_opt("q_lora_rank")?,
+            kv_lora_rank: obj.positive("kv_lora_rank")?,
+            qk_nope_head_dim: obj.positive("qk_nope_head_dim")?,
+            qk_rope_head_dim: obj.positive("qk_rope_head_dim")?,
+            v_head_dim: obj.positive("v_head_dim")?,
+        };
+        if mla.q_lora_rank == Some(0) {
+            return Err(FieldError::new("q_lora_rank", "must be greater than zero, or null for a plain q_proj"));
+        }
+        // transformers' yarn_apply_mscale: the softmax scale grows by mscale(factor, mscale_all_dim)².
+        let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
+        if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = &sz.rope.scaling {
+            let ms = if *factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+            scale *= ms * ms;
+        }
+        let bias = obj.bool_or("attention_bias", false)?;
+        let (layers, moe) = grouped_moe(obj, sz.num_layers, (2.5, 8, 4, 3))?;
+        Ok(FamilyParts {
+            attention: AttentionSpec {
+                rotary_dim: mla.qk_rope_head_dim,
+                kind: AttentionKind::Mla(mla),
+                qk_norm: QkNorm::None,
+                clip_qkv: None,
+                bias,
+                o_bias: bias,
+                rope_interleave: obj.bool_or("rope_interleave", true)?,
+                scale: scale as f32,
+                sliding_window: vec![None; sz.num_layers],
+            },
+            layers,
+            moe,
+            expert_names: GROUPED_SIGMOID_NAMES,
+        })
+    })
+}
+
+pub(super) fn glm4_moe(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
+    build(obj, &defaults, Family::Glm4Moe, "Glm4MoeForCausalLM", |sz| {
+        // Glm4MoeConfig defaults partial_rotary_factor to 0.5.
+        let factor = partial_rotary_factor(obj)?.unwrap_or(0.5);
+        if !(factor > 0.0 && factor <= 1.0) {
+            return Err(FieldError::new("partial_rotary_factor", format!("must be in (0, 1], got {factor}")));
+        }
+        let rotary_dim = (sz.head_dim as f64 * factor) as usize;
+        let qk_norm = if obj.bool_or("use_qk_norm", false)? { QkNorm::PerHead } else { QkNorm::None };
+        let mut attention = gqa(sz, qk_norm, None, obj.bool_or("attention_bias", false)?, false, vec![None; sz.num_layers]);
+        attention.rotary_dim = rotary_dim;
+        let (layers, moe) = grouped_moe(obj, sz.num_layers, (1.0, 1, 1, 1))?;
+        Ok(FamilyParts { attention, layers, moe, expert_names: GROUPED_SIGMOID_NAMES })
     })
 }

@@ -1,19 +1,23 @@
 //! The shared decoder-only forward pass (DESIGN.md §3), dense part only.
 //!
-//! For each layer: `h += o_proj(attention(rope(qk_norm(q, k)), v))` over the KV cache, then either
-//! `h += mlp(norm(h))` (dense layer) or the router picks each row's experts and the
-//! `ExpertDispatch` returns Σ w·FFN as fixed-point sums, which are added to `h`.
+//! For each layer: `h += attention(norm(h))` over the KV cache — grouped-query attention (with
+//! optional QK-norm, clip, biases, partial or interleaved rotary, sliding window) or multi-head
+//! latent attention (`mla.rs`) — then either `h += mlp(norm(h))` (dense layer) or the router picks
+//! each row's experts, the `ExpertDispatch` returns Σ w·FFN as fixed-point sums, and those plus
+//! any shared expert are added to `h`.
 //!
 //! All activations are f32; weights stay in their stored precision. Every row is computed by the
 //! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
 
-use shimmer_common::spec::{LayerMlp, QkNorm, RouterScoring};
+use shimmer_common::spec::{AttentionKind, LayerMlp, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_kernels::attention::{attend, AttentionShape};
 use shimmer_kernels::{fixed, ops, Matrix};
 use shimmer_worker::{DispatchError, ExpertDispatch, MoeBatch};
 
+use super::mla::Mla;
 use super::rope::Rope;
+use super::router::Router;
 use crate::kv_cache::KvCache;
 
 /// Where a family keeps its dense tensors; `{L}` is the layer index.
@@ -54,13 +58,13 @@ impl TensorNames {
     };
 }
 
-struct Linear {
-    weight: Matrix,
-    bias: Option<Vec<f32>>,
+pub(crate) struct Linear {
+    pub weight: Matrix,
+    pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
-    fn forward(&self, xs: &[f32], out: &mut [f32]) {
+    pub fn forward(&self, xs: &[f32], out: &mut [f32]) {
         self.weight.matmul(xs, out);
         if let Some(b) = &self.bias {
             for row in out.chunks_exact_mut(b.len()) {
@@ -70,14 +74,37 @@ impl Linear {
     }
 }
 
-enum Mlp {
-    Dense { gate: Matrix, up: Matrix, down: Matrix },
-    Moe { router: Matrix },
+/// A SwiGLU MLP computed by the coordinator: a dense layer's MLP, or a MoE layer's shared expert.
+struct DenseMlp {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
 }
 
-struct Layer {
-    input_norm: Vec<f32>,
-    post_attention_norm: Vec<f32>,
+impl DenseMlp {
+    fn load(ckpt: &Checkpoint, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
+        Ok(DenseMlp { gate: matrix(ckpt, g, intermediate, hidden)?, up: matrix(ckpt, u, intermediate, hidden)?, down: matrix(ckpt, d, hidden, intermediate)? })
+    }
+
+    /// `out = mlp(x)` row by row.
+    fn forward(&self, x: &[f32], out: &mut [f32]) {
+        let (hd, i) = (self.gate.cols, self.gate.rows);
+        let (mut g, mut u) = (vec![0.0f32; i], vec![0.0f32; i]);
+        for (xr, or) in x.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+            self.gate.matvec(xr, &mut g);
+            self.up.matvec(xr, &mut u);
+            ops::swiglu_in_place(&mut g, &u);
+            self.down.matvec(&g, or);
+        }
+    }
+}
+
+enum Mlp {
+    Dense(DenseMlp),
+    Moe { router: Router, shared: Option<DenseMlp> },
+}
+
+struct Gqa {
     q: Linear,
     k: Linear,
     v: Linear,
@@ -85,6 +112,17 @@ struct Layer {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     window: Option<usize>,
+}
+
+enum Attention {
+    Gqa(Gqa),
+    Mla(Mla),
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    attention: Attention,
     mlp: Mlp,
 }
 
@@ -131,19 +169,19 @@ pub enum ForwardError {
     TokenOutOfRange { id: u32, vocab: usize },
 }
 
-fn name(template: &str, layer: usize) -> String {
+pub(crate) fn name(template: &str, layer: usize) -> String {
     template.replace("{L}", &layer.to_string())
 }
 
-fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+pub(crate) fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
     Ok(ckpt.get(name, &[len])?.to_f32())
 }
 
-fn matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+pub(crate) fn matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
     Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
 }
 
-fn linear(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {
+pub(crate) fn linear(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {
     Ok(Linear {
         weight: matrix(ckpt, &format!("{base}.weight"), rows, cols)?,
         bias: if bias { Some(vector(ckpt, &format!("{base}.bias"), rows)?) } else { None },
@@ -152,34 +190,35 @@ fn linear(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize, bias: bool) -
 
 impl Decoder {
     pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, names: &TensorNames) -> Result<Self, LoadError> {
-        let (h, d) = (spec.hidden_size, spec.head_dim);
-        let (qd, kvd) = (spec.num_heads * d, spec.num_kv_heads * d);
-        let bias = spec.attention.bias;
+        let h = spec.hidden_size;
         let mut layers = Vec::with_capacity(spec.num_layers);
         for l in 0..spec.num_layers {
-            let (q_norm, k_norm) = match spec.attention.qk_norm {
-                QkNorm::None => (None, None),
-                QkNorm::PerHead => (Some(vector(ckpt, &name(names.q_norm, l), d)?), Some(vector(ckpt, &name(names.k_norm, l), d)?)),
-                QkNorm::FullProjection => (Some(vector(ckpt, &name(names.q_norm, l), qd)?), Some(vector(ckpt, &name(names.k_norm, l), kvd)?)),
+            let attention = match &spec.attention.kind {
+                AttentionKind::Gqa => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
+                AttentionKind::Mla(mla) => Attention::Mla(Mla::load(ckpt, spec, mla, l)?),
             };
             let mlp = match spec.layers[l] {
-                LayerMlp::Dense { intermediate_size: i } => Mlp::Dense {
-                    gate: matrix(ckpt, &name(names.mlp_gate, l), i, h)?,
-                    up: matrix(ckpt, &name(names.mlp_up, l), i, h)?,
-                    down: matrix(ckpt, &name(names.mlp_down, l), h, i)?,
-                },
-                LayerMlp::Moe => Mlp::Moe { router: matrix(ckpt, &spec.expert_names.router(l), spec.moe.num_experts, h)? },
+                LayerMlp::Dense { intermediate_size: i } => {
+                    Mlp::Dense(DenseMlp::load(ckpt, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?)
+                }
+                LayerMlp::Moe => {
+                    let e = spec.moe.num_experts;
+                    let bias = match spec.expert_names.router_bias(l) {
+                        Some(b) => Some(vector(ckpt, &b, e)?),
+                        None => None,
+                    };
+                    let shared = match (spec.expert_names.shared(l), spec.moe.shared_intermediate_size) {
+                        (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, [&g, &u, &d], h, i)?),
+                        _ => None,
+                    };
+                    let router = Router { weight: matrix(ckpt, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
+                    Mlp::Moe { router, shared }
+                }
             };
             layers.push(Layer {
                 input_norm: vector(ckpt, &name(names.input_norm, l), h)?,
                 post_attention_norm: vector(ckpt, &name(names.post_attention_norm, l), h)?,
-                q: linear(ckpt, &name(names.q, l), qd, h, bias)?,
-                k: linear(ckpt, &name(names.k, l), kvd, h, bias)?,
-                v: linear(ckpt, &name(names.v, l), kvd, h, bias)?,
-                o: linear(ckpt, &name(names.o, l), h, qd, bias)?,
-                q_norm,
-                k_norm,
-                window: spec.attention.sliding_window[l],
+                attention,
                 mlp,
             });
         }
@@ -189,8 +228,28 @@ impl Decoder {
             final_norm: vector(ckpt, names.final_norm, h)?,
             lm_head,
             layers,
-            rope: Rope::new(&spec.rope, d),
+            rope: Rope::new(&spec.rope, spec.attention.rotary_dim),
             spec: spec.clone(),
+        })
+    }
+
+    fn load_gqa(ckpt: &Checkpoint, spec: &ModelSpec, names: &TensorNames, l: usize) -> Result<Gqa, LoadError> {
+        let (h, d) = (spec.hidden_size, spec.head_dim);
+        let (qd, kvd) = (spec.num_heads * d, spec.num_kv_heads * d);
+        let a = &spec.attention;
+        let (q_norm, k_norm) = match a.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead => (Some(vector(ckpt, &name(names.q_norm, l), d)?), Some(vector(ckpt, &name(names.k_norm, l), d)?)),
+            QkNorm::FullProjection => (Some(vector(ckpt, &name(names.q_norm, l), qd)?), Some(vector(ckpt, &name(names.k_norm, l), kvd)?)),
+        };
+        Ok(Gqa {
+            q: linear(ckpt, &name(names.q, l), qd, h, a.bias)?,
+            k: linear(ckpt, &name(names.k, l), kvd, h, a.bias)?,
+            v: linear(ckpt, &name(names.v, l), kvd, h, a.bias)?,
+            o: linear(ckpt, &name(names.o, l), h, qd, a.o_bias)?,
+            q_norm,
+            k_norm,
+            window: a.sliding_window[l],
         })
     }
 
@@ -200,7 +259,11 @@ impl Decoder {
 
     pub fn new_cache(&self) -> KvCache {
         let s = &self.spec;
-        KvCache::new(s.num_layers, s.num_kv_heads, s.head_dim, s.max_position_embeddings)
+        let (k, v) = match &s.attention.kind {
+            AttentionKind::Gqa => (s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim),
+            AttentionKind::Mla(m) => (m.kv_lora_rank, m.qk_rope_head_dim),
+        };
+        KvCache::new(s.num_layers, k, v, s.max_position_embeddings)
     }
 
     /// Runs `tokens` at positions `cache.len()..` and returns logits (`vocab` per returned row).
@@ -218,7 +281,7 @@ impl Decoder {
         observer: &mut dyn MoeObserver,
     ) -> Result<Vec<f32>, ForwardError> {
         let s = &self.spec;
-        let (n, hd, d) = (tokens.len(), s.hidden_size, s.head_dim);
+        let (n, hd) = (tokens.len(), s.hidden_size);
         let start = cache.len();
         if start + n > cache.capacity() {
             return Err(ForwardError::ContextFull { have: start, adding: n, capacity: cache.capacity() });
@@ -230,59 +293,20 @@ impl Decoder {
             }
             self.embed.row_f32(*t as usize, row);
         }
-        let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
         let mut x = vec![0.0f32; n * hd];
-        let mut q = vec![0.0f32; n * qd];
-        let mut k = vec![0.0f32; n * kvd];
-        let mut v = vec![0.0f32; n * kvd];
-        let mut attn = vec![0.0f32; n * qd];
         let mut proj = vec![0.0f32; n * hd];
-        let mut scratch = vec![0.0f32; qd.max(kvd)];
-        let mut scores = vec![0.0f32; start + n];
-        let (mut cos, mut sin) = (vec![0.0f32; d / 2], vec![0.0f32; d / 2]);
-        let shape = AttentionShape { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: d, scale: (d as f32).powf(-0.5) };
-
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
-            layer.q.forward(&x, &mut q);
-            layer.k.forward(&x, &mut k);
-            layer.v.forward(&x, &mut v);
-            self.qk_norm(layer, &mut q, &mut k, &mut scratch);
-            if let Some(c) = s.attention.clip_qkv {
-                for t in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
-                    *t = t.clamp(-c, c);
-                }
+            match &layer.attention {
+                Attention::Gqa(g) => self.gqa(g, l, start, &x, cache, &mut proj),
+                Attention::Mla(m) => m.forward(s, &self.rope, l, start, &x, cache, &mut proj),
             }
-            for i in 0..n {
-                self.rope.cos_sin(start + i, &mut cos, &mut sin);
-                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(d).chain(k[i * kvd..(i + 1) * kvd].chunks_exact_mut(d)) {
-                    ops::rope_rotate_half(head, &cos, &sin);
-                }
-            }
-            cache.append(l, &k, &v);
-            for i in 0..n {
-                let pos = start + i;
-                // A query sees keys j with pos - j < window (itself included), as transformers' mask.
-                let lo = layer.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let (keys, values) = cache.layer(l, lo..pos + 1);
-                attend(&shape, &q[i * qd..(i + 1) * qd], keys, values, &mut scores, &mut attn[i * qd..(i + 1) * qd]);
-            }
-            layer.o.forward(&attn, &mut proj);
             add(&mut h, &proj);
 
             norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
             match &layer.mlp {
-                Mlp::Dense { gate, up, down } => {
-                    let i = gate.rows;
-                    let (mut g, mut u) = (vec![0.0f32; i], vec![0.0f32; i]);
-                    for (xr, pr) in x.chunks_exact(hd).zip(proj.chunks_exact_mut(hd)) {
-                        gate.matvec(xr, &mut g);
-                        up.matvec(xr, &mut u);
-                        ops::swiglu_in_place(&mut g, &u);
-                        down.matvec(&g, pr);
-                    }
-                }
-                Mlp::Moe { router } => self.moe(l, router, &x, experts, observer, &mut proj)?,
+                Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
+                Mlp::Moe { router, shared } => self.moe(l, router, shared.as_ref(), &x, experts, observer, &mut proj)?,
             }
             add(&mut h, &proj);
         }
@@ -301,76 +325,105 @@ impl Decoder {
         Ok(logits)
     }
 
-    fn qk_norm(&self, layer: &Layer, q: &mut [f32], k: &mut [f32], scratch: &mut [f32]) {
-        let eps = self.spec.rms_norm_eps;
+    /// Grouped-query attention of `n` rows at positions `start..`, appending their keys/values.
+    #[allow(clippy::too_many_arguments)]
+    fn gqa(&self, g: &Gqa, l: usize, start: usize, x: &[f32], cache: &mut KvCache, out: &mut [f32]) {
+        let s = &self.spec;
+        let a = &s.attention;
+        let (hd, d) = (s.hidden_size, s.head_dim);
+        let n = x.len() / hd;
+        let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
+        let (mut q, mut k, mut v) = (vec![0.0f32; n * qd], vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
+        g.q.forward(x, &mut q);
+        g.k.forward(x, &mut k);
+        g.v.forward(x, &mut v);
         // Per-head norms have head_dim-long weights; full-projection norms span the whole row, so
         // the same chunked kernel covers both.
-        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-            ops::rms_norm_chunks(q, qn, eps, scratch);
-            ops::rms_norm_chunks(k, kn, eps, scratch);
+        if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
+            let mut scratch = vec![0.0f32; qd.max(kvd)];
+            ops::rms_norm_chunks(&mut q, qn, s.rms_norm_eps, &mut scratch);
+            ops::rms_norm_chunks(&mut k, kn, s.rms_norm_eps, &mut scratch);
+        }
+        if let Some(c) = a.clip_qkv {
+            for t in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *t = t.clamp(-c, c);
+            }
+        }
+        let (mut cos, mut sin) = (vec![0.0f32; a.rotary_dim / 2], vec![0.0f32; a.rotary_dim / 2]);
+        for i in 0..n {
+            self.rope.cos_sin(start + i, &mut cos, &mut sin);
+            for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(d).chain(k[i * kvd..(i + 1) * kvd].chunks_exact_mut(d)) {
+                self.rotate(&mut head[..a.rotary_dim], &cos, &sin);
+            }
+        }
+        cache.append(l, &k, &v);
+        let shape = AttentionShape { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: d, scale: a.scale };
+        let mut attn = vec![0.0f32; n * qd];
+        let mut scores = vec![0.0f32; start + n];
+        for i in 0..n {
+            let pos = start + i;
+            // A query sees keys j with pos - j < window (itself included), as transformers' mask.
+            let lo = g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let (keys, values) = cache.layer(l, lo..pos + 1);
+            attend(&shape, &q[i * qd..(i + 1) * qd], keys, values, &mut scores, &mut attn[i * qd..(i + 1) * qd]);
+        }
+        g.o.forward(&attn, out);
+    }
+
+    /// Rotates one head's rotary part in the layout the model uses.
+    pub(crate) fn rotate(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+        if self.spec.attention.rope_interleave {
+            ops::rope_interleaved(x, cos, sin);
+        } else {
+            ops::rope_rotate_half(x, cos, sin);
         }
     }
 
-    fn moe(&self, layer: usize, router: &Matrix, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32]) -> Result<(), ForwardError> {
+    #[allow(clippy::too_many_arguments)]
+    fn moe(&self, layer: usize, router: &Router, shared: Option<&DenseMlp>, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32]) -> Result<(), ForwardError> {
         let s = &self.spec;
         let (hd, k) = (s.hidden_size, s.moe.top_k);
         let n = x.len() / hd;
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
-        let mut probs = vec![0.0f32; s.moe.num_experts];
+        let mut scores = Vec::new();
         for xr in x.chunks_exact(hd) {
-            self.route_row(router, xr, &mut probs, &mut ids, &mut weights);
+            router.route_row(xr, &mut scores, &mut ids, &mut weights);
         }
         observer.moe_layer(layer, x, &ids, &weights);
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
         fixed::to_f32(&acc, out);
+        if let Some(shared) = shared {
+            // transformers adds the shared expert to the routed sum before the residual.
+            let mut y = vec![0.0f32; n * hd];
+            shared.forward(x, &mut y);
+            add(out, &y);
+        }
         Ok(())
     }
 
-    /// The router's (expert, weight) choice for one row, exactly as the model defines it.
-    fn route_row(&self, router: &Matrix, x: &[f32], probs: &mut [f32], ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
-        let RouterScoring::SoftmaxTopK { norm_topk_prob } = self.spec.moe.scoring;
-        router.matvec(x, probs);
-        ops::softmax_in_place(probs);
-        let top = top_k(probs, self.spec.moe.top_k);
-        let sum: f32 = top.iter().map(|&e| probs[e]).sum();
-        for &e in &top {
-            ids.push(e as u32);
-            weights.push(if norm_topk_prob { probs[e] / sum } else { probs[e] });
-        }
-    }
-
-    /// What layer `layer`'s router would choose for row `x` (n rows → n × top_k experts), or
+    /// What layer `layer`'s router would choose for rows `x` (n rows → n × top_k experts), or
     /// `None` for a dense layer. Used to predict a layer's experts from an earlier layer's state.
     pub fn route(&self, layer: usize, x: &[f32]) -> Option<Vec<u32>> {
-        let Mlp::Moe { router } = &self.layers.get(layer)?.mlp else {
+        let Mlp::Moe { router, .. } = &self.layers.get(layer)?.mlp else {
             return None;
         };
-        let mut probs = vec![0.0f32; self.spec.moe.num_experts];
-        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        let (mut scores, mut ids, mut weights) = (Vec::new(), Vec::new(), Vec::new());
         for xr in x.chunks_exact(self.spec.hidden_size) {
-            self.route_row(router, xr, &mut probs, &mut ids, &mut weights);
+            router.route_row(xr, &mut scores, &mut ids, &mut weights);
         }
         Some(ids)
     }
 }
 
-/// Indices of the `k` largest values, largest first; equal values keep index order.
-pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|a, b| values[*b].total_cmp(&values[*a]).then(a.cmp(b)));
-    idx.truncate(k);
-    idx
-}
-
-fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let w = weight.len();
     for (hr, xr) in h.chunks_exact(w).zip(out.chunks_exact_mut(w)) {
         ops::rms_norm(hr, weight, eps, xr);
     }
 }
 
-fn add(h: &mut [f32], y: &[f32]) {
+pub(crate) fn add(h: &mut [f32], y: &[f32]) {
     h.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }

@@ -1,16 +1,21 @@
 //! Model families' dense forward passes.
 //!
-//! `decoder.rs` is the one shared mechanism for decoder-only transformers with GQA attention
-//! (optional QK-norm, clip, bias, sliding window), RMSNorm, RoPE, dense SwiGLU MLPs and softmax
-//! top-k routers; a fix there reaches every family. Each family file only says where its tensors
+//! `decoder.rs` is the one shared mechanism for decoder-only MoE transformers: GQA attention
+//! (optional QK-norm, clip, biases, partial or interleaved rotary, sliding window) or multi-head
+//! latent attention (`mla.rs`), RMSNorm, RoPE (`rope.rs`), dense SwiGLU MLPs, shared experts and
+//! the routers (`router.rs`); a fix there reaches every family. Each family file only says where its tensors
 //! live and which options it uses. Routed experts never pass through here: the decoder hands
 //! each MoE layer's rows and selections to an `ExpertDispatch`.
 
 pub mod decoder;
+pub mod deepseek_v3;
+pub mod glm4_moe;
 pub mod mixtral;
+pub mod mla;
 pub mod olmoe;
 pub mod qwen3_moe;
 pub mod rope;
+pub mod router;
 
 use shimmer_common::{Checkpoint, Family, LoadError, ModelSpec};
 
@@ -22,5 +27,7 @@ pub fn load_dense(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Decoder, LoadEr
         Family::Olmoe => olmoe::load(ckpt, spec),
         Family::Qwen3Moe => qwen3_moe::load(ckpt, spec),
         Family::Mixtral => mixtral::load(ckpt, spec),
+        Family::DeepseekV3 => deepseek_v3::load(ckpt, spec),
+        Family::Glm4Moe => glm4_moe::load(ckpt, spec),
     }
 }

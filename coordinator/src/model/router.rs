@@ -1,0 +1,122 @@
+//! Routers: a row's MoE input → its (expert, weight) pairs, exactly as the model defines them.
+//! One place for every family's routing semantics (DESIGN.md §1: never approximated).
+
+use shimmer_common::spec::RouterScoring;
+use shimmer_kernels::{ops, Matrix};
+
+pub struct Router {
+    pub weight: Matrix,
+    /// `e_score_correction_bias`: shifts selection only, never the weights.
+    pub bias: Option<Vec<f32>>,
+    pub scoring: RouterScoring,
+    pub top_k: usize,
+}
+
+impl Router {
+    /// Appends row `x`'s `top_k` expert ids and weights; `scores` is scratch of `num_experts`.
+    pub fn route_row(&self, x: &[f32], scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
+        let e = self.weight.rows;
+        scores.resize(e, 0.0);
+        self.weight.matvec(x, scores);
+        match self.scoring {
+            RouterScoring::SoftmaxTopK { norm_topk_prob } => {
+                ops::softmax_in_place(scores);
+                let top = top_k(scores, self.top_k);
+                let sum: f32 = top.iter().map(|&i| scores[i]).sum();
+                for &i in &top {
+                    ids.push(i as u32);
+                    weights.push(if norm_topk_prob { scores[i] / sum } else { scores[i] });
+                }
+            }
+            RouterScoring::SigmoidGrouped { n_group, topk_group, norm_topk_prob, routed_scaling_factor } => {
+                scores.iter_mut().for_each(|s| *s = ops::sigmoid(*s));
+                let choice: Vec<f32> = match &self.bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                // Each group is scored by the sum of its two best biased scores; only the best
+                // `topk_group` groups may contribute experts.
+                let size = e / n_group;
+                let group_scores: Vec<f32> = choice
+                    .chunks_exact(size)
+                    .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+                    .collect();
+                let groups = top_k(&group_scores, topk_group);
+                let masked: Vec<f32> = choice
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| if groups.contains(&(i / size)) { *c } else { f32::NEG_INFINITY })
+                    .collect();
+                let top = top_k(&masked, self.top_k);
+                let sum: f32 = top.iter().map(|&i| scores[i]).sum::<f32>() + 1e-20;
+                for &i in &top {
+                    ids.push(i as u32);
+                    let w = if norm_topk_prob { scores[i] / sum } else { scores[i] };
+                    weights.push(w * routed_scaling_factor);
+                }
+            }
+        }
+    }
+}
+
+/// Indices of the `k` largest values, largest first; equal values keep index order.
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|a, b| values[*b].total_cmp(&values[*a]).then(a.cmp(b)));
+    idx.truncate(k);
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(logits: &[f32], bias: Option<Vec<f32>>, scoring: RouterScoring, top_k: usize) -> (Vec<u32>, Vec<f32>) {
+        // An identity-like weight: row i picks input i, so the logits are the input.
+        let n = logits.len();
+        let w: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        let r = Router { weight: Matrix::from_f32(n, n, w), bias, scoring, top_k };
+        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        r.route_row(logits, &mut Vec::new(), &mut ids, &mut weights);
+        (ids, weights)
+    }
+
+    #[test]
+    fn softmax_top_k_with_and_without_renormalisation() {
+        let logits = [1.0, 3.0, 2.0, 0.0];
+        let (ids, w) = router(&logits, None, RouterScoring::SoftmaxTopK { norm_topk_prob: false }, 2);
+        assert_eq!(ids, [1, 2]);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((w[0] - 3f32.exp() / z).abs() < 1e-6 && (w[1] - 2f32.exp() / z).abs() < 1e-6);
+        let (_, w) = router(&logits, None, RouterScoring::SoftmaxTopK { norm_topk_prob: true }, 2);
+        assert!((w[0] + w[1] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn grouped_sigmoid_selects_on_biased_scores_and_weighs_unbiased_ones() {
+        // 8 experts in 4 groups of 2; the bias lifts expert 7's group above expert 0's.
+        let logits = [3.0, 2.9, 0.0, 0.1, -1.0, -1.0, -2.0, 0.5];
+        let bias = vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9, 0.9];
+        let scoring = RouterScoring::SigmoidGrouped { n_group: 4, topk_group: 2, norm_topk_prob: false, routed_scaling_factor: 2.0 };
+        let (ids, w) = router(&logits, Some(bias), scoring, 3);
+        // Biased scores: σ = [.953 .948 .5 .525 .269 .269 .119 .622] + bias → experts 6, 7 at 1.019, 1.522.
+        // Group sums of the two best: g0 1.900, g1 1.025, g2 0.538, g3 2.542 → groups 3 and 0;
+        // among experts 0, 1, 6, 7 the three best biased scores are 7, 6, 0.
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        assert_eq!(ids, [7, 6, 0]);
+        // Weights are the unbiased sigmoid scores times the routed scaling factor.
+        for (id, wt) in ids.iter().zip(&w) {
+            assert!((wt - 2.0 * s(logits[*id as usize])).abs() < 1e-6, "expert {id}");
+        }
+        // Renormalised: the k weights sum to the scaling factor.
+        let scoring = RouterScoring::SigmoidGrouped { n_group: 4, topk_group: 2, norm_topk_prob: true, routed_scaling_factor: 2.0 };
+        let (_, w) = router(&logits, Some(vec![0.0; 8]), scoring, 3);
+        assert!((w.iter().sum::<f32>() - 2.0).abs() < 1e-5);
+        // Without the bias, groups 0 and 1 win and expert 7 is out.
+        let scoring = RouterScoring::SigmoidGrouped { n_group: 4, topk_group: 2, norm_topk_prob: false, routed_scaling_factor: 1.0 };
+        let (ids, _) = router(&logits, None, scoring, 3);
+        let mut sorted = ids.clone();
+        sorted.sort();
+        assert_eq!(sorted, [0, 1, 3]);
+    }
+}
