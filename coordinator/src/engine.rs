@@ -302,11 +302,12 @@ impl<'a> TextStream<'a> {
         (&self.text[before..], false)
     }
 
-    /// Whatever was held back, once generation ends without a stop string.
+    /// Whatever was held back, once generation ends without a stop string: the final text is
+    /// the whole decode, an incomplete last character (U+FFFD) included.
     fn finish(&mut self) -> &str {
         let before = self.text.len();
         if !self.stopped && self.latest.len() > before && self.latest.starts_with(self.text.as_str()) {
-            let tail = self.latest[before..].trim_end_matches('\u{FFFD}').to_string();
+            let tail = self.latest[before..].to_string();
             self.text.push_str(&tail);
         }
         &self.text[before..]
@@ -334,7 +335,8 @@ mod tests {
         assert_eq!(s.push("caf\u{FFFD}"), ("caf", false));
         assert_eq!(s.push("café"), ("é", false));
         assert_eq!(s.push("café \u{FFFD}"), (" ", false));
-        assert_eq!(s.finish(), "");
-        assert_eq!(s.text, "café ");
+        // Generation ended mid-character: the text is the decode as it stands.
+        assert_eq!(s.finish(), "\u{FFFD}");
+        assert_eq!(s.text, "café \u{FFFD}");
     }
 }

@@ -29,8 +29,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig, PreTrainedTokenizerFast,
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig,
+                          PreTrainedTokenizerFast, Qwen3MoeConfig)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "fixtures")
@@ -118,6 +118,10 @@ def randomize(model, std, seed):
                 p.copy_(0.5 * std * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                # transformers initialises it to zeros, which would hide a bias applied to the weights.
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def old_spelling(config_path, rope_scaling=None):
@@ -125,6 +129,8 @@ def old_spelling(config_path, rope_scaling=None):
     cfg = json.load(open(config_path))
     rp = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rp["rope_theta"]
+    if "partial_rotary_factor" in rp:
+        cfg["partial_rotary_factor"] = rp["partial_rotary_factor"]
     cfg["rope_scaling"] = rope_scaling
     cfg["torch_dtype"] = cfg.pop("dtype")
     json.dump(cfg, open(config_path, "w"), indent=2, sort_keys=True)
@@ -136,7 +142,7 @@ def margins(logits):
 
 
 def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
-         extra_eos=None, prompts=PROMPTS):
+         extra_eos=None, prompts=PROMPTS, f32_routers=False):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -145,6 +151,11 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         randomize(model, std, seed + attempt)
         model = model.to(dtype)
+        if f32_routers:
+            # As DeepSeek-V3's hub checkpoints: router weights and biases stay f32 in bf16 shards.
+            for mod_name, mod in model.named_modules():
+                if mod_name.endswith("mlp.gate"):
+                    mod.float()
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         model.save_pretrained(d, max_shard_size=shard) if shard else model.save_pretrained(d)
@@ -309,6 +320,49 @@ def main():
         sliding_window=10, tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
         dtype=torch.bfloat16, std=0.25, seed=400, tokenizer=tok_plain, template=CHATML, template_in_config=False)
+
+    # DeepSeek-V3: MLA with q_lora_rank, YaRN (mscale ≠ mscale_all_dim, so both the rotary
+    # attention factor and the softmax mscale matter), interleaved rotary, a dense first layer,
+    # sigmoid routing over 4 groups (2 chosen) with a random e_score_correction_bias, shared
+    # expert, renormalised weights times 2.5, bf16 with f32 routers, transformers-5 spelling.
+    make("deepseek_v3", DeepseekV3Config(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=0, attention_bias=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}),
+        dtype=torch.bfloat16, std=0.25, seed=500, tokenizer=tok_plain, template=CHATML, template_in_config=False,
+        f32_routers=True)
+
+    # DeepSeek-V2-Lite-style MLA: no q_lora_rank (a plain q_proj), attention biases, split-half
+    # rotary, one group, no renormalisation, scaling 1, f32, older spelling.
+    make("deepseek_v3_plain_q", DeepseekV3Config(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None, kv_lora_rank=20,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.0,
+        norm_topk_prob=False, rope_interleave=False, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=0, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dtype=torch.float32, std=0.25, seed=600, tokenizer=tok_plain, template=META, template_in_config=True,
+        old={})
+
+    # GLM-4.5-MoE: GQA with partial rotary (half of head_dim 32), per-head QK-norm, q/k/v biases
+    # (none on o_proj), a dense first layer, sigmoid routing over 2 groups (1 chosen) with bias,
+    # shared expert, scaling 1.5, bf16, older spelling (partial_rotary_factor at the top level).
+    make("glm4_moe", Glm4MoeConfig(
+        vocab_size=tok_plain.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=12,
+        num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=1.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=[end, im_end], pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        dtype=torch.bfloat16, std=0.25, seed=700, tokenizer=tok_plain, template=CHATML, template_in_config=False,
+        old={})
 
     # Mixtral: GQA, a sliding window shorter than the longest prompt, f16 weights, a BOS-adding
     # tokenizer, linear rope scaling in the older spelling, extra stop ids in generation_config.

@@ -11,8 +11,8 @@ use std::process::{Command, Output};
 
 use serde::Deserialize;
 
-/// Every oracle fixture (three families; Qwen3-MoE in both of its configurations).
-pub const FAMILIES: [&str; 4] = ["olmoe", "qwen3_moe", "qwen3_moe_variant", "mixtral"];
+/// Every oracle fixture: five families, Qwen3-MoE and DeepSeek-V3 in two configurations each.
+pub const FAMILIES: [&str; 7] = ["olmoe", "qwen3_moe", "qwen3_moe_variant", "mixtral", "deepseek_v3", "deepseek_v3_plain_q", "glm4_moe"];
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
