@@ -166,6 +166,21 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Identity of config + weights: FNV-1a over `config_bytes` and each shard's name, length and
+    /// safetensors header (which lists every tensor's name, dtype, shape and offsets). Cheap to
+    /// compute, and different whenever the files are not the same model.
+    pub fn fingerprint(&self, config_bytes: &[u8]) -> String {
+        let mut h = Fnv::new();
+        h.feed(config_bytes);
+        for shard in &self.shards {
+            h.feed(shard.path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+            h.feed(&(shard.mmap.len() as u64).to_le_bytes());
+            let n = shard.mmap.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize);
+            h.feed(shard.mmap.get(8..8 + n).unwrap_or_default());
+        }
+        format!("{:016x}", h.0)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
@@ -223,6 +238,27 @@ impl TensorEntry {
     /// Where the tensor's bytes lie in its shard file.
     pub fn byte_range(&self) -> std::ops::Range<usize> {
         self.start..self.end
+    }
+}
+
+/// 64-bit FNV-1a.
+pub struct Fnv(pub u64);
+
+impl Fnv {
+    pub fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    pub fn feed(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= *b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -94,6 +94,9 @@ struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Continue the conversation saved in FILE (token history and KV cache), and save it back.
+    #[arg(long, value_name = "FILE")]
+    session: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -117,6 +120,9 @@ struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Resume the conversation saved in FILE, and save it after every turn.
+    #[arg(long, value_name = "FILE")]
+    session: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -167,14 +173,34 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 
 fn generate(a: GenerateArgs) -> Result<ExitCode> {
     let engine = load(&model_dir(&a.model)?)?;
+    let saved = match &a.session {
+        Some(path) => crate::session_file::load(path, &engine)?,
+        None => None,
+    };
+    let (mut session, mut history, mut messages) = match saved {
+        Some(s) => (s.session, s.history, s.messages),
+        None => (engine.new_session(), Vec::new(), Vec::new()),
+    };
+    // With a session, the prompt continues the saved conversation: plain prompts are appended to
+    // its token history, chat prompts become its next user message.
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
-        (_, Some(ids)) => ids.clone(),
-        (Some(text), None) if a.chat => engine.encode_chat(&[Message::new("user", text)])?,
-        (Some(text), None) => engine.encode_prompt(text)?,
+        (_, Some(ids)) => history.iter().chain(ids).copied().collect(),
+        (Some(text), None) if a.chat => {
+            messages.push(Message::new("user", text));
+            engine.encode_chat(&messages)?
+        }
+        (Some(text), None) => {
+            // Tokenizer special tokens (a BOS) only start a conversation, never continue one.
+            let ids = engine.tokenizer.encode(text, history.is_empty())?;
+            history.iter().chain(&ids).copied().collect()
+        }
         (None, None) => bail!("give --prompt or --prompt-ids"),
     };
     let opts = GenerateOptions { max_tokens: a.max_tokens, sampling: a.sampling.params(0.0, 1.0), stop: a.sampling.stop.clone() };
-    let mut session = engine.new_session();
+    if let Some(path) = &a.session {
+        let reused = session.tokens.iter().zip(&prompt_ids).take_while(|(x, y)| x == y).count();
+        eprintln!("shimmer: session {}: {reused} cached positions reused, {} to prefill", path.display(), prompt_ids.len().saturating_sub(reused));
+    }
     let mut stdout = std::io::stdout().lock();
     let json_mode = a.json;
     let gen = engine.generate(&mut session, &prompt_ids, &opts, |piece| {
@@ -184,6 +210,13 @@ fn generate(a: GenerateArgs) -> Result<ExitCode> {
         }
         true
     })?;
+    if let Some(path) = &a.session {
+        history = prompt_ids.iter().chain(&gen.output_ids).copied().collect();
+        if a.chat {
+            messages.push(Message::new("assistant", &gen.text));
+        }
+        crate::session_file::save(path, &engine, &session, &history, &messages)?;
+    }
     let decode_tok_s = if gen.decode_ms > 0.0 { gen.decode_tokens as f64 / (gen.decode_ms / 1e3) } else { 0.0 };
     if a.json {
         let out = json!({
@@ -251,8 +284,22 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
     }
     let opts = GenerateOptions { max_tokens: a.max_tokens, sampling: a.sampling.params(0.7, 0.9), stop: a.sampling.stop.clone() };
     eprintln!("shimmer chat · {} · /reset clears the conversation, Ctrl-C stops an answer, Ctrl-D leaves", dir.display());
-    let mut session = engine.new_session();
-    let mut messages: Vec<Message> = Vec::new();
+    let (mut session, mut messages) = match &a.session {
+        Some(path) => match crate::session_file::load(path, &engine)? {
+            Some(saved) => {
+                eprintln!("(resumed {}: {} messages, {} cached positions)", path.display(), saved.messages.len(), saved.session.cache.len());
+                (saved.session, saved.messages)
+            }
+            None => (engine.new_session(), Vec::new()),
+        },
+        None => (engine.new_session(), Vec::new()),
+    };
+    let save = |session: &crate::engine::Session, messages: &[Message]| -> Result<()> {
+        if let Some(path) = &a.session {
+            crate::session_file::save(path, &engine, session, &session.tokens, messages)?;
+        }
+        Ok(())
+    };
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     let mut line = String::new();
@@ -271,6 +318,7 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
             "/reset" => {
                 messages.clear();
                 session = engine.new_session();
+                save(&session, &messages)?;
                 println!("(conversation cleared)");
                 continue;
             }
@@ -295,7 +343,10 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
         generating.store(false, Ordering::SeqCst);
         println!();
         match result {
-            Ok(gen) => messages.push(Message::new("assistant", &gen.text)),
+            Ok(gen) => {
+                messages.push(Message::new("assistant", &gen.text));
+                save(&session, &messages)?;
+            }
             Err(e) => {
                 messages.pop();
                 eprintln!("error: {e} (use /reset to start over)");

@@ -33,6 +33,8 @@ pub struct Engine {
     /// Every id that ends generation: config.json's and generation_config.json's.
     pub eos_ids: Vec<u32>,
     pub load_ms: f64,
+    /// Identity of this model's config and weights (see `Checkpoint::fingerprint`).
+    pub fingerprint: String,
 }
 
 /// A conversation's KV cache and the tokens it holds, kept between turns.
@@ -94,6 +96,8 @@ impl Engine {
         let tokenizer = Tokenizer::from_dir(dir)?;
         let chat = ChatConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
+        let config_path = dir.join("config.json");
+        let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
         let decoder = load_dense(&ckpt, &spec)?;
         let experts = InProcessExperts::load(&ckpt, &spec)?;
         let mut eos_ids = spec.eos_token_ids.clone();
@@ -109,7 +113,7 @@ impl Engine {
             }
         }
         tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3 })
+        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint })
     }
 
     pub fn new_session(&self) -> Session {

@@ -14,5 +14,6 @@ pub mod kv_cache;
 pub mod model;
 pub mod routing;
 pub mod sampling;
+pub mod session_file;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

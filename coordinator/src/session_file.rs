@@ -1,0 +1,172 @@
+//! A conversation saved to disk: its token history, chat messages and KV cache, so a later process
+//! continues it with no re-prefill and exactly the tokens an uninterrupted run would give.
+//!
+//! Layout (little-endian):
+//! ```text
+//! "SHMSESS\0"                  8-byte magic
+//! u32 header_len, header JSON  {version, model_fingerprint, layers, k_width, v_width, cached, history, messages}
+//! per layer: cached × k_width f32, then cached × v_width f32
+//! u64 FNV-1a of everything above
+//! ```
+//! Saving writes a temporary file beside the target, syncs it and renames it over the target, so a
+//! crash leaves the old session or the new one, never a mix. Loading checks magic, version,
+//! fingerprint, geometry, sizes and checksum, and refuses with a message naming the mismatch.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use shimmer_common::chat_template::Message;
+use shimmer_common::checkpoint::Fnv;
+
+use crate::engine::{Engine, Session};
+
+const MAGIC: &[u8; 8] = b"SHMSESS\0";
+pub const VERSION: u32 = 1;
+const MAX_HEADER: usize = 64 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {problem}")]
+    Invalid { path: PathBuf, problem: String },
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    version: u32,
+    model_fingerprint: String,
+    layers: usize,
+    k_width: usize,
+    v_width: usize,
+    /// Positions held in the KV cache (the first `cached` ids of the history).
+    cached: usize,
+    history: Vec<u32>,
+    messages: Vec<Message>,
+}
+
+/// What a session file restores besides the cache.
+pub struct Saved {
+    pub session: Session,
+    /// Every token of the conversation so far (the cache may hold all but the last).
+    pub history: Vec<u32>,
+    pub messages: Vec<Message>,
+}
+
+fn invalid(path: &Path, problem: impl Into<String>) -> SessionError {
+    SessionError::Invalid { path: path.to_path_buf(), problem: problem.into() }
+}
+
+pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], messages: &[Message]) -> Result<(), SessionError> {
+    let (k_width, v_width) = session.cache.widths();
+    let header = Header {
+        version: VERSION,
+        model_fingerprint: engine.fingerprint.clone(),
+        layers: engine.spec.num_layers,
+        k_width,
+        v_width,
+        cached: session.cache.len(),
+        history: history.to_vec(),
+        messages: messages.to_vec(),
+    };
+    let json = serde_json::to_vec(&header).map_err(|e| invalid(path, format!("cannot encode header: {e}")))?;
+    let mut buf = Vec::with_capacity(16 + json.len() + session.cache.bytes() + 8);
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&json);
+    for (k, v) in session.cache.layers() {
+        for x in k.iter().chain(v) {
+            buf.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    let mut h = Fnv::new();
+    h.feed(&buf);
+    buf.extend_from_slice(&h.0.to_le_bytes());
+
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| SessionError::Io { path: p, source }
+    };
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&buf).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io(path))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Loads `path` for `engine`; `Ok(None)` if the file does not exist yet.
+pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(SessionError::Io { path: path.to_path_buf(), source }),
+    };
+    if bytes.len() < 20 || &bytes[..8] != MAGIC {
+        return Err(invalid(path, "not a shimmer session file"));
+    }
+    let (body, sum) = bytes.split_at(bytes.len() - 8);
+    let mut h = Fnv::new();
+    h.feed(body);
+    if h.0.to_le_bytes() != sum {
+        return Err(invalid(path, "checksum mismatch: the file is damaged or was cut short"));
+    }
+    let n = u32::from_le_bytes(body[8..12].try_into().unwrap_or_default()) as usize;
+    if n > MAX_HEADER || 12 + n > body.len() {
+        return Err(invalid(path, "header length is out of range"));
+    }
+    let header: Header = serde_json::from_slice(&body[12..12 + n]).map_err(|e| invalid(path, format!("bad header: {e}")))?;
+    if header.version != VERSION {
+        return Err(invalid(path, format!("format version {} (this shimmer reads version {VERSION})", header.version)));
+    }
+    if header.model_fingerprint != engine.fingerprint {
+        return Err(invalid(
+            path,
+            format!("saved for another model (fingerprint {}, this model is {})", header.model_fingerprint, engine.fingerprint),
+        ));
+    }
+    let session = engine.new_session();
+    let (k_width, v_width) = session.cache.widths();
+    if (header.layers, header.k_width, header.v_width) != (engine.spec.num_layers, k_width, v_width) {
+        return Err(invalid(
+            path,
+            format!(
+                "cache geometry {}×({}+{}) does not match this model's {}×({}+{})",
+                header.layers, header.k_width, header.v_width, engine.spec.num_layers, k_width, v_width
+            ),
+        ));
+    }
+    if header.cached > header.history.len() || header.cached > engine.spec.max_position_embeddings {
+        return Err(invalid(path, "cached positions exceed the history or the context"));
+    }
+    let floats = header.layers * header.cached * (k_width + v_width);
+    let data = &body[12 + n..];
+    if data.len() != floats * 4 {
+        return Err(invalid(path, format!("{} bytes of cache, expected {}", data.len(), floats * 4)));
+    }
+    let mut session = session;
+    let mut values = data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let c = header.cached;
+    for layer in 0..header.layers {
+        let k: Vec<f32> = values.by_ref().take(c * k_width).collect();
+        let v: Vec<f32> = values.by_ref().take(c * v_width).collect();
+        session.cache.append(layer, &k, &v);
+    }
+    session.cache.commit(c);
+    session.tokens = header.history[..c].to_vec();
+    Ok(Some(Saved { session, history: header.history, messages: header.messages }))
+}
