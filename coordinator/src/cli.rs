@@ -116,7 +116,8 @@ struct ChatArgs {
     /// A Hugging Face checkpoint directory (default: the bundled demo model).
     #[arg(long)]
     model: Option<PathBuf>,
-    #[arg(long, default_value_t = 1024)]
+    /// Most tokens per answer.
+    #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,

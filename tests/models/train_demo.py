@@ -15,7 +15,11 @@ budget. A share of the training sequences are ChatML turns ("continue this passa
 Usage (from the repository root):
   python3 -m venv /tmp/demo-venv && /tmp/demo-venv/bin/pip install -r tests/models/requirements.txt
   apt-get install -y bible-kjv
-  /tmp/demo-venv/bin/python tests/models/train_demo.py --minutes 60 --out tests/models/demo
+  # stage 1: language (55 min; writes the model, its tokenizer and the loss curve)
+  /tmp/demo-venv/bin/python tests/models/train_demo.py --minutes 55 --out models/demo --log tests/models/demo_training_log.json
+  # stage 2: turns (10 min, from stage 1, with more ChatML rows so answers end with <|im_end|>)
+  /tmp/demo-venv/bin/python tests/models/train_demo.py --init models/demo --minutes 10 --lr 5e-4 --chat-share 0.6 \
+      --out models/demo --log tests/models/demo_finetune_log.json
 """
 import argparse
 import glob
@@ -174,6 +178,9 @@ def main():
     ap.add_argument("--experts-impl", default="grouped_mm")
     ap.add_argument("--probe", action="store_true", help="time a few steps and exit")
     ap.add_argument("--write-heldout", metavar="FILE", help="write the held-out text (the same split training uses) and exit")
+    ap.add_argument("--init", metavar="DIR", help="continue from this saved model (and its tokenizer) instead of a fresh one")
+    ap.add_argument("--chat-share", type=float, default=0.2, help="share of training rows that are ChatML turns")
+    ap.add_argument("--log", default=None, help="where to write the training log (default: OUT/training_log.json)")
     args = ap.parse_args()
 
     torch.manual_seed(SEED)
@@ -196,9 +203,13 @@ def main():
     print(f"data: {len(kjv)} KJV chapters, {len(gut)} passages from {nfiles} Gutenberg files, {chars / 1e6:.1f} M chars; "
           f"{len(train)} train / {len(held)} held-out units", flush=True)
 
-    raw = train_tokenizer(train, args.vocab)
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token=None, chat_template=CHATML)
+    if args.init:
+        tok = PreTrainedTokenizerFast.from_pretrained(args.init)
+        raw = tok.backend_tokenizer
+    else:
+        raw = train_tokenizer(train, args.vocab)
+        tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      unk_token=None, chat_template=CHATML)
     eot, im_end = raw.token_to_id("<|endoftext|>"), raw.token_to_id("<|im_end|>")
     train_stream = build_stream(train, tok, eot)
     held_stream = build_stream(held, tok, eot)
@@ -212,7 +223,12 @@ def main():
         router_aux_loss_coef=0.001, output_router_logits=True, bos_token_id=None,
         eos_token_id=[im_end, eot], pad_token_id=eot, initializer_range=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = Qwen3MoeForCausalLM(config)
+    if args.init:
+        model = Qwen3MoeForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        config = model.config
+        config.output_router_logits = True
+    else:
+        model = Qwen3MoeForCausalLM(config)
     model.set_attn_implementation("sdpa")
     model.set_experts_implementation(args.experts_impl)
     params = sum(p.numel() for p in model.parameters())
@@ -223,8 +239,8 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     budget = args.minutes * 60
-    warmup = 50
-    data = batches(rng, train_stream, train, tok, args.seq, args.batch, 0.2, eot)
+    warmup = 50 if not args.init else 20
+    data = batches(rng, train_stream, train, tok, args.seq, args.batch, args.chat_share, eot)
     curve = []
     t0 = time.time()
     step = 0
@@ -258,6 +274,8 @@ def main():
     print(f"held-out perplexity {ppl:.2f} after {step} steps, {train_seconds / 60:.1f} min", flush=True)
 
     out_dir = args.out
+    if args.init and os.path.abspath(args.init) == os.path.abspath(out_dir):
+        out_dir = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     config.output_router_logits = False
@@ -273,8 +291,11 @@ def main():
                "train_tokens_seen": step * args.batch * args.seq, "train_tokens": len(train_stream),
                "held_out_tokens": len(held_stream), "held_out_perplexity_f32": round(ppl, 3),
                "held_out_perplexity_bf16": round(ppl_bf16, 3), "parameters": params, "curve": curve},
-              open(os.path.join(out_dir, "training_log.json"), "w"), indent=1)
-    print(f"saved {out_dir}; bf16 held-out perplexity {ppl_bf16:.2f}")
+              open(args.log or os.path.join(out_dir, "training_log.json"), "w"), indent=1)
+    if out_dir != args.out:
+        shutil.rmtree(args.out)
+        os.rename(out_dir, args.out)
+    print(f"saved {args.out}; bf16 held-out perplexity {ppl_bf16:.2f}")
     shutil.rmtree(work, ignore_errors=True)
 
 
