@@ -31,34 +31,36 @@ pub enum Family {
 /// One row of the family table.
 struct FamilyEntry {
     architecture: &'static str,
-    model_type: &'static str,
+    /// `model_type` values that may accompany the architecture (derivatives keep the architecture
+    /// and rename the type, as Kimi K2 does); the first is the canonical one.
+    model_types: &'static [&'static str],
     parse: fn(&Obj) -> FieldResult<ModelSpec>,
 }
 
 const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         architecture: "OlmoeForCausalLM",
-        model_type: "olmoe",
+        model_types: &["olmoe"],
         parse: families::olmoe,
     },
     FamilyEntry {
         architecture: "Qwen3MoeForCausalLM",
-        model_type: "qwen3_moe",
+        model_types: &["qwen3_moe"],
         parse: families::qwen3_moe,
     },
     FamilyEntry {
         architecture: "MixtralForCausalLM",
-        model_type: "mixtral",
+        model_types: &["mixtral"],
         parse: families::mixtral,
     },
     FamilyEntry {
         architecture: "DeepseekV3ForCausalLM",
-        model_type: "deepseek_v3",
+        model_types: &["deepseek_v3", "kimi_k2"],
         parse: families::deepseek_v3,
     },
     FamilyEntry {
         architecture: "Glm4MoeForCausalLM",
-        model_type: "glm4_moe",
+        model_types: &["glm4_moe"],
         parse: families::glm4_moe,
     },
 ];
@@ -353,7 +355,7 @@ fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError
                 supported: supported(),
             }
         })?,
-        (None, Some(mt)) => FAMILIES.iter().find(|f| f.model_type == mt).ok_or_else(|| {
+        (None, Some(mt)) => FAMILIES.iter().find(|f| f.model_types.contains(&mt)).ok_or_else(|| {
             LoadError::Unsupported {
                 path: path.to_path_buf(),
                 found: mt.to_string(),
@@ -365,10 +367,10 @@ fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError
         }
     };
     if let Some(mt) = model_type {
-        if mt != entry.model_type {
+        if !entry.model_types.contains(&mt) {
             return Err(field(
                 "model_type",
-                format!("`{mt}` contradicts architecture {} (model_type `{}`)", entry.architecture, entry.model_type),
+                format!("`{mt}` contradicts architecture {} (model_type `{}`)", entry.architecture, entry.model_types.join("` or `")),
             ));
         }
     }
@@ -716,5 +718,30 @@ mod tests {
         assert!(message(parse(v)).contains("field `eos_token_id`: 100 is outside the vocabulary"));
 
         assert!(message(parse(json!([1, 2]))).contains("not a JSON object"));
+    }
+
+    #[test]
+    fn kimi_k2_is_a_deepseek_v3_by_another_model_type() {
+        let kimi = json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "n_routed_experts": 384, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "torch_dtype": "bfloat16", "eos_token_id": 163585
+        });
+        let s = parse(kimi).unwrap();
+        assert_eq!(s.family, Family::DeepseekV3);
+        assert_eq!(s.layers[0], LayerMlp::Dense { intermediate_size: 18432 });
+        assert_eq!(s.moe.shared_intermediate_size, Some(2048));
+        let AttentionKind::Mla(m) = &s.attention.kind else { panic!("MLA") };
+        assert_eq!((m.kv_lora_rank, m.qk_rope_head_dim), (512, 64));
+        // The softmax scale grows by mscale(32, 1)² = (0.1·ln 32 + 1)².
+        let ms = 0.1 * 32f64.ln() + 1.0;
+        assert!((s.attention.scale as f64 - ms * ms / 192f64.sqrt()).abs() < 1e-6);
     }
 }
