@@ -144,3 +144,37 @@ fn an_mla_session_is_small() {
     let len = std::fs::metadata(&file).unwrap().len() as usize;
     assert!(len >= cache_bytes && len < cache_bytes + 4096, "{len} bytes for {cache_bytes} bytes of latent cache");
 }
+
+#[test]
+fn mutated_session_files_never_panic() {
+    // Damage with a recomputed checksum, so the parser behind the checksum is what is exercised.
+    let engine = Engine::load(&fixture("deepseek_v3")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("s");
+    let opts = GenerateOptions { max_tokens: 4, sampling: SamplingParams::default(), stop: vec![] };
+    let mut s = engine.new_session();
+    let g = engine.generate(&mut s, &[5, 6, 7, 8], &opts, |_| true).unwrap();
+    let history: Vec<u32> = [5, 6, 7, 8].iter().chain(&g.output_ids).copied().collect();
+    shimmer_coordinator::session_file::save(&file, &engine, &s, &history, &[]).unwrap();
+    let good = std::fs::read(&file).unwrap();
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for i in 0..2000 {
+        let mut b = good[..good.len() - 8].to_vec();
+        for _ in 0..=(next() % 3) {
+            let at = (next() % b.len() as u64) as usize;
+            b[at] = next() as u8;
+        }
+        let mut h = Fnv::new();
+        h.feed(&b);
+        b.extend_from_slice(&h.0.to_le_bytes());
+        std::fs::write(&file, &b).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shimmer_coordinator::session_file::load(&file, &engine).map(|_| ())));
+        assert!(r.is_ok(), "panicked on mutation {i}");
+    }
+}
