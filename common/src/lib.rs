@@ -14,6 +14,7 @@ pub mod error;
 pub mod json;
 pub mod spec;
 pub mod tokenizer;
+pub mod trace;
 
 pub use checkpoint::{Checkpoint, DType, TensorView};
 pub use error::LoadError;

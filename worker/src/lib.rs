@@ -10,6 +10,8 @@
 
 pub mod dispatch;
 pub mod expert;
+pub mod policy;
+pub mod trace_analysis;
 
 pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
 pub use expert::Expert;
