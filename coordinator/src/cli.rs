@@ -32,6 +32,26 @@ enum Command {
     Chat(ChatArgs),
     /// Routing analysis over a text: expert-usage skew per layer and next-layer predictability.
     Routing(RoutingArgs),
+    /// Routing traces recorded with --trace.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+}
+
+#[derive(Subcommand)]
+enum TraceCommand {
+    /// Replay a trace through the cache policies at one capacity: hit rates against Belady's optimum.
+    Analyze(TraceAnalyzeArgs),
+}
+
+#[derive(Args)]
+struct TraceAnalyzeArgs {
+    /// A trace written by --trace.
+    file: PathBuf,
+    /// Experts the cache holds, across all MoE layers (split evenly per layer).
+    #[arg(long)]
+    capacity_experts: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -97,6 +117,9 @@ struct GenerateArgs {
     /// Continue the conversation saved in FILE (token history and KV cache), and save it back.
     #[arg(long, value_name = "FILE")]
     session: Option<PathBuf>,
+    /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -109,6 +132,9 @@ struct ScoreArgs {
     ids: Vec<u32>,
     #[arg(long)]
     json: bool,
+    /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -124,6 +150,9 @@ struct ChatArgs {
     /// Resume the conversation saved in FILE, and save it after every turn.
     #[arg(long, value_name = "FILE")]
     session: Option<PathBuf>,
+    /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -155,7 +184,15 @@ pub fn run() -> Result<ExitCode> {
         Command::Score(a) => score(a),
         Command::Chat(a) => chat(a),
         Command::Routing(a) => routing(a),
+        Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
     }
+}
+
+fn start_trace(engine: &Engine, path: &Option<PathBuf>) -> Result<()> {
+    if let Some(p) = path {
+        engine.record_trace(p)?;
+    }
+    Ok(())
 }
 
 /// The model directory to use: `--model`, or the bundled demo model (saying so on stderr).
@@ -174,6 +211,7 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 
 fn generate(a: GenerateArgs) -> Result<ExitCode> {
     let engine = load(&model_dir(&a.model)?)?;
+    start_trace(&engine, &a.trace)?;
     let saved = match &a.session {
         Some(path) => crate::session_file::load(path, &engine)?,
         None => None,
@@ -218,6 +256,7 @@ fn generate(a: GenerateArgs) -> Result<ExitCode> {
         }
         crate::session_file::save(path, &engine, &session, &history, &messages)?;
     }
+    engine.finish_trace()?;
     let decode_tok_s = if gen.decode_ms > 0.0 { gen.decode_tokens as f64 / (gen.decode_ms / 1e3) } else { 0.0 };
     if a.json {
         let out = json!({
@@ -248,7 +287,9 @@ fn round2(x: f64) -> f64 {
 
 fn score(a: ScoreArgs) -> Result<ExitCode> {
     let engine = load(&model_dir(&a.model)?)?;
+    start_trace(&engine, &a.trace)?;
     let s = engine.score(&a.ids)?;
+    engine.finish_trace()?;
     let mut stdout = std::io::stdout().lock();
     if a.json {
         writeln!(stdout, "{}", json!({"argmax": s.argmax, "logprobs": s.logprobs}))?;
@@ -265,6 +306,7 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
 fn chat(a: ChatArgs) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
     let engine = load(&dir)?;
+    start_trace(&engine, &a.trace)?;
     if engine.chat.template.is_none() {
         bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
     }
@@ -310,12 +352,16 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
         line.clear();
         if stdin.lock().read_line(&mut line)? == 0 {
             println!();
+            engine.finish_trace()?;
             return Ok(ExitCode::SUCCESS);
         }
         let input = line.trim();
         match input {
             "" => continue,
-            "/exit" | "/quit" => return Ok(ExitCode::SUCCESS),
+            "/exit" | "/quit" => {
+                engine.finish_trace()?;
+                return Ok(ExitCode::SUCCESS);
+            }
             "/reset" => {
                 messages.clear();
                 session = engine.new_session();
@@ -388,5 +434,56 @@ fn routing(a: RoutingArgs) -> Result<ExitCode> {
             )?;
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
+    let trace = shimmer_common::trace::Trace::read(&a.file)?;
+    if trace.tokens.is_empty() {
+        bail!("{}: the trace holds no complete token", a.file.display());
+    }
+    let layers = trace.header.layers.len();
+    if a.capacity_experts < layers {
+        bail!("--capacity-experts {} is less than one expert per MoE layer ({layers} layers)", a.capacity_experts);
+    }
+    if trace.dropped_bytes > 0 {
+        eprintln!("shimmer: {}: ignored a partial last record ({} bytes)", a.file.display(), trace.dropped_bytes);
+    }
+    let r = shimmer_worker::trace_analysis::analyze(&trace, a.capacity_experts);
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        writeln!(stdout, "{}", serde_json::to_string(&r)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    writeln!(
+        stdout,
+        "{} tokens, {} MoE layers × {} experts, top-{}; capacity {} experts ({} per layer)",
+        r.tokens, r.moe_layers, r.experts, r.top_k, r.capacity_experts, r.slots_per_layer
+    )?;
+    write!(stdout, "policy")?;
+    for l in 0..r.moe_layers {
+        write!(stdout, "\tL{l}")?;
+    }
+    writeln!(stdout, "\toverall\tprefetch reads")?;
+    for p in &r.policies {
+        write!(stdout, "{}", p.policy)?;
+        for h in &p.per_layer {
+            write!(stdout, "\t{:.3}", h)?;
+        }
+        writeln!(stdout, "\t{:.3}\t{}", p.hit_rate, p.prefetch_reads)?;
+    }
+    write!(stdout, "hottest 10%")?;
+    for h in &r.hottest_10pct_share {
+        write!(stdout, "\t{:.3}", h)?;
+    }
+    writeln!(stdout)?;
+    write!(stdout, "next-layer recall")?;
+    for h in &r.next_layer_recall {
+        match h {
+            Some(x) => write!(stdout, "\t{:.3}", x)?,
+            None => write!(stdout, "\t-")?,
+        }
+    }
+    writeln!(stdout)?;
     Ok(ExitCode::SUCCESS)
 }

@@ -35,6 +35,8 @@ pub struct Engine {
     pub load_ms: f64,
     /// Identity of this model's config and weights (see `Checkpoint::fingerprint`).
     pub fingerprint: String,
+    /// `--trace`: the routing recorder every forward pass reports to, when set.
+    trace: std::sync::Mutex<Option<crate::trace_recorder::TraceRecorder>>,
 }
 
 /// A conversation's KV cache and the tokens it holds, kept between turns.
@@ -113,7 +115,31 @@ impl Engine {
             }
         }
         tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint })
+        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None) })
+    }
+
+    /// Records the routing of every following forward pass to `path` (`--trace`).
+    pub fn record_trace(&self, path: &Path) -> Result<(), shimmer_common::trace::TraceError> {
+        let recorder = crate::trace_recorder::TraceRecorder::create(path, &self.spec)?;
+        *self.trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(recorder);
+        Ok(())
+    }
+
+    /// Writes out and closes the trace, if one is being recorded.
+    pub fn finish_trace(&self) -> Result<(), shimmer_common::trace::TraceError> {
+        match self.trace.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(mut r) => r.finish(),
+            None => Ok(()),
+        }
+    }
+
+    /// One forward pass, reported to the trace recorder when one is set.
+    fn run(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Result<Vec<f32>, ForwardError> {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        match trace.as_mut() {
+            Some(recorder) => self.decoder.forward_observed(tokens, cache, self.experts.as_ref(), want, recorder),
+            None => self.decoder.forward(tokens, cache, self.experts.as_ref(), want),
+        }
     }
 
     pub fn new_session(&self) -> Session {
@@ -168,7 +194,7 @@ impl Engine {
     pub fn logits_all(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.check_prompt(ids)?;
         let mut cache = self.decoder.new_cache();
-        Ok(self.decoder.forward(ids, &mut cache, self.experts.as_ref(), Logits::All)?)
+        Ok(self.run(ids, &mut cache, Logits::All)?)
     }
 
     /// One teacher-forced pass over `ids` (fresh cache) reporting each MoE layer's routing.
@@ -185,7 +211,7 @@ impl Engine {
 
     /// Feeds `ids` after what the session holds and returns the last position's logits.
     pub fn step(&self, session: &mut Session, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let logits = self.decoder.forward(ids, &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+        let logits = self.run(ids, &mut session.cache, Logits::Last)?;
         session.tokens.extend_from_slice(ids);
         Ok(logits)
     }
@@ -209,7 +235,7 @@ impl Engine {
         session.tokens.truncate(common);
 
         let t0 = Instant::now();
-        let mut logits = self.decoder.forward(&prompt[common..], &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+        let mut logits = self.run(&prompt[common..], &mut session.cache, Logits::Last)?;
         session.tokens.extend_from_slice(&prompt[common..]);
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -238,7 +264,7 @@ impl Engine {
             if session.cache.len() >= session.cache.capacity() || output.len() >= opts.max_tokens {
                 break FinishReason::Length;
             }
-            logits = self.decoder.forward(&[next], &mut session.cache, self.experts.as_ref(), Logits::Last)?;
+            logits = self.run(&[next], &mut session.cache, Logits::Last)?;
             session.tokens.push(next);
             decode_tokens += 1;
         };

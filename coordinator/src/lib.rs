@@ -15,5 +15,6 @@ pub mod model;
 pub mod routing;
 pub mod sampling;
 pub mod session_file;
+pub mod trace_recorder;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

@@ -20,13 +20,15 @@ pub trait CachePolicy {
 }
 
 /// Per-layer LRU over a fixed number of slots per layer, with an optional pinned set per layer
-/// that is always resident (and takes slots from that layer's budget) and optional prefetch on
-/// hints.
+/// (reserved slots of that layer's budget: a pinned expert is read on its first use and never
+/// evicted after, so the replay starts from a cold cache like every other policy) and optional
+/// prefetch on hints.
 pub struct LayerLru {
     slots_per_layer: usize,
     /// Per layer: unpinned residents with their last-use tick.
     resident: Vec<Vec<(u16, u64)>>,
     pinned: Vec<Vec<u16>>,
+    pins_loaded: std::collections::HashSet<Key>,
     prefetch: bool,
     tick: u64,
     label: String,
@@ -34,7 +36,15 @@ pub struct LayerLru {
 
 impl LayerLru {
     pub fn new(layers: usize, slots_per_layer: usize) -> Self {
-        LayerLru { slots_per_layer, resident: vec![Vec::new(); layers], pinned: vec![Vec::new(); layers], prefetch: false, tick: 0, label: "LRU".into() }
+        LayerLru {
+            slots_per_layer,
+            resident: vec![Vec::new(); layers],
+            pinned: vec![Vec::new(); layers],
+            pins_loaded: Default::default(),
+            prefetch: false,
+            tick: 0,
+            label: "LRU".into(),
+        }
     }
 
     /// Pins the given experts per layer (at most the layer's slots).
@@ -61,7 +71,7 @@ impl LayerLru {
         self.tick += 1;
         let l = layer as usize;
         if self.pinned[l].contains(&e) {
-            return true;
+            return !self.pins_loaded.insert((layer, e));
         }
         if let Some(slot) = self.resident[l].iter_mut().find(|(x, _)| *x == e) {
             slot.1 = self.tick;
@@ -189,6 +199,7 @@ mod tests {
     #[test]
     fn pins_stay_and_prefetch_turns_misses_into_hits() {
         let mut p = LayerLru::new(1, 2).with_pins(vec![vec![9]]);
+        assert!(!p.access((0, 9)), "a pin is read on first use");
         assert!(p.access((0, 9)));
         assert!(!p.access((0, 1)));
         assert!(!p.access((0, 2))); // evicts 1, never 9

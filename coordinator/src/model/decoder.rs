@@ -143,6 +143,15 @@ pub trait MoeObserver {
     /// `rows` is `n × hidden` (the MoE input after post-attention norm); `experts` and `weights`
     /// are `n × top_k`, in the router's order.
     fn moe_layer(&mut self, layer: usize, rows: &[f32], experts: &[u32], weights: &[f32]);
+
+    /// Whether to compute the one-layer-ahead prediction (the next MoE layer's router on this
+    /// layer's rows) and report it through `lookahead`.
+    fn wants_lookahead(&self) -> bool {
+        false
+    }
+
+    /// The next MoE layer's predicted experts (`n × top_k`) for the rows of `layer`.
+    fn lookahead(&mut self, _layer: usize, _next_layer: usize, _predicted: &[u32]) {}
 }
 
 /// The observer that does nothing, for the ordinary path.
@@ -391,6 +400,13 @@ impl Decoder {
             router.route_row(xr, &mut scores, &mut ids, &mut weights);
         }
         observer.moe_layer(layer, x, &ids, &weights);
+        if observer.wants_lookahead() {
+            if let Some(next) = (layer + 1..s.num_layers).find(|l| s.layers[*l] == LayerMlp::Moe) {
+                if let Some(predicted) = self.route(next, x) {
+                    observer.lookahead(layer, next, &predicted);
+                }
+            }
+        }
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
         fixed::to_f32(&acc, out);
