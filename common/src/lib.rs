@@ -12,6 +12,7 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod error;
 pub mod json;
+pub mod quant;
 pub mod spec;
 pub mod tokenizer;
 pub mod trace;

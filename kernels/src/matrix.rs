@@ -18,6 +18,10 @@ pub enum WeightData {
     Bf16(Vec<u16>),
     /// IEEE half bit patterns.
     F16(Vec<u16>),
+    /// int8 per-row (`shimmer_common::quant`): `w = q · scales[row]`.
+    Int8 { q: Vec<i8>, scales: Vec<f32> },
+    /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes.
+    Int4 { packed: Vec<u8>, scales: Vec<f32>, group: usize },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -48,10 +52,21 @@ impl Matrix {
         Matrix { rows, cols, data }
     }
 
+    /// Wraps a quantised matrix (its buffers checked by `shimmer_common::quant::validate`).
+    pub fn from_quant(m: shimmer_common::quant::QuantMatrix) -> Self {
+        use shimmer_common::quant::QuantMatrix;
+        match m {
+            QuantMatrix::Int8 { rows, cols, q, scales } => Matrix { rows, cols, data: WeightData::Int8 { q, scales } },
+            QuantMatrix::Int4 { rows, cols, group, packed, scales } => Matrix { rows, cols, data: WeightData::Int4 { packed, scales, group } },
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         match &self.data {
             WeightData::F32(v) => v.len() * 4,
             WeightData::Bf16(v) | WeightData::F16(v) => v.len() * 2,
+            WeightData::Int8 { q, scales } => q.len() + scales.len() * 4,
+            WeightData::Int4 { packed, scales, .. } => packed.len() + scales.len() * 4,
         }
     }
 
@@ -62,6 +77,13 @@ impl Matrix {
             WeightData::F32(v) => out.copy_from_slice(&v[range]),
             WeightData::Bf16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = bf16_to_f32(*b)),
             WeightData::F16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = half::f16::from_bits(*b).to_f32()),
+            WeightData::Int8 { q, scales } => out.iter_mut().zip(&q[range]).for_each(|(o, v)| *o = *v as f32 * scales[r]),
+            WeightData::Int4 { packed, scales, group } => {
+                let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = nibble(&packed[r * bpr..], c) as f32 * scales[r * gpr + c / group];
+                }
+            }
         }
     }
 
@@ -71,6 +93,22 @@ impl Matrix {
             WeightData::F32(v) => dot(&v[range], x, |w| w),
             WeightData::Bf16(v) => dot(&v[range], x, bf16_to_f32),
             WeightData::F16(v) => dot(&v[range], x, |b| half::f16::from_bits(b).to_f32()),
+            WeightData::Int8 { q, scales } => scales[r] * dot(&q[range], x, |v| v as f32),
+            WeightData::Int4 { packed, scales, group } => {
+                let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
+                let row = &packed[r * bpr..(r + 1) * bpr];
+                // Per group: scale × Σ q·x, groups summed in order.
+                let mut acc = 0.0f32;
+                let mut q = [0.0f32; 128];
+                for (g, xg) in x.chunks(*group).enumerate() {
+                    let start = g * group;
+                    for (i, slot) in q[..xg.len()].iter_mut().enumerate() {
+                        *slot = nibble(row, start + i) as f32;
+                    }
+                    acc += scales[r * gpr + g] * dot(&q[..xg.len()], xg, |v| v);
+                }
+                acc
+            }
         }
     }
 
@@ -111,6 +149,13 @@ impl Matrix {
             self.matvec(x, o);
         }
     }
+}
+
+/// The signed int4 value at column `c` of a packed row.
+#[inline]
+fn nibble(row: &[u8], c: usize) -> i32 {
+    let byte = row[c / 2];
+    (if c % 2 == 0 { byte & 0x0f } else { byte >> 4 }) as i32 - 8
 }
 
 #[inline]
@@ -180,10 +225,42 @@ mod tests {
     }
 
     #[test]
+    fn quantised_matvec_matches_the_dequantised_reference() {
+        use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8};
+        for &(rows, cols) in &[(1, 1), (3, 7), (5, 33), (17, 64), (4, 129), (2, 300)] {
+            let (w, x) = random(rows, cols, (rows * 7 + cols) as u64);
+            let mut formats = vec![quantize_int8(&w, rows, cols)];
+            for g in [32, 64, 128] {
+                formats.push(quantize_int4(&w, rows, cols, g));
+            }
+            for qm in formats {
+                let want = reference::matvec(&dequantize(&qm), rows, cols, &x);
+                let label = format!("{qm:?}").chars().take(4).collect::<String>();
+                let m = Matrix::from_quant(qm);
+                let mut got = vec![0.0; rows];
+                m.matvec(&x, &mut got);
+                let mut widened = vec![0.0; cols];
+                for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 1e-4 * (cols as f32).sqrt() * 4.0, "{label} {rows}x{cols}: {g} vs {w}");
+                    m.row_f32(r, &mut widened);
+                    let refrow = reference::matvec(&widened, 1, cols, &x)[0];
+                    assert!((refrow - w).abs() <= 1e-4 * (cols as f32).sqrt() * 4.0);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn rows_are_batch_invariant() {
         let (rows, cols) = (300, 257);
         let (w, _) = random(rows, cols, 7);
-        let m = Matrix::from_f32(rows, cols, w);
+        for m in [Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 64)), Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)), Matrix::from_f32(rows, cols, w.clone())] {
+            batch_invariant(&m);
+        }
+    }
+
+    fn batch_invariant(m: &Matrix) {
+        let (rows, cols) = (m.rows, m.cols);
         let mut s = 99u64;
         let xs: Vec<f32> = (0..5 * cols).map(|_| lcg(&mut s)).collect();
         let mut batch = vec![0.0; 5 * rows];
