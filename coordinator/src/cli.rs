@@ -35,6 +35,30 @@ enum Command {
     /// Routing traces recorded with --trace.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Quality of an expert quantisation format against the checkpoint's own weights: KL
+    /// divergence of next-token distributions and top-1 agreement over a text.
+    QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct QuantEvalArgs {
+    /// A Hugging Face checkpoint directory (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A UTF-8 text file (e.g. held-out text).
+    #[arg(long)]
+    text: PathBuf,
+    /// Formats to measure, comma-separated: int8, int4-g32, int4-g64, int4-g128.
+    #[arg(long, value_delimiter = ',', default_value = "int8,int4-g32,int4-g64,int4-g128")]
+    quant: Vec<String>,
+    /// Tokens per independent sequence.
+    #[arg(long, default_value_t = 256)]
+    chunk: usize,
+    /// Stop after this many tokens.
+    #[arg(long, default_value_t = 16384)]
+    max_tokens: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -185,6 +209,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Chat(a) => chat(a),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
+        Command::QuantEval(a) => quant_eval(a),
     }
 }
 
@@ -486,4 +511,55 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
     }
     writeln!(stdout)?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
+    let dir = model_dir(&a.model)?;
+    let schemes = a.quant.iter().map(|q| shimmer_common::quant::QuantScheme::parse(q).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let reference = load(&dir)?;
+    let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
+    if a.chunk < 2 || a.chunk > reference.spec.max_position_embeddings {
+        bail!("--chunk must be between 2 and the model's context ({})", reference.spec.max_position_embeddings);
+    }
+    let ids = reference.tokenizer.encode(&text, false)?;
+    let ids = &ids[..ids.len().min(a.max_tokens)];
+    let v = reference.spec.vocab_size;
+    let reference_logits: Vec<Vec<f32>> = ids.chunks(a.chunk).filter(|c| c.len() > 1).map(|c| reference.logits_all(c)).collect::<Result<_, _>>()?;
+    let mut rows = Vec::new();
+    for scheme in schemes {
+        let q = Engine::load_with_experts_as(&dir, scheme)?;
+        let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+        for (chunk, want) in ids.chunks(a.chunk).filter(|c| c.len() > 1).zip(&reference_logits) {
+            let got = q.logits_all(chunk)?;
+            for (p_row, q_row) in want.chunks_exact(v).zip(got.chunks_exact(v)) {
+                kl += kl_divergence(p_row, q_row);
+                agree += (crate::sampling::argmax(p_row) == crate::sampling::argmax(q_row)) as usize;
+                n += 1;
+            }
+        }
+        rows.push(json!({"quant": scheme.name(), "positions": n, "mean_kl_nats": kl / n as f64, "top1_agreement": agree as f64 / n as f64}));
+    }
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        writeln!(stdout, "{}", json!({"tokens": ids.len(), "formats": rows}))?;
+    } else {
+        writeln!(stdout, "{} tokens; experts quantised, dense weights as stored\nformat\tmean KL (nats)\ttop-1 agreement", ids.len())?;
+        for r in &rows {
+            writeln!(stdout, "{}\t{:.5}\t{:.4}", r["quant"].as_str().unwrap_or(""), r["mean_kl_nats"].as_f64().unwrap_or(0.0), r["top1_agreement"].as_f64().unwrap_or(0.0))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// KL(p ‖ q) in nats between the softmax distributions of two logit rows.
+fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    let lse = |row: &[f32]| {
+        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        row.iter().map(|x| (*x as f64 - m).exp()).sum::<f64>().ln() + m
+    };
+    let (lp, lq) = (lse(p_logits), lse(q_logits));
+    p_logits.iter().zip(q_logits).map(|(a, b)| {
+        let lpa = *a as f64 - lp;
+        lpa.exp() * (lpa - (*b as f64 - lq))
+    }).sum()
 }

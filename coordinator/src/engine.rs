@@ -90,6 +90,12 @@ pub struct Score {
 
 impl Engine {
     pub fn load(dir: &Path) -> Result<Self, EngineError> {
+        Self::load_with_experts_as(dir, shimmer_common::quant::QuantScheme::Bf16)
+    }
+
+    /// `load`, with the routed experts quantised in memory to `scheme`: a measurement tool for a
+    /// format's quality (`shimmer quant-eval`), never the serving path.
+    pub fn load_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         if !dir.is_dir() {
             return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory)").into());
@@ -101,7 +107,7 @@ impl Engine {
         let config_path = dir.join("config.json");
         let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
         let decoder = load_dense(&ckpt, &spec)?;
-        let experts = InProcessExperts::load(&ckpt, &spec)?;
+        let experts = InProcessExperts::load_as(&ckpt, &spec, scheme)?;
         let mut eos_ids = spec.eos_token_ids.clone();
         for id in &chat.generation_eos_ids {
             if !eos_ids.contains(id) {

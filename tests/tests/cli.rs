@@ -276,3 +276,22 @@ fn routing_reports_every_moe_layer() {
     let out = shimmer(&["routing", "--model", fixture("olmoe").to_str().unwrap(), "--text", "/nonexistent.txt"]);
     assert_clean_failure(&out, &["/nonexistent.txt"]);
 }
+
+#[test]
+fn quant_eval_measures_formats_against_the_checkpoint() {
+    let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/README.md");
+    let v = json_stdout(&shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "bf16,int8,int4-g32,int4-g128", "--max-tokens", "512", "--json"]));
+    let f = v["formats"].as_array().unwrap();
+    let kl = |i: usize| f[i]["mean_kl_nats"].as_f64().unwrap();
+    // "bf16" keeps the checkpoint's own weights: identical distributions.
+    assert_eq!(kl(0), 0.0);
+    assert_eq!(f[0]["top1_agreement"].as_f64().unwrap(), 1.0);
+    // Coarser formats lose more: int8 is far closer than int4.
+    assert!(kl(1) > 0.0 && kl(1) < kl(2) && kl(1) < kl(3), "{v}");
+    for r in f {
+        let a = r["top1_agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&a));
+    }
+    let out = shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "int3"]);
+    assert_clean_failure(&out, &["unknown quantisation `int3`"]);
+}

@@ -8,6 +8,7 @@
 //! Each expert is applied once per batch, to every row that selected it (the union of experts).
 
 use rayon::prelude::*;
+use shimmer_common::quant::{self, QuantScheme};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_common::spec::LayerMlp;
 use shimmer_kernels::{fixed, FixedPointOverflow, Matrix};
@@ -61,6 +62,28 @@ pub struct InProcessExperts {
 impl InProcessExperts {
     /// Loads every routed expert named by the spec's templates, checking each tensor's shape.
     pub fn load(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Self, LoadError> {
+        Self::load_as(ckpt, spec, QuantScheme::Bf16)
+    }
+
+    /// Loads the experts and quantises them to `scheme` in memory — for measuring a format's
+    /// quality against the original (`shimmer quant-eval`) only: serving never re-quantises
+    /// (DESIGN.md §1); formats reach it through a converted container. `Bf16` keeps the
+    /// checkpoint's own precision.
+    pub fn load_as(ckpt: &Checkpoint, spec: &ModelSpec, scheme: QuantScheme) -> Result<Self, LoadError> {
+        let convert = |m: Matrix| -> Matrix {
+            let widened = || {
+                let mut w = vec![0.0f32; m.rows * m.cols];
+                for (r, row) in w.chunks_exact_mut(m.cols).enumerate() {
+                    m.row_f32(r, row);
+                }
+                w
+            };
+            match scheme {
+                QuantScheme::Bf16 => m,
+                QuantScheme::Int8PerRow => Matrix::from_quant(quant::quantize_int8(&widened(), m.rows, m.cols)),
+                QuantScheme::Int4 { group } => Matrix::from_quant(quant::quantize_int4(&widened(), m.rows, m.cols, group)),
+            }
+        };
         let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
         let mut layers = Vec::with_capacity(spec.num_layers);
         for (l, kind) in spec.layers.iter().enumerate() {
@@ -72,9 +95,9 @@ impl InProcessExperts {
             for e in 0..spec.moe.num_experts {
                 let [g, u, d] = spec.expert_names.expert(l, e);
                 experts.push(Expert {
-                    gate: Matrix::from_view(&ckpt.get(&g, &[i, h])?),
-                    up: Matrix::from_view(&ckpt.get(&u, &[i, h])?),
-                    down: Matrix::from_view(&ckpt.get(&d, &[h, i])?),
+                    gate: convert(Matrix::from_view(&ckpt.get(&g, &[i, h])?)),
+                    up: convert(Matrix::from_view(&ckpt.get(&u, &[i, h])?)),
+                    down: convert(Matrix::from_view(&ckpt.get(&d, &[h, i])?)),
                 });
             }
             layers.push(Some(experts));
