@@ -16,6 +16,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::error::LoadError;
+
 const MAGIC: &[u8; 8] = b"SHMTRACE";
 pub const VERSION: u32 = 1;
 /// No prediction (the last MoE layer has no next layer).
@@ -23,17 +25,8 @@ pub const NONE: u16 = u16::MAX;
 /// Largest trace read into memory.
 pub const MAX_TRACE_BYTES: u64 = 4 << 30;
 
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {problem}")]
-    Invalid { path: PathBuf, problem: String },
-}
+/// Trace files fail like every other file shimmer reads: the path and the problem.
+pub type TraceError = LoadError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceHeader {
@@ -63,9 +56,9 @@ pub struct TraceWriter {
 
 impl TraceWriter {
     pub fn create(path: &Path, header: TraceHeader) -> Result<Self, TraceError> {
-        let io = |source| TraceError::Io { path: path.to_path_buf(), source };
+        let io = |source| LoadError::io(path, source);
         if header.experts as usize > NONE as usize || header.top_k == 0 || header.layers.is_empty() {
-            return Err(TraceError::Invalid { path: path.to_path_buf(), problem: "cannot trace this shape (experts < 65535, top_k ≥ 1, ≥ 1 MoE layer)".into() });
+            return Err(LoadError::malformed(path, "cannot trace this shape (experts < 65535, top_k ≥ 1, ≥ 1 MoE layer)"));
         }
         let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
         let mut head = MAGIC.to_vec();
@@ -94,11 +87,11 @@ impl TraceWriter {
                 buf.extend_from_slice(&pred.get(i).copied().unwrap_or(NONE).to_le_bytes());
             }
         }
-        self.file.write_all(&buf).map_err(|source| TraceError::Io { path: self.path.clone(), source })
+        self.file.write_all(&buf).map_err(|source| LoadError::io(&self.path, source))
     }
 
     pub fn flush(&mut self) -> Result<(), TraceError> {
-        self.file.flush().map_err(|source| TraceError::Io { path: self.path.clone(), source })
+        self.file.flush().map_err(|source| LoadError::io(&self.path, source))
     }
 }
 
@@ -111,12 +104,12 @@ pub struct Trace {
 
 impl Trace {
     pub fn read(path: &Path) -> Result<Self, TraceError> {
-        let invalid = |problem: String| TraceError::Invalid { path: path.to_path_buf(), problem };
-        let meta = std::fs::metadata(path).map_err(|source| TraceError::Io { path: path.to_path_buf(), source })?;
+        let invalid = |problem: String| LoadError::malformed(path, problem);
+        let meta = std::fs::metadata(path).map_err(|source| LoadError::io(path, source))?;
         if meta.len() > MAX_TRACE_BYTES {
             return Err(invalid(format!("{} bytes is over the {MAX_TRACE_BYTES} byte limit", meta.len())));
         }
-        let bytes = std::fs::read(path).map_err(|source| TraceError::Io { path: path.to_path_buf(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| LoadError::io(path, source))?;
         if bytes.len() < 24 || &bytes[..8] != MAGIC {
             return Err(invalid("not a shimmer routing trace".into()));
         }

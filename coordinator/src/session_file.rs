@@ -13,11 +13,12 @@
 //! fingerprint, geometry, sizes and checksum, and refuses with a message naming the mismatch.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use shimmer_common::chat_template::Message;
 use shimmer_common::checkpoint::Fnv;
+use shimmer_common::LoadError;
 
 use crate::engine::{Engine, Session};
 
@@ -25,17 +26,8 @@ const MAGIC: &[u8; 8] = b"SHMSESS\0";
 pub const VERSION: u32 = 1;
 const MAX_HEADER: usize = 64 << 20;
 
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {problem}")]
-    Invalid { path: PathBuf, problem: String },
-}
+/// Session files fail like every other file shimmer reads: the path and the problem.
+pub type SessionError = LoadError;
 
 #[derive(Serialize, Deserialize)]
 struct Header {
@@ -59,7 +51,7 @@ pub struct Saved {
 }
 
 fn invalid(path: &Path, problem: impl Into<String>) -> SessionError {
-    SessionError::Invalid { path: path.to_path_buf(), problem: problem.into() }
+    LoadError::malformed(path, problem)
 }
 
 pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], messages: &[Message]) -> Result<(), SessionError> {
@@ -91,7 +83,7 @@ pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], me
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     let io = |p: &Path| {
         let p = p.to_path_buf();
-        move |source| SessionError::Io { path: p, source }
+        move |source| LoadError::io(p, source)
     };
     let result = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
@@ -114,7 +106,7 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(SessionError::Io { path: path.to_path_buf(), source }),
+        Err(source) => return Err(LoadError::io(path, source)),
     };
     if bytes.len() < 20 || &bytes[..8] != MAGIC {
         return Err(invalid(path, "not a shimmer session file"));
