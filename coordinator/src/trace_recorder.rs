@@ -63,6 +63,14 @@ impl MoeObserver for TraceRecorder {
         for (rec, row) in self.pending.iter_mut().zip(experts.chunks_exact(self.top_k)) {
             rec.selected[p] = row.iter().map(|e| *e as u16).collect();
         }
+        if p + 1 == layers {
+            // The last MoE layer has no lookahead: these tokens are complete. Write them now, so a
+            // process that ends abruptly (Ctrl-C at the chat prompt) loses nothing already routed.
+            self.flush_pending();
+            if let Err(e) = self.writer.flush() {
+                self.error.get_or_insert(e);
+            }
+        }
     }
 
     fn wants_lookahead(&self) -> bool {
