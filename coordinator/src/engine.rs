@@ -96,6 +96,16 @@ impl Engine {
     /// `load`, with the routed experts quantised in memory to `scheme`: a measurement tool for a
     /// format's quality (`shimmer quant-eval`), never the serving path.
     pub fn load_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> Result<Self, EngineError> {
+        Self::load_with(dir, scheme, |experts| Box::new(experts))
+    }
+
+    /// `load`, with the routed experts reached through the dispatcher `place` builds around them
+    /// (a partition over workers, later a tiered store). Placement may change speed, never tokens.
+    pub fn load_with_dispatch(dir: &Path, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
+        Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, place)
+    }
+
+    fn load_with(dir: &Path, scheme: shimmer_common::quant::QuantScheme, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         if !dir.is_dir() {
             return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory)").into());
@@ -121,7 +131,7 @@ impl Engine {
             }
         }
         tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-        Ok(Engine { spec, tokenizer, chat, decoder, experts: Box::new(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None) })
+        Ok(Engine { spec, tokenizer, chat, decoder, experts: place(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None) })
     }
 
     /// Records the routing of every following forward pass to `path` (`--trace`).

@@ -112,6 +112,15 @@ impl InProcessExperts {
 
 impl ExpertDispatch for InProcessExperts {
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
+        self.dispatch_owned(batch, acc, &|_, _| true)
+    }
+}
+
+impl InProcessExperts {
+    /// Adds only the contributions of the experts `owns(layer, expert)` accepts — what one node
+    /// holding a slice of the experts contributes. Partial sums from any partition of the experts,
+    /// merged in any order, equal `dispatch` bit for bit (fixed-point accumulation).
+    pub fn dispatch_owned(&self, batch: &MoeBatch<'_>, acc: &mut [i64], owns: &dyn Fn(usize, u32) -> bool) -> Result<(), DispatchError> {
         let layer = batch.layer;
         let experts = self
             .layers
@@ -125,7 +134,7 @@ impl ExpertDispatch for InProcessExperts {
             let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: experts.len() })?;
             list.push((slot / batch.top_k, w));
         }
-        let work: Vec<(usize, &Vec<(usize, f32)>)> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).collect();
+        let work: Vec<(usize, &Vec<(usize, f32)>)> = users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).collect();
         // Experts run in parallel; their weighted outputs are added afterwards. Integer addition
         // makes the order irrelevant, so threads cannot change a bit of the result.
         let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
