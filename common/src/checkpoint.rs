@@ -181,14 +181,6 @@ impl Checkpoint {
         format!("{:016x}", h.0)
     }
 
-    pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.keys().map(String::as_str)
-    }
-
     /// The tensor `name`, which must have exactly `shape` and a float dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<TensorView<'_>, LoadError> {
         let entry = self.tensors.get(name).ok_or_else(|| LoadError::Tensor {

@@ -438,7 +438,7 @@ fn routing(a: RoutingArgs) -> Result<ExitCode> {
     if ids.len() < 2 {
         bail!("{}: the text is too short to analyse", a.text.display());
     }
-    let mut analysis = crate::routing::RoutingAnalysis::for_decoder(engine.decoder());
+    let mut analysis = crate::routing::RoutingAnalysis::new(&engine.spec);
     for chunk in ids.chunks(a.chunk) {
         analysis.start_sequence();
         engine.observe(chunk, &mut analysis)?;

@@ -221,10 +221,6 @@ impl Engine {
         Ok(())
     }
 
-    pub fn decoder(&self) -> &Decoder {
-        &self.decoder
-    }
-
     /// Feeds `ids` after what the session holds and returns the last position's logits.
     pub fn step(&self, session: &mut Session, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         let logits = self.run(ids, &mut session.cache, Logits::Last)?;

@@ -3,12 +3,9 @@
 //! applied to this layer's MoE input (DESIGN.md §4) — recalls the next layer's true top-k.
 //! Caches and prefetchers are judged against these figures.
 
-use shimmer_common::spec::LayerMlp;
+use shimmer_common::ModelSpec;
 
-use crate::model::{Decoder, MoeObserver};
-
-/// Layer L's router applied to rows of an earlier layer's MoE input: the prediction under test.
-pub type Predictor<'a> = Box<dyn Fn(usize, &[f32]) -> Option<Vec<u32>> + 'a>;
+use crate::model::MoeObserver;
 
 #[derive(Debug, Clone, Default)]
 struct LayerTally {
@@ -41,24 +38,23 @@ pub struct LayerReport {
     pub consecutive_overlap: f64,
 }
 
-pub struct RoutingAnalysis<'a> {
-    layers: Vec<LayerMlp>,
-    predict: Predictor<'a>,
+/// Counts what the forward pass reports: selections through `moe_layer`, and the decoder's own
+/// one-layer-ahead prediction through `lookahead` (the same hook the trace recorder uses).
+pub struct RoutingAnalysis {
     top_k: usize,
     tallies: Vec<LayerTally>,
+    /// The prediction for the next MoE layer, waiting for that layer's real selections.
     pending: Option<(usize, Vec<u32>)>,
 }
 
-impl<'a> RoutingAnalysis<'a> {
-    /// Analysis of `decoder`'s routing, predicting each MoE layer with its own router.
-    pub fn for_decoder(decoder: &'a Decoder) -> Self {
-        let spec = decoder.spec();
-        Self::new(spec.layers.clone(), spec.moe.num_experts, spec.moe.top_k, Box::new(move |layer, rows| decoder.route(layer, rows)))
+impl RoutingAnalysis {
+    pub fn new(spec: &ModelSpec) -> Self {
+        Self::with_shape(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
     }
 
-    pub fn new(layers: Vec<LayerMlp>, num_experts: usize, top_k: usize, predict: Predictor<'a>) -> Self {
+    pub fn with_shape(num_layers: usize, num_experts: usize, top_k: usize) -> Self {
         let tally = LayerTally { counts: vec![0; num_experts], ..Default::default() };
-        RoutingAnalysis { tallies: vec![tally; layers.len()], layers, predict, top_k, pending: None }
+        RoutingAnalysis { tallies: vec![tally; num_layers], top_k, pending: None }
     }
 
     /// Call between independent sequences so overlap is not counted across them.
@@ -106,8 +102,8 @@ fn overlap(a: &[u32], b: &[u32]) -> u64 {
     a.iter().filter(|e| b.contains(e)).count() as u64
 }
 
-impl MoeObserver for RoutingAnalysis<'_> {
-    fn moe_layer(&mut self, layer: usize, rows: &[f32], experts: &[u32], _weights: &[f32]) {
+impl MoeObserver for RoutingAnalysis {
+    fn moe_layer(&mut self, layer: usize, _rows: &[f32], experts: &[u32], _weights: &[f32]) {
         let k = self.top_k;
         let t = &mut self.tallies[layer];
         for row in experts.chunks_exact(k) {
@@ -129,12 +125,14 @@ impl MoeObserver for RoutingAnalysis<'_> {
                 }
             }
         }
-        let next_moe = (layer + 1..self.layers.len()).find(|l| self.layers[*l] == LayerMlp::Moe);
-        if let Some(next) = next_moe {
-            if let Some(predicted) = (self.predict)(next, rows) {
-                self.pending = Some((next, predicted));
-            }
-        }
+    }
+
+    fn wants_lookahead(&self) -> bool {
+        true
+    }
+
+    fn lookahead(&mut self, _layer: usize, next_layer: usize, predicted: &[u32]) {
+        self.pending = Some((next_layer, predicted.to_vec()));
     }
 }
 
@@ -144,12 +142,12 @@ mod tests {
 
     #[test]
     fn figures_match_a_hand_computed_trace() {
-        // Layers: MoE, dense, MoE; 4 experts, top-2. The "predictor" always says {0, 1}.
-        let layers = vec![LayerMlp::Moe, LayerMlp::Dense { intermediate_size: 1 }, LayerMlp::Moe];
-        let mut a = RoutingAnalysis::new(layers, 4, 2, Box::new(|_, rows: &[f32]| Some(rows.iter().flat_map(|_| [0u32, 1]).collect())));
+        // Layers: MoE, dense, MoE; 4 experts, top-2. The lookahead from layer 0 says {0, 1} for every row.
+        let mut a = RoutingAnalysis::with_shape(3, 4, 2);
         let rows = [0.0f32; 3]; // three rows of hidden size 1
         a.start_sequence();
         a.moe_layer(0, &rows, &[0, 1, 0, 2, 0, 1], &[0.5; 6]);
+        a.lookahead(0, 2, &[0, 1, 0, 1, 0, 1]);
         a.moe_layer(2, &rows, &[0, 1, 2, 3, 1, 2], &[0.5; 6]);
         let r = a.report();
         assert_eq!(r.len(), 2);
