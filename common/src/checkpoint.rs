@@ -99,6 +99,15 @@ impl TensorView<'_> {
     }
 }
 
+/// A tensor as stored, whatever its dtype.
+#[derive(Clone, Copy)]
+pub struct RawTensor<'a> {
+    pub dtype: StDtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+    pub file: &'a Path,
+}
+
 pub struct Checkpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
@@ -162,8 +171,41 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Opens exactly the named files of `dir` (a converted container's dense weights), without
+    /// an index.
+    pub fn open_files(dir: &Path, files: &[&str]) -> Result<Self, LoadError> {
+        let mut ckpt = Checkpoint { dir: dir.to_path_buf(), shards: Vec::new(), tensors: HashMap::new() };
+        for name in files {
+            ckpt.add_shard(dir.join(name))?;
+        }
+        Ok(ckpt)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Every tensor name, sorted.
+    pub fn tensor_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// A tensor of any dtype, unchecked: for converters that handle dtypes the engine does not
+    /// compute with (fp8, int8).
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, LoadError> {
+        let entry = self.tensors.get(name).ok_or_else(|| LoadError::Tensor {
+            path: self.dir.clone(),
+            tensor: name.to_string(),
+            problem: "the model needs it but the checkpoint does not have it".into(),
+        })?;
+        let shard = &self.shards[entry.shard];
+        Ok(RawTensor { dtype: entry.dtype, shape: &entry.shape, bytes: &shard.mmap[entry.start..entry.end], file: &shard.path })
     }
 
     /// Identity of config + weights: FNV-1a over `config_bytes` and each shard's name, length and
@@ -198,6 +240,7 @@ impl Checkpoint {
             StDtype::F32 => DType::F32,
             StDtype::BF16 => DType::Bf16,
             StDtype::F16 => DType::F16,
+            StDtype::F8_E4M3 => return Err(err("is fp8-e4m3: convert the checkpoint first (`shimmer convert`), which dequantises its block scales".into())),
             other => return Err(err(format!("dtype {other:?} is not supported here (expected F32, BF16 or F16)"))),
         };
         if entry.shape != shape {

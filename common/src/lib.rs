@@ -18,6 +18,7 @@ pub mod spec;
 pub mod tokenizer;
 pub mod trace;
 
-pub use checkpoint::{Checkpoint, DType, TensorView};
+pub use checkpoint::{Checkpoint, DType, Fnv, RawTensor, TensorView};
+pub use safetensors::tensor::Dtype as StDtype;
 pub use error::LoadError;
 pub use spec::{ModelSpec, Family};

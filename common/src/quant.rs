@@ -122,6 +122,49 @@ pub fn validate(m: &QuantMatrix, what: &str) -> Result<(), LoadError> {
     }
 }
 
+/// One fp8-e4m3 ("e4m3fn", as torch's `float8_e4m3fn`) value: sign, 4 exponent bits with bias 7,
+/// 3 mantissa bits; exponent 0 is subnormal; `S.1111.111` is NaN; there are no infinities.
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((b >> 3) & 0x0f) as i32;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0f && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// DeepSeek-style block-scaled fp8: `w[r][c] = fp8(q[r][c]) × scale_inv[r / block][c / block]`
+/// (computed in f32, as DeepSeek's reference `weight_dequant` does), `scale_inv` being
+/// `⌈rows/block⌉ × ⌈cols/block⌉`. Errors name what does not fit.
+pub fn dequantize_fp8_blocks(q: &[u8], rows: usize, cols: usize, scale_inv: &[f32], block: usize) -> Result<Vec<f32>, String> {
+    if q.len() != rows * cols {
+        return Err(format!("fp8 data is {} bytes, the shape {rows}×{cols} needs {}", q.len(), rows * cols));
+    }
+    let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
+    if scale_inv.len() != br * bc {
+        return Err(format!("block scales hold {} values, {rows}×{cols} in {block}×{block} blocks needs {br}×{bc}", scale_inv.len()));
+    }
+    if let Some(bad) = scale_inv.iter().find(|s| !s.is_finite()) {
+        return Err(format!("a block scale is {bad}"));
+    }
+    let mut out = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            let v = fp8_e4m3_to_f32(q[r * cols + c]);
+            if v.is_nan() {
+                return Err(format!("element ({r}, {c}) is an fp8 NaN"));
+            }
+            out.push(v * scale_inv[(r / block) * bc + c / block]);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +207,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fp8_e4m3_decodes_every_class() {
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0); // exponent 7 = bias
+        assert_eq!(fp8_e4m3_to_f32(0xb8), -1.0);
+        assert_eq!(fp8_e4m3_to_f32(0x7e), 448.0); // the largest finite value
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9)); // the smallest subnormal
+        assert_eq!(fp8_e4m3_to_f32(0x08), 2f32.powi(-6)); // the smallest normal
+        assert!(fp8_e4m3_to_f32(0x7f).is_nan() && fp8_e4m3_to_f32(0xff).is_nan());
+        // Blocks: a 3×5 matrix in 2×2 blocks has 2×3 scales.
+        let q = vec![0x38u8; 15];
+        let s = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let w = dequantize_fp8_blocks(&q, 3, 5, &s, 2).unwrap();
+        assert_eq!(&w[..5], &[1.0, 1.0, 2.0, 2.0, 3.0]);
+        assert_eq!(&w[10..], &[4.0, 4.0, 5.0, 5.0, 6.0]);
+        assert!(dequantize_fp8_blocks(&q, 3, 5, &s[..5], 2).unwrap_err().contains("block scales"));
+        assert!(dequantize_fp8_blocks(&[0x7f; 15], 3, 5, &s, 2).unwrap_err().contains("NaN"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use shimmer_common::chat_template::Message;
 
-use crate::engine::{Engine, GenerateOptions};
+use crate::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
 use crate::sampling::SamplingParams;
 
 #[derive(Parser)]
@@ -35,9 +35,77 @@ enum Command {
     /// Routing traces recorded with --trace.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Convert a Hugging Face checkpoint into an expert container (one aligned blob per expert);
+    /// resumable.
+    Convert(ConvertArgs),
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// The Hugging Face checkpoint directory (bf16/f16/f32, or fp8-e4m3 with 128×128 block scales).
+    #[arg(long)]
+    from: PathBuf,
+    /// The container directory to write (new or empty, or an interrupted conversion to resume).
+    #[arg(long)]
+    to: PathBuf,
+    /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128.
+    #[arg(long, default_value = "bf16")]
+    quant: String,
+    /// Dense weights' format: bf16 or int8.
+    #[arg(long, default_value = "bf16")]
+    dense_quant: String,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// How the routed experts are held (docs/expert-store.md).
+#[derive(Args, Clone)]
+struct StoreArgs {
+    /// RAM for the expert cache in GB (a float), or `auto` (what the machine can spare). Without
+    /// it an unconverted checkpoint's experts all stay in memory and a container uses `auto`.
+    #[arg(long, value_name = "GB|auto")]
+    ram_gb: Option<String>,
+    /// Read experts with O_DIRECT (past the page cache); needs a converted container.
+    #[arg(long)]
+    direct_io: bool,
+    /// A second copy of the container (another drive): reads are spread over both, and a bad
+    /// read or checksum on one is served from the other.
+    #[arg(long, value_name = "DIR")]
+    mirror: Option<PathBuf>,
+    /// Turn off one-layer-ahead prefetch (and warming the learned pins at start).
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Expert reads in flight at once.
+    #[arg(long, default_value_t = shimmer_worker::store::DEFAULT_IO_DEPTH)]
+    io_depth: usize,
+    /// Where routing heat is learned and kept (default: shimmer-usage.json beside the model).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_usage")]
+    usage: Option<PathBuf>,
+    /// Neither read nor write routing heat.
+    #[arg(long)]
+    no_usage: bool,
+}
+
+impl StoreArgs {
+    fn options(&self) -> Result<ExpertOptions> {
+        let ram = match &self.ram_gb {
+            Some(s) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
+            None => None,
+        };
+        if self.io_depth == 0 || self.io_depth > 256 {
+            bail!("--io-depth must be between 1 and 256");
+        }
+        let usage = match (&self.usage, self.no_usage) {
+            (_, true) => UsageFile::Off,
+            (Some(p), false) => UsageFile::File(p.clone()),
+            (None, false) => UsageFile::BesideModel,
+        };
+        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth: self.io_depth, usage })
+    }
 }
 
 #[derive(Args)]
@@ -141,6 +209,8 @@ struct GenerateArgs {
     /// Continue the conversation saved in FILE (token history and KV cache), and save it back.
     #[arg(long, value_name = "FILE")]
     session: Option<PathBuf>,
+    #[command(flatten)]
+    store: StoreArgs,
     /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -156,6 +226,8 @@ struct ScoreArgs {
     ids: Vec<u32>,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    store: StoreArgs,
     /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -174,6 +246,8 @@ struct ChatArgs {
     /// Resume the conversation saved in FILE, and save it after every turn.
     #[arg(long, value_name = "FILE")]
     session: Option<PathBuf>,
+    #[command(flatten)]
+    store: StoreArgs,
     /// Record every token's expert routing to FILE (see `shimmer trace analyze`).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -209,6 +283,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Chat(a) => chat(a),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
+        Command::Convert(a) => convert(a),
         Command::QuantEval(a) => quant_eval(a),
     }
 }
@@ -234,8 +309,51 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
     Engine::load(dir).with_context(|| format!("cannot load model {}", dir.display()))
 }
 
+/// Loads with the experts held as the store flags say, and says on stderr what the store holds.
+fn open(dir: &std::path::Path, store: &StoreArgs) -> Result<Engine> {
+    let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
+    if let Some(t) = engine.store_telemetry() {
+        let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
+        eprintln!(
+            "shimmer: expert store: {:.3} GB for experts ({} of {all} experts, {} per layer, {} pinned), dense weights {:.3} GB, {}{}",
+            t.budget_bytes as f64 / 1e9,
+            t.capacity_experts.min(all as u64),
+            t.slots_per_layer,
+            t.pinned_experts,
+            engine.dense_bytes.unwrap_or(0) as f64 / 1e9,
+            if store.direct_io { "O_DIRECT" } else { "buffered reads" },
+            if store.no_prefetch { ", no prefetch" } else { "" },
+        );
+    }
+    Ok(engine)
+}
+
+fn store_json(engine: &Engine) -> serde_json::Value {
+    match engine.store_telemetry() {
+        Some(t) => json!({"dense_bytes": engine.dense_bytes, "experts": t}),
+        None => serde_json::Value::Null,
+    }
+}
+
+fn store_summary(engine: &Engine) {
+    if let Some(t) = engine.store_telemetry() {
+        eprintln!(
+            "[experts: {} RAM hits, {} joined in-flight reads, {} disk misses; {:.1} MB read at {:.2} GB/s; prefetch {} issued / {} used; waited {:.1} ms on I/O{}]",
+            t.ram_hits,
+            t.in_flight_hits,
+            t.disk_misses,
+            t.bytes_read as f64 / 1e6,
+            t.read_gb_s,
+            t.prefetch_issued,
+            t.prefetch_useful,
+            t.io_wait_ms,
+            if t.mirror_fallbacks > 0 { format!("; {} reads served by the other copy", t.mirror_fallbacks) } else { String::new() }
+        );
+    }
+}
+
 fn generate(a: GenerateArgs) -> Result<ExitCode> {
-    let engine = load(&model_dir(&a.model)?)?;
+    let engine = open(&model_dir(&a.model)?, &a.store)?;
     start_trace(&engine, &a.trace)?;
     let saved = match &a.session {
         Some(path) => crate::session_file::load(path, &engine)?,
@@ -289,7 +407,7 @@ fn generate(a: GenerateArgs) -> Result<ExitCode> {
             "output_ids": gen.output_ids,
             "text": gen.text,
             "finish_reason": gen.finish_reason.as_str(),
-            "timings": {"load_ms": round2(engine.load_ms), "prefill_ms": round2(gen.prefill_ms), "decode_tok_s": round2(decode_tok_s)},
+            "timings": {"load_ms": round2(engine.load_ms), "prefill_ms": round2(gen.prefill_ms), "decode_ms": round2(gen.decode_ms), "decode_tokens": gen.decode_tokens, "decode_tok_s": round2(decode_tok_s), "store": store_json(&engine)},
         });
         writeln!(stdout, "{out}")?;
     } else {
@@ -302,6 +420,7 @@ fn generate(a: GenerateArgs) -> Result<ExitCode> {
             gen.prefill_ms,
             decode_tok_s
         );
+        store_summary(&engine);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -311,26 +430,27 @@ fn round2(x: f64) -> f64 {
 }
 
 fn score(a: ScoreArgs) -> Result<ExitCode> {
-    let engine = load(&model_dir(&a.model)?)?;
+    let engine = open(&model_dir(&a.model)?, &a.store)?;
     start_trace(&engine, &a.trace)?;
     let s = engine.score(&a.ids)?;
     engine.finish_trace()?;
     let mut stdout = std::io::stdout().lock();
     if a.json {
-        writeln!(stdout, "{}", json!({"argmax": s.argmax, "logprobs": s.logprobs}))?;
+        writeln!(stdout, "{}", json!({"argmax": s.argmax, "logprobs": s.logprobs, "timings": {"load_ms": round2(engine.load_ms), "store": store_json(&engine)}}))?;
     } else {
         writeln!(stdout, "pos\tid\targmax\tlogprob(next)")?;
         for (i, id) in a.ids.iter().enumerate() {
             let lp = s.logprobs.get(i).map_or(String::from("-"), |l| format!("{l:.4}"));
             writeln!(stdout, "{i}\t{id}\t{}\t{lp}", s.argmax[i])?;
         }
+        store_summary(&engine);
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
-    let engine = load(&dir)?;
+    let engine = open(&dir, &a.store)?;
     start_trace(&engine, &a.trace)?;
     if engine.chat.template.is_none() {
         bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
@@ -562,4 +682,42 @@ fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         let lpa = *a as f64 - lp;
         lpa.exp() * (lpa - (*b as f64 - lq))
     }).sum()
+}
+
+fn convert(a: ConvertArgs) -> Result<ExitCode> {
+    use shimmer_worker::convert::{ConvertEvent, ConvertOptions, DenseQuant};
+    let expert_quant = shimmer_common::quant::QuantScheme::parse(&a.quant).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
+    let dense_quant = DenseQuant::parse(&a.dense_quant).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
+    let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(0) };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>14} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}")
+            .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?
+            .progress_chars("=> "),
+    );
+    let report = shimmer_worker::convert::convert(&a.from, &a.to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
+        ConvertEvent::Start { total_bytes, done_bytes } => {
+            bar.set_length(total_bytes);
+            bar.set_position(done_bytes);
+            bar.reset_eta();
+        }
+        ConvertEvent::Phase(p) => bar.set_message(p.to_string()),
+        ConvertEvent::Advance(n) => bar.inc(n),
+    })
+    .with_context(|| format!("cannot convert {} into {}", a.from.display(), a.to.display()))?;
+    bar.finish_and_clear();
+    if report.already_done {
+        eprintln!("shimmer: {} already holds this conversion ({} experts); nothing to do", a.to.display(), report.blobs);
+    } else {
+        eprintln!(
+            "shimmer: wrote {}: {} experts as {} ({:.1} MB{}), dense weights as {} ({:.1} MB)",
+            a.to.display(),
+            report.blobs,
+            expert_quant.name(),
+            report.experts_bytes as f64 / 1e6,
+            if report.resumed_blobs > 0 { format!(", {} kept from the interrupted run", report.resumed_blobs) } else { String::new() },
+            dense_quant.name(),
+            report.dense_bytes as f64 / 1e6
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

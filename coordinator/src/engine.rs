@@ -8,6 +8,11 @@ use std::time::Instant;
 use shimmer_common::chat_template::{ChatConfig, Message};
 use shimmer_common::tokenizer::Tokenizer;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use std::path::PathBuf;
+
+use shimmer_worker::container::Container;
+use shimmer_worker::store::{ExpertStore, Source, StoreOptions, StoreTelemetry};
+use shimmer_worker::usage::Usage;
 use shimmer_worker::{ExpertDispatch, InProcessExperts};
 
 use crate::kv_cache::KvCache;
@@ -37,6 +42,8 @@ pub struct Engine {
     pub fingerprint: String,
     /// `--trace`: the routing recorder every forward pass reports to, when set.
     trace: std::sync::Mutex<Option<crate::trace_recorder::TraceRecorder>>,
+    /// Dense weights' bytes, reported beside the expert budget when the store is in use.
+    pub dense_bytes: Option<u64>,
 }
 
 /// A conversation's KV cache and the tokens it holds, kept between turns.
@@ -88,9 +95,82 @@ pub struct Score {
     pub logprobs: Vec<f32>,
 }
 
+/// How much RAM the expert cache may use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RamBudget {
+    Gb(f64),
+    /// What the machine can spare: available memory less the dense weights and a reserve.
+    Auto,
+}
+
+impl RamBudget {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(RamBudget::Auto);
+        }
+        match s.parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => Ok(RamBudget::Gb(v)),
+            _ => Err(format!("`{s}` is not a positive number of GB or `auto`")),
+        }
+    }
+}
+
+/// Where learned routing heat is kept.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UsageFile {
+    /// `shimmer-usage.json` beside the model.
+    BesideModel,
+    File(PathBuf),
+    Off,
+}
+
+/// How the routed experts are held: all in memory, or in the tiered store.
+#[derive(Debug, Clone)]
+pub struct ExpertOptions {
+    /// `None`: an unconverted checkpoint's experts all in memory; a container's under `auto`.
+    pub ram: Option<RamBudget>,
+    pub direct_io: bool,
+    pub mirror: Option<PathBuf>,
+    pub prefetch: bool,
+    pub io_depth: usize,
+    pub usage: UsageFile,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        ExpertOptions { ram: None, direct_io: false, mirror: None, prefetch: true, io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH, usage: UsageFile::BesideModel }
+    }
+}
+
+/// Bytes kept free for everything else when `--ram-gb auto`.
+const AUTO_RESERVE_BYTES: u64 = 1 << 30;
+
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 impl Engine {
     pub fn load(dir: &Path) -> Result<Self, EngineError> {
-        Self::load_with_experts_as(dir, shimmer_common::quant::QuantScheme::Bf16)
+        Self::open(dir, &ExpertOptions::default())
+    }
+
+    /// Loads an unconverted checkpoint or a converted container, with its experts held as `opts` says.
+    pub fn open(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
+        let container = Container::is_container(dir);
+        let store = container || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
+        if !container && (opts.direct_io || opts.mirror.is_some()) {
+            return Err(EngineError::Input(format!(
+                "{}: --direct-io and --mirror read a converted container's one-blob-per-expert file; convert the checkpoint first (shimmer convert)",
+                dir.display()
+            )));
+        }
+        if !store {
+            return Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Box::new(experts));
+        }
+        Self::load_store(dir, opts)
     }
 
     /// `load`, with the routed experts quantised in memory to `scheme`: a measurement tool for a
@@ -105,19 +185,82 @@ impl Engine {
         Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, place)
     }
 
+    fn check_dir(dir: &Path) -> Result<(), EngineError> {
+        if !dir.is_dir() {
+            return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory or a shimmer container)").into());
+        }
+        Ok(())
+    }
+
     fn load_with(dir: &Path, scheme: shimmer_common::quant::QuantScheme, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
         let t0 = Instant::now();
-        if !dir.is_dir() {
-            return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory)").into());
-        }
+        Self::check_dir(dir)?;
         let spec = ModelSpec::from_dir(dir)?;
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        let chat = ChatConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let config_path = dir.join("config.json");
         let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
         let decoder = load_dense(&ckpt, &spec)?;
         let experts = InProcessExperts::load_as(&ckpt, &spec, scheme)?;
+        tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
+        Self::assemble(dir, spec, decoder, place(experts), fingerprint, t0)
+    }
+
+    fn load_store(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
+        let t0 = Instant::now();
+        Self::check_dir(dir)?;
+        let spec = ModelSpec::from_dir(dir)?;
+        let moe_layers = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64;
+        let all_experts = moe_layers * spec.moe.num_experts as u64;
+        let (source, decoder, fingerprint, dense_bytes) = if Container::is_container(dir) {
+            let container = Container::open(dir, &spec)?;
+            let ckpt = Checkpoint::open_files(dir, &[shimmer_worker::container::DENSE_FILE])?;
+            let dense_path = dir.join(shimmer_worker::container::DENSE_FILE);
+            let dense_bytes = std::fs::metadata(&dense_path).map_err(|e| LoadError::io(&dense_path, e))?.len();
+            let decoder = load_dense(&ckpt, &spec)?;
+            let fingerprint = container.fingerprint();
+            (Source::container(container, opts.mirror.as_deref(), opts.direct_io)?, decoder, fingerprint, dense_bytes)
+        } else {
+            let ckpt = Checkpoint::open(dir)?;
+            let config_path = dir.join("config.json");
+            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
+            let decoder = load_dense(&ckpt, &spec)?;
+            let source = Source::checkpoint(std::sync::Arc::new(ckpt), &spec);
+            let total: u64 = std::fs::read_dir(dir).map_err(|e| LoadError::io(dir, e))?.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors")).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum();
+            let dense_bytes = total.saturating_sub(all_experts * source.expert_bytes());
+            (source, decoder, fingerprint, dense_bytes)
+        };
+        let expert_bytes = source.expert_bytes();
+        let all_bytes = all_experts * expert_bytes;
+        let budget_bytes = match opts.ram.unwrap_or(RamBudget::Auto) {
+            RamBudget::Gb(gb) => (gb * 1e9) as u64,
+            RamBudget::Auto => {
+                let spare = mem_available().unwrap_or(0).saturating_sub(dense_bytes).saturating_sub(AUTO_RESERVE_BYTES);
+                spare.min(all_bytes)
+            }
+        };
+        let usage_path = match &opts.usage {
+            UsageFile::BesideModel => Some(dir.join(shimmer_worker::usage::USAGE_FILE)),
+            UsageFile::File(p) => Some(p.clone()),
+            UsageFile::Off => None,
+        };
+        let usage = match usage_path {
+            Some(p) => {
+                let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { spec.moe.num_experts } else { 0 }).collect();
+                Some(Usage::open(&p, &fingerprint, &shape)?)
+            }
+            None => None,
+        };
+        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage })
+            .map_err(|e| EngineError::Input(e.to_string()))?;
+        tracing::info!(budget_bytes, all_bytes, dense_bytes, "expert store open");
+        let mut engine = Self::assemble(dir, spec, decoder, Box::new(store), fingerprint, t0)?;
+        engine.dense_bytes = Some(dense_bytes);
+        Ok(engine)
+    }
+
+    fn assemble(dir: &Path, spec: ModelSpec, decoder: Decoder, experts: Box<dyn ExpertDispatch>, fingerprint: String, t0: Instant) -> Result<Self, EngineError> {
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let chat = ChatConfig::from_dir(dir)?;
         let mut eos_ids = spec.eos_token_ids.clone();
         for id in &chat.generation_eos_ids {
             if !eos_ids.contains(id) {
@@ -130,8 +273,20 @@ impl Engine {
                 eos_ids.push(id);
             }
         }
-        tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-        Ok(Engine { spec, tokenizer, chat, decoder, experts: place(experts), eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None) })
+        Ok(Engine { spec, tokenizer, chat, decoder, experts, eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None), dense_bytes: None })
+    }
+
+    /// The expert store's counters, when the experts are in one.
+    pub fn store_telemetry(&self) -> Option<StoreTelemetry> {
+        self.experts.telemetry()
+    }
+
+    /// Persists what the expert store learned this turn (routing heat); a failure is a warning,
+    /// never a lost answer.
+    fn end_turn(&self) {
+        if let Err(e) = self.experts.end_turn() {
+            tracing::warn!("could not save routing heat: {e}");
+        }
     }
 
     /// Records the routing of every following forward pass to `path` (`--trace`).
@@ -203,6 +358,7 @@ impl Engine {
                 logprobs.push(log_softmax_at(row, *next as usize));
             }
         }
+        self.end_turn();
         Ok(Score { argmax: argmax_ids, logprobs })
     }
 
@@ -281,6 +437,7 @@ impl Engine {
             decode_tokens += 1;
         };
         let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        self.end_turn();
         let rest = stream.finish();
         if !rest.is_empty() && finish != FinishReason::Cancelled {
             on_text(rest);

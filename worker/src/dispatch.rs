@@ -39,6 +39,9 @@ pub enum DispatchError {
     NotMoeLayer { layer: usize },
     #[error("layer {layer}: expert {expert} does not exist (the layer has {count})")]
     NoSuchExpert { layer: usize, expert: u32, count: usize },
+    /// No copy of a selected expert could be read and verified.
+    #[error("layer {layer} expert {expert}: {message}")]
+    Storage { layer: usize, expert: u32, message: String },
     #[error("layer {layer}: {source}")]
     Overflow {
         layer: usize,
@@ -51,6 +54,24 @@ pub enum DispatchError {
 pub trait ExpertDispatch: Send + Sync {
     /// Adds each row's weighted expert sum into `acc` (`n × hidden` fixed-point units).
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError>;
+
+    /// Whether `prefetch` hints are useful to this dispatcher (the decoder then computes the
+    /// next MoE layer's predicted experts).
+    fn wants_lookahead(&self) -> bool {
+        false
+    }
+
+    /// A hint: `layer` will probably select these experts soon. Never blocks on I/O.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Called after each turn (a generation, a scoring): persist what was learned.
+    fn end_turn(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn telemetry(&self) -> Option<crate::store::StoreTelemetry> {
+        None
+    }
 }
 
 /// Every expert of every MoE layer, in this process's memory.

@@ -8,10 +8,14 @@
 //! Must never: route (the selections arrive decided), skip, substitute or re-weight an expert,
 //! or know a model family: tensor names come from the spec's templates.
 
+pub mod container;
+pub mod convert;
 pub mod dispatch;
 pub mod expert;
 pub mod policy;
+pub mod store;
 pub mod trace_analysis;
+pub mod usage;
 
 pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
 pub use expert::Expert;

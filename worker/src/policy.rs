@@ -17,6 +17,15 @@ pub trait CachePolicy {
     fn hint(&mut self, _key: Key) -> bool {
         false
     }
+    fn is_resident(&self, key: Key) -> bool;
+}
+
+/// The order in which one batch's accesses to a layer reach the policy: experts already resident
+/// first (refreshed before anything is evicted), then the misses. Without it, a miss early in the
+/// batch could evict an expert the same batch is about to use. The store and the trace replay
+/// both use it, so the replay measures the policy as shipped.
+pub fn batch_order(policy: &dyn CachePolicy, keys: &mut [Key]) {
+    keys.sort_by_key(|k| !policy.is_resident(*k));
 }
 
 /// Per-layer LRU over a fixed number of slots per layer, with an optional pinned set per layer
@@ -30,6 +39,7 @@ pub struct LayerLru {
     pinned: Vec<Vec<u16>>,
     pins_loaded: std::collections::HashSet<Key>,
     prefetch: bool,
+    prefetch_min_free: usize,
     tick: u64,
     label: String,
 }
@@ -42,6 +52,7 @@ impl LayerLru {
             pinned: vec![Vec::new(); layers],
             pins_loaded: Default::default(),
             prefetch: false,
+            prefetch_min_free: 1,
             tick: 0,
             label: "LRU".into(),
         }
@@ -57,8 +68,12 @@ impl LayerLru {
         self
     }
 
-    pub fn with_prefetch(mut self) -> Self {
+    /// Prefetch on hints, in layers with at least `min_free_slots` unpinned slots: with fewer
+    /// than one token's selections (top-k), a prefetched expert is evicted by the very demand
+    /// accesses it was meant to serve, so hints there would only add reads.
+    pub fn with_prefetch(mut self, min_free_slots: usize) -> Self {
         self.prefetch = true;
+        self.prefetch_min_free = min_free_slots;
         self.label = format!("{}+prefetch", self.label);
         self
     }
@@ -67,26 +82,72 @@ impl LayerLru {
         self.slots_per_layer - self.pinned[layer].len()
     }
 
-    fn touch_or_load(&mut self, (layer, e): Key) -> bool {
+    fn touch_or_load(&mut self, key: Key) -> bool {
+        self.decide(key).hit
+    }
+
+    /// A demand access with the full decision: whether it hit, and which key (if any) it evicted
+    /// to make room. A miss with no unpinned slot in the layer is not made resident (`kept` false):
+    /// the expert is used once and dropped.
+    pub fn decide(&mut self, (layer, e): Key) -> Decision {
         self.tick += 1;
         let l = layer as usize;
         if self.pinned[l].contains(&e) {
-            return !self.pins_loaded.insert((layer, e));
+            let hit = !self.pins_loaded.insert((layer, e));
+            return Decision { hit, kept: true, evicted: None };
         }
         if let Some(slot) = self.resident[l].iter_mut().find(|(x, _)| *x == e) {
             slot.1 = self.tick;
-            return true;
+            return Decision { hit: true, kept: true, evicted: None };
         }
         if self.free_slots(l) == 0 {
-            return false;
+            return Decision { hit: false, kept: false, evicted: None };
         }
+        let mut evicted = None;
         if self.resident[l].len() >= self.free_slots(l) {
             let oldest = self.resident[l].iter().enumerate().min_by_key(|(_, (_, t))| *t).map(|(i, _)| i).unwrap_or(0);
-            self.resident[l].swap_remove(oldest);
+            evicted = Some((layer, self.resident[l].swap_remove(oldest).0));
         }
         self.resident[l].push((e, self.tick));
-        false
+        Decision { hit: false, kept: true, evicted }
     }
+
+    /// A lookahead hint with the full decision: `Some` when the policy wants the expert read now
+    /// (prefetch on, not resident, a slot available), with what that evicts.
+    pub fn decide_hint(&mut self, key: Key) -> Option<Decision> {
+        if !self.prefetch || self.free_slots(key.0 as usize) < self.prefetch_min_free.max(1) {
+            return None;
+        }
+        // A hinted resident expert is refreshed (it is about to be used), never re-read.
+        let d = self.decide(key);
+        (!d.hit && d.kept).then_some(d)
+    }
+
+    pub fn is_resident(&self, (layer, e): Key) -> bool {
+        let l = layer as usize;
+        self.pins_loaded.contains(&(layer, e)) || self.resident.get(l).is_some_and(|r| r.iter().any(|(x, _)| *x == e))
+    }
+
+    /// Drops `key` (its read failed): the next access is a miss again.
+    pub fn forget(&mut self, (layer, e): Key) {
+        self.pins_loaded.remove(&(layer, e));
+        if let Some(r) = self.resident.get_mut(layer as usize) {
+            r.retain(|(x, _)| *x != e);
+        }
+    }
+
+    pub fn pinned(&self) -> &[Vec<u16>] {
+        &self.pinned
+    }
+}
+
+/// What the policy decided about one access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub hit: bool,
+    /// The expert stays resident after this access.
+    pub kept: bool,
+    pub evicted: Option<Key>,
 }
 
 impl CachePolicy for LayerLru {
@@ -97,7 +158,10 @@ impl CachePolicy for LayerLru {
         self.touch_or_load(key)
     }
     fn hint(&mut self, key: Key) -> bool {
-        self.prefetch && !self.touch_or_load(key) && self.free_slots(key.0 as usize) > 0
+        self.decide_hint(key).is_some()
+    }
+    fn is_resident(&self, key: Key) -> bool {
+        LayerLru::is_resident(self, key)
     }
 }
 
@@ -118,6 +182,9 @@ impl LayerLfu {
 impl CachePolicy for LayerLfu {
     fn name(&self) -> String {
         "LFU".into()
+    }
+    fn is_resident(&self, (layer, e): Key) -> bool {
+        self.resident.get(layer as usize).is_some_and(|r| r.contains(&e))
     }
     fn access(&mut self, (layer, e): Key) -> bool {
         self.tick += 1;
@@ -204,10 +271,27 @@ mod tests {
         assert!(!p.access((0, 1)));
         assert!(!p.access((0, 2))); // evicts 1, never 9
         assert!(p.access((0, 9)));
-        let mut q = LayerLru::new(1, 2).with_prefetch();
+        let mut q = LayerLru::new(1, 2).with_prefetch(1);
         assert!(q.hint((0, 4)));
         assert!(q.access((0, 4)));
         assert!(!q.hint((0, 4)), "already resident: no read");
+        let mut small = LayerLru::new(1, 2).with_prefetch(4);
+        assert!(!small.hint((0, 4)), "fewer slots than a token's selections: no prefetch");
+    }
+
+    #[test]
+    fn decisions_name_the_evicted_expert_and_zero_slot_layers_stream() {
+        let mut p = LayerLru::new(2, 2);
+        assert_eq!(p.decide((0, 1)), Decision { hit: false, kept: true, evicted: None });
+        p.decide((0, 2));
+        p.decide((0, 1));
+        assert_eq!(p.decide((0, 3)), Decision { hit: false, kept: true, evicted: Some((0, 2)) });
+        assert!(p.is_resident((0, 1)) && p.is_resident((0, 3)) && !p.is_resident((0, 2)));
+        p.forget((0, 3));
+        assert!(!p.decide((0, 3)).hit);
+        let mut none = LayerLru::new(1, 0);
+        assert_eq!(none.decide((0, 5)), Decision { hit: false, kept: false, evicted: None });
+        assert!(!none.decide((0, 5)).hit, "nothing is ever kept with no slots");
     }
 
     #[test]

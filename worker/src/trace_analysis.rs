@@ -59,9 +59,11 @@ fn replay(trace: &Trace, policy: &mut dyn CachePolicy) -> PolicyResult {
     let mut prefetch_reads = 0;
     for t in &trace.tokens {
         for l in 0..layers {
-            for e in &t.selected[l] {
+            let mut keys: Vec<Key> = t.selected[l].iter().map(|e| (l as u16, *e)).collect();
+            crate::policy::batch_order(policy, &mut keys);
+            for key in keys {
                 total[l] += 1;
-                if policy.access((l as u16, *e)) {
+                if policy.access(key) {
                     hits[l] += 1;
                 }
             }
@@ -101,7 +103,7 @@ pub fn analyze(trace: &Trace, capacity_experts: usize) -> TraceReport {
         replay(trace, &mut LayerLru::new(layers, slots)),
         replay(trace, &mut LayerLfu::new(layers, slots)),
         replay(trace, &mut LayerLru::new(layers, slots).with_pins(pins.clone())),
-        replay(trace, &mut LayerLru::new(layers, slots).with_pins(pins).with_prefetch()),
+        replay(trace, &mut LayerLru::new(layers, slots).with_pins(pins).with_prefetch(h.top_k as usize)),
     ];
     let accesses: Vec<Key> = trace
         .tokens

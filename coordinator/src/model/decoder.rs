@@ -186,7 +186,21 @@ pub(crate) fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f3
     Ok(ckpt.get(name, &[len])?.to_f32())
 }
 
+/// A weight matrix as stored: 16/32-bit floats, or (in a converted container with int8 dense
+/// weights) int8 rows with their f32 scales beside them.
 pub(crate) fn matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    let scale_name = format!("{name}{}", shimmer_worker::convert::INT8_SCALE_SUFFIX);
+    if ckpt.contains(&scale_name) {
+        let raw = ckpt.raw(name)?;
+        let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
+        if raw.dtype != shimmer_common::StDtype::I8 || raw.shape != [rows, cols] {
+            return Err(bad(format!("int8 dense weight must be I8 {:?}, found {:?} {:?}", [rows, cols], raw.dtype, raw.shape)));
+        }
+        let scales = ckpt.get(&scale_name, &[rows])?.to_f32();
+        let m = shimmer_common::quant::QuantMatrix::Int8 { rows, cols, q: raw.bytes.iter().map(|b| *b as i8).collect(), scales };
+        shimmer_common::quant::validate(&m, name).map_err(|e| bad(e.to_string()))?;
+        return Ok(Matrix::from_quant(m));
+    }
     Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
 }
 
@@ -400,9 +414,14 @@ impl Decoder {
             router.route_row(xr, &mut scores, &mut ids, &mut weights);
         }
         observer.moe_layer(layer, x, &ids, &weights);
-        if observer.wants_lookahead() {
+        // One-layer-ahead prediction: the next MoE layer's router on this layer's rows. It goes
+        // to the dispatcher before this layer's dispatch, so its reads overlap this layer's work.
+        if observer.wants_lookahead() || experts.wants_lookahead() {
             if let Some(next) = (layer + 1..s.num_layers).find(|l| s.layers[*l] == LayerMlp::Moe) {
                 if let Some(predicted) = self.route(next, x) {
+                    if experts.wants_lookahead() {
+                        experts.prefetch(next, &predicted);
+                    }
                     observer.lookahead(layer, next, &predicted);
                 }
             }

@@ -1,0 +1,160 @@
+//! The expert store's rule (DESIGN.md §1): placement may change speed, never the model. Greedy
+//! tokens and every logit bit are the same whether all experts are resident or ~10 % fit, cold or
+//! with learned pins, with O_DIRECT or buffered reads, with prefetch on or off, and when the
+//! primary copy is corrupt but a mirror is good.
+
+use std::path::{Path, PathBuf};
+
+use shimmer_common::quant::QuantScheme;
+use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
+use shimmer_coordinator::sampling::SamplingParams;
+use shimmer_tests::{fixture, FAMILIES};
+use shimmer_worker::container::{Manifest, MANIFEST_FILE};
+use shimmer_worker::convert::{convert, ConvertOptions, DenseQuant};
+
+fn demo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
+}
+
+fn convert_to(src: &Path, to: &Path, scheme: QuantScheme) {
+    convert(src, to, ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+}
+
+/// Everything observable about the model's answers: all logits of a teacher-forced pass (as
+/// bits) and a greedy continuation.
+fn answers(engine: &Engine) -> (Vec<u32>, Vec<u32>) {
+    let v = engine.spec.vocab_size as u32;
+    let ids: Vec<u32> = (0..24u32).map(|i| (i * 37 + 11) % v.min(400)).collect();
+    let logits: Vec<u32> = engine.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
+    let mut session = engine.new_session();
+    let opts = GenerateOptions { max_tokens: 12, sampling: SamplingParams::default(), stop: vec![] };
+    let gen = engine.generate(&mut session, &ids[..6], &opts, |_| true).unwrap();
+    (logits, gen.output_ids)
+}
+
+/// Equal answers, or a short report of where they first differ.
+#[track_caller]
+fn same(got: &(Vec<u32>, Vec<u32>), want: &(Vec<u32>, Vec<u32>), what: &str) {
+    if let Some(i) = got.0.iter().zip(&want.0).position(|(a, b)| a != b) {
+        panic!("{what}: logit {i} differs: {} vs {}", f32::from_bits(got.0[i]), f32::from_bits(want.0[i]));
+    }
+    assert_eq!(got.0.len(), want.0.len(), "{what}: logit count");
+    assert_eq!(got.1, want.1, "{what}: greedy tokens");
+}
+
+fn opts(ram_gb: f64) -> ExpertOptions {
+    ExpertOptions { ram: Some(RamBudget::Gb(ram_gb)), usage: UsageFile::Off, ..ExpertOptions::default() }
+}
+
+fn open(dir: &Path, o: &ExpertOptions) -> Engine {
+    Engine::open(dir, o).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// Flips one byte inside every blob of a container's experts file (the checksums then fail).
+fn corrupt_every_blob(container: &Path) {
+    let manifest: Manifest = serde_json::from_slice(&std::fs::read(container.join(MANIFEST_FILE)).unwrap()).unwrap();
+    let path = container.join("experts.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    for b in &manifest.blobs {
+        bytes[b.offset as usize + 5] ^= 0x40;
+    }
+    std::fs::write(&path, bytes).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Runs every placement variant on one container and checks each against the all-resident run;
+/// returns the ~10 % budget it used (GB).
+fn placements_agree(name: &str, container: &Path, reference: &(Vec<u32>, Vec<u32>)) -> f64 {
+    let all = open(container, &opts(100.0));
+    let t = all.store_telemetry().expect("a container runs in the store");
+    same(&answers(&all), reference, &format!("{name}: all resident"));
+    let moe_experts = (all.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * all.spec.moe.num_experts) as u64;
+    // ~10 % of the experts, never below one layer's working set (top-k).
+    let experts = (moe_experts / 10).max(all.spec.moe.top_k as u64);
+    let budget = (experts * t.expert_bytes) as f64 / 1e9 * 1.000_001;
+    drop(all);
+
+    let cold = open(container, &opts(budget));
+    same(&answers(&cold), reference, &format!("{name}: ~10% budget, cold"));
+    let ct = cold.store_telemetry().unwrap();
+    assert!(ct.disk_misses > 0 && ct.capacity_experts < moe_experts, "{name}: the small budget must force reads: {ct:?}");
+    drop(cold);
+
+    let usage = tempfile::tempdir().unwrap();
+    let with_usage = ExpertOptions { usage: UsageFile::File(usage.path().join("u.json")), ..opts(budget) };
+    let learn = open(container, &with_usage);
+    same(&answers(&learn), reference, &format!("{name}: learning pins"));
+    drop(learn);
+    let warm = open(container, &with_usage);
+    let pinned = warm.store_telemetry().unwrap().pinned_experts;
+    same(&answers(&warm), reference, &format!("{name}: warm pins"));
+    if warm.store_telemetry().unwrap().slots_per_layer >= 2 {
+        assert!(pinned > 0, "{name}: a usage file from an earlier run must give pins");
+    }
+    drop(warm);
+
+    same(&answers(&open(container, &ExpertOptions { direct_io: true, ..opts(budget) })), reference, &format!("{name}: --direct-io"));
+    same(&answers(&open(container, &ExpertOptions { prefetch: false, ..opts(budget) })), reference, &format!("{name}: no prefetch"));
+    same(&answers(&open(container, &ExpertOptions { io_depth: 1, ..opts(budget) })), reference, &format!("{name}: one read at a time"));
+
+    // A mirror: the primary's every blob is corrupt, the mirror's are good.
+    let mirror = tempfile::tempdir().unwrap();
+    let primary = tempfile::tempdir().unwrap();
+    copy_dir(container, mirror.path());
+    copy_dir(container, primary.path());
+    corrupt_every_blob(primary.path());
+    let mirrored = open(primary.path(), &ExpertOptions { mirror: Some(mirror.path().to_path_buf()), direct_io: true, ..opts(budget) });
+    same(&answers(&mirrored), reference, &format!("{name}: mirror with a corrupt primary"));
+    assert!(mirrored.store_telemetry().unwrap().mirror_fallbacks > 0, "{name}: the corrupt primary must have been tried");
+    budget
+}
+
+#[test]
+fn a_bf16_container_answers_as_its_checkpoint_and_identically_under_every_placement() {
+    for name in FAMILIES {
+        let src = fixture(name);
+        let out = tempfile::tempdir().unwrap();
+        let container = out.path().join("c");
+        convert_to(&src, &container, QuantScheme::Bf16);
+        let checkpoint = answers(&Engine::load(&src).unwrap());
+        let converted = answers(&open(&container, &opts(100.0)));
+        // A bf16 checkpoint converts losslessly (routers are always kept as stored); f32/f16
+        // checkpoints are rounded to bf16, so there the container's own all-resident run is the
+        // reference every placement must reproduce.
+        let lossless = !matches!(name, "qwen3_moe" | "deepseek_v3_plain_q" | "mixtral");
+        if lossless {
+            same(&converted, &checkpoint, &format!("{name}: bf16 container vs checkpoint"));
+        }
+        let budget = placements_agree(name, &container, &converted);
+        // The unconverted checkpoint behind the same store (three tensor reads per expert).
+        // (f32 experts take twice the bytes of the bf16 container's.)
+        let budgeted = open(&src, &opts(budget * 2.0));
+        same(&answers(&budgeted), &checkpoint, &format!("{name}: checkpoint through the store at ~10%"));
+        assert!(budgeted.store_telemetry().unwrap().disk_misses > 0);
+    }
+}
+
+#[test]
+fn the_demo_model_int4_container_matches_its_in_memory_quantisation_under_every_placement() {
+    let reference = answers(&Engine::load_with_experts_as(&demo(), QuantScheme::Int4 { group: 32 }).unwrap());
+    let out = tempfile::tempdir().unwrap();
+    let container = out.path().join("c");
+    convert_to(&demo(), &container, QuantScheme::Int4 { group: 32 });
+    placements_agree("demo int4-g32", &container, &reference);
+}
+
+#[test]
+fn the_demo_model_bf16_container_and_checkpoint_agree_at_ten_percent() {
+    let reference = answers(&Engine::load(&demo()).unwrap());
+    let out = tempfile::tempdir().unwrap();
+    let container = out.path().join("c");
+    convert_to(&demo(), &container, QuantScheme::Bf16);
+    placements_agree("demo bf16", &container, &reference);
+}

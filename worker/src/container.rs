@@ -1,0 +1,206 @@
+//! The expert container: the directory `shimmer convert` writes and the store serves from.
+//!
+//! ```text
+//! DIR/
+//!   shimmer-manifest.json   written last: its presence means the conversion finished
+//!   experts.safetensors     one U8 tensor "layers.{L}.experts.{E}" per routed expert, each an
+//!                           expert blob (common::expert_blob), 4 KiB-aligned in the file
+//!   dense.safetensors       every other tensor (attention, norms, routers, shared experts, ...)
+//!   config.json, tokenizer.json, tokenizer_config.json, chat templates, ...   copied
+//! ```
+//!
+//! Both weight files are ordinary safetensors (the experts file pads its header with spaces so the
+//! data starts on a 4 KiB boundary), so standard tools read them. The manifest records the format
+//! version, the expert and dense formats, the source checkpoint's fingerprint, and each blob's
+//! offset, length and XXH3 checksum.
+//!
+//! Owns: the manifest's schema and its validation against the model spec and the files on disk.
+//! Must never: trust an offset, length or count it has not checked against the file and the spec.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use shimmer_common::expert_blob;
+use shimmer_common::quant::QuantScheme;
+use shimmer_common::spec::LayerMlp;
+use shimmer_common::{Fnv, LoadError, ModelSpec};
+
+pub const MANIFEST_FILE: &str = "shimmer-manifest.json";
+pub const EXPERTS_FILE: &str = "experts.safetensors";
+pub const DENSE_FILE: &str = "dense.safetensors";
+pub const FORMAT_NAME: &str = "shimmer-expert-container";
+pub const FORMAT_VERSION: u64 = 1;
+const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u64,
+    /// `Checkpoint::fingerprint` of the checkpoint this was converted from.
+    pub source_fingerprint: String,
+    /// Routed experts' format (`QuantScheme::name`).
+    pub expert_quant: String,
+    /// Dense weights' format: `bf16` (16-bit floats; 16-bit sources kept as they are) or `int8`.
+    pub dense_quant: String,
+    pub hidden_size: usize,
+    pub expert_intermediate_size: usize,
+    /// Every blob has this length (a multiple of 4096).
+    pub blob_bytes: u64,
+    pub experts_file_bytes: u64,
+    pub blobs: Vec<BlobEntry>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BlobEntry {
+    pub layer: usize,
+    pub expert: usize,
+    /// Absolute byte offset in experts.safetensors.
+    pub offset: u64,
+    pub length: u64,
+    /// XXH3-64 of the blob, 16 hex digits.
+    pub xxh3: String,
+}
+
+/// Where one expert's blob lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobLocation {
+    pub offset: u64,
+    pub length: u64,
+    pub checksum: u64,
+}
+
+/// A validated container.
+pub struct Container {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub scheme: QuantScheme,
+    /// Indexed `[layer][expert]`; empty for dense layers.
+    locations: Vec<Vec<BlobLocation>>,
+}
+
+impl Container {
+    pub fn is_container(dir: &Path) -> bool {
+        dir.join(MANIFEST_FILE).is_file()
+    }
+
+    /// Reads and checks the manifest against the spec and the experts file.
+    pub fn open(dir: &Path, spec: &ModelSpec) -> Result<Self, LoadError> {
+        let path = dir.join(MANIFEST_FILE);
+        let value = shimmer_common::spec::read_json_file(&path, MAX_MANIFEST_BYTES)?;
+        let bad = |problem: String| LoadError::malformed(&path, problem);
+        if value.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
+            return Err(bad(format!("not a shimmer expert container manifest (`format` is not \"{FORMAT_NAME}\")")));
+        }
+        match value.get("version").and_then(|v| v.as_u64()) {
+            Some(FORMAT_VERSION) => {}
+            Some(v) => return Err(bad(format!("container format version {v}; this build reads version {FORMAT_VERSION} (re-run `shimmer convert`)"))),
+            None => return Err(bad("no `version` number".into())),
+        }
+        let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(format!("invalid manifest: {e}")))?;
+        let scheme = QuantScheme::parse(&manifest.expert_quant).map_err(|e| bad(format!("`expert_quant`: {e}")))?;
+        if !matches!(manifest.dense_quant.as_str(), "bf16" | "int8") {
+            return Err(bad(format!("`dense_quant` is `{}` (expected bf16 or int8)", manifest.dense_quant)));
+        }
+        let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
+        if manifest.hidden_size != h || manifest.expert_intermediate_size != i {
+            return Err(bad(format!(
+                "made for hidden {} / expert intermediate {}, but config.json says {h} / {i}",
+                manifest.hidden_size, manifest.expert_intermediate_size
+            )));
+        }
+        let (_, blob_len) = expert_blob::layout(scheme, h, i);
+        if manifest.blob_bytes != blob_len as u64 {
+            return Err(bad(format!("blob_bytes {} but {} experts of this shape take {blob_len}", manifest.blob_bytes, manifest.expert_quant)));
+        }
+        let experts_path = dir.join(EXPERTS_FILE);
+        let file_len = std::fs::metadata(&experts_path).map_err(|e| LoadError::io(&experts_path, e))?.len();
+        if file_len != manifest.experts_file_bytes {
+            return Err(LoadError::malformed(&experts_path, format!("is {file_len} bytes, the manifest says {} (truncated or replaced)", manifest.experts_file_bytes)));
+        }
+        let mut locations: Vec<Vec<Option<BlobLocation>>> =
+            spec.layers.iter().map(|k| if *k == LayerMlp::Moe { vec![None; spec.moe.num_experts] } else { Vec::new() }).collect();
+        for b in &manifest.blobs {
+            let what = format!("blob for layer {} expert {}", b.layer, b.expert);
+            let slot = locations.get_mut(b.layer).and_then(|l| l.get_mut(b.expert)).ok_or_else(|| bad(format!("{what}: no such MoE layer/expert in config.json")))?;
+            if slot.is_some() {
+                return Err(bad(format!("{what} is listed twice")));
+            }
+            if b.length != manifest.blob_bytes || b.offset % expert_blob::BLOB_ALIGN as u64 != 0 || b.offset.checked_add(b.length).is_none_or(|end| end > file_len) {
+                return Err(bad(format!("{what}: offset {} / length {} is misaligned or outside {EXPERTS_FILE}", b.offset, b.length)));
+            }
+            let checksum = u64::from_str_radix(&b.xxh3, 16).map_err(|_| bad(format!("{what}: checksum `{}` is not hex", b.xxh3)))?;
+            *slot = Some(BlobLocation { offset: b.offset, length: b.length, checksum });
+        }
+        let mut complete = Vec::with_capacity(locations.len());
+        for (layer, experts) in locations.into_iter().enumerate() {
+            let mut row = Vec::with_capacity(experts.len());
+            for (expert, loc) in experts.into_iter().enumerate() {
+                row.push(loc.ok_or_else(|| bad(format!("no blob for layer {layer} expert {expert}")))?);
+            }
+            complete.push(row);
+        }
+        Ok(Container { dir: dir.to_path_buf(), manifest, scheme, locations: complete })
+    }
+
+    pub fn location(&self, layer: usize, expert: usize) -> Option<BlobLocation> {
+        self.locations.get(layer)?.get(expert).copied()
+    }
+
+    pub fn experts_path(&self) -> PathBuf {
+        self.dir.join(EXPERTS_FILE)
+    }
+
+    /// The identity of the converted model: the source's fingerprint and both formats (an int4
+    /// container is a different model from its bf16 source).
+    pub fn fingerprint(&self) -> String {
+        fingerprint_of(&self.manifest.source_fingerprint, &self.manifest.expert_quant, &self.manifest.dense_quant)
+    }
+}
+
+pub fn fingerprint_of(source: &str, expert_quant: &str, dense_quant: &str) -> String {
+    let mut h = Fnv::new();
+    for part in [FORMAT_NAME, source, expert_quant, dense_quant] {
+        h.feed(part.as_bytes());
+        h.feed(&[0]);
+    }
+    format!("{:016x}", h.0)
+}
+
+/// The experts file's safetensors header for `count` blobs of `blob_bytes` in (layer, expert)
+/// order, padded with spaces so the data starts at a multiple of 4096; returns it with the
+/// 8-byte length prefix.
+pub fn experts_header(keys: &[(usize, usize)], blob_bytes: u64) -> Vec<u8> {
+    let mut json = String::from("{\"__metadata__\":{\"format\":\"shimmer-expert-blobs\",\"version\":\"1\"}");
+    for (i, (l, e)) in keys.iter().enumerate() {
+        let start = i as u64 * blob_bytes;
+        json.push_str(&format!(",\"layers.{l}.experts.{e}\":{{\"dtype\":\"U8\",\"shape\":[{blob_bytes}],\"data_offsets\":[{start},{}]}}", start + blob_bytes));
+    }
+    json.push('}');
+    let total = (8 + json.len()).div_ceil(expert_blob::BLOB_ALIGN) * expert_blob::BLOB_ALIGN;
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&((total - 8) as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(total, b' ');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_experts_header_is_valid_safetensors_with_aligned_data() {
+        let keys = [(1, 0), (1, 1), (3, 0), (3, 1)];
+        let header = experts_header(&keys, 8192);
+        assert_eq!(header.len() % 4096, 0);
+        let mut file = header.clone();
+        file.resize(header.len() + 4 * 8192, 7);
+        let entries = shimmer_common::checkpoint::parse_header(&file).unwrap();
+        assert_eq!(entries.len(), 4);
+        for (name, entry) in entries {
+            let r = entry.byte_range();
+            assert_eq!(r.start % 4096, 0, "{name}");
+            assert_eq!(r.len(), 8192);
+        }
+    }
+}

@@ -1,0 +1,490 @@
+//! `shimmer convert`: a Hugging Face checkpoint (bf16/f16/f32, or DeepSeek-style fp8-e4m3 with
+//! block scales) into an expert container (`container.rs`).
+//!
+//! Crash safety: every output file is written under a `.partial` name, fsynced and renamed; the
+//! manifest is renamed into place last, so a directory without one is never taken for a finished
+//! container. Progress through the experts is journaled (`.shimmer-convert.json`, itself replaced
+//! atomically) after the blobs it lists are fsynced; a restarted conversion re-verifies those
+//! blobs' checksums and continues after them.
+//!
+//! Must never: leave a manifest that describes bytes not yet durable, or resume from a journal of
+//! a different source or format.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use shimmer_common::expert_blob;
+use shimmer_common::quant::{self, QuantScheme};
+use shimmer_common::spec::LayerMlp;
+use shimmer_common::{Checkpoint, LoadError, ModelSpec, StDtype};
+
+use crate::container::{self, BlobEntry, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+
+const JOURNAL_FILE: &str = ".shimmer-convert.json";
+/// Blobs between fsync + journal updates: bounds the work a crash can lose.
+const JOURNAL_EVERY_BYTES: u64 = 64 << 20;
+/// Largest auxiliary file (tokenizer, template, config) copied.
+const MAX_AUX_BYTES: u64 = 256 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseQuant {
+    /// 16-bit floats: bf16/f16 tensors kept as they are, f32 and fp8 matrices stored as bf16.
+    Bf16,
+    /// Matrices (except routers and embeddings' 1-D companions) as int8 per row; vectors as stored.
+    Int8,
+}
+
+impl DenseQuant {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "bf16" => Ok(DenseQuant::Bf16),
+            "int8" => Ok(DenseQuant::Int8),
+            other => Err(format!("unknown dense format `{other}` (expected bf16 or int8)")),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseQuant::Bf16 => "bf16",
+            DenseQuant::Int8 => "int8",
+        }
+    }
+}
+
+/// The suffix of the per-row f32 scales stored beside an int8 dense matrix.
+pub const INT8_SCALE_SUFFIX: &str = "_shimmer_int8_scale";
+
+#[derive(Debug, Clone, Copy)]
+pub struct ConvertOptions {
+    pub expert_quant: QuantScheme,
+    pub dense_quant: DenseQuant,
+}
+
+/// What the caller hears while converting (for a progress bar).
+pub enum ConvertEvent<'a> {
+    /// Total bytes to write, and how many of them an earlier, interrupted run already wrote.
+    Start { total_bytes: u64, done_bytes: u64 },
+    Phase(&'a str),
+    Advance(u64),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ConvertReport {
+    pub already_done: bool,
+    pub blobs: usize,
+    pub resumed_blobs: usize,
+    pub experts_bytes: u64,
+    pub dense_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Journal {
+    source_fingerprint: String,
+    expert_quant: String,
+    dense_quant: String,
+    blob_bytes: u64,
+    dense_done: Option<FileSeal>,
+    /// Checksums of the blobs durably written, in order.
+    blobs_done: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct FileSeal {
+    bytes: u64,
+    xxh3: String,
+}
+
+/// Test hook: `SHIMMER_CONVERT_CRASH_AT=N` aborts the process (as a kill would: no unwinding, no
+/// flushing) at the N-th crash point — after a blob write, a journal update or a rename.
+struct CrashPoints {
+    remaining: Option<u64>,
+}
+
+impl CrashPoints {
+    fn from_env() -> Self {
+        CrashPoints { remaining: std::env::var("SHIMMER_CONVERT_CRASH_AT").ok().and_then(|v| v.parse().ok()) }
+    }
+    fn point(&mut self) {
+        if let Some(n) = self.remaining.as_mut() {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                std::process::abort();
+            }
+        }
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> LoadError + '_ {
+    move |e| LoadError::io(path, e)
+}
+
+fn partial(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), LoadError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// Writes `bytes` to `path` crash-safely: temp file, fsync, rename, fsync the directory.
+fn write_atomic(path: &Path, bytes: &[u8], crash: &mut CrashPoints) -> Result<(), LoadError> {
+    let tmp = partial(path);
+    let mut f = File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(bytes).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    if let Some(dir) = path.parent() {
+        sync_dir(dir)?;
+    }
+    crash.point();
+    Ok(())
+}
+
+fn read_file_checksum(path: &Path) -> Result<FileSeal, LoadError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    Ok(FileSeal { bytes: bytes.len() as u64, xxh3: format!("{:016x}", expert_blob::checksum(&bytes)) })
+}
+
+/// A source tensor widened to f32; fp8-e4m3 tensors are dequantised with their
+/// `<name>_scale_inv` block scales.
+fn tensor_f32(ckpt: &Checkpoint, name: &str, shape: &[usize], fp8_block: usize) -> Result<Vec<f32>, LoadError> {
+    let raw = ckpt.raw(name)?;
+    if raw.dtype != StDtype::F8_E4M3 {
+        return Ok(ckpt.get(name, shape)?.to_f32());
+    }
+    let err = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
+    let [rows, cols] = *shape else {
+        return Err(err(format!("fp8 tensor of shape {shape:?}: only matrices are block-scaled")));
+    };
+    if raw.shape != shape {
+        return Err(err(format!("shape {:?} but the model config needs {shape:?}", raw.shape)));
+    }
+    let scale_name = format!("{name}_scale_inv");
+    let scales = ckpt.get(&scale_name, &[rows.div_ceil(fp8_block), cols.div_ceil(fp8_block)])?.to_f32();
+    quant::dequantize_fp8_blocks(raw.bytes, rows, cols, &scales, fp8_block).map_err(err)
+}
+
+/// The fp8 block size from config.json's `quantization_config.weight_block_size` (square blocks).
+fn fp8_block_size(config: &serde_json::Value, path: &Path) -> Result<usize, LoadError> {
+    let Some(qc) = config.get("quantization_config") else { return Ok(128) };
+    match qc.get("weight_block_size").and_then(|v| v.as_array()).map(|a| a.iter().map(|x| x.as_u64()).collect::<Vec<_>>()) {
+        None => Ok(128),
+        Some(b) if b.len() == 2 && b[0] == b[1] && b[0].is_some_and(|x| x > 0 && x <= 1 << 16) => Ok(b[0].unwrap_or(128) as usize),
+        Some(_) => Err(LoadError::Field {
+            path: path.to_path_buf(),
+            field: "quantization_config.weight_block_size".into(),
+            problem: "expected two equal positive block sizes".into(),
+        }),
+    }
+}
+
+/// One dense tensor as it will be written.
+struct DensePlan {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    bytes: u64,
+    kind: DenseKind,
+}
+
+enum DenseKind {
+    /// Copied byte for byte.
+    Copy,
+    /// Widened (from f32 or fp8) and stored as bf16.
+    ToBf16,
+    /// Quantised int8 per row (its scales are the next plan entry).
+    Int8,
+    Int8Scales,
+}
+
+fn dtype_name(d: StDtype) -> Option<&'static str> {
+    Some(match d {
+        StDtype::F32 => "F32",
+        StDtype::BF16 => "BF16",
+        StDtype::F16 => "F16",
+        StDtype::F64 => "F64",
+        StDtype::I64 => "I64",
+        StDtype::I32 => "I32",
+        StDtype::I8 => "I8",
+        StDtype::U8 => "U8",
+        StDtype::BOOL => "BOOL",
+        _ => return None,
+    })
+}
+
+fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> Result<Vec<DensePlan>, LoadError> {
+    let mut expert_tensors = std::collections::HashSet::new();
+    let mut routers = std::collections::HashSet::new();
+    for (l, kind) in spec.layers.iter().enumerate() {
+        if *kind == LayerMlp::Moe {
+            routers.insert(format!("{}.weight", spec.expert_names.router(l)));
+            routers.insert(spec.expert_names.router(l));
+            for e in 0..spec.moe.num_experts {
+                for n in spec.expert_names.expert(l, e) {
+                    expert_tensors.insert(n.clone());
+                    expert_tensors.insert(format!("{n}_scale_inv"));
+                }
+            }
+        }
+    }
+    let mut plans = Vec::new();
+    for name in ckpt.tensor_names() {
+        if expert_tensors.contains(name) || (name.ends_with("_scale_inv") && ckpt.contains(name.trim_end_matches("_scale_inv"))) {
+            continue;
+        }
+        let raw = ckpt.raw(name)?;
+        let shape = raw.shape.to_vec();
+        let elems: usize = shape.iter().product();
+        let is_matrix = shape.len() == 2;
+        let float = matches!(raw.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3);
+        if is_matrix && float && dense_quant == DenseQuant::Int8 && !routers.contains(name) {
+            plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
+            plans.push(DensePlan { name: format!("{name}{INT8_SCALE_SUFFIX}"), dtype: "F32", shape: vec![shape[0]], bytes: shape[0] as u64 * 4, kind: DenseKind::Int8Scales });
+        } else if raw.dtype == StDtype::F8_E4M3 || (raw.dtype == StDtype::F32 && is_matrix) {
+            plans.push(DensePlan { name: name.to_string(), dtype: "BF16", shape, bytes: elems as u64 * 2, kind: DenseKind::ToBf16 });
+        } else {
+            let dtype = dtype_name(raw.dtype).ok_or_else(|| LoadError::Tensor {
+                path: raw.file.to_path_buf(),
+                tensor: name.to_string(),
+                problem: format!("dtype {:?} cannot be converted", raw.dtype),
+            })?;
+            plans.push(DensePlan { name: name.to_string(), dtype, shape, bytes: raw.bytes.len() as u64, kind: DenseKind::Copy });
+        }
+    }
+    Ok(plans)
+}
+
+fn safetensors_header(entries: &[(String, &str, Vec<usize>, u64)], metadata: &str) -> Vec<u8> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!({ "format": metadata }));
+    let mut at = 0u64;
+    for (name, dtype, shape, bytes) in entries {
+        map.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + bytes]}));
+        at += bytes;
+    }
+    let json = serde_json::Value::Object(map).to_string();
+    // Pad to 8 bytes so the data that follows is aligned for any dtype.
+    let total = (8 + json.len()).div_ceil(8) * 8;
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&((total - 8) as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(total, b' ');
+    out
+}
+
+fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &Path, progress: &mut dyn FnMut(ConvertEvent)) -> Result<(), LoadError> {
+    let tmp = partial(path);
+    let file = File::create(&tmp).map_err(io(&tmp))?;
+    let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
+    let entries: Vec<_> = plans.iter().map(|p| (p.name.clone(), p.dtype, p.shape.clone(), p.bytes)).collect();
+    out.write_all(&safetensors_header(&entries, "shimmer-dense")).map_err(io(&tmp))?;
+    let mut pending_scales: Option<Vec<f32>> = None;
+    for p in plans {
+        let bytes: Vec<u8> = match p.kind {
+            DenseKind::Copy => ckpt.raw(&p.name)?.bytes.to_vec(),
+            DenseKind::ToBf16 => tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+            DenseKind::Int8 => {
+                let w = tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?;
+                match quant::quantize_int8(&w, p.shape[0], p.shape[1]) {
+                    quant::QuantMatrix::Int8 { q, scales, .. } => {
+                        pending_scales = Some(scales);
+                        q.iter().map(|v| *v as u8).collect()
+                    }
+                    quant::QuantMatrix::Int4 { .. } => unreachable!("int8 quantisation returns int8"),
+                }
+            }
+            DenseKind::Int8Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
+        };
+        if bytes.len() as u64 != p.bytes {
+            return Err(LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: p.name.clone(), problem: format!("produced {} bytes, planned {}", bytes.len(), p.bytes) });
+        }
+        out.write_all(&bytes).map_err(io(&tmp))?;
+        progress(ConvertEvent::Advance(p.bytes));
+    }
+    let file = out.into_inner().map_err(|e| LoadError::io(&tmp, e.into_error()))?;
+    file.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    Ok(())
+}
+
+/// Converts `from` into a container at `to`, resuming an interrupted conversion there.
+pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn FnMut(ConvertEvent)) -> Result<ConvertReport, LoadError> {
+    let mut crash = CrashPoints::from_env();
+    let spec = ModelSpec::from_dir(from)?;
+    let ckpt = Checkpoint::open(from)?;
+    let config_path = from.join("config.json");
+    let config_bytes = std::fs::read(&config_path).map_err(io(&config_path))?;
+    let config: serde_json::Value = serde_json::from_slice(&config_bytes).map_err(|e| LoadError::malformed(&config_path, e.to_string()))?;
+    let fp8_block = fp8_block_size(&config, &config_path)?;
+    let source_fingerprint = ckpt.fingerprint(&config_bytes);
+    let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
+    let (_, blob_len) = expert_blob::layout(opts.expert_quant, h, i);
+    let blob_bytes = blob_len as u64;
+    let expert_quant = opts.expert_quant.name();
+    let dense_quant = opts.dense_quant.name();
+
+    if Container::is_finished(to) {
+        let done = Container::open_manifest_only(to)?;
+        if done.source_fingerprint == source_fingerprint && done.expert_quant == expert_quant && done.dense_quant == dense_quant {
+            return Ok(ConvertReport { already_done: true, blobs: done.blobs.len(), ..Default::default() });
+        }
+        return Err(LoadError::malformed(to, format!(
+            "already holds a finished conversion of another source or format ({} experts, {} dense, source {}); remove it or choose another --to",
+            done.expert_quant, done.dense_quant, done.source_fingerprint
+        )));
+    }
+    std::fs::create_dir_all(to).map_err(io(to))?;
+    let journal_path = to.join(JOURNAL_FILE);
+    let fresh = Journal { source_fingerprint: source_fingerprint.clone(), expert_quant: expert_quant.clone(), dense_quant: dense_quant.into(), blob_bytes, dense_done: None, blobs_done: Vec::new() };
+    let mut journal = if journal_path.exists() {
+        let j: Journal = serde_json::from_slice(&std::fs::read(&journal_path).map_err(io(&journal_path))?)
+            .map_err(|e| LoadError::malformed(&journal_path, format!("unreadable conversion journal ({e}); remove the directory and convert again")))?;
+        if (&j.source_fingerprint, &j.expert_quant, &j.dense_quant, j.blob_bytes) != (&fresh.source_fingerprint, &fresh.expert_quant, &fresh.dense_quant, fresh.blob_bytes) {
+            return Err(LoadError::malformed(to, format!(
+                "holds an interrupted conversion of another source or format ({} experts, {} dense); remove it or choose another --to",
+                j.expert_quant, j.dense_quant
+            )));
+        }
+        j
+    } else {
+        if std::fs::read_dir(to).map_err(io(to))?.next().is_some() {
+            return Err(LoadError::malformed(to, "is not empty and holds no interrupted conversion; choose an empty or new directory"));
+        }
+        fresh
+    };
+
+    let keys: Vec<(usize, usize)> = spec
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| **k == LayerMlp::Moe)
+        .flat_map(|(l, _)| (0..spec.moe.num_experts).map(move |e| (l, e)))
+        .collect();
+    let plans = plan_dense(&ckpt, &spec, opts.dense_quant)?;
+    let dense_total: u64 = plans.iter().map(|p| p.bytes).sum();
+    let header = container::experts_header(&keys, blob_bytes);
+    let experts_total = keys.len() as u64 * blob_bytes;
+
+    // Dense weights first: one file, all or nothing.
+    let dense_path = to.join(DENSE_FILE);
+    let dense_ok = match &journal.dense_done {
+        Some(seal) => dense_path.is_file() && read_file_checksum(&dense_path)? == *seal,
+        None => false,
+    };
+    // Blobs an earlier run finished, re-verified.
+    let partial_experts = partial(&to.join(EXPERTS_FILE));
+    let mut resumed = 0usize;
+    if !journal.blobs_done.is_empty() {
+        if let Ok(f) = File::open(&partial_experts) {
+            let mut buf = vec![0u8; blob_len];
+            for (n, want) in journal.blobs_done.iter().enumerate() {
+                let at = header.len() as u64 + n as u64 * blob_bytes;
+                if f.read_exact_at(&mut buf, at).is_err() || format!("{:016x}", expert_blob::checksum(&buf)) != *want {
+                    break;
+                }
+                resumed += 1;
+            }
+        }
+        journal.blobs_done.truncate(resumed);
+    }
+    let done_bytes = if dense_ok { dense_total } else { 0 } + resumed as u64 * blob_bytes;
+    progress(ConvertEvent::Start { total_bytes: dense_total + experts_total, done_bytes });
+
+    if !dense_ok {
+        progress(ConvertEvent::Phase("dense weights"));
+        write_dense(&ckpt, &plans, fp8_block, &dense_path, progress)?;
+        sync_dir(to)?;
+        crash.point();
+        journal.dense_done = Some(read_file_checksum(&dense_path)?);
+        write_atomic(&journal_path, &serde_json::to_vec(&journal).unwrap_or_default(), &mut crash)?;
+    }
+
+    progress(ConvertEvent::Phase("experts"));
+    let file = OpenOptions::new().create(true).write(true).read(true).truncate(false).open(&partial_experts).map_err(io(&partial_experts))?;
+    file.write_all_at(&header, 0).map_err(io(&partial_experts))?;
+    let fp8 = |name: &str, shape: &[usize]| tensor_f32(&ckpt, name, shape, fp8_block);
+    let per_batch = ((JOURNAL_EVERY_BYTES / blob_bytes.max(1)) as usize).clamp(1, 256);
+    let mut next = resumed;
+    while next < keys.len() {
+        let batch = &keys[next..(next + per_batch).min(keys.len())];
+        let blobs: Vec<Vec<u8>> = batch
+            .par_iter()
+            .map(|&(l, e)| {
+                let [g, u, d] = spec.expert_names.expert(l, e);
+                Ok(expert_blob::encode(opts.expert_quant, h, i, &fp8(&g, &[i, h])?, &fp8(&u, &[i, h])?, &fp8(&d, &[h, i])?))
+            })
+            .collect::<Result<_, LoadError>>()?;
+        for blob in &blobs {
+            let at = header.len() as u64 + next as u64 * blob_bytes;
+            file.write_all_at(blob, at).map_err(io(&partial_experts))?;
+            journal.blobs_done.push(format!("{:016x}", expert_blob::checksum(blob)));
+            next += 1;
+            progress(ConvertEvent::Advance(blob_bytes));
+            crash.point();
+        }
+        file.sync_data().map_err(io(&partial_experts))?;
+        write_atomic(&journal_path, &serde_json::to_vec(&journal).unwrap_or_default(), &mut crash)?;
+    }
+    let experts_file_bytes = header.len() as u64 + experts_total;
+    file.set_len(experts_file_bytes).map_err(io(&partial_experts))?;
+    file.sync_all().map_err(io(&partial_experts))?;
+    drop(file);
+    let experts_path = to.join(EXPERTS_FILE);
+    std::fs::rename(&partial_experts, &experts_path).map_err(io(&experts_path))?;
+    sync_dir(to)?;
+    crash.point();
+
+    // Config, tokenizer, templates: every small regular file that is not a weight file.
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let meta = entry.metadata().map_err(io(&entry.path()))?;
+        if !meta.is_file() || name.starts_with('.') || name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == MANIFEST_FILE || meta.len() > MAX_AUX_BYTES {
+            continue;
+        }
+        let bytes = std::fs::read(entry.path()).map_err(io(&entry.path()))?;
+        write_atomic(&to.join(&name), &bytes, &mut crash)?;
+    }
+
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        source_fingerprint,
+        expert_quant,
+        dense_quant: dense_quant.into(),
+        hidden_size: h,
+        expert_intermediate_size: i,
+        blob_bytes,
+        experts_file_bytes,
+        blobs: keys
+            .iter()
+            .zip(&journal.blobs_done)
+            .enumerate()
+            .map(|(n, (&(layer, expert), sum))| BlobEntry { layer, expert, offset: header.len() as u64 + n as u64 * blob_bytes, length: blob_bytes, xxh3: sum.clone() })
+            .collect(),
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| LoadError::malformed(to, e.to_string()))?;
+    write_atomic(&to.join(MANIFEST_FILE), &json, &mut crash)?;
+    std::fs::remove_file(&journal_path).map_err(io(&journal_path))?;
+    Ok(ConvertReport { already_done: false, blobs: keys.len(), resumed_blobs: resumed, experts_bytes: experts_total, dense_bytes: dense_total })
+}
+
+use crate::container::Container;
+
+impl Container {
+    fn is_finished(dir: &Path) -> bool {
+        Container::is_container(dir)
+    }
+
+    /// The manifest alone, for comparing a finished conversion with a requested one.
+    fn open_manifest_only(dir: &Path) -> Result<Manifest, LoadError> {
+        let path = dir.join(MANIFEST_FILE);
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(&path, format!("invalid manifest: {e}")))
+    }
+}

@@ -1,0 +1,600 @@
+//! The tiered expert store (DESIGN.md §4): routed experts live on storage (a container's experts
+//! file, or an unconverted checkpoint) and a RAM cache of a fixed byte budget holds the ones the
+//! policy keeps. It implements `ExpertDispatch`, so the decoder cannot tell it from experts held
+//! in memory — only the speed differs.
+//!
+//! - The policy (`policy::LayerLru`: per-layer LRU, a pinned hot set learned from `usage.rs`,
+//!   prefetch on lookahead hints) is sans-IO and decides; this module carries its decisions out.
+//! - A pool of `io_depth` reader threads serves two queues. Demand reads always go first; at most
+//!   half the readers work on prefetches at once, and a queued prefetch that a demand access
+//!   catches up with is promoted to the demand queue — so a prefetch never delays a demand read.
+//! - Batch-union: each expert a batch selects is read at most once and applied to every row that
+//!   chose it; compute starts on resident experts while the missing ones are being read, and each
+//!   read expert is computed as soon as it arrives.
+//!
+//! Must never: change which expert a row uses or the arithmetic applied to it (the sums are the
+//! same fixed-point accumulation as `dispatch.rs`), serve bytes whose checksum failed, or let a
+//! failed read leave the policy believing an expert is resident.
+
+pub mod source;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use serde::Serialize;
+use shimmer_common::spec::LayerMlp;
+use shimmer_common::ModelSpec;
+use shimmer_kernels::fixed;
+
+use crate::dispatch::{DispatchError, ExpertDispatch, MoeBatch};
+use crate::expert::{Expert, FfnScratch};
+use crate::policy::{Decision, Key, LayerLru};
+use crate::usage::Usage;
+pub use source::Source;
+
+pub const DEFAULT_IO_DEPTH: usize = 16;
+
+pub struct StoreOptions {
+    /// Bytes of RAM for resident experts (dense weights are accounted separately).
+    pub budget_bytes: u64,
+    pub prefetch: bool,
+    /// Reader threads: reads in flight at once.
+    pub io_depth: usize,
+    /// Routing heat to learn pins from and to add this run's to.
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("--ram-gb {budget_gb:.4} holds {capacity} experts of {expert_mb:.3} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb:.4}")]
+    BudgetTooSmall { budget_gb: f64, capacity: u64, expert_mb: f64, top_k: usize, min_gb: f64 },
+}
+
+/// What the store did, for `--json` timings and metrics.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StoreTelemetry {
+    pub budget_bytes: u64,
+    pub expert_bytes: u64,
+    pub capacity_experts: u64,
+    pub slots_per_layer: usize,
+    pub pinned_experts: usize,
+    pub resident_experts: usize,
+    /// Demand accesses served from RAM.
+    pub ram_hits: u64,
+    /// Demand accesses that joined a read already in flight (usually a prefetch).
+    pub in_flight_hits: u64,
+    /// Demand accesses that had to read from storage.
+    pub disk_misses: u64,
+    pub reads: u64,
+    pub bytes_read: u64,
+    /// Wall time with at least one read in flight, and the bandwidth over it.
+    pub read_busy_s: f64,
+    pub read_gb_s: f64,
+    pub prefetch_issued: u64,
+    /// Prefetched experts later used by a demand access.
+    pub prefetch_useful: u64,
+    /// Time the forward pass waited for reads.
+    pub io_wait_ms: f64,
+    pub mirror_fallbacks: u64,
+    pub drives: Vec<(String, f64)>,
+}
+
+type ReadResult = Result<Arc<Expert>, String>;
+
+struct Pending {
+    result: Mutex<Option<ReadResult>>,
+    done: Condvar,
+}
+
+impl Pending {
+    fn new() -> Arc<Self> {
+        Arc::new(Pending { result: Mutex::new(None), done: Condvar::new() })
+    }
+    fn set(&self, r: ReadResult) {
+        *lock(&self.result) = Some(r);
+        self.done.notify_all();
+    }
+    fn try_get(&self) -> Option<ReadResult> {
+        lock(&self.result).clone()
+    }
+    fn wait(&self) -> ReadResult {
+        let mut g = lock(&self.result);
+        loop {
+            if let Some(r) = g.clone() {
+                return r;
+            }
+            g = self.done.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+enum Slot {
+    Ready(Arc<Expert>),
+    Loading(Arc<Pending>),
+}
+
+struct Job {
+    key: Key,
+    layer: usize,
+    expert: usize,
+    pending: Arc<Pending>,
+    prefetch: bool,
+}
+
+#[derive(Default)]
+struct Queues {
+    demand: VecDeque<Job>,
+    prefetch: VecDeque<Job>,
+    running_prefetch: usize,
+    /// Hint-issued prefetches queued or running (bounded so stale hints do not pile up).
+    hinted_outstanding: usize,
+    shutdown: bool,
+}
+
+struct State {
+    policy: LayerLru,
+    slots: HashMap<Key, Slot>,
+    prefetched_unused: HashSet<Key>,
+}
+
+#[derive(Default)]
+struct Busy {
+    in_flight: usize,
+    since: Option<Instant>,
+    total: Duration,
+}
+
+#[derive(Default)]
+struct Counters {
+    ram_hits: AtomicU64,
+    in_flight_hits: AtomicU64,
+    disk_misses: AtomicU64,
+    reads: AtomicU64,
+    bytes_read: AtomicU64,
+    prefetch_issued: AtomicU64,
+    prefetch_useful: AtomicU64,
+    io_wait_ns: AtomicU64,
+}
+
+struct Inner {
+    source: Source,
+    /// Model layer → position among MoE layers (the policy's layer index).
+    moe_position: Vec<Option<u16>>,
+    num_experts: usize,
+    io_depth: usize,
+    prefetch: bool,
+    state: Mutex<State>,
+    queues: Mutex<Queues>,
+    work: Condvar,
+    busy: Mutex<Busy>,
+    counters: Counters,
+    usage: Mutex<Option<Usage>>,
+    telemetry_base: StoreTelemetry,
+}
+
+pub struct ExpertStore {
+    inner: Arc<Inner>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ExpertStore {
+    pub fn open(source: Source, spec: &ModelSpec, opts: StoreOptions) -> Result<Self, StoreError> {
+        let expert_bytes = source.expert_bytes().max(1);
+        let moe_layers = spec.layers.iter().filter(|k| **k == LayerMlp::Moe).count().max(1);
+        let capacity = opts.budget_bytes / expert_bytes;
+        let top_k = spec.moe.top_k;
+        if capacity < top_k as u64 {
+            let gb = |b: u64| b as f64 / 1e9;
+            return Err(StoreError::BudgetTooSmall {
+                budget_gb: gb(opts.budget_bytes),
+                capacity,
+                expert_mb: expert_bytes as f64 / 1e6,
+                top_k,
+                min_gb: gb(expert_bytes * top_k as u64),
+            });
+        }
+        let slots_per_layer = ((capacity / moe_layers as u64) as usize).min(spec.moe.num_experts);
+        let pins = match &opts.usage {
+            Some(u) => {
+                let hottest = u.hottest(slots_per_layer / 2);
+                spec.layers.iter().zip(hottest).filter(|(k, _)| **k == LayerMlp::Moe).map(|(_, p)| p).collect()
+            }
+            None => vec![Vec::new(); moe_layers],
+        };
+        let pinned_experts = pins.iter().map(Vec::len).sum();
+        let mut policy = LayerLru::new(moe_layers, slots_per_layer).with_pins(pins);
+        if opts.prefetch {
+            policy = policy.with_prefetch(top_k);
+        }
+        let mut position = 0u16;
+        let moe_position = spec
+            .layers
+            .iter()
+            .map(|k| {
+                (*k == LayerMlp::Moe).then(|| {
+                    position += 1;
+                    position - 1
+                })
+            })
+            .collect();
+        let telemetry_base = StoreTelemetry {
+            budget_bytes: opts.budget_bytes,
+            expert_bytes,
+            capacity_experts: capacity,
+            slots_per_layer,
+            pinned_experts,
+            drives: source.drives().into_iter().map(|(p, w)| (p.display().to_string(), w)).collect(),
+            ..Default::default()
+        };
+        let io_depth = opts.io_depth.clamp(1, 256);
+        let inner = Arc::new(Inner {
+            source,
+            moe_position,
+            num_experts: spec.moe.num_experts,
+            io_depth,
+            prefetch: opts.prefetch,
+            state: Mutex::new(State { policy, slots: HashMap::new(), prefetched_unused: HashSet::new() }),
+            queues: Mutex::new(Queues::default()),
+            work: Condvar::new(),
+            busy: Mutex::new(Busy::default()),
+            counters: Counters::default(),
+            usage: Mutex::new(opts.usage),
+            telemetry_base,
+        });
+        let readers = (0..io_depth)
+            .map(|n| {
+                let inner = inner.clone();
+                std::thread::Builder::new().name(format!("expert-read-{n}")).spawn(move || inner.reader_loop()).expect("spawn a reader thread")
+            })
+            .collect();
+        let store = ExpertStore { inner, readers };
+        if opts.prefetch {
+            store.warm_pins();
+        }
+        Ok(store)
+    }
+
+    /// Queues the learned pins for reading (low priority), so a warm start finds them resident.
+    fn warm_pins(&self) {
+        let inner = &self.inner;
+        let mut jobs = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            let pins: Vec<Key> = st.policy.pinned().iter().enumerate().flat_map(|(l, p)| p.iter().map(move |e| (l as u16, *e))).collect();
+            for key in pins {
+                if let Some(d) = st.policy.decide_hint(key) {
+                    if let Some(job) = inner.admit_prefetch(&mut st, key, d) {
+                        jobs.push(job);
+                    }
+                }
+            }
+        }
+        let mut q = lock(&inner.queues);
+        q.prefetch.extend(jobs);
+        inner.work.notify_all();
+    }
+
+    pub fn telemetry(&self) -> StoreTelemetry {
+        self.inner.telemetry()
+    }
+}
+
+impl Drop for ExpertStore {
+    fn drop(&mut self) {
+        lock(&self.inner.queues).shutdown = true;
+        self.inner.work.notify_all();
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}
+
+impl Inner {
+    fn layer_of_position(&self, pos: u16) -> usize {
+        self.moe_position.iter().position(|p| *p == Some(pos)).unwrap_or(0)
+    }
+
+    fn reader_loop(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queues);
+                loop {
+                    if q.shutdown {
+                        return;
+                    }
+                    if let Some(j) = q.demand.pop_front() {
+                        break j;
+                    }
+                    // Half the readers at most on prefetches: the rest stay free for demand.
+                    if q.running_prefetch < (self.io_depth / 2).max(1) {
+                        if let Some(j) = q.prefetch.pop_front() {
+                            q.running_prefetch += 1;
+                            break j;
+                        }
+                    }
+                    q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            self.enter_read();
+            let result = self.inner_read(job.layer, job.expert);
+            self.leave_read();
+            if job.prefetch {
+                let mut q = lock(&self.queues);
+                q.running_prefetch -= 1;
+                q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
+                self.work.notify_all();
+            }
+            {
+                let mut st = lock(&self.state);
+                let ours = matches!(st.slots.get(&job.key), Some(Slot::Loading(p)) if Arc::ptr_eq(p, &job.pending));
+                if ours {
+                    match &result {
+                        Ok(e) => {
+                            st.slots.insert(job.key, Slot::Ready(e.clone()));
+                        }
+                        Err(_) => {
+                            st.slots.remove(&job.key);
+                            st.policy.forget(job.key);
+                            st.prefetched_unused.remove(&job.key);
+                        }
+                    }
+                }
+            }
+            job.pending.set(result);
+        }
+    }
+
+    fn inner_read(&self, layer: usize, expert: usize) -> ReadResult {
+        match self.source.read(layer, expert) {
+            Ok((e, bytes)) => {
+                self.counters.reads.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+                Ok(Arc::new(e))
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn enter_read(&self) {
+        let mut b = lock(&self.busy);
+        if b.in_flight == 0 {
+            b.since = Some(Instant::now());
+        }
+        b.in_flight += 1;
+    }
+
+    fn leave_read(&self) {
+        let mut b = lock(&self.busy);
+        b.in_flight -= 1;
+        if b.in_flight == 0 {
+            if let Some(s) = b.since.take() {
+                b.total += s.elapsed();
+            }
+        }
+    }
+
+    /// Carries out a prefetch decision: the slot becomes Loading and a job is returned to queue.
+    fn admit_prefetch(&self, st: &mut State, key: Key, d: Decision) -> Option<Job> {
+        if let Some(ev) = d.evicted {
+            st.slots.remove(&ev);
+            st.prefetched_unused.remove(&ev);
+        }
+        if st.slots.contains_key(&key) {
+            return None;
+        }
+        let pending = Pending::new();
+        st.slots.insert(key, Slot::Loading(pending.clone()));
+        st.prefetched_unused.insert(key);
+        self.counters.prefetch_issued.fetch_add(1, Ordering::Relaxed);
+        Some(Job { key, layer: self.layer_of_position(key.0), expert: key.1 as usize, pending, prefetch: true })
+    }
+
+    fn telemetry(&self) -> StoreTelemetry {
+        let c = &self.counters;
+        let busy = {
+            let b = lock(&self.busy);
+            b.total + b.since.map_or(Duration::ZERO, |s| s.elapsed())
+        };
+        let bytes_read = c.bytes_read.load(Ordering::Relaxed);
+        let read_busy_s = busy.as_secs_f64();
+        StoreTelemetry {
+            resident_experts: lock(&self.state).slots.values().filter(|s| matches!(s, Slot::Ready(_))).count(),
+            ram_hits: c.ram_hits.load(Ordering::Relaxed),
+            in_flight_hits: c.in_flight_hits.load(Ordering::Relaxed),
+            disk_misses: c.disk_misses.load(Ordering::Relaxed),
+            reads: c.reads.load(Ordering::Relaxed),
+            bytes_read,
+            read_busy_s,
+            read_gb_s: if read_busy_s > 0.0 { bytes_read as f64 / read_busy_s / 1e9 } else { 0.0 },
+            prefetch_issued: c.prefetch_issued.load(Ordering::Relaxed),
+            prefetch_useful: c.prefetch_useful.load(Ordering::Relaxed),
+            io_wait_ms: c.io_wait_ns.load(Ordering::Relaxed) as f64 / 1e6,
+            mirror_fallbacks: self.source.mirror_fallbacks(),
+            ..self.telemetry_base.clone()
+        }
+    }
+}
+
+enum Need {
+    Ready(Arc<Expert>),
+    Waiting(Arc<Pending>),
+}
+
+impl ExpertDispatch for ExpertStore {
+    fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
+        let inner = &self.inner;
+        let layer = batch.layer;
+        let pos = inner.moe_position.get(layer).copied().flatten().ok_or(DispatchError::NotMoeLayer { layer })?;
+        let h = batch.hidden;
+        let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); inner.num_experts];
+        for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
+            let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: inner.num_experts })?;
+            list.push((slot / batch.top_k, w));
+        }
+        if let Some(u) = lock(&inner.usage).as_mut() {
+            for e in batch.experts {
+                u.record(layer, *e as usize);
+            }
+        }
+        let mut needs: Vec<(usize, Need)> = Vec::new();
+        let mut jobs = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            let mut keys: Vec<Key> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, _)| (pos, e as u16)).collect();
+            crate::policy::batch_order(&st.policy, &mut keys);
+            for key in keys {
+                let e = key.1 as usize;
+                let d = st.policy.decide(key);
+                if let Some(ev) = d.evicted {
+                    st.slots.remove(&ev);
+                    st.prefetched_unused.remove(&ev);
+                }
+                if st.prefetched_unused.remove(&key) {
+                    inner.counters.prefetch_useful.fetch_add(1, Ordering::Relaxed);
+                }
+                let need = match st.slots.get(&key) {
+                    Some(Slot::Ready(x)) => {
+                        inner.counters.ram_hits.fetch_add(1, Ordering::Relaxed);
+                        Need::Ready(x.clone())
+                    }
+                    Some(Slot::Loading(p)) => {
+                        inner.counters.in_flight_hits.fetch_add(1, Ordering::Relaxed);
+                        Need::Waiting(p.clone())
+                    }
+                    None => {
+                        inner.counters.disk_misses.fetch_add(1, Ordering::Relaxed);
+                        let pending = Pending::new();
+                        if d.kept {
+                            st.slots.insert(key, Slot::Loading(pending.clone()));
+                        }
+                        jobs.push(Job { key, layer, expert: e, pending: pending.clone(), prefetch: false });
+                        Need::Waiting(pending)
+                    }
+                };
+                needs.push((e, need));
+            }
+        }
+        {
+            // Demand first; a queued prefetch this batch now needs is promoted to demand.
+            let mut q = lock(&inner.queues);
+            let waiting: Vec<&Arc<Pending>> = needs.iter().filter_map(|(_, n)| if let Need::Waiting(p) = n { Some(p) } else { None }).collect();
+            let mut i = 0;
+            while i < q.prefetch.len() {
+                if waiting.iter().any(|p| Arc::ptr_eq(p, &q.prefetch[i].pending)) {
+                    if let Some(mut j) = q.prefetch.remove(i) {
+                        j.prefetch = false;
+                        q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
+                        q.demand.push_back(j);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            q.demand.extend(jobs);
+            inner.work.notify_all();
+        }
+        // Compute what is ready while the rest is read; then each read expert as it arrives.
+        let mut ready: Vec<(usize, Arc<Expert>)> = Vec::new();
+        let mut waiting: Vec<(usize, Arc<Pending>)> = Vec::new();
+        for (e, n) in needs {
+            match n {
+                Need::Ready(x) => ready.push((e, x)),
+                Need::Waiting(p) => waiting.push((e, p)),
+            }
+        }
+        loop {
+            if !ready.is_empty() {
+                let outputs: Vec<Vec<(usize, Vec<f32>)>> = ready
+                    .par_iter()
+                    .map_init(FfnScratch::default, |scratch, (e, expert)| {
+                        users[*e]
+                            .iter()
+                            .map(|&(row, w)| {
+                                let mut y = vec![0.0f32; h];
+                                expert.forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
+                                y.iter_mut().for_each(|v| *v *= w);
+                                (row, y)
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for (row, y) in outputs.iter().flatten() {
+                    fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|source| DispatchError::Overflow { layer, source })?;
+                }
+                ready.clear();
+            }
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            // Take everything already read; if nothing is, wait for the first outstanding read.
+            let mut still = Vec::new();
+            for (e, p) in waiting.drain(..) {
+                match p.try_get() {
+                    Some(r) => ready.push((e, r.map_err(|message| DispatchError::Storage { layer, expert: e as u32, message })?)),
+                    None => still.push((e, p)),
+                }
+            }
+            waiting = still;
+            if ready.is_empty() {
+                if let Some((e, p)) = waiting.first().cloned() {
+                    let t = Instant::now();
+                    let r = p.wait();
+                    inner.counters.io_wait_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    ready.push((e, r.map_err(|message| DispatchError::Storage { layer, expert: e as u32, message })?));
+                    waiting.remove(0);
+                }
+            }
+        }
+    }
+
+    fn wants_lookahead(&self) -> bool {
+        self.inner.prefetch
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let inner = &self.inner;
+        let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { return };
+        let mut unique: Vec<u32> = experts.iter().copied().filter(|e| (*e as usize) < inner.num_experts).collect();
+        unique.sort_unstable();
+        unique.dedup();
+        let cap = inner.io_depth;
+        let mut jobs = Vec::new();
+        {
+            let mut q = lock(&inner.queues);
+            let mut st = lock(&inner.state);
+            for e in unique {
+                let key = (pos, e as u16);
+                if !st.slots.contains_key(&key) && q.hinted_outstanding + jobs.len() >= cap {
+                    continue;
+                }
+                if let Some(d) = st.policy.decide_hint(key) {
+                    if let Some(job) = inner.admit_prefetch(&mut st, key, d) {
+                        jobs.push(job);
+                    }
+                }
+            }
+            q.hinted_outstanding += jobs.len();
+            q.prefetch.extend(jobs);
+        }
+        inner.work.notify_all();
+    }
+
+    fn end_turn(&self) -> Result<(), String> {
+        match lock(&self.inner.usage).as_mut() {
+            Some(u) => u.save().map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+
+    fn telemetry(&self) -> Option<StoreTelemetry> {
+        Some(self.inner.telemetry())
+    }
+}

@@ -1,0 +1,292 @@
+//! Where expert bytes come from: a container's experts file (one `pread` per expert, optionally
+//! O_DIRECT, optionally on two drives), or an unconverted checkpoint (three tensors per expert).
+//!
+//! Owns: file handles, aligned buffers, checksum verification, mirror choice and fallback.
+//! Must never: return an expert whose checksum did not match, or hide which file failed.
+
+use std::alloc::{self, Layout};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use shimmer_common::expert_blob::{self, StoredMatrix};
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_kernels::matrix::WeightData;
+use shimmer_kernels::Matrix;
+
+use crate::container::Container;
+use crate::expert::Expert;
+
+/// A zeroed, 4096-byte-aligned buffer (what O_DIRECT reads need).
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned heap memory.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    pub fn new(len: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(1), expert_blob::BLOB_ALIGN).expect("valid layout");
+        // SAFETY: the layout has non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and we hold the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len.max(1), expert_blob::BLOB_ALIGN).expect("valid layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+/// One copy of the experts file.
+pub struct Drive {
+    pub path: PathBuf,
+    file: File,
+    /// Relative read bandwidth, measured at open; weights the expert → drive assignment.
+    pub weight: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Counters the source keeps (read by the store's telemetry).
+#[derive(Default)]
+pub struct SourceCounters {
+    pub mirror_fallbacks: AtomicU64,
+}
+
+pub enum Source {
+    Container { container: Container, drives: Vec<Drive>, direct: bool, warned: Mutex<std::collections::HashSet<(usize, usize)>>, counters: SourceCounters },
+    Checkpoint { ckpt: Arc<Checkpoint>, hidden: usize, intermediate: usize, names: shimmer_common::spec::ExpertNames, first_moe: usize },
+}
+
+fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    if direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let file = opts.open(path).map_err(|e| {
+        if direct && e.raw_os_error() == Some(libc::EINVAL) {
+            LoadError::malformed(path, "--direct-io: this filesystem does not support O_DIRECT (e.g. tmpfs); drop --direct-io or move the model")
+        } else {
+            LoadError::io(path, e)
+        }
+    })?;
+    if direct {
+        // Some filesystems accept O_DIRECT at open and refuse it at the first read.
+        let mut probe = AlignedBuf::new(expert_blob::BLOB_ALIGN);
+        file.read_at(&mut probe, 0).map_err(|e| LoadError::malformed(path, format!("--direct-io: an aligned O_DIRECT read failed ({e}); drop --direct-io")))?;
+    }
+    Ok(file)
+}
+
+impl Source {
+    /// A container's experts file, and its mirror copy when given (checked to be the same
+    /// container); each drive's bandwidth is measured with a few blob reads.
+    pub fn container(container: Container, mirror: Option<&Path>, direct: bool) -> Result<Self, LoadError> {
+        let mut drives = vec![Drive { path: container.experts_path(), file: open_drive(&container.experts_path(), direct)?, weight: 1.0 }];
+        if let Some(m) = mirror {
+            let manifest_path = m.join(crate::container::MANIFEST_FILE);
+            let bytes = std::fs::read(&manifest_path).map_err(|e| LoadError::io(&manifest_path, e))?;
+            let theirs: crate::container::Manifest = serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(&manifest_path, format!("invalid manifest: {e}")))?;
+            if theirs != container.manifest {
+                return Err(LoadError::malformed(m, "--mirror holds a different container than the model directory (manifests differ)"));
+            }
+            let path = m.join(crate::container::EXPERTS_FILE);
+            let len = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?.len();
+            if len != container.manifest.experts_file_bytes {
+                return Err(LoadError::malformed(&path, format!("mirror copy is {len} bytes, the manifest says {}", container.manifest.experts_file_bytes)));
+            }
+            drives.push(Drive { file: open_drive(&path, direct)?, path, weight: 1.0 });
+        }
+        if drives.len() > 1 {
+            let probes: Vec<_> = container.manifest.blobs.iter().take(8).map(|b| (b.offset, b.length as usize)).collect();
+            for d in drives.iter_mut() {
+                let t = Instant::now();
+                let mut bytes = 0usize;
+                for (off, len) in &probes {
+                    let mut buf = AlignedBuf::new(*len);
+                    if d.file.read_exact_at(&mut buf, *off).is_ok() {
+                        bytes += len;
+                    }
+                }
+                let gbps = bytes as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
+                // Two significant digits: the assignment should not flicker with timing noise.
+                d.weight = round_sig(gbps.max(1e-6), 2);
+            }
+        }
+        Ok(Source::Container { container, drives, direct, warned: Mutex::new(Default::default()), counters: SourceCounters::default() })
+    }
+
+    pub fn checkpoint(ckpt: Arc<Checkpoint>, spec: &ModelSpec) -> Self {
+        let first_moe = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).unwrap_or(0);
+        Source::Checkpoint { ckpt, hidden: spec.hidden_size, intermediate: spec.moe.expert_intermediate_size, names: spec.expert_names.clone(), first_moe }
+    }
+
+    pub fn drives(&self) -> Vec<(PathBuf, f64)> {
+        match self {
+            Source::Container { drives, .. } => drives.iter().map(|d| (d.path.clone(), d.weight)).collect(),
+            Source::Checkpoint { ckpt, .. } => vec![(ckpt.dir().to_path_buf(), 1.0)],
+        }
+    }
+
+    pub fn mirror_fallbacks(&self) -> u64 {
+        match self {
+            Source::Container { counters, .. } => counters.mirror_fallbacks.load(Ordering::Relaxed),
+            Source::Checkpoint { .. } => 0,
+        }
+    }
+
+    /// Bytes one expert occupies in memory once read.
+    pub fn expert_bytes(&self) -> u64 {
+        match self {
+            Source::Container { container, .. } => {
+                let m = &container.manifest;
+                let (sections, _) = expert_blob::layout(container.scheme, m.hidden_size, m.expert_intermediate_size);
+                sections.iter().map(|(_, len)| *len as u64).sum()
+            }
+            Source::Checkpoint { ckpt, hidden, intermediate, names, first_moe } => {
+                // The first MoE layer's expert 0 tells the stored dtype.
+                let size = |name: &str| ckpt.raw(name).map(|r| r.bytes.len() as u64).unwrap_or((hidden * intermediate * 2) as u64);
+                let [g, u, d] = names.expert(*first_moe, 0);
+                size(&g) + size(&u) + size(&d)
+            }
+        }
+    }
+
+    /// Reads one expert; returns it and the bytes read from storage.
+    pub fn read(&self, layer: usize, expert: usize) -> Result<(Expert, u64), ReadError> {
+        match self {
+            Source::Container { container, drives, warned, counters, .. } => {
+                let loc = container.location(layer, expert).ok_or_else(|| ReadError::Failed(format!("layer {layer} expert {expert}: not in the container")))?;
+                let first = choose_drive(drives, layer, expert);
+                let order: Vec<usize> = std::iter::once(first).chain((0..drives.len()).filter(|d| *d != first)).collect();
+                let mut failures = Vec::new();
+                for (attempt, d) in order.iter().enumerate() {
+                    let drive = &drives[*d];
+                    let what = format!("{} layer {layer} expert {expert}", drive.path.display());
+                    let mut buf = AlignedBuf::new(loc.length as usize);
+                    let result = drive
+                        .file
+                        .read_exact_at(&mut buf, loc.offset)
+                        .map_err(|e| format!("{what}: read failed: {e}"))
+                        .and_then(|_| expert_blob::decode(&buf, container.scheme, container.manifest.hidden_size, container.manifest.expert_intermediate_size, Some(loc.checksum), &what).map_err(|e| e.to_string()));
+                    match result {
+                        Ok(matrices) => {
+                            if attempt > 0 {
+                                counters.mirror_fallbacks.fetch_add(1, Ordering::Relaxed);
+                                if warned.lock().unwrap_or_else(|e| e.into_inner()).insert((layer, expert)) {
+                                    tracing::warn!("{}; served from {} instead", failures.join("; "), drive.path.display());
+                                }
+                            }
+                            return Ok((expert_from(matrices), loc.length));
+                        }
+                        Err(e) => failures.push(e),
+                    }
+                }
+                Err(ReadError::Failed(failures.join("; ")))
+            }
+            Source::Checkpoint { ckpt, hidden, intermediate, names, .. } => {
+                let (h, i) = (*hidden, *intermediate);
+                let [g, u, d] = names.expert(layer, expert);
+                let load = |name: &str, shape: &[usize]| ckpt.get(name, shape).map(|v| Matrix::from_view(&v)).map_err(|e| ReadError::Failed(e.to_string()));
+                let e = Expert { gate: load(&g, &[i, h])?, up: load(&u, &[i, h])?, down: load(&d, &[h, i])? };
+                let bytes = e.bytes() as u64;
+                Ok((e, bytes))
+            }
+        }
+    }
+}
+
+fn expert_from([g, u, d]: [StoredMatrix; 3]) -> Expert {
+    let m = |s: StoredMatrix| match s {
+        StoredMatrix::Bf16 { rows, cols, words } => Matrix { rows, cols, data: WeightData::Bf16(words) },
+        StoredMatrix::Quant(q) => Matrix::from_quant(q),
+    };
+    Expert { gate: m(g), up: m(u), down: m(d) }
+}
+
+fn round_sig(x: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits - 1 - x.log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
+/// Weighted rendezvous hashing: each expert goes to the drive maximising `weight / -ln(u)`, `u`
+/// a hash of (layer, expert, drive) in (0, 1). Deterministic for given weights; a drive's share
+/// is proportional to its weight; removing a drive moves only its own experts.
+pub fn choose_drive(drives: &[Drive], layer: usize, expert: usize) -> usize {
+    choose_weighted(&drives.iter().map(|d| d.weight).collect::<Vec<_>>(), layer, expert)
+}
+
+pub fn choose_weighted(weights: &[f64], layer: usize, expert: usize) -> usize {
+    let mut best = (0, f64::NEG_INFINITY);
+    for (d, w) in weights.iter().enumerate() {
+        let key = ((layer as u64) << 40) ^ ((expert as u64) << 8) ^ d as u64;
+        let h = xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes());
+        let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let score = w / -u.ln();
+        if score > best.1 {
+            best = (d, score);
+        }
+    }
+    best.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weighted_assignment_is_deterministic_and_proportional() {
+        let weights = [1.0, 3.0];
+        let mut on = [0usize; 2];
+        for l in 0..20 {
+            for e in 0..200 {
+                let d = choose_weighted(&weights, l, e);
+                assert_eq!(d, choose_weighted(&weights, l, e));
+                on[d] += 1;
+            }
+        }
+        let share = on[1] as f64 / 4000.0;
+        assert!((share - 0.75).abs() < 0.03, "drive 1 got {share}");
+        assert_eq!(round_sig(1.2345, 2), 1.2);
+        assert_eq!(round_sig(0.0456, 2), 0.046);
+    }
+
+    #[test]
+    fn aligned_buffers_are_aligned() {
+        for len in [1, 4096, 12288] {
+            let b = AlignedBuf::new(len);
+            assert_eq!(b.as_ptr() as usize % 4096, 0);
+            assert_eq!(b.len(), len);
+        }
+    }
+}
