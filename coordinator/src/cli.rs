@@ -309,10 +309,11 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
     Engine::load(dir).with_context(|| format!("cannot load model {}", dir.display()))
 }
 
-/// Loads with the experts held as the store flags say, and says on stderr what the store holds.
-fn open(dir: &std::path::Path, store: &StoreArgs) -> Result<Engine> {
+/// Loads with the experts held as the store flags say, and (unless the output is JSON, which
+/// carries it) says on stderr what the store holds.
+fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> {
     let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
-    if let Some(t) = engine.store_telemetry() {
+    if let Some(t) = engine.store_telemetry().filter(|_| !json) {
         let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
         eprintln!(
             "shimmer: expert store: {:.3} GB for experts ({} of {all} experts, {} per layer, {} pinned), dense weights {:.3} GB, {}{}",
@@ -353,7 +354,7 @@ fn store_summary(engine: &Engine) {
 }
 
 fn generate(a: GenerateArgs) -> Result<ExitCode> {
-    let engine = open(&model_dir(&a.model)?, &a.store)?;
+    let engine = open(&model_dir(&a.model)?, &a.store, a.json)?;
     start_trace(&engine, &a.trace)?;
     let saved = match &a.session {
         Some(path) => crate::session_file::load(path, &engine)?,
@@ -430,7 +431,7 @@ fn round2(x: f64) -> f64 {
 }
 
 fn score(a: ScoreArgs) -> Result<ExitCode> {
-    let engine = open(&model_dir(&a.model)?, &a.store)?;
+    let engine = open(&model_dir(&a.model)?, &a.store, a.json)?;
     start_trace(&engine, &a.trace)?;
     let s = engine.score(&a.ids)?;
     engine.finish_trace()?;
@@ -450,7 +451,7 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
-    let engine = open(&dir, &a.store)?;
+    let engine = open(&dir, &a.store, false)?;
     start_trace(&engine, &a.trace)?;
     if engine.chat.template.is_none() {
         bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());

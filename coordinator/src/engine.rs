@@ -189,6 +189,9 @@ impl Engine {
         if !dir.is_dir() {
             return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory or a shimmer container)").into());
         }
+        if dir.join(shimmer_worker::convert::JOURNAL_FILE).exists() && !Container::is_container(dir) {
+            return Err(LoadError::malformed(dir, "holds an unfinished conversion (run the same `shimmer convert` again to finish it)").into());
+        }
         Ok(())
     }
 

@@ -24,7 +24,8 @@ use shimmer_common::{Checkpoint, LoadError, ModelSpec, StDtype};
 
 use crate::container::{self, BlobEntry, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 
-const JOURNAL_FILE: &str = ".shimmer-convert.json";
+/// Present while a conversion is unfinished (removed after the manifest is in place).
+pub const JOURNAL_FILE: &str = ".shimmer-convert.json";
 /// Blobs between fsync + journal updates: bounds the work a crash can lose.
 const JOURNAL_EVERY_BYTES: u64 = 64 << 20;
 /// Largest auxiliary file (tokenizer, template, config) copied.
@@ -331,6 +332,11 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     if Container::is_finished(to) {
         let done = Container::open_manifest_only(to)?;
         if done.source_fingerprint == source_fingerprint && done.expert_quant == expert_quant && done.dense_quant == dense_quant {
+            // A run stopped between the manifest and removing its journal: finish tidying.
+            let stale = to.join(JOURNAL_FILE);
+            if stale.exists() {
+                std::fs::remove_file(&stale).map_err(io(&stale))?;
+            }
             return Ok(ConvertReport { already_done: true, blobs: done.blobs.len(), ..Default::default() });
         }
         return Err(LoadError::malformed(to, format!(
@@ -355,6 +361,8 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         if std::fs::read_dir(to).map_err(io(to))?.next().is_some() {
             return Err(LoadError::malformed(to, "is not empty and holds no interrupted conversion; choose an empty or new directory"));
         }
+        // The journal comes first: from here on the directory is recognisably ours to resume.
+        write_atomic(&journal_path, &serde_json::to_vec(&fresh).unwrap_or_default(), &mut crash)?;
         fresh
     };
 

@@ -40,14 +40,11 @@ pub enum DispatchError {
     #[error("layer {layer}: expert {expert} does not exist (the layer has {count})")]
     NoSuchExpert { layer: usize, expert: u32, count: usize },
     /// No copy of a selected expert could be read and verified.
-    #[error("layer {layer} expert {expert}: {message}")]
+    /// `message` names the file, layer and expert.
+    #[error("{message}")]
     Storage { layer: usize, expert: u32, message: String },
-    #[error("layer {layer}: {source}")]
-    Overflow {
-        layer: usize,
-        #[source]
-        source: FixedPointOverflow,
-    },
+    #[error("layer {layer}: {overflow}")]
+    Overflow { layer: usize, overflow: FixedPointOverflow },
 }
 
 /// Whoever holds the experts: in-process now, QUIC workers later.
@@ -172,7 +169,7 @@ impl InProcessExperts {
             })
             .collect();
         for (row, y) in outputs.iter().flatten() {
-            fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|source| DispatchError::Overflow { layer, source })?;
+            fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
         }
         Ok(())
     }

@@ -170,12 +170,19 @@ pub enum Logits {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
+    // Not a `#[source]`: the message already carries the cause, and error chains print it once.
     #[error("expert dispatch failed: {0}")]
-    Dispatch(#[from] DispatchError),
+    Dispatch(DispatchError),
     #[error("the context is full: {have} positions held + {adding} new > {capacity} (max_position_embeddings)")]
     ContextFull { have: usize, adding: usize, capacity: usize },
     #[error("token id {id} is outside the vocabulary (size {vocab})")]
     TokenOutOfRange { id: u32, vocab: usize },
+}
+
+impl From<DispatchError> for ForwardError {
+    fn from(e: DispatchError) -> Self {
+        ForwardError::Dispatch(e)
+    }
 }
 
 pub(crate) fn name(template: &str, layer: usize) -> String {

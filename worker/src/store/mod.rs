@@ -50,7 +50,7 @@ pub struct StoreOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("--ram-gb {budget_gb:.4} holds {capacity} experts of {expert_mb:.3} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb:.4}")]
+    #[error("--ram-gb {budget_gb} holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb}")]
     BudgetTooSmall { budget_gb: f64, capacity: u64, expert_mb: f64, top_k: usize, min_gb: f64 },
 }
 
@@ -192,11 +192,12 @@ impl ExpertStore {
         let capacity = opts.budget_bytes / expert_bytes;
         let top_k = spec.moe.top_k;
         if capacity < top_k as u64 {
-            let gb = |b: u64| b as f64 / 1e9;
+            // Six decimals of GB (kB resolution), the minimum rounded up so that it works as given.
+            let gb = |b: u64| (b as f64 / 1e3).ceil() / 1e6;
             return Err(StoreError::BudgetTooSmall {
-                budget_gb: gb(opts.budget_bytes),
+                budget_gb: (opts.budget_bytes as f64 / 1e3).round() / 1e6,
                 capacity,
-                expert_mb: expert_bytes as f64 / 1e6,
+                expert_mb: (expert_bytes as f64 / 1e3).round() / 1e3,
                 top_k,
                 min_gb: gb(expert_bytes * top_k as u64),
             });
@@ -527,7 +528,7 @@ impl ExpertDispatch for ExpertStore {
                     })
                     .collect();
                 for (row, y) in outputs.iter().flatten() {
-                    fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|source| DispatchError::Overflow { layer, source })?;
+                    fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
                 }
                 ready.clear();
             }
