@@ -100,7 +100,7 @@ fn score_json_has_one_argmax_per_position_and_one_fewer_logprob() {
         let ids: Vec<u32> = p.ids.iter().chain(&p.greedy).copied().collect();
         let v = json_stdout(&shimmer(&["score", "--model", fixture(name).to_str().unwrap(), "--ids", &ids_arg(&ids), "--json"]));
         let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-        assert_eq!(keys, ["argmax", "logprobs"]);
+        assert_eq!(keys, ["argmax", "logprobs", "timings"]);
         let argmax = u32s(&v["argmax"]);
         assert_eq!(argmax.len(), ids.len());
         for (pos, (a, want)) in argmax.iter().zip(&p.argmax).enumerate() {
