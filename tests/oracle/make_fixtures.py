@@ -275,9 +275,50 @@ def make_demo(model_dir):
     print(f"demo_oracle: {os.path.getsize(os.path.join(d, 'oracle.json')) / 1e6:.2f} MB")
 
 
+def make_fp8(src, dst, block=16):
+    """A DeepSeek-style fp8 checkpoint from a bf16 fixture: every projection matrix (not the
+    embeddings, LM head, routers or norms) as float8_e4m3fn with `<name>_scale_inv` block scales
+    (amax/448 per block), and beside it, for the test, torch's own dequantisation in f32."""
+    import json, shutil
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst, exist_ok=True)
+    for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, reference = {}, {}
+    for name, w in sorted(tensors.items()):
+        if w.dim() == 2 and name.endswith("proj.weight"):
+            w32 = w.to(torch.float32)
+            r, c = w32.shape
+            br, bc = -(-r // block), -(-c // block)
+            scale = torch.zeros(br, bc, dtype=torch.float32)
+            q = torch.zeros(r, c, dtype=torch.float8_e4m3fn)
+            for i in range(br):
+                for j in range(bc):
+                    blk = w32[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    s = blk.abs().max().clamp(min=1e-12) / 448.0
+                    scale[i, j] = s
+                    q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / s).to(torch.float8_e4m3fn)
+            out[name] = q
+            out[name + "_scale_inv"] = scale
+            expanded = scale.repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
+            reference[name] = q.to(torch.float32) * expanded
+        else:
+            out[name] = w
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    save_file(reference, dst.rstrip("/") + ".dequantized.safetensors")
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--demo":
         make_demo(sys.argv[2])
+        return
+    if len(sys.argv) == 4 and sys.argv[1] == "--fp8":
+        make_fp8(sys.argv[2], sys.argv[3])
         return
     lines = corpus()
     tok_plain = train_tokenizer(lines, 512, bos=False)

@@ -241,9 +241,11 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         let raw = ckpt.raw(name)?;
         let shape = raw.shape.to_vec();
         let elems: usize = shape.iter().product();
-        let is_matrix = shape.len() == 2;
+        let is_matrix = shape.len() == 2 && !routers.contains(name);
         let float = matches!(raw.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3);
-        if is_matrix && float && dense_quant == DenseQuant::Int8 && !routers.contains(name) {
+        // Routers are never converted (unless fp8, which must be dequantised): a rounded router
+        // could choose other experts.
+        if is_matrix && float && dense_quant == DenseQuant::Int8 {
             plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
             plans.push(DensePlan { name: format!("{name}{INT8_SCALE_SUFFIX}"), dtype: "F32", shape: vec![shape[0]], bytes: shape[0] as u64 * 4, kind: DenseKind::Int8Scales });
         } else if raw.dtype == StDtype::F8_E4M3 || (raw.dtype == StDtype::F32 && is_matrix) {

@@ -1,0 +1,76 @@
+//! DeepSeek-style fp8-e4m3 checkpoints with block scales: the dequantisation equals torch's bit
+//! for bit, and `shimmer convert` turns such a checkpoint into a container holding exactly those
+//! values (rounded to the target format).
+
+use shimmer_common::expert_blob::{self, StoredMatrix};
+use shimmer_common::{quant, Checkpoint, StDtype};
+use shimmer_tests::fixture;
+use shimmer_worker::container::Container;
+use shimmer_worker::convert::{convert, ConvertOptions, DenseQuant};
+
+fn reference() -> std::collections::HashMap<String, Vec<f32>> {
+    let path = fixture("deepseek_v3_fp8.dequantized.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(name, t)| (name, t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())).collect()
+}
+
+fn bf16_round(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect()
+}
+
+#[test]
+fn fp8_block_dequantisation_equals_torch_bit_for_bit() {
+    let ckpt = Checkpoint::open(&fixture("deepseek_v3_fp8")).unwrap();
+    let want = reference();
+    assert!(want.len() > 20, "the fixture quantises every projection");
+    for (name, expected) in &want {
+        let raw = ckpt.raw(name).unwrap();
+        assert_eq!(raw.dtype, StDtype::F8_E4M3, "{name}");
+        let (r, c) = (raw.shape[0], raw.shape[1]);
+        let scales = ckpt.get(&format!("{name}_scale_inv"), &[r.div_ceil(16), c.div_ceil(16)]).unwrap().to_f32();
+        let got = quant::dequantize_fp8_blocks(raw.bytes, r, c, &scales, 16).unwrap();
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), expected.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{name}");
+    }
+}
+
+#[test]
+fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
+    // Unconverted, the engine says what to do.
+    let e = shimmer_coordinator::Engine::load(&fixture("deepseek_v3_fp8")).err().expect("fp8 is not served unconverted").to_string();
+    assert!(e.contains("fp8") && e.contains("shimmer convert"), "{e}");
+
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("c");
+    convert(&fixture("deepseek_v3_fp8"), &dir, ConvertOptions { expert_quant: quant::QuantScheme::Bf16, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap();
+    let want = reference();
+    // Dense projections: bf16 of the dequantised values; routers untouched.
+    let dense = Checkpoint::open_files(&dir, &["dense.safetensors"]).unwrap();
+    let name = "model.layers.0.self_attn.q_a_proj.weight";
+    let t = dense.raw(name).unwrap();
+    assert_eq!(t.dtype, StDtype::BF16);
+    assert_eq!(t.bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect::<Vec<_>>(), bf16_round(&want[name]));
+    assert!(!dense.contains(&format!("{name}_scale_inv")));
+    assert_eq!(dense.raw("model.layers.1.mlp.gate.weight").unwrap().dtype, StDtype::F32, "routers stay as stored");
+    // Experts: each blob holds bf16 of the dequantised gate, up and down.
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
+    let c = Container::open(&dir, &spec).unwrap();
+    let file = std::fs::read(c.experts_path()).unwrap();
+    let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
+    for e in [0usize, 7, 15] {
+        let loc = c.location(1, e).unwrap();
+        let blob = &file[loc.offset as usize..(loc.offset + loc.length) as usize];
+        let mats = expert_blob::decode(blob, c.scheme, h, i, Some(loc.checksum), "test").unwrap();
+        for (m, part) in mats.iter().zip(["gate_proj", "up_proj", "down_proj"]) {
+            let StoredMatrix::Bf16 { words, .. } = m else { panic!("bf16 container") };
+            assert_eq!(words, &bf16_round(&want[&format!("model.layers.1.mlp.experts.{e}.{part}.weight")]), "expert {e} {part}");
+        }
+    }
+    // And the converted model runs, also quantised further to int4.
+    let engine = shimmer_coordinator::Engine::load(&dir).unwrap();
+    assert_eq!(engine.logits_all(&[1, 2, 3, 4]).unwrap().len(), 4 * spec.vocab_size);
+    let out4 = tempfile::tempdir().unwrap();
+    convert(&fixture("deepseek_v3_fp8"), out4.path(), ConvertOptions { expert_quant: quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 }, &mut |_| {}).unwrap();
+    let engine = shimmer_coordinator::Engine::load(out4.path()).unwrap();
+    assert!(engine.logits_all(&[1, 2, 3, 4]).unwrap().iter().all(|x| x.is_finite()));
+}
