@@ -35,12 +35,37 @@ enum Command {
     /// Routing traces recorded with --trace.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Prefill and decode speed under a placement, against the disk's measured bandwidth and
+    /// Belady's optimum for the expert cache, all from one run.
+    Bench(BenchArgs),
     /// Convert a Hugging Face checkpoint into an expert container (one aligned blob per expert);
     /// resumable.
     Convert(ConvertArgs),
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    gen_tokens: usize,
+    /// A UTF-8 text the prompt and the decoded tokens are taken from (default: a built-in
+    /// passage). Decode steps feed the text's next tokens, one per step.
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// How much of the experts file the disk-bandwidth probe reads (MB, 10^6 bytes).
+    #[arg(long, default_value_t = 1024)]
+    disk_probe_mb: u64,
+    #[command(flatten)]
+    store: StoreArgs,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -284,6 +309,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
         Command::Convert(a) => convert(a),
+        Command::Bench(a) => bench(a),
         Command::QuantEval(a) => quant_eval(a),
     }
 }
@@ -719,6 +745,37 @@ fn convert(a: ConvertArgs) -> Result<ExitCode> {
             dense_quant.name(),
             report.dense_bytes as f64 / 1e6
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn bench(a: BenchArgs) -> Result<ExitCode> {
+    let dir = model_dir(&a.model)?;
+    let text = match &a.text {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
+        None => None,
+    };
+    let r = crate::bench::run(&dir, &a.store.options()?, &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text })?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string(&r)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
+    writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;
+    writeln!(out, "decode   {} tokens  {:.1} ms  {:.2} tok/s", r.gen_tokens, r.decode_ms, r.decode_tok_s)?;
+    if let Some(t) = &r.store {
+        writeln!(out, "store    {:.4} GB budget, {} experts ({} per layer, {} pinned), decode hit rate {:.3}", t.budget_bytes as f64 / 1e9, t.capacity_experts, t.slots_per_layer, t.pinned_experts, r.decode_hit_rate)?;
+        writeln!(out, "reads    {:.2} MB per decoded token; decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used", r.decode_read_bytes_per_token / 1e6, r.decode_io_wait_fraction * 100.0, t.prefetch_issued, t.prefetch_useful)?;
+    }
+    if let Some(d) = r.disk_gb_s_at_depth {
+        writeln!(out, "disk     {:.2} GB/s with {} reads in flight, {:.2} GB/s one at a time (O_DIRECT, whole blobs)", d, r.io_depth, r.disk_gb_s_depth1.unwrap_or(0.0))?;
+    }
+    if let (Some(limit), Some(frac)) = (r.disk_limit_tok_s, r.fraction_of_disk_limit) {
+        writeln!(out, "limit    {:.2} tok/s if decode only waited for the disk; achieved {:.3} of it", limit, frac)?;
+    }
+    for (policy, rate) in &r.replay {
+        writeln!(out, "replay   {policy:<22} {rate:.3}")?;
     }
     Ok(ExitCode::SUCCESS)
 }

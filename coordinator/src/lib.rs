@@ -7,6 +7,7 @@
 //! Must never: read or compute a routed expert directly, change routing because of where an
 //! expert lives, or let a client's input reach a panic: bad input is an `EngineError` naming it.
 
+pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod engine;

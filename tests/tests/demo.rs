@@ -73,9 +73,14 @@ fn concurrent_first_runs_all_succeed_and_publish_one_copy() {
         })
         .collect();
     let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    // The same answer from every run (timings differ, the answers must not).
+    let answer = |o: &Output| {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["argmax"].clone(), v["logprobs"].clone())
+    };
     for o in &outputs {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        assert_eq!(o.stdout, outputs[0].stdout);
+        assert_eq!(answer(o), answer(&outputs[0]));
     }
     assert_eq!(demo_dirs(cache.path()).len(), 1, "{:?}", demo_dirs(cache.path()));
 }

@@ -213,3 +213,55 @@ fn mutated_chat_templates_never_panic() {
         }
     }
 }
+
+/// A container's manifest and a usage file, damaged one value at a time: each load ends in an
+/// error or in a model that answers exactly as the undamaged one — never a different answer.
+#[test]
+fn mutated_container_manifests_and_usage_files_fail_or_answer_identically() {
+    use shimmer_coordinator::engine::{ExpertOptions, RamBudget, UsageFile};
+    let mut rng = Rng(0x3a11);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("c");
+    let opts = shimmer_worker::convert::ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int8PerRow, dense_quant: shimmer_worker::convert::DenseQuant::Bf16 };
+    shimmer_worker::convert::convert(&fixture("glm4_moe"), &dir, opts, &mut |_| {}).unwrap();
+    let ids = [1u32, 5, 9, 13, 17];
+    let usage = out.path().join("usage.json");
+    let store = |usage: UsageFile| ExpertOptions { ram: Some(RamBudget::Gb(1e-4)), usage, ..ExpertOptions::default() };
+    let learner = Engine::open(&dir, &store(UsageFile::File(usage.clone()))).unwrap();
+    let reference = learner.logits_all(&ids).unwrap();
+    learner.score(&ids).unwrap(); // a turn: writes the usage file
+    drop(learner);
+    let manifest_path = dir.join(shimmer_worker::container::MANIFEST_FILE);
+    let original: Value = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let (mut loaded, mut refused) = (0, 0);
+    for i in 0..300 {
+        let mut v = original.clone();
+        mutate_json(&mut v, &mut rng);
+        std::fs::write(&manifest_path, v.to_string()).unwrap();
+        let what = format!("manifest mutation {i}");
+        match no_panic(&what, || Engine::open(&dir, &store(UsageFile::Off))) {
+            Ok(engine) => match no_panic(&what, || engine.logits_all(&ids)) {
+                Ok(logits) => {
+                    assert!(logits.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} changed the answer: {v}");
+                    loaded += 1;
+                }
+                Err(_) => refused += 1,
+            },
+            Err(_) => refused += 1,
+        }
+    }
+    assert!(loaded > 0 && refused > 100, "loaded {loaded}, refused {refused}");
+    std::fs::write(&manifest_path, original.to_string()).unwrap();
+    // The usage file written by the reference run, damaged.
+    let original: Value = serde_json::from_slice(&std::fs::read(&usage).unwrap()).unwrap();
+    for i in 0..200 {
+        let mut v = original.clone();
+        mutate_json(&mut v, &mut rng);
+        std::fs::write(&usage, v.to_string()).unwrap();
+        let what = format!("usage mutation {i}");
+        if let Ok(engine) = no_panic(&what, || Engine::open(&dir, &store(UsageFile::File(usage.clone())))) {
+            let logits = no_panic(&what, || engine.logits_all(&ids)).unwrap();
+            assert!(logits.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} changed the answer: {v}");
+        }
+    }
+}

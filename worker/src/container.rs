@@ -87,6 +87,15 @@ impl Container {
     pub fn open(dir: &Path, spec: &ModelSpec) -> Result<Self, LoadError> {
         let path = dir.join(MANIFEST_FILE);
         let value = shimmer_common::spec::read_json_file(&path, MAX_MANIFEST_BYTES)?;
+        let experts_path = dir.join(EXPERTS_FILE);
+        let file_len = std::fs::metadata(&experts_path).map_err(|e| LoadError::io(&experts_path, e))?.len();
+        Self::from_manifest(dir, value, spec, file_len)
+    }
+
+    /// Checks a parsed manifest against the spec and the experts file's length. Pure: this is
+    /// the parser a manifest's bytes meet, and it is fuzzed.
+    pub fn from_manifest(dir: &Path, value: serde_json::Value, spec: &ModelSpec, file_len: u64) -> Result<Self, LoadError> {
+        let path = dir.join(MANIFEST_FILE);
         let bad = |problem: String| LoadError::malformed(&path, problem);
         if value.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
             return Err(bad(format!("not a shimmer expert container manifest (`format` is not \"{FORMAT_NAME}\")")));
@@ -113,7 +122,6 @@ impl Container {
             return Err(bad(format!("blob_bytes {} but {} experts of this shape take {blob_len}", manifest.blob_bytes, manifest.expert_quant)));
         }
         let experts_path = dir.join(EXPERTS_FILE);
-        let file_len = std::fs::metadata(&experts_path).map_err(|e| LoadError::io(&experts_path, e))?.len();
         if file_len != manifest.experts_file_bytes {
             return Err(LoadError::malformed(&experts_path, format!("is {file_len} bytes, the manifest says {} (truncated or replaced)", manifest.experts_file_bytes)));
         }

@@ -16,6 +16,7 @@
 //! same fixed-point accumulation as `dispatch.rs`), serve bytes whose checksum failed, or let a
 //! failed read leave the policy believing an expert is resident.
 
+pub mod probe;
 pub mod source;
 
 use std::collections::{HashMap, HashSet, VecDeque};

@@ -1,0 +1,182 @@
+//! `shimmer bench`: prefill and decode speed of one model under the given expert placement, with
+//! the yardsticks measured in the same run — the storage's read bandwidth (the disk limit a
+//! streaming decode is judged against) and Belady's optimum for the expert cache at the same
+//! capacity (from the run's own routing trace).
+//!
+//! Must never: assert a speed (it reports), or change what the model computes.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use shimmer_worker::container::Container;
+use shimmer_worker::store::StoreTelemetry;
+
+use crate::engine::{Engine, ExpertOptions};
+
+/// Public-domain text (Genesis 1, KJV) the benchmark prompt is cut from, so routing is that of
+/// real text rather than of random ids.
+const PROMPT_TEXT: &str = "In the beginning God created the heaven and the earth. And the earth was without form, and void; \
+and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God said, Let there \
+be light: and there was light. And God saw the light, that it was good: and God divided the light from the darkness. And God \
+called the light Day, and the darkness he called Night. And the evening and the morning were the first day. And God said, Let \
+there be a firmament in the midst of the waters, and let it divide the waters from the waters. And God made the firmament, and \
+divided the waters which were under the firmament from the waters which were above the firmament: and it was so.";
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub experts_format: String,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub load_ms: f64,
+    pub prefill_ms: f64,
+    pub prefill_tok_s: f64,
+    pub decode_ms: f64,
+    pub decode_tok_s: f64,
+    /// Expert bytes read from storage per decoded token.
+    pub decode_read_bytes_per_token: f64,
+    /// Time the decode waited on expert reads, as a fraction of decode time.
+    pub decode_io_wait_fraction: f64,
+    pub decode_hit_rate: f64,
+    /// O_DIRECT (when the filesystem allows) read bandwidth of the experts file, whole blobs.
+    pub disk_gb_s_at_depth: Option<f64>,
+    pub disk_gb_s_depth1: Option<f64>,
+    pub io_depth: usize,
+    /// disk bandwidth ÷ expert bytes read per decoded token.
+    pub disk_limit_tok_s: Option<f64>,
+    /// decode tok/s ÷ the disk limit.
+    pub fraction_of_disk_limit: Option<f64>,
+    /// Replayed over this run's trace at the store's capacity: (policy, demand hit rate).
+    pub replay: Vec<(String, f64)>,
+    pub store: Option<StoreTelemetry>,
+}
+
+pub struct BenchOptions {
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub probe_mb: u64,
+    /// Text to take the tokens from (default: a built-in passage, repeated as needed).
+    pub text: Option<String>,
+}
+
+fn delta(after: &StoreTelemetry, before: &StoreTelemetry) -> (u64, u64, f64) {
+    let accesses = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits + t.disk_misses;
+    let hits = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits;
+    let (a, h) = (accesses(after) - accesses(before), hits(after) - hits(before));
+    (a, h, after.io_wait_ms - before.io_wait_ms)
+}
+
+pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<BenchReport> {
+    let engine = Engine::open(dir, opts).with_context(|| format!("cannot load model {}", dir.display()))?;
+    // Decode steps feed the text's next tokens (teacher forcing), not sampled ones: the work per
+    // step is a decode step's, and a random-weight model cannot collapse into repeating one token
+    // (which would make every expert access a cache hit).
+    let want = bench.prompt_tokens.max(1) + bench.gen_tokens;
+    let mut text_ids = engine.tokenizer.encode(bench.text.as_deref().unwrap_or(PROMPT_TEXT), true)?;
+    if text_ids.is_empty() {
+        anyhow::bail!("the benchmark text has no tokens");
+    }
+    while text_ids.len() < want {
+        let again = text_ids.clone();
+        text_ids.extend(again);
+    }
+    text_ids.truncate(want);
+    let room = engine.spec.max_position_embeddings;
+    if want > room {
+        anyhow::bail!("--prompt-tokens + --gen-tokens ({want}) exceed the model's context ({room})");
+    }
+    let (ids, continuation) = text_ids.split_at(bench.prompt_tokens.max(1));
+    let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
+    engine.record_trace(&trace_path)?;
+
+    let mut session = engine.new_session();
+    let t0 = Instant::now();
+    engine.step(&mut session, ids)?;
+    let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let before = engine.store_telemetry();
+    let t1 = Instant::now();
+    for next in continuation {
+        engine.step(&mut session, &[*next])?;
+    }
+    let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let after = engine.store_telemetry();
+    engine.finish_trace()?;
+    let trace = shimmer_common::trace::Trace::read(&trace_path);
+    let _ = std::fs::remove_file(&trace_path);
+    let trace = trace?;
+
+    let gen = bench.gen_tokens.max(1) as f64;
+    let (mut read_per_token, mut io_wait_fraction, mut hit_rate) = (0.0, 0.0, 1.0);
+    if let (Some(b), Some(a)) = (&before, &after) {
+        read_per_token = (a.bytes_read - b.bytes_read) as f64 / gen;
+        let (accesses, hits, wait_ms) = delta(a, b);
+        io_wait_fraction = if decode_ms > 0.0 { wait_ms / decode_ms } else { 0.0 };
+        hit_rate = if accesses > 0 { hits as f64 / accesses as f64 } else { 1.0 };
+    }
+
+    // The disk, measured now, the way the store reads it.
+    let (mut disk, mut disk1) = (None, None);
+    let mut format = "checkpoint (as stored)".to_string();
+    if Container::is_container(dir) {
+        let c = Container::open(dir, &engine.spec)?;
+        format = c.manifest.expert_quant.clone();
+        let mut blobs: Vec<(u64, u64)> = c.manifest.blobs.iter().map(|b| (b.offset, b.length)).collect();
+        // A fixed shuffle: no readahead-friendly order.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for i in (1..blobs.len()).rev() {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            blobs.swap(i, (s >> 33) as usize % (i + 1));
+        }
+        let budget = bench.probe_mb * 1_000_000;
+        let mut taken = 0;
+        blobs.retain(|b| {
+            taken += b.1;
+            taken <= budget.max(b.1)
+        });
+        let experts = c.experts_path();
+        let probe = |depth: usize, reads: &[(u64, u64)]| {
+            shimmer_worker::store::probe::read_bandwidth(&experts, reads, depth, true)
+                .or_else(|_| shimmer_worker::store::probe::read_bandwidth(&experts, reads, depth, false))
+                .map(|b| b / 1e9)
+                .ok()
+        };
+        disk = probe(opts.io_depth, &blobs);
+        let few = &blobs[..blobs.len().min(64)];
+        disk1 = probe(1, few);
+    }
+    let disk_limit = disk.filter(|_| read_per_token > 0.0).map(|gbs| gbs * 1e9 / read_per_token);
+    let decode_tok_s = if decode_ms > 0.0 { bench.gen_tokens as f64 / (decode_ms / 1e3) } else { 0.0 };
+
+    let capacity = after.as_ref().map(|t| t.capacity_experts as usize).unwrap_or(usize::MAX);
+    let layers = trace.header.layers.len();
+    let all = layers * trace.header.experts as usize;
+    let replay = if layers > 0 && !trace.tokens.is_empty() {
+        let r = shimmer_worker::trace_analysis::analyze(&trace, capacity.min(all).max(layers));
+        r.policies.iter().map(|p| (p.policy.clone(), p.hit_rate)).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(BenchReport {
+        model: dir.display().to_string(),
+        experts_format: format,
+        prompt_tokens: ids.len(),
+        gen_tokens: bench.gen_tokens,
+        load_ms: engine.load_ms,
+        prefill_ms,
+        prefill_tok_s: ids.len() as f64 / (prefill_ms / 1e3).max(1e-9),
+        decode_ms,
+        decode_tok_s,
+        decode_read_bytes_per_token: read_per_token,
+        decode_io_wait_fraction: io_wait_fraction,
+        decode_hit_rate: hit_rate,
+        disk_gb_s_at_depth: disk,
+        disk_gb_s_depth1: disk1,
+        io_depth: opts.io_depth,
+        disk_limit_tok_s: disk_limit,
+        fraction_of_disk_limit: disk_limit.map(|l| decode_tok_s / l),
+        replay,
+        store: after,
+    })
+}

@@ -1,0 +1,41 @@
+//! The storage's read bandwidth, measured the way the store reads: whole blobs at their aligned
+//! offsets, `depth` reads in flight, O_DIRECT when asked. It is the "disk limit" a streaming
+//! benchmark is judged against, measured in the same run on the same file.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use super::source::AlignedBuf;
+
+/// Reads every `(offset, length)` once with `depth` threads; returns bytes per second.
+pub fn read_bandwidth(path: &Path, reads: &[(u64, u64)], depth: usize, direct: bool) -> std::io::Result<f64> {
+    let mut opts = OpenOptions::new();
+    opts.read(true);
+    if direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let file = opts.open(path)?;
+    let next = AtomicUsize::new(0);
+    let t0 = Instant::now();
+    let total: u64 = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..depth.max(1))
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<u64> {
+                    let mut bytes = 0;
+                    let mut buf = AlignedBuf::new(reads.iter().map(|r| r.1 as usize).max().unwrap_or(4096));
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(off, len)) = reads.get(i) else { return Ok(bytes) };
+                        file.read_exact_at(&mut buf[..len as usize], off)?;
+                        bytes += len;
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("reader panicked")))).sum::<std::io::Result<u64>>()
+    })?;
+    Ok(total as f64 / t0.elapsed().as_secs_f64().max(1e-9))
+}
