@@ -102,6 +102,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     }
     let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
     let after = engine.store_telemetry();
+    engine.end_turn();
     engine.finish_trace()?;
     let trace = shimmer_common::trace::Trace::read(&trace_path);
     let _ = std::fs::remove_file(&trace_path);

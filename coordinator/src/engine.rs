@@ -286,7 +286,7 @@ impl Engine {
 
     /// Persists what the expert store learned this turn (routing heat); a failure is a warning,
     /// never a lost answer.
-    fn end_turn(&self) {
+    pub fn end_turn(&self) {
         if let Err(e) = self.experts.end_turn() {
             tracing::warn!("could not save routing heat: {e}");
         }

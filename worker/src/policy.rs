@@ -40,9 +40,22 @@ pub struct LayerLru {
     pins_loaded: std::collections::HashSet<Key>,
     prefetch: bool,
     prefetch_min_free: usize,
+    /// Prefetched experts not yet used by a demand access.
+    prefetched: std::collections::HashSet<Key>,
+    /// Per layer: prefetches issued and used (halved together as they grow, so recent behaviour
+    /// counts most), and hints seen while prefetch was held back (every 4th is let through).
+    prefetch_issued: Vec<f64>,
+    prefetch_used: Vec<f64>,
+    held_back: Vec<u32>,
     tick: u64,
     label: String,
 }
+
+/// Below this share of prefetches used, a layer's hints are mostly held back: a wasted prefetch
+/// costs a read and evicts an expert that may have been needed.
+pub const PREFETCH_MIN_USEFUL: f64 = 0.5;
+/// Prefetches a layer issues before its usefulness is judged.
+const PREFETCH_WARMUP: f64 = 16.0;
 
 impl LayerLru {
     pub fn new(layers: usize, slots_per_layer: usize) -> Self {
@@ -53,6 +66,10 @@ impl LayerLru {
             pins_loaded: Default::default(),
             prefetch: false,
             prefetch_min_free: 1,
+            prefetched: Default::default(),
+            prefetch_issued: vec![0.0; layers],
+            prefetch_used: vec![0.0; layers],
+            held_back: vec![0; layers],
             tick: 0,
             label: "LRU".into(),
         }
@@ -92,6 +109,9 @@ impl LayerLru {
     pub fn decide(&mut self, (layer, e): Key) -> Decision {
         self.tick += 1;
         let l = layer as usize;
+        if self.prefetched.remove(&(layer, e)) {
+            self.prefetch_used[l] += 1.0;
+        }
         if self.pinned[l].contains(&e) {
             let hit = !self.pins_loaded.insert((layer, e));
             return Decision { hit, kept: true, evicted: None };
@@ -106,7 +126,9 @@ impl LayerLru {
         let mut evicted = None;
         if self.resident[l].len() >= self.free_slots(l) {
             let oldest = self.resident[l].iter().enumerate().min_by_key(|(_, (_, t))| *t).map(|(i, _)| i).unwrap_or(0);
-            evicted = Some((layer, self.resident[l].swap_remove(oldest).0));
+            let victim = (layer, self.resident[l].swap_remove(oldest).0);
+            self.prefetched.remove(&victim);
+            evicted = Some(victim);
         }
         self.resident[l].push((e, self.tick));
         Decision { hit: false, kept: true, evicted }
@@ -115,12 +137,38 @@ impl LayerLru {
     /// A lookahead hint with the full decision: `Some` when the policy wants the expert read now
     /// (prefetch on, not resident, a slot available), with what that evicts.
     pub fn decide_hint(&mut self, key: Key) -> Option<Decision> {
-        if !self.prefetch || self.free_slots(key.0 as usize) < self.prefetch_min_free.max(1) {
+        let l = key.0 as usize;
+        if !self.prefetch || self.free_slots(l) < self.prefetch_min_free.max(1) {
             return None;
         }
-        // A hinted resident expert is refreshed (it is about to be used), never re-read.
+        if self.is_resident(key) {
+            // A hinted resident expert is refreshed (it is about to be used), never re-read.
+            self.tick += 1;
+            if let Some(slot) = self.resident[l].iter_mut().find(|(x, _)| *x == key.1) {
+                slot.1 = self.tick;
+            }
+            return None;
+        }
+        // Adaptive: a layer whose prefetches mostly go unused stops prefetching, but lets every
+        // 8th hint through so that it notices when predictions improve.
+        let (issued, used) = (self.prefetch_issued[l], self.prefetch_used[l]);
+        if issued >= PREFETCH_WARMUP && used < PREFETCH_MIN_USEFUL * issued {
+            self.held_back[l] += 1;
+            if self.held_back[l] % 4 != 0 {
+                return None;
+            }
+        }
         let d = self.decide(key);
-        (!d.hit && d.kept).then_some(d)
+        if d.hit || !d.kept {
+            return None;
+        }
+        self.prefetched.insert(key);
+        self.prefetch_issued[l] += 1.0;
+        if self.prefetch_issued[l] >= 64.0 {
+            self.prefetch_issued[l] /= 2.0;
+            self.prefetch_used[l] /= 2.0;
+        }
+        Some(d)
     }
 
     pub fn is_resident(&self, (layer, e): Key) -> bool {
@@ -131,6 +179,7 @@ impl LayerLru {
     /// Drops `key` (its read failed): the next access is a miss again.
     pub fn forget(&mut self, (layer, e): Key) {
         self.pins_loaded.remove(&(layer, e));
+        self.prefetched.remove(&(layer, e));
         if let Some(r) = self.resident.get_mut(layer as usize) {
             r.retain(|(x, _)| *x != e);
         }
@@ -277,6 +326,29 @@ mod tests {
         assert!(!q.hint((0, 4)), "already resident: no read");
         let mut small = LayerLru::new(1, 2).with_prefetch(4);
         assert!(!small.hint((0, 4)), "fewer slots than a token's selections: no prefetch");
+    }
+
+    #[test]
+    fn prefetch_that_goes_unused_is_held_back_and_resumes_when_useful() {
+        let mut p = LayerLru::new(1, 8).with_prefetch(1);
+        // Hints that are never used: after the warm-up, at most one hint in four reads.
+        let mut reads = 0;
+        for i in 0..400u16 {
+            reads += p.hint((0, 100 + i % 50)) as usize;
+            p.access((0, i % 3));
+        }
+        assert!(reads <= 16 + 400 / 4, "{reads} prefetch reads for useless hints");
+        // Hints that are then used: prefetch comes back.
+        let mut late_reads = 0;
+        for i in 0..400u16 {
+            let k = (0, 200 + i % 40);
+            let read = p.hint(k);
+            if i >= 300 {
+                late_reads += read as usize;
+            }
+            p.access(k);
+        }
+        assert!(late_reads > 90, "useful prefetch was not resumed ({late_reads} of the last 100 hints)");
     }
 
     #[test]

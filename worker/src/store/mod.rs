@@ -190,6 +190,7 @@ impl ExpertStore {
     pub fn open(source: Source, spec: &ModelSpec, opts: StoreOptions) -> Result<Self, StoreError> {
         let expert_bytes = source.expert_bytes().max(1);
         let moe_layers = spec.layers.iter().filter(|k| **k == LayerMlp::Moe).count().max(1);
+        let all_experts = (moe_layers * spec.moe.num_experts) as u64;
         let capacity = opts.budget_bytes / expert_bytes;
         let top_k = spec.moe.top_k;
         if capacity < top_k as u64 {
@@ -230,7 +231,7 @@ impl ExpertStore {
         let telemetry_base = StoreTelemetry {
             budget_bytes: opts.budget_bytes,
             expert_bytes,
-            capacity_experts: capacity,
+            capacity_experts: capacity.min(all_experts),
             slots_per_layer,
             pinned_experts,
             drives: source.drives().into_iter().map(|(p, w)| (p.display().to_string(), w)).collect(),
