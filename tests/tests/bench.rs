@@ -1,0 +1,34 @@
+//! `shimmer bench` reports, from one run, speed next to its yardsticks: the disk's bandwidth and
+//! Belady's optimum at the store's capacity. Nothing here judges a speed; it checks that the
+//! report is complete and self-consistent.
+
+use shimmer_tests::{fixture, shimmer};
+
+#[test]
+fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
+    let out = tempfile::tempdir().unwrap();
+    let c = out.path().join("c");
+    let o = shimmer(&["convert", "--from", fixture("qwen3_moe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = shimmer(&["bench", "--model", c.to_str().unwrap(), "--ram-gb", "0.00005", "--direct-io", "--prompt-tokens", "16", "--gen-tokens", "24", "--no-usage", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["prompt_tokens"], 16);
+    assert_eq!(r["gen_tokens"], 24);
+    assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0 && r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["disk_gb_s_at_depth"].as_f64().unwrap() > 0.0, "{r}");
+    let store = &r["store"];
+    assert!(store["disk_misses"].as_u64().unwrap() > 0, "a small budget reads: {r}");
+    assert!(r["decode_read_bytes_per_token"].as_f64().unwrap() > 0.0);
+    let limit = r["disk_limit_tok_s"].as_f64().unwrap();
+    let frac = r["fraction_of_disk_limit"].as_f64().unwrap();
+    assert!((frac - r["decode_tok_s"].as_f64().unwrap() / limit).abs() < 1e-9);
+    // Belady bounds every demand-only policy replayed at the same capacity.
+    let replay: Vec<(String, f64)> = serde_json::from_value(r["replay"].clone()).unwrap();
+    let belady = replay.iter().find(|(p, _)| p.starts_with("Belady")).expect("Belady in the replay").1;
+    for (p, h) in &replay {
+        if !p.contains("prefetch") {
+            assert!(*h <= belady + 1e-12, "{p} {h} beats Belady {belady}");
+        }
+    }
+}
