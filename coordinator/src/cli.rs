@@ -141,9 +141,14 @@ struct QuantEvalArgs {
     /// A UTF-8 text file (e.g. held-out text).
     #[arg(long)]
     text: PathBuf,
-    /// Formats to measure, comma-separated: int8, int4-g32, int4-g64, int4-g128.
+    /// Formats to measure, comma-separated: int8, int4-g32, int4-g64, int4-g128 (`none`: only
+    /// the --candidate models).
     #[arg(long, value_delimiter = ',', default_value = "int8,int4-g32,int4-g64,int4-g128")]
     quant: Vec<String>,
+    /// Also measure this model directory (e.g. a converted container, with int8 dense weights)
+    /// against --model; repeatable.
+    #[arg(long, value_name = "DIR")]
+    candidate: Vec<PathBuf>,
     /// Tokens per independent sequence.
     #[arg(long, default_value_t = 256)]
     chunk: usize,
@@ -662,7 +667,7 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
 
 fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
-    let schemes = a.quant.iter().map(|q| shimmer_common::quant::QuantScheme::parse(q).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let schemes = a.quant.iter().filter(|q| q.as_str() != "none").map(|q| shimmer_common::quant::QuantScheme::parse(q).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     let reference = load(&dir)?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
     if a.chunk < 2 || a.chunk > reference.spec.max_position_embeddings {
@@ -673,8 +678,18 @@ fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     let v = reference.spec.vocab_size;
     let reference_logits: Vec<Vec<f32>> = ids.chunks(a.chunk).filter(|c| c.len() > 1).map(|c| reference.logits_all(c)).collect::<Result<_, _>>()?;
     let mut rows = Vec::new();
+    let mut candidates: Vec<(String, Engine)> = Vec::new();
     for scheme in schemes {
-        let q = Engine::load_with_experts_as(&dir, scheme)?;
+        candidates.push((scheme.name(), Engine::load_with_experts_as(&dir, scheme)?));
+    }
+    for c in &a.candidate {
+        let engine = Engine::load(c).with_context(|| format!("cannot load model {}", c.display()))?;
+        if engine.spec.vocab_size != v {
+            bail!("{}: vocabulary {} differs from the reference's {v}", c.display(), engine.spec.vocab_size);
+        }
+        candidates.push((c.display().to_string(), engine));
+    }
+    for (label, q) in candidates {
         let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
         for (chunk, want) in ids.chunks(a.chunk).filter(|c| c.len() > 1).zip(&reference_logits) {
             let got = q.logits_all(chunk)?;
@@ -684,13 +699,13 @@ fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
                 n += 1;
             }
         }
-        rows.push(json!({"quant": scheme.name(), "positions": n, "mean_kl_nats": kl / n as f64, "top1_agreement": agree as f64 / n as f64}));
+        rows.push(json!({"quant": label, "positions": n, "mean_kl_nats": kl / n as f64, "top1_agreement": agree as f64 / n as f64}));
     }
     let mut stdout = std::io::stdout().lock();
     if a.json {
         writeln!(stdout, "{}", json!({"tokens": ids.len(), "formats": rows}))?;
     } else {
-        writeln!(stdout, "{} tokens; experts quantised, dense weights as stored\nformat\tmean KL (nats)\ttop-1 agreement", ids.len())?;
+        writeln!(stdout, "{} tokens; formats: experts quantised in memory, dense as stored; candidates: as loaded\nformat\tmean KL (nats)\ttop-1 agreement", ids.len())?;
         for r in &rows {
             writeln!(stdout, "{}\t{:.5}\t{:.4}", r["quant"].as_str().unwrap_or(""), r["mean_kl_nats"].as_f64().unwrap_or(0.0), r["top1_agreement"].as_f64().unwrap_or(0.0))?;
         }

@@ -294,4 +294,11 @@ fn quant_eval_measures_formats_against_the_checkpoint() {
     }
     let out = shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "int3"]);
     assert_clean_failure(&out, &["unknown quantisation `int3`"]);
+    // A converted container measures exactly as the same format quantised in memory.
+    let out = tempfile::tempdir().unwrap();
+    let c = out.path().join("c");
+    assert!(shimmer(&["convert", "--from", fixture("olmoe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"]).status.success());
+    let w = json_stdout(&shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "none", "--candidate", c.to_str().unwrap(), "--max-tokens", "512", "--json"]));
+    assert_eq!(w["formats"][0]["mean_kl_nats"], f[2]["mean_kl_nats"], "{w} vs {v}");
+    assert_eq!(w["formats"][0]["top1_agreement"], f[2]["top1_agreement"]);
 }
