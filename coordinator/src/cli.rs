@@ -170,8 +170,14 @@ struct TraceAnalyzeArgs {
     /// A trace written by --trace.
     file: PathBuf,
     /// Experts the cache holds, across all MoE layers (split evenly per layer).
+    #[arg(long, required_unless_present = "ram_gb", conflicts_with = "ram_gb")]
+    capacity_experts: Option<usize>,
+    /// Or a RAM budget in GB, turned into experts with --model's expert size.
+    #[arg(long, requires = "model")]
+    ram_gb: Option<f64>,
+    /// The model (container or checkpoint) the trace was recorded on, for --ram-gb.
     #[arg(long)]
-    capacity_experts: usize,
+    model: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -620,13 +626,26 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
         bail!("{}: the trace holds no complete token", a.file.display());
     }
     let layers = trace.header.layers.len();
-    if a.capacity_experts < layers {
-        bail!("--capacity-experts {} is less than one expert per MoE layer ({layers} layers)", a.capacity_experts);
+    let capacity = match (a.capacity_experts, a.ram_gb, &a.model) {
+        (Some(n), _, _) => n,
+        (None, Some(gb), Some(dir)) => {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--ram-gb must be a positive number of GB");
+            }
+            let spec = shimmer_common::ModelSpec::from_dir(dir)?;
+            let expert_bytes = shimmer_worker::store::expert_bytes_of(dir, &spec)?;
+            ((gb * 1e9) as u64 / expert_bytes.max(1)) as usize
+        }
+        _ => bail!("give --capacity-experts, or --ram-gb with --model"),
+    };
+    if capacity < layers {
+        bail!("a capacity of {capacity} experts is less than one expert per MoE layer ({layers} layers)");
     }
     if trace.dropped_bytes > 0 {
         eprintln!("shimmer: {}: ignored a partial last record ({} bytes)", a.file.display(), trace.dropped_bytes);
     }
-    let r = shimmer_worker::trace_analysis::analyze(&trace, a.capacity_experts);
+    let all = layers * trace.header.experts as usize;
+    let r = shimmer_worker::trace_analysis::analyze(&trace, capacity.min(all));
     let mut stdout = std::io::stdout().lock();
     if a.json {
         writeln!(stdout, "{}", serde_json::to_string(&r)?)?;

@@ -63,6 +63,11 @@ fn trace_analysis_never_lets_a_demand_policy_beat_belady() {
     let all = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "32", "--json"]));
     assert_eq!(all["slots_per_layer"], 16);
 
+    // --ram-gb with the model: the budget in experts of that model (f32 experts of 3 × 24 × 64).
+    let eight = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "8", "--json"]));
+    let by_ram = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--ram-gb", &format!("{}", 8.5 * 3.0 * 24.0 * 64.0 * 4.0 / 1e9), "--model", dir.to_str().unwrap(), "--json"]));
+    assert_eq!(by_ram, eight);
+
     assert_clean_failure(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "1"]), &["less than one expert per MoE layer"]);
     std::fs::write(&file, b"garbage").unwrap();
     assert_clean_failure(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "8"]), &["not a shimmer routing trace"]);

@@ -39,6 +39,17 @@ pub use source::Source;
 
 pub const DEFAULT_IO_DEPTH: usize = 16;
 
+/// Bytes one routed expert of the model at `dir` takes in memory (its matrices and scales), as
+/// the store counts them against a budget.
+pub fn expert_bytes_of(dir: &std::path::Path, spec: &ModelSpec) -> Result<u64, shimmer_common::LoadError> {
+    if crate::container::Container::is_container(dir) {
+        let c = crate::container::Container::open(dir, spec)?;
+        let (sections, _) = shimmer_common::expert_blob::layout(c.scheme, spec.hidden_size, spec.moe.expert_intermediate_size);
+        return Ok(sections.iter().map(|(_, len)| *len as u64).sum());
+    }
+    Ok(Source::checkpoint(std::sync::Arc::new(shimmer_common::Checkpoint::open(dir)?), spec).expert_bytes())
+}
+
 pub struct StoreOptions {
     /// Bytes of RAM for resident experts (dense weights are accounted separately).
     pub budget_bytes: u64,
