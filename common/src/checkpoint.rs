@@ -196,14 +196,18 @@ impl Checkpoint {
         self.tensors.contains_key(name)
     }
 
-    /// A tensor of any dtype, unchecked: for converters that handle dtypes the engine does not
-    /// compute with (fp8, int8).
-    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, LoadError> {
-        let entry = self.tensors.get(name).ok_or_else(|| LoadError::Tensor {
+    fn entry(&self, name: &str) -> Result<&TensorEntry, LoadError> {
+        self.tensors.get(name).ok_or_else(|| LoadError::Tensor {
             path: self.dir.clone(),
             tensor: name.to_string(),
             problem: "the model needs it but the checkpoint does not have it".into(),
-        })?;
+        })
+    }
+
+    /// A tensor of any dtype, unchecked: for converters that handle dtypes the engine does not
+    /// compute with (fp8, int8).
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, LoadError> {
+        let entry = self.entry(name)?;
         let shard = &self.shards[entry.shard];
         Ok(RawTensor { dtype: entry.dtype, shape: &entry.shape, bytes: &shard.mmap[entry.start..entry.end], file: &shard.path })
     }
@@ -225,11 +229,7 @@ impl Checkpoint {
 
     /// The tensor `name`, which must have exactly `shape` and a float dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<TensorView<'_>, LoadError> {
-        let entry = self.tensors.get(name).ok_or_else(|| LoadError::Tensor {
-            path: self.dir.clone(),
-            tensor: name.to_string(),
-            problem: "the model needs it but the checkpoint does not have it".into(),
-        })?;
+        let entry = self.entry(name)?;
         let shard = &self.shards[entry.shard];
         let err = |problem: String| LoadError::Tensor {
             path: shard.path.clone(),

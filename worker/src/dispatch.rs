@@ -145,32 +145,45 @@ impl InProcessExperts {
             .get(layer)
             .and_then(Option::as_ref)
             .ok_or(DispatchError::NotMoeLayer { layer })?;
-        let h = batch.hidden;
-        // The union of selected experts, each with the (row, weight) pairs that chose it.
-        let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
-        for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
-            let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: experts.len() })?;
-            list.push((slot / batch.top_k, w));
-        }
-        let work: Vec<(usize, &Vec<(usize, f32)>)> = users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).collect();
-        // Experts run in parallel; their weighted outputs are added afterwards. Integer addition
-        // makes the order irrelevant, so threads cannot change a bit of the result.
-        let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
-            .par_iter()
-            .map_init(FfnScratch::default, |scratch, (e, rows)| {
-                rows.iter()
-                    .map(|&(row, w)| {
-                        let mut y = vec![0.0f32; h];
-                        experts[*e].forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
-                        y.iter_mut().for_each(|v| *v *= w);
-                        (row, y)
-                    })
-                    .collect()
-            })
-            .collect();
-        for (row, y) in outputs.iter().flatten() {
-            fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
-        }
+        let users = expert_users(batch, experts.len())?;
+        let work: Vec<(&Expert, &[(usize, f32)])> =
+            users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).map(|(e, u)| (&experts[e], u.as_slice())).collect();
+        apply_experts(batch, &work, acc)?;
         Ok(())
     }
+}
+
+/// The union of a batch's selected experts: for each expert, the (row, weight) pairs that chose it.
+pub(crate) fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<(usize, f32)>>, DispatchError> {
+    let layer = batch.layer;
+    let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); num_experts];
+    for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
+        let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: num_experts })?;
+        list.push((slot / batch.top_k, w));
+    }
+    Ok(users)
+}
+
+/// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
+/// Experts run in parallel; their outputs are added afterwards as fixed-point integers, so the
+/// order — and which dispatcher or node computed which expert — cannot change a bit.
+pub(crate) fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
+    let (h, layer) = (batch.hidden, batch.layer);
+    let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
+        .par_iter()
+        .map_init(FfnScratch::default, |scratch, (expert, rows)| {
+            rows.iter()
+                .map(|&(row, w)| {
+                    let mut y = vec![0.0f32; h];
+                    expert.forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
+                    y.iter_mut().for_each(|v| *v *= w);
+                    (row, y)
+                })
+                .collect()
+        })
+        .collect();
+    for (row, y) in outputs.iter().flatten() {
+        fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
+    }
+    Ok(())
 }

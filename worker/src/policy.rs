@@ -154,7 +154,7 @@ impl LayerLru {
         let (issued, used) = (self.prefetch_issued[l], self.prefetch_used[l]);
         if issued >= PREFETCH_WARMUP && used < PREFETCH_MIN_USEFUL * issued {
             self.held_back[l] += 1;
-            if self.held_back[l] % 4 != 0 {
+            if !self.held_back[l].is_multiple_of(4) {
                 return None;
             }
         }

@@ -25,14 +25,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
 use serde::Serialize;
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::ModelSpec;
-use shimmer_kernels::fixed;
 
 use crate::dispatch::{DispatchError, ExpertDispatch, MoeBatch};
-use crate::expert::{Expert, FfnScratch};
+use crate::expert::Expert;
 use crate::policy::{Decision, Key, LayerLru};
 use crate::usage::Usage;
 pub use source::Source;
@@ -145,6 +143,38 @@ struct Queues {
     /// Hint-issued prefetches queued or running (bounded so stale hints do not pile up).
     hinted_outstanding: usize,
     shutdown: bool,
+}
+
+impl Queues {
+    /// The job a free reader takes next: any demand read first; a prefetch only while fewer than
+    /// `max_running_prefetch` prefetches are being read, so demand reads always find a reader.
+    fn take(&mut self, max_running_prefetch: usize) -> Option<Job> {
+        if let Some(j) = self.demand.pop_front() {
+            return Some(j);
+        }
+        if self.running_prefetch < max_running_prefetch.max(1) {
+            let j = self.prefetch.pop_front()?;
+            self.running_prefetch += 1;
+            return Some(j);
+        }
+        None
+    }
+
+    /// Queued prefetches of experts a demand access now waits for become demand reads.
+    fn promote(&mut self, waiting: &[&Arc<Pending>]) {
+        let mut i = 0;
+        while i < self.prefetch.len() {
+            if waiting.iter().any(|p| Arc::ptr_eq(p, &self.prefetch[i].pending)) {
+                if let Some(mut j) = self.prefetch.remove(i) {
+                    j.prefetch = false;
+                    self.hinted_outstanding = self.hinted_outstanding.saturating_sub(1);
+                    self.demand.push_back(j);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
 }
 
 struct State {
@@ -324,15 +354,9 @@ impl Inner {
                     if q.shutdown {
                         return;
                     }
-                    if let Some(j) = q.demand.pop_front() {
-                        break j;
-                    }
                     // Half the readers at most on prefetches: the rest stay free for demand.
-                    if q.running_prefetch < (self.io_depth / 2).max(1) {
-                        if let Some(j) = q.prefetch.pop_front() {
-                            q.running_prefetch += 1;
-                            break j;
-                        }
+                    if let Some(j) = q.take(self.io_depth / 2) {
+                        break j;
                     }
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
@@ -447,12 +471,7 @@ impl ExpertDispatch for ExpertStore {
         let inner = &self.inner;
         let layer = batch.layer;
         let pos = inner.moe_position.get(layer).copied().flatten().ok_or(DispatchError::NotMoeLayer { layer })?;
-        let h = batch.hidden;
-        let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); inner.num_experts];
-        for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
-            let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: inner.num_experts })?;
-            list.push((slot / batch.top_k, w));
-        }
+        let users = crate::dispatch::expert_users(batch, inner.num_experts)?;
         if let Some(u) = lock(&inner.usage).as_mut() {
             for e in batch.experts {
                 u.record(layer, *e as usize);
@@ -500,18 +519,7 @@ impl ExpertDispatch for ExpertStore {
             // Demand first; a queued prefetch this batch now needs is promoted to demand.
             let mut q = lock(&inner.queues);
             let waiting: Vec<&Arc<Pending>> = needs.iter().filter_map(|(_, n)| if let Need::Waiting(p) = n { Some(p) } else { None }).collect();
-            let mut i = 0;
-            while i < q.prefetch.len() {
-                if waiting.iter().any(|p| Arc::ptr_eq(p, &q.prefetch[i].pending)) {
-                    if let Some(mut j) = q.prefetch.remove(i) {
-                        j.prefetch = false;
-                        q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
-                        q.demand.push_back(j);
-                    }
-                } else {
-                    i += 1;
-                }
-            }
+            q.promote(&waiting);
             q.demand.extend(jobs);
             inner.work.notify_all();
         }
@@ -526,23 +534,8 @@ impl ExpertDispatch for ExpertStore {
         }
         loop {
             if !ready.is_empty() {
-                let outputs: Vec<Vec<(usize, Vec<f32>)>> = ready
-                    .par_iter()
-                    .map_init(FfnScratch::default, |scratch, (e, expert)| {
-                        users[*e]
-                            .iter()
-                            .map(|&(row, w)| {
-                                let mut y = vec![0.0f32; h];
-                                expert.forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
-                                y.iter_mut().for_each(|v| *v *= w);
-                                (row, y)
-                            })
-                            .collect()
-                    })
-                    .collect();
-                for (row, y) in outputs.iter().flatten() {
-                    fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
-                }
+                let work: Vec<(&Expert, &[(usize, f32)])> = ready.iter().map(|(e, x)| (x.as_ref(), users[*e].as_slice())).collect();
+                crate::dispatch::apply_experts(batch, &work, acc)?;
                 ready.clear();
             }
             if waiting.is_empty() {
@@ -610,5 +603,35 @@ impl ExpertDispatch for ExpertStore {
 
     fn telemetry(&self) -> Option<StoreTelemetry> {
         Some(self.inner.telemetry())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(e: usize, prefetch: bool) -> Job {
+        Job { key: (0, e as u16), layer: 0, expert: e, pending: Pending::new(), prefetch }
+    }
+
+    #[test]
+    fn demand_reads_go_first_and_prefetches_never_take_every_reader() {
+        let mut q = Queues::default();
+        q.prefetch.extend((0..6).map(|e| job(e, true)));
+        // With room for two running prefetches, two are taken, then readers wait for demand.
+        assert!(q.take(2).is_some_and(|j| j.prefetch));
+        assert!(q.take(2).is_some_and(|j| j.prefetch));
+        assert!(q.take(2).is_none(), "a third reader must stay free for demand");
+        q.demand.push_back(job(9, false));
+        let j = q.take(2).unwrap();
+        assert_eq!((j.expert, j.prefetch), (9, false), "demand goes past queued prefetches");
+        // A queued prefetch that a demand access now waits for is promoted.
+        let wanted = q.prefetch[2].pending.clone();
+        q.promote(&[&wanted]);
+        let j = q.take(2).unwrap();
+        assert!(Arc::ptr_eq(&j.pending, &wanted) && !j.prefetch);
+        assert_eq!(q.prefetch.len(), 3);
+        q.running_prefetch = 0;
+        assert!(q.take(2).is_some_and(|j| j.prefetch));
     }
 }
