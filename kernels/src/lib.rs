@@ -13,6 +13,7 @@
 //! the hot loops beyond the output buffers the caller hands in.
 
 pub mod attention;
+pub mod dot;
 pub mod fixed;
 pub mod matrix;
 pub mod ops;

@@ -2,11 +2,14 @@
 //! products with activation rows. Weights stay in their stored precision and are widened to f32
 //! inside the dot product; activations and accumulation are f32.
 //!
-//! Summation order inside a dot product is fixed (eight interleaved partial sums, then a fixed
-//! tree), so results do not depend on threads or on which other rows share a call.
+//! Every product is `dot.rs`'s canonical dot (16 fused-multiply-add lanes, a fixed tree), run
+//! with the best ISA the machine has; results do not depend on the ISA, on threads or on which
+//! other rows share a call.
 
 use rayon::prelude::*;
 use shimmer_common::{DType, TensorView};
+
+use crate::dot::{self, WeightRow};
 
 /// Work below this many multiply-adds stays on the calling thread: rayon's fan-out costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
@@ -87,29 +90,25 @@ impl Matrix {
         }
     }
 
-    fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+    /// Row `r` as the dot kernels read it.
+    #[inline]
+    pub fn row(&self, r: usize) -> WeightRow<'_> {
         let range = r * self.cols..(r + 1) * self.cols;
         match &self.data {
-            WeightData::F32(v) => dot(&v[range], x, |w| w),
-            WeightData::Bf16(v) => dot(&v[range], x, bf16_to_f32),
-            WeightData::F16(v) => dot(&v[range], x, |b| half::f16::from_bits(b).to_f32()),
-            WeightData::Int8 { q, scales } => scales[r] * dot(&q[range], x, |v| v as f32),
+            WeightData::F32(v) => WeightRow::F32(&v[range]),
+            WeightData::Bf16(v) => WeightRow::Bf16(&v[range]),
+            WeightData::F16(v) => WeightRow::F16(&v[range]),
+            WeightData::Int8 { q, scales } => WeightRow::Int8 { q: &q[range], scale: scales[r] },
             WeightData::Int4 { packed, scales, group } => {
                 let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
-                let row = &packed[r * bpr..(r + 1) * bpr];
-                // Per group: scale × Σ q·x, groups summed in order.
-                let mut acc = 0.0f32;
-                let mut q = [0.0f32; 128];
-                for (g, xg) in x.chunks(*group).enumerate() {
-                    let start = g * group;
-                    for (i, slot) in q[..xg.len()].iter_mut().enumerate() {
-                        *slot = nibble(row, start + i) as f32;
-                    }
-                    acc += scales[r * gpr + g] * dot(&q[..xg.len()], xg, |v| v);
-                }
-                acc
+                WeightRow::Int4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], group: *group, n: self.cols }
             }
         }
+    }
+
+    #[inline]
+    fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+        dot::dot(&self.row(r), x)
     }
 
     /// `out = W · x` for one activation row (`x.len() == cols`, `out.len() == rows`).
@@ -139,14 +138,44 @@ impl Matrix {
         }
     }
 
-    /// `out[i] = W · xs[i]` for `n` rows laid out back to back. Each row goes through `matvec`,
-    /// so its result is the same whatever else is in the batch.
+    /// `out[i] = W · xs[i]` for `n` rows laid out back to back. Each weight row is read once
+    /// per group of four activation rows; every result is exactly `matvec`'s for that row
+    /// (`dot.rs`: one canonical order), whatever else is in the batch.
     pub fn matmul(&self, xs: &[f32], out: &mut [f32]) {
-        let n = xs.len() / self.cols;
+        let n = xs.len() / self.cols.max(1);
         assert_eq!(xs.len(), n * self.cols, "matmul input is not whole rows");
         assert_eq!(out.len(), n * self.rows, "matmul output length");
-        for (x, o) in xs.chunks_exact(self.cols).zip(out.chunks_exact_mut(self.rows)) {
-            self.matvec(x, o);
+        if n <= 1 {
+            if n == 1 {
+                self.matvec(xs, out);
+            }
+            return;
+        }
+        let x_rows: Vec<&[f32]> = xs.chunks_exact(self.cols).collect();
+        // Transposed result (weight row major), filled in parallel over weight rows.
+        let mut t = vec![0.0f32; self.rows * n];
+        let per_row = |r: usize, o: &mut [f32]| {
+            let w = self.row(r);
+            let mut i = 0;
+            while i + 4 <= n {
+                let [a, b, c, d] = dot::dots::<4>(&w, [x_rows[i], x_rows[i + 1], x_rows[i + 2], x_rows[i + 3]]);
+                o[i..i + 4].copy_from_slice(&[a, b, c, d]);
+                i += 4;
+            }
+            while i < n {
+                o[i] = dot::dots::<1>(&w, [x_rows[i]])[0];
+                i += 1;
+            }
+        };
+        if self.rows * self.cols * n >= PARALLEL_MIN_WORK {
+            t.par_chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+        } else {
+            t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+        }
+        for (r, col) in t.chunks(n).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                out[i * self.rows + r] = *v;
+            }
         }
     }
 }
@@ -161,27 +190,6 @@ fn nibble(row: &[u8], c: usize) -> i32 {
 #[inline]
 pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
-}
-
-/// Dot product with eight interleaved f32 partial sums combined in a fixed tree; the compiler
-/// vectorises the inner loop, and the order is the same for every call.
-#[inline]
-fn dot<W: Copy>(w: &[W], x: &[f32], widen: impl Fn(W) -> f32) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = w.len() / 8;
-    for c in 0..chunks {
-        let wb = &w[c * 8..c * 8 + 8];
-        let xb = &x[c * 8..c * 8 + 8];
-        for j in 0..8 {
-            acc[j] += widen(wb[j]) * xb[j];
-        }
-    }
-    let mut tail = 0.0f32;
-    for i in chunks * 8..w.len() {
-        tail += widen(w[i]) * x[i];
-    }
-    let s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    s + tail
 }
 
 #[cfg(test)]
