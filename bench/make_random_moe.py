@@ -37,12 +37,18 @@ def main():
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--expert-intermediate", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-dir", help="take tokenizer.json and tokenizer_config.json from here "
+                    "(default: the demo model's, with its chat template)")
     a = ap.parse_args()
     demo = os.path.join(HERE, "..", "models", "demo")
     os.makedirs(a.out, exist_ok=True)
-    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
-        shutil.copy(os.path.join(demo, name), os.path.join(a.out, name))
-    vocab = json.load(open(os.path.join(demo, "config.json")))["vocab_size"]
+    tok_dir = a.tokenizer_dir or demo
+    names = ["tokenizer.json", "tokenizer_config.json"] + ([] if a.tokenizer_dir else ["chat_template.jinja", "generation_config.json"])
+    for name in names:
+        shutil.copy(os.path.join(tok_dir, name), os.path.join(a.out, name))
+    vocab_tokens = json.load(open(os.path.join(tok_dir, "tokenizer.json")))["model"]["vocab"]
+    vocab = max(vocab_tokens.values()) + 1 if a.tokenizer_dir else json.load(open(os.path.join(demo, "config.json")))["vocab_size"]
+    eos = vocab - 1 if a.tokenizer_dir else json.load(open(os.path.join(demo, "config.json")))["eos_token_id"]
     h, hd = a.hidden, a.head_dim
     config = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab,
@@ -51,7 +57,7 @@ def main():
         "head_dim": hd, "num_experts": a.experts, "num_experts_per_tok": a.top_k, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
-        "bos_token_id": None, "eos_token_id": json.load(open(os.path.join(demo, "config.json")))["eos_token_id"],
+        "bos_token_id": None, "eos_token_id": eos,
     }
     json.dump(config, open(os.path.join(a.out, "config.json"), "w"), indent=2)
     rng = np.random.default_rng(a.seed)

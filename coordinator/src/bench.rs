@@ -51,6 +51,51 @@ pub struct BenchReport {
     /// Replayed over this run's trace at the store's capacity: (policy, demand hit rate).
     pub replay: Vec<(String, f64)>,
     pub store: Option<StoreTelemetry>,
+    /// Time to first token: the prompt's prefill (its last position's logits give the token).
+    pub ttft_ms: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub machine: Machine,
+    /// Weight bytes a decoded token reads (dense part + top-k experts per MoE layer).
+    pub active_bytes_per_token: u64,
+    /// Memory bandwidth ÷ active bytes per token: decode speed if only memory reads mattered.
+    pub roofline_tok_s: f64,
+    pub fraction_of_roofline: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Machine {
+    pub cores: usize,
+    pub threads: usize,
+    pub isa: String,
+    /// A multi-threaded copy of 256 MiB, best of 3: (read + write) bytes per second.
+    pub memory_gb_s: f64,
+}
+
+/// Copy bandwidth with `threads` threads over 256 MiB (best of three): the memory system's
+/// sustainable rate, reads and writes both counted.
+fn memory_bandwidth(threads: usize) -> f64 {
+    const BYTES: usize = 256 << 20;
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let chunk = BYTES.div_ceil(threads.max(1));
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        best = best.max(2.0 * BYTES as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&dst);
+    best
+}
+
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
 pub struct BenchOptions {
@@ -59,6 +104,8 @@ pub struct BenchOptions {
     pub probe_mb: u64,
     /// Text to take the tokens from (default: a built-in passage, repeated as needed).
     pub text: Option<String>,
+    /// Read every expert the budget holds before timing (a resident-model benchmark).
+    pub preload: bool,
 }
 
 fn delta(after: &StoreTelemetry, before: &StoreTelemetry) -> (u64, u64, f64) {
@@ -88,6 +135,9 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         anyhow::bail!("--prompt-tokens + --gen-tokens ({want}) exceed the model's context ({room})");
     }
     let (ids, continuation) = text_ids.split_at(bench.prompt_tokens.max(1));
+    if bench.preload {
+        engine.preload_experts()?;
+    }
     let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
     engine.record_trace(&trace_path)?;
 
@@ -102,6 +152,8 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     }
     let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
     let after = engine.store_telemetry();
+    // Before the bandwidth probes below allocate their buffers.
+    let peak_rss_bytes = peak_rss();
     engine.end_turn();
     engine.finish_trace()?;
     let trace = shimmer_common::trace::Trace::read(&trace_path);
@@ -159,7 +211,26 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     } else {
         Vec::new()
     };
+    let expert_bytes = match after.as_ref() {
+        Some(t) => t.expert_bytes,
+        None => shimmer_worker::store::expert_bytes_of(dir, &engine.spec)?,
+    };
+    let active = engine.active_bytes_per_token(expert_bytes);
+    let threads = rayon::current_num_threads();
+    let machine = Machine {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        threads,
+        isa: shimmer_kernels::dot::isa().name().to_string(),
+        memory_gb_s: memory_bandwidth(threads),
+    };
+    let roofline = machine.memory_gb_s * 1e9 / active.max(1) as f64;
     Ok(BenchReport {
+        ttft_ms: prefill_ms,
+        peak_rss_bytes,
+        active_bytes_per_token: active,
+        roofline_tok_s: roofline,
+        fraction_of_roofline: decode_tok_s / roofline,
+        machine,
         model: dir.display().to_string(),
         experts_format: format,
         prompt_tokens: ids.len(),

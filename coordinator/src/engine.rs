@@ -279,6 +279,18 @@ impl Engine {
         Ok(Engine { spec, tokenizer, chat, decoder, experts, eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None), dense_bytes: None })
     }
 
+    /// Weight bytes one decoded token reads: the dense part, plus top-k routed experts per MoE
+    /// layer at `expert_bytes` each.
+    pub fn active_bytes_per_token(&self, expert_bytes: u64) -> u64 {
+        let moe_layers = self.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64;
+        self.decoder.dense_bytes_per_token() + moe_layers * self.spec.moe.top_k as u64 * expert_bytes
+    }
+
+    /// Reads every expert the store's budget holds, now (benchmarks of a resident model).
+    pub fn preload_experts(&self) -> Result<usize, EngineError> {
+        Ok(self.experts.preload().map_err(crate::model::ForwardError::from)?)
+    }
+
     /// The expert store's counters, when the experts are in one.
     pub fn store_telemetry(&self) -> Option<StoreTelemetry> {
         self.experts.telemetry()

@@ -69,6 +69,12 @@ pub trait ExpertDispatch: Send + Sync {
     fn telemetry(&self) -> Option<crate::store::StoreTelemetry> {
         None
     }
+
+    /// Reads every expert that fits the budget now (benchmarks of a resident model); returns how
+    /// many were read.
+    fn preload(&self) -> Result<usize, DispatchError> {
+        Ok(0)
+    }
 }
 
 /// Every expert of every MoE layer, in this process's memory.

@@ -64,6 +64,10 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    pub fn bytes(&self) -> usize {
+        self.weight.bytes() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+
     pub fn forward(&self, xs: &[f32], out: &mut [f32]) {
         self.weight.matmul(xs, out);
         if let Some(b) = &self.bias {
@@ -82,6 +86,10 @@ struct DenseMlp {
 }
 
 impl DenseMlp {
+    fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+
     fn load(ckpt: &Checkpoint, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
         Ok(DenseMlp { gate: matrix(ckpt, g, intermediate, hidden)?, up: matrix(ckpt, u, intermediate, hidden)?, down: matrix(ckpt, d, hidden, intermediate)? })
     }
@@ -182,6 +190,27 @@ pub enum ForwardError {
 impl From<DispatchError> for ForwardError {
     fn from(e: DispatchError) -> Self {
         ForwardError::Dispatch(e)
+    }
+}
+
+impl Decoder {
+    /// Dense weight bytes one token's forward pass reads: every layer's attention, dense MLP,
+    /// router and shared expert, the LM head, and one embedding row (routed experts not
+    /// included: the dispatcher holds them). The numerator of the decode roofline.
+    pub fn dense_bytes_per_token(&self) -> u64 {
+        let mut total = self.embed.bytes() / self.embed.rows.max(1);
+        total += self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
+        for layer in &self.layers {
+            total += match &layer.attention {
+                Attention::Gqa(g) => g.q.bytes() + g.k.bytes() + g.v.bytes() + g.o.bytes(),
+                Attention::Mla(m) => m.bytes(),
+            };
+            total += match &layer.mlp {
+                Mlp::Dense(d) => d.bytes(),
+                Mlp::Moe { router, shared } => router.weight.bytes() + shared.as_ref().map_or(0, DenseMlp::bytes),
+            };
+        }
+        total as u64
     }
 }
 

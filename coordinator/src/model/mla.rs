@@ -38,6 +38,15 @@ pub struct Mla {
 }
 
 impl Mla {
+    /// Weight bytes one token's pass reads (the absorbed W_UKᵀ copies included, kv_b's W_UV rows).
+    pub fn bytes(&self) -> usize {
+        let q = match &self.q {
+            Query::Plain(l) => l.bytes(),
+            Query::LowRank { a, b, .. } => a.bytes() + b.bytes(),
+        };
+        q + self.kv_a.bytes() + self.kv_b.bytes() + self.uk_t.iter().map(Matrix::bytes).sum::<usize>() + self.o.bytes()
+    }
+
     pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, dims: &MlaSpec, l: usize) -> Result<Self, LoadError> {
         let (h, heads) = (spec.hidden_size, spec.num_heads);
         let bias = spec.attention.bias;

@@ -604,6 +604,43 @@ impl ExpertDispatch for ExpertStore {
     fn telemetry(&self) -> Option<StoreTelemetry> {
         Some(self.inner.telemetry())
     }
+
+    fn preload(&self) -> Result<usize, DispatchError> {
+        let inner = &self.inner;
+        let slots = inner.telemetry_base.slots_per_layer.min(inner.num_experts);
+        let mut jobs = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            for (layer, pos) in inner.moe_position.iter().enumerate() {
+                let Some(pos) = *pos else { continue };
+                for e in 0..slots {
+                    let key = (pos, e as u16);
+                    if st.slots.contains_key(&key) {
+                        continue;
+                    }
+                    let d = st.policy.decide(key);
+                    if let Some(ev) = d.evicted {
+                        st.slots.remove(&ev);
+                    }
+                    if d.kept {
+                        let pending = Pending::new();
+                        st.slots.insert(key, Slot::Loading(pending.clone()));
+                        jobs.push(Job { key, layer, expert: e, pending, prefetch: false });
+                    }
+                }
+            }
+        }
+        let pendings: Vec<(usize, usize, Arc<Pending>)> = jobs.iter().map(|j| (j.layer, j.expert, j.pending.clone())).collect();
+        {
+            let mut q = lock(&inner.queues);
+            q.demand.extend(jobs);
+            inner.work.notify_all();
+        }
+        for (layer, expert, p) in &pendings {
+            p.wait().map_err(|message| DispatchError::Storage { layer: *layer, expert: *expert as u32, message })?;
+        }
+        Ok(pendings.len())
+    }
 }
 
 #[cfg(test)]

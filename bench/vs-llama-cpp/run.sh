@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# shimmer against llama.cpp on the same weights, side by side in one run (bench/vs-llama-cpp/README.md).
+#
+#   bench/vs-llama-cpp/run.sh            # THREADS=2 RUNS=5 PROMPT=64 GEN=32 WORK=~/.cache/shimmer-vs-llama-cpp
+#
+# Builds llama.cpp's converter, quantiser and llama-bench from the llama.cpp tree inside the PyPI
+# source package of llama-cpp-python (pinned), makes a ~1.6B-parameter random Qwen3-MoE model with a
+# tokenizer the converter knows, converts it (and the demo model) to GGUF Q8_0 / Q4_0 with
+# llama.cpp's tools and to shimmer containers int8 / int4-g32 (dense int8), then alternates the
+# two engines RUNS times per format on the same prompt length and thread count and prints the
+# shimmer ÷ llama.cpp ratios for prefill and decode (min / median / max).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+WORK="${WORK:-$HOME/.cache/shimmer-vs-llama-cpp}"
+THREADS="${THREADS:-2}"
+RUNS="${RUNS:-5}"
+PROMPT="${PROMPT:-64}"
+GEN="${GEN:-32}"
+LLAMA_CPP_PYTHON=0.3.36
+mkdir -p "$WORK"
+say() { echo "== $*" >&2; }
+
+# 1. Tools: a compiler and cmake (Debian), a pinned Python environment.
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  say "installing cmake and a C++ compiler"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -q && $SUDO apt-get install -y -q cmake build-essential python3-venv
+fi
+if [ ! -x "$WORK/venv/bin/python" ]; then
+  say "Python environment (pinned: tests/oracle/requirements.txt + PyYAML)"
+  python3 -m venv "$WORK/venv"
+  "$WORK/venv/bin/pip" install -q -r "$ROOT/tests/oracle/requirements.txt" pyyaml==6.0.4
+fi
+PY="$WORK/venv/bin/python"
+
+# 2. llama.cpp from the llama-cpp-python sdist.
+LLAMA="$WORK/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
+if [ ! -d "$LLAMA" ]; then
+  say "fetching llama-cpp-python $LLAMA_CPP_PYTHON (source)"
+  "$WORK/venv/bin/pip" download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$WORK/sdist"
+  tar xzf "$WORK/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$WORK"
+fi
+"$WORK/venv/bin/pip" install -q "$LLAMA/gguf-py"
+BIN="$LLAMA/build/bin"
+if [ ! -x "$BIN/llama-bench" ] || [ ! -x "$BIN/llama-quantize" ]; then
+  say "building llama.cpp (CPU, Release; ~5-10 minutes)"
+  # Every x86 SIMD level the CPU has, but no AMX: on these virtual machines ggml's AMX path
+  # (which -march=native would enable) crashes in ggml_backend_amx_mul_mat.
+  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+  has() { [[ " $flags " == *" $1 "* ]]; }
+  has avx && ISA_FLAGS+=(-DGGML_AVX=ON)
+  has avx2 && ISA_FLAGS+=(-DGGML_AVX2=ON)
+  has fma && ISA_FLAGS+=(-DGGML_FMA=ON)
+  has f16c && ISA_FLAGS+=(-DGGML_F16C=ON)
+  has avx_vnni && ISA_FLAGS+=(-DGGML_AVX_VNNI=ON)
+  has avx512f && ISA_FLAGS+=(-DGGML_AVX512=ON)
+  has avx512vbmi && ISA_FLAGS+=(-DGGML_AVX512_VBMI=ON)
+  has avx512_vnni && ISA_FLAGS+=(-DGGML_AVX512_VNNI=ON)
+  has avx512_bf16 && ISA_FLAGS+=(-DGGML_AVX512_BF16=ON)
+  cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_SERVER=OFF "${ISA_FLAGS[@]}" >/dev/null
+  cmake --build "$LLAMA/build" -j"$(nproc)" --target llama-bench llama-quantize >/dev/null
+fi
+
+# 3. shimmer.
+say "building shimmer (release)"
+(cd "$ROOT" && cargo build --release --locked -q)
+SHIMMER="${CARGO_TARGET_DIR:-$ROOT/target}/release/shimmer"
+
+# 4. Models: a random Qwen3-MoE of ~1.6B parameters (GPT-2's tokenizer, rebuilt from llama.cpp's
+#    own vocabulary file), and the demo model.
+if [ ! -f "$WORK/gpt2tok/tokenizer.json" ]; then
+  "$PY" "$HERE/tokenizer_from_gguf.py" "$LLAMA/models/ggml-vocab-gpt-2.gguf" "$WORK/gpt2tok"
+fi
+if [ ! -f "$WORK/m1b/model.safetensors.index.json" ]; then
+  say "random Qwen3-MoE: hidden 1024, 16 layers, 64 experts of 512, top-8"
+  "$PY" "$ROOT/bench/make_random_moe.py" --out "$WORK/m1b" --layers 16 --hidden 1024 --heads 16 --kv-heads 4 \
+    --head-dim 64 --experts 64 --expert-intermediate 512 --top-k 8 --tokenizer-dir "$WORK/gpt2tok"
+fi
+for model in m1b demo; do
+  src="$WORK/$model"; [ "$model" = demo ] && src="$ROOT/models/demo"
+  if [ ! -f "$WORK/$model.bf16.gguf" ]; then
+    say "$model → GGUF (llama.cpp's converter)"
+    "$PY" "$HERE/convert_with_known_pretokenizer.py" "$LLAMA" "$src" --outtype bf16 --outfile "$WORK/$model.bf16.gguf" 2>/dev/null
+  fi
+  for q in Q8_0 Q4_0; do
+    [ -f "$WORK/$model.$q.gguf" ] || "$BIN/llama-quantize" "$WORK/$model.bf16.gguf" "$WORK/$model.$q.gguf" "$q" "$THREADS" >/dev/null 2>&1
+  done
+  for q in int8 int4-g32; do
+    [ -f "$WORK/$model-$q/shimmer-manifest.json" ] || "$SHIMMER" convert --from "$src" --to "$WORK/$model-$q" --quant "$q" --dense-quant int8 --quiet
+  done
+done
+
+# 5. Alternating runs: llama-bench (pp = prefill of PROMPT tokens, tg = GEN tokens generated), then
+#    shimmer bench with the same counts and threads, RUNS times per format.
+RESULTS="$WORK/results.jsonl"
+: > "$RESULTS"
+for model in m1b demo; do
+  for pair in "Q8_0 int8" "Q4_0 int4-g32"; do
+    set -- $pair
+    for i in $(seq "$RUNS"); do
+      say "$model $1 vs $2, run $i/$RUNS"
+      "$BIN/llama-bench" -m "$WORK/$model.$1.gguf" -p "$PROMPT" -n "$GEN" -t "$THREADS" -r 1 -o json 2>/dev/null \
+        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
+      "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
+        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --json 2>/dev/null \
+        | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': r[k], 'roofline': r['fraction_of_roofline']})) for t, k in (('prefill', 'prefill_tok_s'), ('decode', 'decode_tok_s'))]" >> "$RESULTS"
+    done
+  done
+done
+
+# 6. Ratios.
+"$PY" - "$RESULTS" "$THREADS" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"shimmer ÷ llama.cpp, {sys.argv[2]} threads (min / median / max over paired runs)")
+print(f"{'model':6} {'format':18} {'test':8} {'llama.cpp tok/s':>16} {'shimmer tok/s':>14} {'ratio min/med/max':>22} {'shimmer of roofline':>20}")
+for model in ("m1b", "demo"):
+    for fmt in ("Q8_0", "Q4_0"):
+        for test in ("prefill", "decode"):
+            l = [r["tok_s"] for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "llama.cpp", test)]
+            s = [r for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "shimmer", test)]
+            if not l or not s:
+                continue
+            ratios = sorted(a["tok_s"] / b for a, b in zip(s, l))
+            label = f"{fmt} / {'int8' if fmt == 'Q8_0' else 'int4-g32'}"
+            roof = statistics.median(r["roofline"] for r in s) if test == "decode" else float("nan")
+            print(f"{model:6} {label:18} {test:8} {statistics.median(l):16.2f} {statistics.median(r['tok_s'] for r in s):14.2f} "
+                  f"{ratios[0]:6.2f} / {statistics.median(ratios):5.2f} / {ratios[-1]:5.2f} {roof:20.3f}")
+PY
