@@ -44,6 +44,8 @@ pub struct Engine {
     trace: std::sync::Mutex<Option<crate::trace_recorder::TraceRecorder>>,
     /// Dense weights' bytes, reported beside the expert budget when the store is in use.
     pub dense_bytes: Option<u64>,
+    /// Compute threads (as many as the global rayon pool has: one per core unless set).
+    pool: rayon::ThreadPool,
 }
 
 /// A conversation's KV cache and the tokens it holds, kept between turns.
@@ -276,7 +278,12 @@ impl Engine {
                 eos_ids.push(id);
             }
         }
-        Ok(Engine { spec, tokenizer, chat, decoder, experts, eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None), dense_bytes: None })
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::Input(format!("cannot start the compute threads: {e}")))?;
+        Ok(Engine { spec, tokenizer, chat, decoder, experts, eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None), dense_bytes: None, pool })
     }
 
     /// Weight bytes one decoded token reads: the dense part, plus top-k routed experts per MoE
@@ -321,11 +328,16 @@ impl Engine {
 
     /// One forward pass, reported to the trace recorder when one is set.
     fn run(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Result<Vec<f32>, ForwardError> {
-        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
-        match trace.as_mut() {
+        let mut guard = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let mut recorder = guard.take();
+        // The whole pass runs on a pool thread: the hundreds of parallel products inside it then
+        // split work through the pool's own queues instead of each waking the pool from outside.
+        let result = self.pool.install(|| match recorder.as_mut() {
             Some(recorder) => self.decoder.forward_observed(tokens, cache, self.experts.as_ref(), want, recorder),
             None => self.decoder.forward(tokens, cache, self.experts.as_ref(), want),
-        }
+        });
+        *guard = recorder;
+        result
     }
 
     pub fn new_session(&self) -> Session {

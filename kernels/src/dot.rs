@@ -4,17 +4,18 @@
 //! **The canonical order.** For a weight row `w` (decoded to the exact f32 values the format
 //! defines: bf16/f16 widened; int8 `q·s`; int4 `(nibble − 8)·s_group`, each product rounded once,
 //! exactly as `shimmer_common::quant::dequantize`) and an activation row `x` of length `n`, both
-//! zero-padded to a multiple of 16:
+//! zero-padded to a multiple of 64:
 //!
 //! ```text
-//! acc[l] = 0 for l in 0..16
-//! for each chunk c, for each lane l:   acc[l] = fma(w[16c + l], x[16c + l], acc[l])
-//! for s in [8, 4, 2, 1]:               acc[l] = acc[l] + acc[l + s]   for l < s
+//! acc[l] = 0 for l in 0..64
+//! for each chunk c, for each lane l:   acc[l] = fma(w[64c + l], x[64c + l], acc[l])
+//! for s in [32, 16, 8, 4, 2, 1]:       acc[l] = acc[l] + acc[l + s]   for l < s
 //! result = acc[0]
 //! ```
 //!
-//! The scalar code below is that definition; AVX-512 keeps the 16 lanes in one register, AVX2 in
-//! two, and each reduces in the same tree. So a row's result does not depend on the ISA, on
+//! The scalar code below is that definition; AVX-512 keeps the 64 lanes in four registers, AVX2
+//! in eight, and each reduces in the same tree. Sixty-four lanes (not 16) give each core four
+//! independent FMA chains, so decode is not bound by FMA latency. So a row's result does not depend on the ISA, on
 //! threads, or on which other rows share a call (a batch processes several activation rows per
 //! pass over a weight row, each with its own accumulators) — batch invariance and cross-machine
 //! bit-identity by construction, checked by `tests` below for every ISA the machine has.
@@ -23,7 +24,7 @@
 
 use std::sync::OnceLock;
 
-pub const LANES: usize = 16;
+pub const LANES: usize = 64;
 
 /// One weight row in its stored format.
 #[derive(Clone, Copy)]
@@ -126,13 +127,16 @@ pub fn isa() -> Isa {
 /// `w · x` in the canonical order, with the process's ISA.
 #[inline]
 pub fn dot(w: &WeightRow<'_>, x: &[f32]) -> f32 {
-    dots_with::<1>(isa(), w, [x])[0]
+    dots::<1>(w, [x])[0]
 }
 
 /// `w · xs[k]` for `N` activation rows in one pass over `w`; each result is exactly `dot(w, xs[k])`.
 #[inline]
 pub fn dots<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
-    dots_with::<N>(isa(), w, xs)
+    for x in &xs {
+        assert!(x.len() >= w.len(), "activation row shorter than the weight row");
+    }
+    dots_checked::<N>(isa(), w, xs)
 }
 
 /// `dots` with a given ISA (which must be available).
@@ -140,13 +144,27 @@ pub fn dots_with<const N: usize>(isa: Isa, w: &WeightRow<'_>, xs: [&[f32]; N]) -
     for x in &xs {
         assert!(x.len() >= w.len(), "activation row shorter than the weight row");
     }
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
+    dots_checked(isa, w, xs)
+}
+
+/// Activation rows per pass over a weight row that keep every accumulator in registers.
+pub fn batch_width() -> usize {
+    match isa() {
+        Isa::Avx512 => 4,
+        _ => 2,
+    }
+}
+
+#[inline]
+fn dots_checked<const N: usize>(isa: Isa, w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::available` checked these features (callers pass only available ISAs;
-        // `isa()` returns only those).
-        Isa::Avx512 if Isa::Avx512.available() => unsafe { x86::dots_avx512::<N>(w, xs) },
+        // SAFETY: only ISAs `Isa::available` confirmed reach here (`isa()` returns only those,
+        // `dots_with` asserts it).
+        Isa::Avx512 => unsafe { x86::dots_avx512::<N>(w, xs) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::Avx2.available() => unsafe { x86::dots_avx2::<N>(w, xs) },
+        Isa::Avx2 => unsafe { x86::dots_avx2::<N>(w, xs) },
         _ => {
             let mut out = [0.0; N];
             for (o, x) in out.iter_mut().zip(xs) {
@@ -173,7 +191,7 @@ pub fn dot_scalar(w: &WeightRow<'_>, x: &[f32]) -> f32 {
 
 #[inline]
 fn reduce(mut acc: [f32; LANES]) -> f32 {
-    for s in [8, 4, 2, 1] {
+    for s in [32, 16, 8, 4, 2, 1] {
         for l in 0..s {
             acc[l] += acc[l + s];
         }
@@ -223,18 +241,28 @@ mod x86 {
         _mm_unpacklo_epi8(lo, hi)
     }
 
+    /// Lanes 0–63 in four registers → one f32, in the canonical tree.
+    #[inline(always)]
+    unsafe fn reduce512x4(a: &[__m512; 4]) -> f32 {
+        let t0 = _mm512_add_ps(a[0], a[2]); // s = 32
+        let t1 = _mm512_add_ps(a[1], a[3]);
+        reduce512(_mm512_add_ps(t0, t1)) // s = 16, then 8, 4, 2, 1
+    }
+
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn dots_avx512<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
         let n = w.len();
         let full = n / LANES;
-        let mut acc = [_mm512_setzero_ps(); N];
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
         macro_rules! run {
             ($i:ident => $decode:expr) => {
                 for c in 0..full {
-                    let $i = c * LANES;
-                    let wv: __m512 = $decode;
-                    for k in 0..N {
-                        acc[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[k].as_ptr().add($i)), acc[k]);
+                    for j in 0..4 {
+                        let $i = c * LANES + j * 16;
+                        let wv: __m512 = $decode;
+                        for k in 0..N {
+                            acc[k][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[k].as_ptr().add($i)), acc[k][j]);
+                        }
                     }
                 }
             };
@@ -258,37 +286,39 @@ mod x86 {
         if full * LANES < n {
             for k in 0..N {
                 let (wt, xt) = tail_chunk(w, xs[k], full * LANES, n);
-                acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(wt.as_ptr()), _mm512_loadu_ps(xt.as_ptr()), acc[k]);
+                for j in 0..4 {
+                    acc[k][j] = _mm512_fmadd_ps(_mm512_loadu_ps(wt.as_ptr().add(j * 16)), _mm512_loadu_ps(xt.as_ptr().add(j * 16)), acc[k][j]);
+                }
             }
         }
         let mut out = [0.0f32; N];
         for k in 0..N {
-            out[k] = reduce512(acc[k]);
+            out[k] = reduce512x4(&acc[k]);
         }
         out
+    }
+
+    /// Lanes 0–63 in eight registers → one f32, in the canonical tree.
+    #[inline(always)]
+    unsafe fn reduce256x8(a: &[__m256; 8]) -> f32 {
+        let b = [_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[2], a[6]), _mm256_add_ps(a[3], a[7])]; // s = 32
+        let c = [_mm256_add_ps(b[0], b[2]), _mm256_add_ps(b[1], b[3])]; // s = 16
+        reduce256(_mm256_add_ps(c[0], c[1])) // s = 8, then 4, 2, 1
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dots_avx2<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
         let n = w.len();
         let full = n / LANES;
-        // Lanes 0–7 and 8–15 of the canonical 16.
-        let mut lo = [_mm256_setzero_ps(); N];
-        let mut hi = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); 8]; N];
         macro_rules! run {
             ($i:ident => $decode:expr) => {
                 for c in 0..full {
-                    let base = c * LANES;
-                    for half in 0..2 {
-                        let $i = base + half * 8;
+                    for j in 0..8 {
+                        let $i = c * LANES + j * 8;
                         let wv: __m256 = $decode;
                         for k in 0..N {
-                            let x = _mm256_loadu_ps(xs[k].as_ptr().add($i));
-                            if half == 0 {
-                                lo[k] = _mm256_fmadd_ps(wv, x, lo[k]);
-                            } else {
-                                hi[k] = _mm256_fmadd_ps(wv, x, hi[k]);
-                            }
+                            acc[k][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[k].as_ptr().add($i)), acc[k][j]);
                         }
                     }
                 }
@@ -315,13 +345,14 @@ mod x86 {
         if full * LANES < n {
             for k in 0..N {
                 let (wt, xt) = tail_chunk(w, xs[k], full * LANES, n);
-                lo[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr()), _mm256_loadu_ps(xt.as_ptr()), lo[k]);
-                hi[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr().add(8)), _mm256_loadu_ps(xt.as_ptr().add(8)), hi[k]);
+                for j in 0..8 {
+                    acc[k][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr().add(j * 8)), _mm256_loadu_ps(xt.as_ptr().add(j * 8)), acc[k][j]);
+                }
             }
         }
         let mut out = [0.0f32; N];
         for k in 0..N {
-            out[k] = reduce256(_mm256_add_ps(lo[k], hi[k]));
+            out[k] = reduce256x8(&acc[k]);
         }
         out
     }
@@ -348,7 +379,7 @@ mod tests {
 
     #[test]
     fn every_isa_gives_the_canonical_bits_for_every_format_and_shape() {
-        for &n in &[1usize, 2, 7, 15, 16, 17, 31, 32, 33, 64, 100, 129, 257, 1000, 4099] {
+        for &n in &[1usize, 2, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 129, 257, 1000, 4099, 65_537] {
             let w = values(n, n as u64, 1.5);
             let xs: Vec<Vec<f32>> = (0..5).map(|k| values(n, 1000 + k, 3.0)).collect();
             let bf: Vec<u16> = w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();

@@ -113,9 +113,15 @@ impl Matrix {
 
     /// `out = W · x` for one activation row (`x.len() == cols`, `out.len() == rows`).
     pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        self.matvec_on(x, out, true)
+    }
+
+    /// `matvec`, on the calling thread only when `parallel` is false (the caller already spreads
+    /// independent products over the threads). Same bits either way.
+    pub fn matvec_on(&self, x: &[f32], out: &mut [f32], parallel: bool) {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(out.len(), self.rows, "matvec output length");
-        if self.rows * self.cols >= PARALLEL_MIN_WORK {
+        if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
             let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
                 for (i, slot) in o.iter_mut().enumerate() {
@@ -139,35 +145,46 @@ impl Matrix {
     }
 
     /// `out[i] = W · xs[i]` for `n` rows laid out back to back. Each weight row is read once
-    /// per group of four activation rows; every result is exactly `matvec`'s for that row
+    /// per group of two or four activation rows (as registers allow); every result is exactly `matvec`'s for that row
     /// (`dot.rs`: one canonical order), whatever else is in the batch.
     pub fn matmul(&self, xs: &[f32], out: &mut [f32]) {
+        self.matmul_on(xs, out, true)
+    }
+
+    /// `matmul`, on the calling thread only when `parallel` is false. Same bits either way.
+    pub fn matmul_on(&self, xs: &[f32], out: &mut [f32], parallel: bool) {
         let n = xs.len() / self.cols.max(1);
         assert_eq!(xs.len(), n * self.cols, "matmul input is not whole rows");
         assert_eq!(out.len(), n * self.rows, "matmul output length");
         if n <= 1 {
             if n == 1 {
-                self.matvec(xs, out);
+                self.matvec_on(xs, out, parallel);
             }
             return;
         }
         let x_rows: Vec<&[f32]> = xs.chunks_exact(self.cols).collect();
         // Transposed result (weight row major), filled in parallel over weight rows.
         let mut t = vec![0.0f32; self.rows * n];
+        let width = dot::batch_width();
         let per_row = |r: usize, o: &mut [f32]| {
             let w = self.row(r);
             let mut i = 0;
-            while i + 4 <= n {
+            while width >= 4 && i + 4 <= n {
                 let [a, b, c, d] = dot::dots::<4>(&w, [x_rows[i], x_rows[i + 1], x_rows[i + 2], x_rows[i + 3]]);
                 o[i..i + 4].copy_from_slice(&[a, b, c, d]);
                 i += 4;
+            }
+            while i + 2 <= n {
+                let [a, b] = dot::dots::<2>(&w, [x_rows[i], x_rows[i + 1]]);
+                o[i..i + 2].copy_from_slice(&[a, b]);
+                i += 2;
             }
             while i < n {
                 o[i] = dot::dots::<1>(&w, [x_rows[i]])[0];
                 i += 1;
             }
         };
-        if self.rows * self.cols * n >= PARALLEL_MIN_WORK {
+        if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
             t.par_chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
         } else {
             t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));

@@ -175,16 +175,21 @@ pub(crate) fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<V
 /// order — and which dispatcher or node computed which expert — cannot change a bit.
 pub(crate) fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
     let (h, layer) = (batch.hidden, batch.layer);
+    // Experts are spread over the threads; each runs its rows as one batched product on its
+    // thread (weights read once per group of rows), unless it is the only expert.
+    let parallel_inside = work.len() == 1;
     let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
         .par_iter()
         .map_init(FfnScratch::default, |scratch, (expert, rows)| {
+            let mut xs = Vec::with_capacity(rows.len() * h);
+            for &(row, _) in rows.iter() {
+                xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
+            }
+            let mut ys = vec![0.0f32; rows.len() * h];
+            expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
             rows.iter()
-                .map(|&(row, w)| {
-                    let mut y = vec![0.0f32; h];
-                    expert.forward(&batch.rows[row * h..(row + 1) * h], scratch, &mut y);
-                    y.iter_mut().for_each(|v| *v *= w);
-                    (row, y)
-                })
+                .zip(ys.chunks_exact(h))
+                .map(|(&(row, w), y)| (row, y.iter().map(|v| v * w).collect::<Vec<f32>>()))
                 .collect()
         })
         .collect();

@@ -29,12 +29,20 @@ impl Expert {
 
     /// `out = FFN(x)` for one row.
     pub fn forward(&self, x: &[f32], scratch: &mut FfnScratch, out: &mut [f32]) {
-        let i = self.intermediate();
-        scratch.gate.resize(i, 0.0);
-        scratch.up.resize(i, 0.0);
-        self.gate.matvec(x, &mut scratch.gate);
-        self.up.matvec(x, &mut scratch.up);
+        self.forward_rows(x, scratch, out, true)
+    }
+
+    /// `out[r] = FFN(xs[r])` for `n` rows back to back (`n × hidden` each side), reading each
+    /// weight matrix once per group of rows; each row's result is exactly `forward`'s. On the
+    /// calling thread only unless `parallel`.
+    pub fn forward_rows(&self, xs: &[f32], scratch: &mut FfnScratch, out: &mut [f32], parallel: bool) {
+        let (i, h) = (self.intermediate(), self.down.rows);
+        let n = xs.len() / h.max(1);
+        scratch.gate.resize(n * i, 0.0);
+        scratch.up.resize(n * i, 0.0);
+        self.gate.matmul_on(xs, &mut scratch.gate, parallel);
+        self.up.matmul_on(xs, &mut scratch.up, parallel);
         ops::swiglu_in_place(&mut scratch.gate, &scratch.up);
-        self.down.matvec(&scratch.gate, out);
+        self.down.matmul_on(&scratch.gate, out, parallel);
     }
 }

@@ -1,0 +1,40 @@
+//! Micro-benchmark of one matrix-vector product per format, single-threaded and with the rayon
+//! pool: GB/s of weights streamed. A measuring tool, not a test.
+//!
+//!     cargo run --release -p shimmer-kernels --example matvec_speed [rows] [cols]
+use std::time::Instant;
+
+use shimmer_common::quant::{quantize_int4, quantize_int8};
+use shimmer_kernels::{Matrix, WeightData};
+
+fn main() {
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let (rows, cols) = (args.first().copied().unwrap_or(8192), args.get(1).copied().unwrap_or(4096));
+    let mut s = 1u64;
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
+    let formats = [
+        ("bf16", Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) }),
+        ("int8", Matrix::from_quant(quantize_int8(&w, rows, cols))),
+        ("int4-g32", Matrix::from_quant(quantize_int4(&w, rows, cols, 32))),
+    ];
+    println!("{rows}×{cols}, kernels: {}", shimmer_kernels::dot::isa().name());
+    for (name, m) in &formats {
+        let mut out = vec![0.0f32; rows];
+        for parallel in [false, true] {
+            m.matvec_on(&x, &mut out, parallel);
+            let reps = 20;
+            let t = Instant::now();
+            for _ in 0..reps {
+                m.matvec_on(&x, &mut out, parallel);
+            }
+            let dt = t.elapsed().as_secs_f64() / reps as f64;
+            println!("{name:9} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
+        }
+    }
+}
