@@ -231,16 +231,6 @@ mod x86 {
         reduce256(_mm256_add_ps(lo, hi))
     }
 
-    /// 16 nibbles (8 bytes at `p`) as i32 lanes in element order, minus 8.
-    #[inline(always)]
-    unsafe fn nibbles16(p: *const u8) -> __m128i {
-        let b = _mm_loadl_epi64(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(b, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        _mm_unpacklo_epi8(lo, hi)
-    }
-
     /// Lanes 0–63 in four registers → one f32, in the canonical tree.
     #[inline(always)]
     unsafe fn reduce512x4(a: &[__m512; 4]) -> f32 {
@@ -276,11 +266,27 @@ mod x86 {
                 run!(i => _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr().add(i) as *const __m128i))), s))
             }
             WeightRow::Int4 { packed, scales, group, .. } => {
+                // 64 nibbles (32 bytes) per chunk: split and interleave once, widen per 16.
                 let eight = _mm512_set1_epi32(8);
-                run!(i => _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles16(packed.as_ptr().add(i / 2))), eight)),
-                    _mm512_set1_ps(*scales.get_unchecked(i / group))
-                ))
+                let mask = _mm256_set1_epi8(0x0f);
+                for c in 0..full {
+                    let b = _mm256_loadu_si256(packed.as_ptr().add(c * LANES / 2) as *const __m256i);
+                    let lo = _mm256_and_si256(b, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+                    // Per 128-bit lane, unpacklo gives bytes 0–7 interleaved (elements 0–15 and
+                    // 32–47), unpackhi bytes 8–15 (elements 16–31 and 48–63).
+                    let i0 = _mm256_unpacklo_epi8(lo, hi);
+                    let i1 = _mm256_unpackhi_epi8(lo, hi);
+                    let parts = [_mm256_castsi256_si128(i0), _mm256_castsi256_si128(i1), _mm256_extracti128_si256(i0, 1), _mm256_extracti128_si256(i1, 1)];
+                    for j in 0..4 {
+                        let i = c * LANES + j * 16;
+                        let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(parts[j]), eight);
+                        let wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(*scales.get_unchecked(i / group)));
+                        for k in 0..N {
+                            acc[k][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[k].as_ptr().add(i)), acc[k][j]);
+                        }
+                    }
+                }
             }
         }
         if full * LANES < n {
