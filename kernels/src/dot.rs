@@ -2,9 +2,10 @@
 //! that every implementation gives the same bits.
 //!
 //! **The canonical order.** For a weight row `w` (decoded to the exact f32 values the format
-//! defines: bf16/f16 widened; int8 `q·s`; int4 `(nibble − 8)·s_group`, each product rounded once,
-//! exactly as `shimmer_common::quant::dequantize`) and an activation row `x` of length `n`, both
-//! zero-padded to a multiple of 64:
+//! defines: bf16/f16 widened; int4 `(nibble − 8)·s_group`, each product rounded once, exactly as
+//! `shimmer_common::quant::dequantize`; int8 rows use the integer `q` here and their one row scale
+//! multiplies the reduced sum, `result = s · acc[0]`, which saves a multiply per weight) and an
+//! activation row `x` of length `n`, both zero-padded to a multiple of 64:
 //!
 //! ```text
 //! acc[l] = 0 for l in 0..64
@@ -49,6 +50,25 @@ impl WeightRow<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Element `i` as the dot product's lanes see it: the format's exact f32 value, except int8,
+    /// whose lanes hold `q` (the row scale is applied once, after the reduction).
+    #[inline]
+    fn lane_value(&self, i: usize) -> f32 {
+        match self {
+            WeightRow::Int8 { q, .. } => q[i] as f32,
+            _ => self.get(i),
+        }
+    }
+
+    /// What multiplies the reduced sum: the row scale for int8, else 1.
+    #[inline]
+    fn row_scale(&self) -> Option<f32> {
+        match self {
+            WeightRow::Int8 { scale, .. } => Some(*scale),
+            _ => None,
+        }
     }
 
     /// Element `i` as the exact f32 the format defines.
@@ -182,11 +202,20 @@ pub fn dot_scalar(w: &WeightRow<'_>, x: &[f32]) -> f32 {
     for c in 0..n.div_ceil(LANES) {
         for (l, a) in acc.iter_mut().enumerate() {
             let i = c * LANES + l;
-            let (wi, xi) = if i < n { (w.get(i), x[i]) } else { (0.0, 0.0) };
+            let (wi, xi) = if i < n { (w.lane_value(i), x[i]) } else { (0.0, 0.0) };
             *a = wi.mul_add(xi, *a);
         }
     }
-    reduce(acc)
+    scaled(w, reduce(acc))
+}
+
+/// The reduced sum with the row scale (int8) applied.
+#[inline]
+fn scaled(w: &WeightRow<'_>, sum: f32) -> f32 {
+    match w.row_scale() {
+        Some(s) => s * sum,
+        None => sum,
+    }
 }
 
 #[inline]
@@ -205,7 +234,7 @@ fn reduce(mut acc: [f32; LANES]) -> f32 {
 fn tail_chunk(w: &WeightRow<'_>, x: &[f32], start: usize, n: usize) -> ([f32; LANES], [f32; LANES]) {
     let (mut wt, mut xt) = ([0.0f32; LANES], [0.0f32; LANES]);
     for i in start..n {
-        wt[i - start] = w.get(i);
+        wt[i - start] = w.lane_value(i);
         xt[i - start] = x[i];
     }
     (wt, xt)
@@ -244,9 +273,23 @@ mod x86 {
         let n = w.len();
         let full = n / LANES;
         let mut acc = [[_mm512_setzero_ps(); 4]; N];
+        // Weight bytes per 64-lane chunk, and where the row's bytes start: each chunk asks for
+        // the line eight chunks ahead (rows are contiguous, so this runs on into the next row),
+        // which keeps small matrices — an expert is ~1 MB — streaming at DRAM speed.
+        let (base, chunk_bytes): (*const u8, usize) = match *w {
+            WeightRow::F32(v) => (v.as_ptr() as *const u8, 256),
+            WeightRow::Bf16(v) | WeightRow::F16(v) => (v.as_ptr() as *const u8, 128),
+            WeightRow::Int8 { q, .. } => (q.as_ptr() as *const u8, 64),
+            WeightRow::Int4 { packed, .. } => (packed.as_ptr(), 32),
+        };
         macro_rules! run {
             ($i:ident => $decode:expr) => {
                 for c in 0..full {
+                    let ahead = base.wrapping_add((c + 8) * chunk_bytes);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                    if chunk_bytes > 64 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);
+                    }
                     for j in 0..4 {
                         let $i = c * LANES + j * 16;
                         let wv: __m512 = $decode;
@@ -261,15 +304,13 @@ mod x86 {
             WeightRow::F32(v) => run!(i => _mm512_loadu_ps(v.as_ptr().add(i))),
             WeightRow::Bf16(v) => run!(i => _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(v.as_ptr().add(i) as *const __m256i)), 16))),
             WeightRow::F16(v) => run!(i => _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(i) as *const __m256i))),
-            WeightRow::Int8 { q, scale } => {
-                let s = _mm512_set1_ps(scale);
-                run!(i => _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr().add(i) as *const __m128i))), s))
-            }
+            WeightRow::Int8 { q, .. } => run!(i => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr().add(i) as *const __m128i)))),
             WeightRow::Int4 { packed, scales, group, .. } => {
                 // 64 nibbles (32 bytes) per chunk: split and interleave once, widen per 16.
                 let eight = _mm512_set1_epi32(8);
                 let mask = _mm256_set1_epi8(0x0f);
                 for c in 0..full {
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add((c + 8) * chunk_bytes) as *const i8);
                     let b = _mm256_loadu_si256(packed.as_ptr().add(c * LANES / 2) as *const __m256i);
                     let lo = _mm256_and_si256(b, mask);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
@@ -299,7 +340,7 @@ mod x86 {
         }
         let mut out = [0.0f32; N];
         for k in 0..N {
-            out[k] = reduce512x4(&acc[k]);
+            out[k] = super::scaled(w, reduce512x4(&acc[k]));
         }
         out
     }
@@ -334,10 +375,7 @@ mod x86 {
             WeightRow::F32(v) => run!(i => _mm256_loadu_ps(v.as_ptr().add(i))),
             WeightRow::Bf16(v) => run!(i => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i)), 16))),
             WeightRow::F16(v) => run!(i => _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i))),
-            WeightRow::Int8 { q, scale } => {
-                let s = _mm256_set1_ps(scale);
-                run!(i => _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(i) as *const __m128i))), s))
-            }
+            WeightRow::Int8 { q, .. } => run!(i => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(i) as *const __m128i)))),
             WeightRow::Int4 { packed, scales, group, .. } => {
                 let eight = _mm256_set1_epi32(8);
                 let mask = _mm_set1_epi8(0x0f);
@@ -358,7 +396,7 @@ mod x86 {
         }
         let mut out = [0.0f32; N];
         for k in 0..N {
-            out[k] = reduce256x8(&acc[k]);
+            out[k] = super::scaled(w, reduce256x8(&acc[k]));
         }
         out
     }
