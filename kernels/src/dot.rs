@@ -310,7 +310,6 @@ mod x86 {
                 let eight = _mm512_set1_epi32(8);
                 let mask = _mm256_set1_epi8(0x0f);
                 for c in 0..full {
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add((c + 8) * chunk_bytes) as *const i8);
                     let b = _mm256_loadu_si256(packed.as_ptr().add(c * LANES / 2) as *const __m256i);
                     let lo = _mm256_and_si256(b, mask);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
