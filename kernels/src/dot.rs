@@ -486,6 +486,11 @@ mod tests {
             let QuantMatrix::Int4 { packed, scales, .. } = &q else { unreachable!() };
             let row = WeightRow::Int4 { packed, scales, group: 32, n };
             assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} extreme int4");
+            // Scales near the top of f32's range.
+            let huge: Vec<f32> = scales.iter().map(|_| f32::MAX / 7.0).collect();
+            let row = WeightRow::Int4 { packed, scales: &huge, group: 32, n };
+            let small_x: Vec<f32> = x.iter().map(|v| v * 1e-30).collect();
+            assert_eq!(dots_with::<1>(isa, &row, [&small_x])[0].to_bits(), dot_scalar(&row, &small_x).to_bits(), "{isa:?} near-max int4 scale");
             let zero_scales = vec![0.0f32; scales.len()];
             let row = WeightRow::Int4 { packed, scales: &zero_scales, group: 32, n };
             assert_eq!(dots_with::<1>(isa, &row, [&x])[0], 0.0);
