@@ -1,6 +1,7 @@
 //! Causal attention of query rows over a contiguous range of cached keys/values, with grouped
 //! query heads (GQA: query head h reads kv head h / (heads / kv_heads)).
 
+use crate::dot::{dot, WeightRow};
 use crate::ops::softmax_in_place;
 
 pub struct AttentionShape {
@@ -23,7 +24,8 @@ pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], s
         let s = &mut scores[..n];
         for (j, slot) in s.iter_mut().enumerate() {
             let k = &keys[j * stride + kvh * d..j * stride + (kvh + 1) * d];
-            *slot = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * shape.scale;
+            // The canonical dot (`dot.rs`): vectorised, and the same bits on every ISA.
+            *slot = dot(&WeightRow::F32(k), qh) * shape.scale;
         }
         softmax_in_place(s);
         let o = &mut out[h * d..(h + 1) * d];
@@ -48,8 +50,7 @@ pub fn attend_latent(q_lat: &[f32], q_rot: &[f32], latents: &[f32], rots: &[f32]
     for (j, slot) in s.iter_mut().enumerate() {
         let c = &latents[j * rank..(j + 1) * rank];
         let r = &rots[j * rope..(j + 1) * rope];
-        let dot = q_lat.iter().zip(c).map(|(a, b)| a * b).sum::<f32>() + q_rot.iter().zip(r).map(|(a, b)| a * b).sum::<f32>();
-        *slot = dot * scale;
+        *slot = (dot(&WeightRow::F32(c), q_lat) + dot(&WeightRow::F32(r), q_rot)) * scale;
     }
     softmax_in_place(s);
     out.iter_mut().for_each(|v| *v = 0.0);
