@@ -93,9 +93,7 @@ fn memory_bandwidth(threads: usize) -> f64 {
 }
 
 fn peak_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    crate::engine::proc_kb_field("/proc/self/status", "VmHWM")
 }
 
 pub struct BenchOptions {

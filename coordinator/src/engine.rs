@@ -147,11 +147,16 @@ impl Default for ExpertOptions {
 /// Bytes kept free for everything else when `--ram-gb auto`.
 const AUTO_RESERVE_BYTES: u64 = 1 << 30;
 
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+/// A `Key:   N kB` field of a /proc file, in bytes.
+pub(crate) fn proc_kb_field(path: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(':')))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+fn mem_available() -> Option<u64> {
+    proc_kb_field("/proc/meminfo", "MemAvailable")
 }
 
 impl Engine {

@@ -154,6 +154,12 @@ impl Container {
         self.locations.get(layer)?.get(expert).copied()
     }
 
+    /// Bytes one expert takes in memory once read: its matrices and scales, not the blob padding.
+    pub fn expert_bytes(&self) -> u64 {
+        let (sections, _) = expert_blob::layout(self.scheme, self.manifest.hidden_size, self.manifest.expert_intermediate_size);
+        sections.iter().map(|(_, len)| *len as u64).sum()
+    }
+
     pub fn experts_path(&self) -> PathBuf {
         self.dir.join(EXPERTS_FILE)
     }
@@ -163,6 +169,14 @@ impl Container {
     pub fn fingerprint(&self) -> String {
         fingerprint_of(&self.manifest.source_fingerprint, &self.manifest.expert_quant, &self.manifest.dense_quant)
     }
+}
+
+/// The manifest alone, parsed but not checked against a spec (to compare one container with
+/// another: a finished conversion, a mirror).
+pub fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
+    let path = dir.join(MANIFEST_FILE);
+    let value = shimmer_common::spec::read_json_file(&path, MAX_MANIFEST_BYTES)?;
+    serde_json::from_value(value).map_err(|e| LoadError::malformed(&path, format!("invalid manifest: {e}")))
 }
 
 pub fn fingerprint_of(source: &str, expert_quant: &str, dense_quant: &str) -> String {

@@ -22,7 +22,7 @@ use shimmer_common::quant::{self, QuantScheme};
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec, StDtype};
 
-use crate::container::{self, BlobEntry, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+use crate::container::{self, BlobEntry, Container, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 
 /// Present while a conversion is unfinished (removed after the manifest is in place).
 pub const JOURNAL_FILE: &str = ".shimmer-convert.json";
@@ -331,8 +331,8 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     let expert_quant = opts.expert_quant.name();
     let dense_quant = opts.dense_quant.name();
 
-    if Container::is_finished(to) {
-        let done = Container::open_manifest_only(to)?;
+    if Container::is_container(to) {
+        let done = container::read_manifest(to)?;
         if done.source_fingerprint == source_fingerprint && done.expert_quant == expert_quant && done.dense_quant == dense_quant {
             // A run stopped between the manifest and removing its journal: finish tidying.
             let stale = to.join(JOURNAL_FILE);
@@ -482,19 +482,4 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     write_atomic(&to.join(MANIFEST_FILE), &json, &mut crash)?;
     std::fs::remove_file(&journal_path).map_err(io(&journal_path))?;
     Ok(ConvertReport { already_done: false, blobs: keys.len(), resumed_blobs: resumed, experts_bytes: experts_total, dense_bytes: dense_total })
-}
-
-use crate::container::Container;
-
-impl Container {
-    fn is_finished(dir: &Path) -> bool {
-        Container::is_container(dir)
-    }
-
-    /// The manifest alone, for comparing a finished conversion with a requested one.
-    fn open_manifest_only(dir: &Path) -> Result<Manifest, LoadError> {
-        let path = dir.join(MANIFEST_FILE);
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
-        serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(&path, format!("invalid manifest: {e}")))
-    }
 }

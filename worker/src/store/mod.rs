@@ -41,9 +41,7 @@ pub const DEFAULT_IO_DEPTH: usize = 16;
 /// the store counts them against a budget.
 pub fn expert_bytes_of(dir: &std::path::Path, spec: &ModelSpec) -> Result<u64, shimmer_common::LoadError> {
     if crate::container::Container::is_container(dir) {
-        let c = crate::container::Container::open(dir, spec)?;
-        let (sections, _) = shimmer_common::expert_blob::layout(c.scheme, spec.hidden_size, spec.moe.expert_intermediate_size);
-        return Ok(sections.iter().map(|(_, len)| *len as u64).sum());
+        return Ok(crate::container::Container::open(dir, spec)?.expert_bytes());
     }
     Ok(Source::checkpoint(std::sync::Arc::new(shimmer_common::Checkpoint::open(dir)?), spec).expert_bytes())
 }
@@ -140,7 +138,8 @@ struct Queues {
     demand: VecDeque<Job>,
     prefetch: VecDeque<Job>,
     running_prefetch: usize,
-    /// Hint-issued prefetches queued or running (bounded so stale hints do not pile up).
+    /// Prefetches (hinted or warming pins) queued or running; hints stop at `io_depth` of them so
+    /// stale hints do not pile up.
     hinted_outstanding: usize,
     shutdown: bool,
 }
@@ -322,6 +321,8 @@ impl ExpertStore {
             }
         }
         let mut q = lock(&inner.queues);
+        // Counted like hint-issued prefetches: readers uncount every prefetch they finish.
+        q.hinted_outstanding += jobs.len();
         q.prefetch.extend(jobs);
         inner.work.notify_all();
     }
@@ -461,11 +462,6 @@ impl Inner {
     }
 }
 
-enum Need {
-    Ready(Arc<Expert>),
-    Waiting(Arc<Pending>),
-}
-
 impl ExpertDispatch for ExpertStore {
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
         let inner = &self.inner;
@@ -477,7 +473,9 @@ impl ExpertDispatch for ExpertStore {
                 u.record(layer, *e as usize);
             }
         }
-        let mut needs: Vec<(usize, Need)> = Vec::new();
+        // Resident experts, and those being read (by this batch or an earlier prefetch).
+        let mut ready: Vec<(usize, Arc<Expert>)> = Vec::new();
+        let mut waiting: Vec<(usize, Arc<Pending>)> = Vec::new();
         let mut jobs = Vec::new();
         {
             let mut st = lock(&inner.state);
@@ -493,14 +491,14 @@ impl ExpertDispatch for ExpertStore {
                 if st.prefetched_unused.remove(&key) {
                     inner.counters.prefetch_useful.fetch_add(1, Ordering::Relaxed);
                 }
-                let need = match st.slots.get(&key) {
+                match st.slots.get(&key) {
                     Some(Slot::Ready(x)) => {
                         inner.counters.ram_hits.fetch_add(1, Ordering::Relaxed);
-                        Need::Ready(x.clone())
+                        ready.push((e, x.clone()));
                     }
                     Some(Slot::Loading(p)) => {
                         inner.counters.in_flight_hits.fetch_add(1, Ordering::Relaxed);
-                        Need::Waiting(p.clone())
+                        waiting.push((e, p.clone()));
                     }
                     None => {
                         inner.counters.disk_misses.fetch_add(1, Ordering::Relaxed);
@@ -509,29 +507,20 @@ impl ExpertDispatch for ExpertStore {
                             st.slots.insert(key, Slot::Loading(pending.clone()));
                         }
                         jobs.push(Job { key, layer, expert: e, pending: pending.clone(), prefetch: false });
-                        Need::Waiting(pending)
+                        waiting.push((e, pending));
                     }
-                };
-                needs.push((e, need));
+                }
             }
         }
         {
             // Demand first; a queued prefetch this batch now needs is promoted to demand.
             let mut q = lock(&inner.queues);
-            let waiting: Vec<&Arc<Pending>> = needs.iter().filter_map(|(_, n)| if let Need::Waiting(p) = n { Some(p) } else { None }).collect();
-            q.promote(&waiting);
+            let pendings: Vec<&Arc<Pending>> = waiting.iter().map(|(_, p)| p).collect();
+            q.promote(&pendings);
             q.demand.extend(jobs);
             inner.work.notify_all();
         }
         // Compute what is ready while the rest is read; then each read expert as it arrives.
-        let mut ready: Vec<(usize, Arc<Expert>)> = Vec::new();
-        let mut waiting: Vec<(usize, Arc<Pending>)> = Vec::new();
-        for (e, n) in needs {
-            match n {
-                Need::Ready(x) => ready.push((e, x)),
-                Need::Waiting(p) => waiting.push((e, p)),
-            }
-        }
         loop {
             if !ready.is_empty() {
                 let work: Vec<(&Expert, &[(usize, f32)])> = ready.iter().map(|(e, x)| (x.as_ref(), users[*e].as_slice())).collect();

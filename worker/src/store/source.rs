@@ -114,10 +114,7 @@ impl Source {
     pub fn container(container: Container, mirror: Option<&Path>, direct: bool) -> Result<Self, LoadError> {
         let mut drives = vec![Drive { path: container.experts_path(), file: open_drive(&container.experts_path(), direct)?, weight: 1.0 }];
         if let Some(m) = mirror {
-            let manifest_path = m.join(crate::container::MANIFEST_FILE);
-            let bytes = std::fs::read(&manifest_path).map_err(|e| LoadError::io(&manifest_path, e))?;
-            let theirs: crate::container::Manifest = serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(&manifest_path, format!("invalid manifest: {e}")))?;
-            if theirs != container.manifest {
+            if crate::container::read_manifest(m)? != container.manifest {
                 return Err(LoadError::malformed(m, "--mirror holds a different container than the model directory (manifests differ)"));
             }
             let path = m.join(crate::container::EXPERTS_FILE);
@@ -168,11 +165,7 @@ impl Source {
     /// Bytes one expert occupies in memory once read.
     pub fn expert_bytes(&self) -> u64 {
         match self {
-            Source::Container { container, .. } => {
-                let m = &container.manifest;
-                let (sections, _) = expert_blob::layout(container.scheme, m.hidden_size, m.expert_intermediate_size);
-                sections.iter().map(|(_, len)| *len as u64).sum()
-            }
+            Source::Container { container, .. } => container.expert_bytes(),
             Source::Checkpoint { ckpt, hidden, intermediate, names, first_moe } => {
                 // The first MoE layer's expert 0 tells the stored dtype.
                 let size = |name: &str| ckpt.raw(name).map(|r| r.bytes.len() as u64).unwrap_or((hidden * intermediate * 2) as u64);
