@@ -3,8 +3,8 @@
 //!
 //! A blob holds six sections in this order: gate data, gate scales, up data, up scales, down data,
 //! down scales (gate and up are `intermediate × hidden`, down is `hidden × intermediate`). Data is
-//! bf16 words, int8 values or packed int4 nibbles as `quant.rs` defines them; scales are f32 (empty
-//! for bf16). Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
+//! bf16 words, int8 values or packed int4/e2m1 nibbles as `quant.rs` defines them; scales are f32
+//! (empty for bf16), or e8m0 bytes for MXFP4. Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
 //! multiple of 4 KiB so that consecutive blobs stay O_DIRECT-aligned. Everything is little-endian.
 //! The blob's checksum is XXH3-64 of all its bytes, padding included.
 
@@ -28,6 +28,7 @@ fn sizes(scheme: QuantScheme, rows: usize, cols: usize) -> (usize, usize) {
         QuantScheme::Bf16 => (rows * cols * 2, 0),
         QuantScheme::Int8PerRow => (rows * cols, rows * 4),
         QuantScheme::Int4 { group } => (rows * QuantMatrix::bytes_per_row_int4(cols), rows * QuantMatrix::groups_per_row(cols, group) * 4),
+        QuantScheme::Mxfp4 => (rows * QuantMatrix::bytes_per_row_int4(cols), rows * QuantMatrix::groups_per_row(cols, quant::MXFP4_GROUP)),
     }
 }
 
@@ -61,11 +62,15 @@ pub fn encode(scheme: QuantScheme, hidden: usize, intermediate: usize, gate: &[f
             QuantScheme::Bf16 => (w.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(), Vec::new()),
             QuantScheme::Int8PerRow => match quant::quantize_int8(w, *rows, *cols) {
                 QuantMatrix::Int8 { q, scales, .. } => (q.iter().map(|v| *v as u8).collect(), scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
-                QuantMatrix::Int4 { .. } => unreachable!("int8 quantisation returns int8"),
+                _ => unreachable!("int8 quantisation returns int8"),
             },
             QuantScheme::Int4 { group } => match quant::quantize_int4(w, *rows, *cols, group) {
                 QuantMatrix::Int4 { packed, scales, .. } => (packed, scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
-                QuantMatrix::Int8 { .. } => unreachable!("int4 quantisation returns int4"),
+                _ => unreachable!("int4 quantisation returns int4"),
+            },
+            QuantScheme::Mxfp4 => match quant::quantize_mxfp4(w, *rows, *cols) {
+                QuantMatrix::Mxfp4 { packed, scales, .. } => (packed, scales),
+                _ => unreachable!("mxfp4 quantisation returns mxfp4"),
             },
         };
         let (d, s) = (sections[2 * m], sections[2 * m + 1]);
@@ -102,6 +107,7 @@ pub fn decode(blob: &[u8], scheme: QuantScheme, hidden: usize, intermediate: usi
             QuantScheme::Bf16 => StoredMatrix::Bf16 { rows: *rows, cols: *cols, words: data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() },
             QuantScheme::Int8PerRow => StoredMatrix::Quant(QuantMatrix::Int8 { rows: *rows, cols: *cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) }),
             QuantScheme::Int4 { group } => StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales: f32s(scales) }),
+            QuantScheme::Mxfp4 => StoredMatrix::Quant(QuantMatrix::Mxfp4 { rows: *rows, cols: *cols, packed: data.to_vec(), scales: scales.to_vec() }),
         };
         if let StoredMatrix::Quant(q) = &matrix {
             quant::validate(q, what)?;
@@ -130,7 +136,7 @@ mod tests {
     fn every_format_round_trips_through_an_aligned_blob() {
         let (h, i) = (96, 40); // awkward: 40 is not a multiple of 32
         let (g, u, d) = (values(i * h, 1), values(i * h, 2), values(h * i, 3));
-        for scheme in [QuantScheme::Bf16, QuantScheme::Int8PerRow, QuantScheme::Int4 { group: 32 }, QuantScheme::Int4 { group: 64 }, QuantScheme::Int4 { group: 128 }] {
+        for scheme in [QuantScheme::Bf16, QuantScheme::Int8PerRow, QuantScheme::Int4 { group: 32 }, QuantScheme::Int4 { group: 64 }, QuantScheme::Int4 { group: 128 }, QuantScheme::Mxfp4] {
             let blob = encode(scheme, h, i, &g, &u, &d);
             assert_eq!(blob.len() % BLOB_ALIGN, 0, "{scheme:?}");
             let (sections, _) = layout(scheme, h, i);
@@ -147,6 +153,7 @@ mod tests {
                     QuantScheme::Bf16 => orig.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect(),
                     QuantScheme::Int8PerRow => quant::dequantize(&quant::quantize_int8(orig, rows, cols)),
                     QuantScheme::Int4 { group } => quant::dequantize(&quant::quantize_int4(orig, rows, cols, group)),
+                    QuantScheme::Mxfp4 => quant::dequantize(&quant::quantize_mxfp4(orig, rows, cols)),
                 };
                 assert_eq!(restored, want, "{scheme:?} matrix {m}");
             }

@@ -6,7 +6,14 @@
 //!   of a row may be shorter) stores `q = clamp(round(w / s), -8, 7)` with `s = max|w| / 7`, as a
 //!   nibble `q + 8`, two per byte (low nibble first), rows padded to a whole byte; `w ≈ q · s`.
 //!
-//! Only groups of 32, 64 and 128 are valid. Scales are f32. Rounding is half away from zero (`f32::round`). Dequantisation is exact given
+//! - `Mxfp4` (OCP Microscaling, as gpt-oss ships its experts): each run of 32 values in a row
+//!   shares a power-of-two scale `2^(e−127)` stored as one e8m0 byte `e` (255 is NaN and refused);
+//!   each value is an e2m1 nibble (`E2M1`: sign, 2 exponent bits, 1 mantissa bit — ±{0, ½, 1, 1½,
+//!   2, 3, 4, 6}), two per byte, low nibble first, rows padded to a whole byte; `w ≈ e2m1 · 2^(e−127)`.
+//!   Quantising picks `e = ⌊log2 max|w|⌋ − 2 + 127` (the OCP rule; an all-zero group gets e = 0)
+//!   and each value's nearest e2m1 code (ties to the even code), saturating at ±6.
+//!
+//! Only groups of 32, 64 and 128 are valid for int4. Scales are f32. Rounding is half away from zero (`f32::round`). Dequantisation is exact given
 //! q and s, so every kernel that consumes these formats is held to `dequantize` here.
 
 use crate::error::LoadError;
@@ -16,6 +23,7 @@ pub enum QuantScheme {
     Bf16,
     Int8PerRow,
     Int4 { group: usize },
+    Mxfp4,
 }
 
 impl QuantScheme {
@@ -26,7 +34,8 @@ impl QuantScheme {
             "int4-g32" => Ok(QuantScheme::Int4 { group: 32 }),
             "int4-g64" => Ok(QuantScheme::Int4 { group: 64 }),
             "int4-g128" => Ok(QuantScheme::Int4 { group: 128 }),
-            other => Err(format!("unknown quantisation `{other}` (expected bf16, int8, int4-g32, int4-g64 or int4-g128)")),
+            "mxfp4" => Ok(QuantScheme::Mxfp4),
+            other => Err(format!("unknown quantisation `{other}` (expected bf16, int8, int4-g32, int4-g64, int4-g128 or mxfp4)")),
         }
     }
 
@@ -35,6 +44,7 @@ impl QuantScheme {
             QuantScheme::Bf16 => "bf16".into(),
             QuantScheme::Int8PerRow => "int8".into(),
             QuantScheme::Int4 { group } => format!("int4-g{group}"),
+            QuantScheme::Mxfp4 => "mxfp4".into(),
         }
     }
 }
@@ -44,6 +54,8 @@ impl QuantScheme {
 pub enum QuantMatrix {
     Int8 { rows: usize, cols: usize, q: Vec<i8>, scales: Vec<f32> },
     Int4 { rows: usize, cols: usize, group: usize, packed: Vec<u8>, scales: Vec<f32> },
+    /// `scales` are e8m0 bytes, one per 32 values of a row.
+    Mxfp4 { rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8> },
 }
 
 impl QuantMatrix {
@@ -88,6 +100,51 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
     QuantMatrix::Int4 { rows, cols, group, packed, scales }
 }
 
+/// Values per MXFP4 scale.
+pub const MXFP4_GROUP: usize = 32;
+
+/// The e2m1 values by nibble: magnitudes for 0–7, their negatives (−0 first) for 8–15.
+pub static E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// An e8m0 scale byte: `2^(e−127)` (exact in f32, 2⁻¹²⁷ being subnormal); 255 is NaN.
+#[inline]
+pub fn e8m0_to_f32(e: u8) -> f32 {
+    match e {
+        255 => f32::NAN,
+        0 => f32::from_bits(0x0040_0000),
+        e => f32::from_bits((e as u32) << 23),
+    }
+}
+
+pub fn quantize_mxfp4(w: &[f32], rows: usize, cols: usize) -> QuantMatrix {
+    let bpr = QuantMatrix::bytes_per_row_int4(cols);
+    let mut packed = vec![0u8; rows * bpr];
+    let mut scales = Vec::with_capacity(rows * QuantMatrix::groups_per_row(cols, MXFP4_GROUP));
+    for (r, row) in w.chunks_exact(cols).enumerate() {
+        for (g, chunk) in row.chunks(MXFP4_GROUP).enumerate() {
+            let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let e = if max > 0.0 && max.is_finite() { (max.log2().floor() as i32 - 2 + 127).clamp(0, 254) as u8 } else { 0 };
+            scales.push(e);
+            let s = e8m0_to_f32(e);
+            for (i, v) in chunk.iter().enumerate() {
+                let x = (v / s).clamp(-6.0, 6.0);
+                // The nearest of the eight magnitudes; ties go to the even code.
+                let mut best = 0usize;
+                for (k, m) in E2M1[..8].iter().enumerate() {
+                    let (d, db) = ((x.abs() - m).abs(), (x.abs() - E2M1[best]).abs());
+                    if d < db || (d == db && k % 2 == 0 && best % 2 == 1) {
+                        best = k;
+                    }
+                }
+                let nib = best as u8 | if x.is_sign_negative() && best != 0 { 8 } else { 0 };
+                let c = g * MXFP4_GROUP + i;
+                packed[r * bpr + c / 2] |= if c % 2 == 0 { nib } else { nib << 4 };
+            }
+        }
+    }
+    QuantMatrix::Mxfp4 { rows, cols, packed, scales }
+}
+
 /// The exact f32 values a quantised matrix stands for.
 pub fn dequantize(m: &QuantMatrix) -> Vec<f32> {
     match m {
@@ -104,6 +161,18 @@ pub fn dequantize(m: &QuantMatrix) -> Vec<f32> {
             }
             out
         }
+        QuantMatrix::Mxfp4 { rows, cols, packed, scales } => {
+            let (bpr, gpr) = (QuantMatrix::bytes_per_row_int4(*cols), QuantMatrix::groups_per_row(*cols, MXFP4_GROUP));
+            let mut out = Vec::with_capacity(rows * cols);
+            for r in 0..*rows {
+                for c in 0..*cols {
+                    let byte = packed[r * bpr + c / 2];
+                    let nib = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                    out.push(E2M1[nib as usize] * e8m0_to_f32(scales[r * gpr + c / MXFP4_GROUP]));
+                }
+            }
+            out
+        }
     }
 }
 
@@ -114,8 +183,15 @@ pub fn validate(m: &QuantMatrix, what: &str) -> Result<(), LoadError> {
         QuantMatrix::Int4 { rows, cols, group, packed, scales } => {
             matches!(*group, 32 | 64 | 128) && packed.len() == rows * QuantMatrix::bytes_per_row_int4(*cols) && scales.len() == rows * QuantMatrix::groups_per_row(*cols, *group)
         }
+        QuantMatrix::Mxfp4 { rows, cols, packed, scales } => {
+            packed.len() == rows * QuantMatrix::bytes_per_row_int4(*cols) && scales.len() == rows * QuantMatrix::groups_per_row(*cols, MXFP4_GROUP)
+        }
     };
-    if ok && match m { QuantMatrix::Int8 { scales, .. } | QuantMatrix::Int4 { scales, .. } => scales.iter().all(|s| s.is_finite() && *s >= 0.0) } {
+    let scales_ok = match m {
+        QuantMatrix::Int8 { scales, .. } | QuantMatrix::Int4 { scales, .. } => scales.iter().all(|s| s.is_finite() && *s >= 0.0),
+        QuantMatrix::Mxfp4 { scales, .. } => !scales.contains(&255),
+    };
+    if ok && scales_ok {
         Ok(())
     } else {
         Err(LoadError::malformed(what, "quantised data does not match its shape, or a scale is negative or not finite"))
@@ -207,6 +283,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn mxfp4_round_trip_picks_the_nearest_code_on_the_ocp_scale() {
+        for &(rows, cols) in &[(1, 1), (2, 31), (3, 100), (4, 257)] {
+            let w = data(rows, cols, 5);
+            let m = quantize_mxfp4(&w, rows, cols);
+            validate(&m, "test").unwrap();
+            let QuantMatrix::Mxfp4 { scales, .. } = &m else { unreachable!() };
+            let gpr = QuantMatrix::groups_per_row(cols, MXFP4_GROUP);
+            let back = dequantize(&m);
+            for (i, (a, b)) in w.iter().zip(&back).enumerate() {
+                let s = e8m0_to_f32(scales[(i / cols) * gpr + (i % cols) / MXFP4_GROUP]);
+                // No representable value is nearer than the chosen one.
+                let best = E2M1.iter().map(|v| (a - v * s).abs()).fold(f32::INFINITY, f32::min);
+                assert_eq!((a - b).abs(), best, "{rows}x{cols} #{i}: {a} -> {b} (scale {s})");
+            }
+        }
+        assert_eq!(e8m0_to_f32(127), 1.0);
+        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
+        assert_eq!(e8m0_to_f32(254), 2f32.powi(127));
+        assert!(e8m0_to_f32(255).is_nan());
+        // A group's maximum lands in [4, 8) · scale, so 6 saturates the top; zeros stay zeros.
+        let m = quantize_mxfp4(&[7.0, -1.0, 0.0, 0.25], 1, 4);
+        assert_eq!(dequantize(&m), vec![6.0, -1.0, 0.0, 0.0]);
+        let bad = QuantMatrix::Mxfp4 { rows: 1, cols: 4, packed: vec![0, 0], scales: vec![255] };
+        assert!(validate(&bad, "t").is_err());
     }
 
     #[test]

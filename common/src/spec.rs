@@ -249,6 +249,19 @@ pub struct ModelSpec {
     pub eos_token_ids: Vec<u32>,
     /// `torch_dtype` / `dtype` as declared; tensors are still checked one by one.
     pub declared_dtype: Option<FloatType>,
+    /// The side of the square blocks an fp8-e4m3 checkpoint's `<name>_scale_inv` scales cover
+    /// (`quantization_config.weight_block_size`; 128, DeepSeek-V3's, when absent).
+    pub fp8_block: usize,
+}
+
+/// `quantization_config.weight_block_size` (two equal sizes), or 128 when the config has none.
+fn fp8_block_size(config: &Value) -> FieldResult<usize> {
+    let Some(qc) = config.get("quantization_config") else { return Ok(128) };
+    match qc.get("weight_block_size").and_then(|v| v.as_array()).map(|a| a.iter().map(|x| x.as_u64()).collect::<Vec<_>>()) {
+        None => Ok(128),
+        Some(b) if b.len() == 2 && b[0] == b[1] && b[0].is_some_and(|x| x > 0 && x <= 1 << 16) => Ok(b[0].unwrap_or(128) as usize),
+        Some(_) => Err(FieldError::new("quantization_config.weight_block_size", "expected two equal positive block sizes")),
+    }
 }
 
 impl ModelSpec {
@@ -270,7 +283,8 @@ impl ModelSpec {
             problem: e.problem,
         };
         let entry = find_family(&obj, path)?;
-        let spec = (entry.parse)(&obj).map_err(field_err)?;
+        let mut spec = (entry.parse)(&obj).map_err(field_err)?;
+        spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
         spec.check().map_err(field_err)?;
         Ok(spec)
     }
@@ -464,6 +478,7 @@ pub(crate) fn build(
     let rope = parse_rope(obj, d.rope_theta)?;
     let FamilyParts { attention, layers, moe, expert_names } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
     Ok(ModelSpec {
+        fp8_block: 128,
         family,
         architecture,
         vocab_size: obj.positive("vocab_size")?,

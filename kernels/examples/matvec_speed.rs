@@ -4,7 +4,7 @@
 //!     cargo run --release -p shimmer-kernels --example matvec_speed [rows] [cols]
 use std::time::Instant;
 
-use shimmer_common::quant::{quantize_int4, quantize_int8};
+use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
 use shimmer_kernels::{Matrix, WeightData};
 
 fn main() {
@@ -22,6 +22,8 @@ fn main() {
         ("bf16", Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) }),
         ("int8", Matrix::from_quant(quantize_int8(&w, rows, cols))),
         ("int4-g32", Matrix::from_quant(quantize_int4(&w, rows, cols, 32))),
+        ("mxfp4", Matrix::from_quant(quantize_mxfp4(&w, rows, cols))),
+        ("fp8-b128", fp8(&w, rows, cols)),
     ];
     println!("{rows}×{cols}, kernels: {}", shimmer_kernels::dot::isa().name());
     for (name, m) in &formats {
@@ -37,4 +39,26 @@ fn main() {
             println!("{name:9} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
         }
     }
+}
+
+/// `w` as block-scaled fp8 (128×128 blocks, each scaled so its largest value is 448).
+fn fp8(w: &[f32], rows: usize, cols: usize) -> Matrix {
+    let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+    let mut scales = vec![0.0f32; br * bc];
+    for (i, v) in w.iter().enumerate() {
+        let s = &mut scales[(i / cols / 128) * bc + (i % cols) / 128];
+        *s = s.max(v.abs() / 448.0);
+    }
+    // Nearest fp8 code by search: a benchmark fixture, not a quantiser.
+    let table: Vec<(f32, u8)> = (0u8..=255).filter(|b| b & 0x7f != 0x7f).map(|b| (shimmer_common::quant::fp8_e4m3_to_f32(b), b)).collect();
+    let q = w
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let s = scales[(i / cols / 128) * bc + (i % cols) / 128];
+            let t = if s > 0.0 { v / s } else { 0.0 };
+            table.iter().min_by(|a, b| (a.0 - t).abs().total_cmp(&(b.0 - t).abs())).map_or(0, |x| x.1)
+        })
+        .collect();
+    Matrix::from_fp8_blocks(rows, cols, q, scales, 128).expect("valid fp8 fixture")
 }

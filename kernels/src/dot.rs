@@ -2,8 +2,9 @@
 //! that every implementation gives the same bits.
 //!
 //! **The canonical order.** For a weight row `w` (decoded to the exact f32 values the format
-//! defines: bf16/f16 widened; int4 `(nibble − 8)·s_group`, each product rounded once, exactly as
-//! `shimmer_common::quant::dequantize`; int8 rows use the integer `q` here and their one row scale
+//! defines: bf16/f16 widened; int4 `(nibble − 8)·s_group`, fp8-e4m3 `fp8(q)·s_block` and MXFP4
+//! `e2m1(nibble)·2^(e−127)`, each product rounded once, exactly as `shimmer_common::quant`'s
+//! dequantisers; int8 rows use the integer `q` here and their one row scale
 //! multiplies the reduced sum, `result = s · acc[0]`, which saves a multiply per weight) and an
 //! activation row `x` of length `n`, both zero-padded to a multiple of 64:
 //!
@@ -15,7 +16,7 @@
 //! ```
 //!
 //! The scalar code below is that definition; AVX-512 keeps the 64 lanes in four registers, AVX2
-//! in eight, and each reduces in the same tree. Sixty-four lanes (not 16) give each core four
+//! in eight, NEON in sixteen, and each reduces in the same tree. Sixty-four lanes (not 16) give each core four
 //! independent FMA chains, so decode is not bound by FMA latency. So a row's result does not depend on the ISA, on
 //! threads, or on which other rows share a call (a batch processes several activation rows per
 //! pass over a weight row, each with its own accumulators) — batch invariance and cross-machine
@@ -24,6 +25,8 @@
 //! Must never: reorder a sum for speed, or quantise activations (both would change results).
 
 use std::sync::OnceLock;
+
+use shimmer_common::quant;
 
 pub const LANES: usize = 64;
 
@@ -36,6 +39,10 @@ pub enum WeightRow<'a> {
     Int8 { q: &'a [i8], scale: f32 },
     /// `packed` holds `ceil(n/2)` bytes (low nibble first); `scales` one per `group` values.
     Int4 { packed: &'a [u8], scales: &'a [f32], group: usize, n: usize },
+    /// fp8-e4m3 bytes with one f32 scale per `group` columns (a block-scaled checkpoint's row).
+    Fp8 { q: &'a [u8], scales: &'a [f32], group: usize },
+    /// MXFP4: e2m1 nibbles (low first, `ceil(n/2)` bytes) with one e8m0 scale per 32 values.
+    Mxfp4 { packed: &'a [u8], scales: &'a [u8], n: usize },
 }
 
 impl WeightRow<'_> {
@@ -44,7 +51,8 @@ impl WeightRow<'_> {
             WeightRow::F32(v) => v.len(),
             WeightRow::Bf16(v) | WeightRow::F16(v) => v.len(),
             WeightRow::Int8 { q, .. } => q.len(),
-            WeightRow::Int4 { n, .. } => *n,
+            WeightRow::Int4 { n, .. } | WeightRow::Mxfp4 { n, .. } => *n,
+            WeightRow::Fp8 { q, .. } => q.len(),
         }
     }
 
@@ -84,6 +92,22 @@ impl WeightRow<'_> {
                 let nib = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
                 (nib as i32 - 8) as f32 * scales[i / group]
             }
+            WeightRow::Fp8 { q, scales, group } => quant::fp8_e4m3_to_f32(q[i]) * scales[i / group],
+            WeightRow::Mxfp4 { packed, scales, .. } => {
+                let byte = packed[i / 2];
+                let nib = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                quant::E2M1[nib as usize] * quant::e8m0_to_f32(scales[i / quant::MXFP4_GROUP])
+            }
+        }
+    }
+
+    /// Whether two rows are stored alike (same format and grouping), so one pass can decode both.
+    fn same_format(&self, other: &WeightRow<'_>) -> bool {
+        use WeightRow::*;
+        match (self, other) {
+            (F32(_), F32(_)) | (Bf16(_), Bf16(_)) | (F16(_), F16(_)) | (Int8 { .. }, Int8 { .. }) | (Mxfp4 { .. }, Mxfp4 { .. }) => true,
+            (Int4 { group: a, .. }, Int4 { group: b, .. }) | (Fp8 { group: a, .. }, Fp8 { group: b, .. }) => a == b,
+            _ => false,
         }
     }
 }
@@ -94,8 +118,10 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX-512F (+ the above).
+    /// AVX-512F/BW (+ the above).
     Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
 }
 
 impl Isa {
@@ -104,6 +130,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma",
             Isa::Avx512 => "avx512f",
+            Isa::Neon => "neon",
         }
     }
 
@@ -114,20 +141,22 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Isa::Avx2.available() && std::is_x86_feature_detected!("avx512f"),
-            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 => Isa::Avx2.available() && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
             _ => false,
         }
     }
 
     /// Every ISA this machine can run, best last.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.available()).collect()
+        [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.available()).collect()
     }
 }
 
-/// The ISA the kernels use: the best available, or `SHIMMER_ISA` (scalar, avx2, avx512) when it
-/// names one the machine has. Chosen once per process.
+/// The ISA the kernels use: the best available, or `SHIMMER_ISA` (scalar, avx2, avx512, neon)
+/// when it names one the machine has. Chosen once per process.
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -135,6 +164,7 @@ pub fn isa() -> Isa {
             Ok("scalar") => Some(Isa::Scalar),
             Ok("avx2") => Some(Isa::Avx2),
             Ok("avx512") => Some(Isa::Avx512),
+            Ok("neon") => Some(Isa::Neon),
             _ => None,
         };
         match wanted {
@@ -153,42 +183,78 @@ pub fn dot(w: &WeightRow<'_>, x: &[f32]) -> f32 {
 /// `w · xs[k]` for `N` activation rows in one pass over `w`; each result is exactly `dot(w, xs[k])`.
 #[inline]
 pub fn dots<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
-    for x in &xs {
-        assert!(x.len() >= w.len(), "activation row shorter than the weight row");
-    }
-    dots_checked::<N>(isa(), w, xs)
+    dots_rows::<1, N>([w], xs)[0]
+}
+
+/// `ws[m] · xs[k]` for `M` weight rows (of one length) and `N` activation rows in one pass:
+/// each activation chunk is loaded once for all `M` rows (the expert FFN's gate and up). Every
+/// result is exactly `dot(ws[m], xs[k])`.
+#[inline]
+pub fn dots_rows<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
+    dots_rows_with(isa(), ws, xs)
 }
 
 /// `dots` with a given ISA (which must be available).
 pub fn dots_with<const N: usize>(isa: Isa, w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
+    dots_rows_with::<1, N>(isa, [w], xs)[0]
+}
+
+/// `dots_rows` with a given ISA (which must be available).
+pub fn dots_rows_with<const M: usize, const N: usize>(isa: Isa, ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
+    let Some(first) = ws.first() else { return [[0.0; N]; M] };
+    for w in &ws {
+        assert_eq!(w.len(), first.len(), "weight rows of one pass differ in length");
+    }
     for x in &xs {
-        assert!(x.len() >= w.len(), "activation row shorter than the weight row");
+        assert!(x.len() >= first.len(), "activation row shorter than the weight row");
     }
     assert!(isa.available(), "{} is not available on this machine", isa.name());
-    dots_checked(isa, w, xs)
+    if M > 1 && !ws.iter().all(|w| w.same_format(first)) {
+        // Rows stored differently cannot share a decode; each goes alone (same bits).
+        let mut out = [[0.0; N]; M];
+        for (o, w) in out.iter_mut().zip(ws) {
+            *o = dots_checked::<1, N>(isa, [w], xs)[0];
+        }
+        return out;
+    }
+    dots_checked(isa, ws, xs)
 }
 
 /// Activation rows per pass over a weight row that keep every accumulator in registers.
 pub fn batch_width() -> usize {
     match isa() {
         Isa::Avx512 => 4,
-        _ => 2,
+        Isa::Avx2 => 2,
+        _ => 1,
+    }
+}
+
+/// Activation rows per fused pass over two weight rows (gate and up).
+pub fn pair_batch_width() -> usize {
+    match isa() {
+        Isa::Avx512 => 2,
+        _ => 1,
     }
 }
 
 #[inline]
-fn dots_checked<const N: usize>(isa: Isa, w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
+fn dots_checked<const M: usize, const N: usize>(isa: Isa, ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: only ISAs `Isa::available` confirmed reach here (`isa()` returns only those,
-        // `dots_with` asserts it).
-        Isa::Avx512 => unsafe { x86::dots_avx512::<N>(w, xs) },
+        // `dots_rows_with` asserts it); rows share one length and format, activations are long
+        // enough (checked by the callers above).
+        Isa::Avx512 => unsafe { x86::dots_avx512::<M, N>(ws, xs) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dots_avx2::<N>(w, xs) },
+        Isa::Avx2 => unsafe { x86::dots_avx2::<M, N>(ws, xs) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::dots_neon::<M, N>(ws, xs) },
         _ => {
-            let mut out = [0.0; N];
-            for (o, x) in out.iter_mut().zip(xs) {
-                *o = dot_scalar(w, x);
+            let mut out = [[0.0; N]; M];
+            for (o, w) in out.iter_mut().zip(ws) {
+                for (slot, x) in o.iter_mut().zip(xs) {
+                    *slot = dot_scalar(w, x);
+                }
             }
             out
         }
@@ -240,9 +306,59 @@ fn tail_chunk(w: &WeightRow<'_>, x: &[f32], start: usize, n: usize) -> ([f32; LA
     (wt, xt)
 }
 
+/// Where a row's bytes start and how many bytes one 64-lane chunk spans (for prefetching).
+#[allow(dead_code)]
+fn stream(w: &WeightRow<'_>) -> (*const u8, usize) {
+    match *w {
+        WeightRow::F32(v) => (v.as_ptr() as *const u8, 256),
+        WeightRow::Bf16(v) | WeightRow::F16(v) => (v.as_ptr() as *const u8, 128),
+        WeightRow::Int8 { q, .. } => (q.as_ptr() as *const u8, 64),
+        WeightRow::Fp8 { q, .. } => (q.as_ptr(), 64),
+        WeightRow::Int4 { packed, .. } | WeightRow::Mxfp4 { packed, .. } => (packed.as_ptr(), 32),
+    }
+}
+
+/// `[f(0), f(1), f(2), f(3)]`, spelt out (`array::map` with a closure does not always inline
+/// into the hot loop).
+#[allow(unused_macros)]
+macro_rules! quad {
+    (|$j:ident| $e:expr) => {
+        [
+            {
+                let $j = 0usize;
+                $e
+            },
+            {
+                let $j = 1usize;
+                $e
+            },
+            {
+                let $j = 2usize;
+                $e
+            },
+            {
+                let $j = 3usize;
+                $e
+            },
+        ]
+    };
+}
+
+/// The parts of `M` rows known to share a format (`same_format`), one array per field.
+#[allow(unused_macros)]
+macro_rules! fields {
+    ($ws:expr, $pat:pat => $val:expr) => {
+        $ws.map(|w| match *w {
+            $pat => $val,
+            _ => unreachable!("rows of one pass share a format"),
+        })
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{tail_chunk, WeightRow, LANES};
+    use super::{stream, tail_chunk, WeightRow, LANES};
+    use shimmer_common::quant::{e8m0_to_f32, E2M1, MXFP4_GROUP};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -268,78 +384,126 @@ mod x86 {
         reduce512(_mm512_add_ps(t0, t1)) // s = 16, then 8, 4, 2, 1
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn dots_avx512<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
-        let n = w.len();
+    /// 32 packed bytes (64 nibbles, low first) → four vectors of 16 nibble values as bytes, in
+    /// element order.
+    #[inline(always)]
+    unsafe fn nibbles64(p: *const u8) -> [__m128i; 4] {
+        let b = _mm256_loadu_si256(p as *const __m256i);
+        let mask = _mm256_set1_epi8(0x0f);
+        let lo = _mm256_and_si256(b, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+        // Per 128-bit lane, unpacklo gives bytes 0–7 interleaved (elements 0–15 and 32–47),
+        // unpackhi bytes 8–15 (elements 16–31 and 48–63).
+        let i0 = _mm256_unpacklo_epi8(lo, hi);
+        let i1 = _mm256_unpackhi_epi8(lo, hi);
+        [_mm256_castsi256_si128(i0), _mm256_castsi256_si128(i1), _mm256_extracti128_si256(i0, 1), _mm256_extracti128_si256(i1, 1)]
+    }
+
+    /// 16 fp8-e4m3 bytes → their f32 values: re-biased into f16 (which handles the subnormals
+    /// exactly), widened, times 2⁸; `S.1111.111` (which lands on ±480) becomes NaN.
+    #[inline(always)]
+    unsafe fn fp8x16(p: *const u8) -> __m512 {
+        let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+        let h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8), _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+        let f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0));
+        let nan = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(f), _mm512_set1_ps(480.0));
+        _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(f32::NAN))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(super) unsafe fn dots_avx512<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
+        let n = ws[0].len();
         let full = n / LANES;
-        let mut acc = [[_mm512_setzero_ps(); 4]; N];
-        // Weight bytes per 64-lane chunk, and where the row's bytes start: each chunk asks for
-        // the line eight chunks ahead (rows are contiguous, so this runs on into the next row),
-        // which keeps small matrices — an expert is ~1 MB — streaming at DRAM speed.
-        let (base, chunk_bytes): (*const u8, usize) = match *w {
-            WeightRow::F32(v) => (v.as_ptr() as *const u8, 256),
-            WeightRow::Bf16(v) | WeightRow::F16(v) => (v.as_ptr() as *const u8, 128),
-            WeightRow::Int8 { q, .. } => (q.as_ptr() as *const u8, 64),
-            WeightRow::Int4 { packed, .. } => (packed.as_ptr(), 32),
-        };
+        let mut acc = [[[_mm512_setzero_ps(); 4]; N]; M];
+        let streams = ws.map(stream);
+        // `$decode` gives chunk `$c` of row `$m` as four vectors of 16 lanes. Each chunk asks
+        // for the line eight chunks ahead (rows are contiguous, so this runs on into the next
+        // row), which keeps small matrices — an expert is ~1 MB — streaming at DRAM speed; the
+        // nibble formats run compute-bound and skip it.
         macro_rules! run {
-            ($i:ident => $decode:expr) => {
-                for c in 0..full {
-                    let ahead = base.wrapping_add((c + 8) * chunk_bytes);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-                    if chunk_bytes > 64 {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);
-                    }
-                    for j in 0..4 {
-                        let $i = c * LANES + j * 16;
-                        let wv: __m512 = $decode;
-                        for k in 0..N {
-                            acc[k][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[k].as_ptr().add($i)), acc[k][j]);
+            (|$m:ident, $c:ident| $decode:expr) => {
+                for $c in 0..full {
+                    for $m in 0..M {
+                        let (base, chunk_bytes) = streams[$m];
+                        if chunk_bytes >= 64 {
+                            let ahead = base.wrapping_add(($c + 8) * chunk_bytes);
+                            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                            if chunk_bytes > 64 {
+                                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);
+                            }
+                        }
+                        let wv: [__m512; 4] = $decode;
+                        for j in 0..4 {
+                            for k in 0..N {
+                                acc[$m][k][j] = _mm512_fmadd_ps(wv[j], _mm512_loadu_ps(xs[k].as_ptr().add($c * LANES + j * 16)), acc[$m][k][j]);
+                            }
                         }
                     }
                 }
             };
         }
-        match *w {
-            WeightRow::F32(v) => run!(i => _mm512_loadu_ps(v.as_ptr().add(i))),
-            WeightRow::Bf16(v) => run!(i => _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(v.as_ptr().add(i) as *const __m256i)), 16))),
-            WeightRow::F16(v) => run!(i => _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(i) as *const __m256i))),
-            WeightRow::Int8 { q, .. } => run!(i => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr().add(i) as *const __m128i)))),
-            WeightRow::Int4 { packed, scales, group, .. } => {
-                // 64 nibbles (32 bytes) per chunk: split and interleave once, widen per 16.
+        match *ws[0] {
+            WeightRow::F32(_) => {
+                let v = fields!(ws, WeightRow::F32(v) => v.as_ptr());
+                run!(|m, c| quad!(|j| _mm512_loadu_ps(v[m].add(c * LANES + j * 16))))
+            }
+            WeightRow::Bf16(_) => {
+                let v = fields!(ws, WeightRow::Bf16(v) => v.as_ptr());
+                run!(|m, c| quad!(|j| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(v[m].add(c * LANES + j * 16) as *const __m256i)), 16))))
+            }
+            WeightRow::F16(_) => {
+                let v = fields!(ws, WeightRow::F16(v) => v.as_ptr());
+                run!(|m, c| quad!(|j| _mm512_cvtph_ps(_mm256_loadu_si256(v[m].add(c * LANES + j * 16) as *const __m256i))))
+            }
+            WeightRow::Int8 { .. } => {
+                let q = fields!(ws, WeightRow::Int8 { q, .. } => q.as_ptr());
+                run!(|m, c| quad!(|j| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q[m].add(c * LANES + j * 16) as *const __m128i)))))
+            }
+            WeightRow::Int4 { group, .. } => {
+                let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
                 let eight = _mm512_set1_epi32(8);
-                let mask = _mm256_set1_epi8(0x0f);
-                for c in 0..full {
-                    let b = _mm256_loadu_si256(packed.as_ptr().add(c * LANES / 2) as *const __m256i);
-                    let lo = _mm256_and_si256(b, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-                    // Per 128-bit lane, unpacklo gives bytes 0–7 interleaved (elements 0–15 and
-                    // 32–47), unpackhi bytes 8–15 (elements 16–31 and 48–63).
-                    let i0 = _mm256_unpacklo_epi8(lo, hi);
-                    let i1 = _mm256_unpackhi_epi8(lo, hi);
-                    let parts = [_mm256_castsi256_si128(i0), _mm256_castsi256_si128(i1), _mm256_extracti128_si256(i0, 1), _mm256_extracti128_si256(i1, 1)];
-                    for j in 0..4 {
-                        let i = c * LANES + j * 16;
+                run!(|m, c| {
+                    let parts = nibbles64(p[m].add(c * LANES / 2));
+                    quad!(|j| {
                         let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(parts[j]), eight);
-                        let wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(*scales.get_unchecked(i / group)));
-                        for k in 0..N {
-                            acc[k][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[k].as_ptr().add(i)), acc[k][j]);
-                        }
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(*s[m].get_unchecked((c * LANES + j * 16) / group)))
+                    })
+                })
+            }
+            WeightRow::Fp8 { group, .. } => {
+                let (q, s) = (fields!(ws, WeightRow::Fp8 { q, .. } => q.as_ptr()), fields!(ws, WeightRow::Fp8 { scales, .. } => scales));
+                run!(|m, c| quad!(|j| {
+                    let i = c * LANES + j * 16;
+                    _mm512_mul_ps(fp8x16(q[m].add(i)), _mm512_set1_ps(*s[m].get_unchecked(i / group)))
+                }))
+            }
+            WeightRow::Mxfp4 { .. } => {
+                let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
+                let lut = _mm512_loadu_ps(E2M1.as_ptr());
+                run!(|m, c| {
+                    let parts = nibbles64(p[m].add(c * LANES / 2));
+                    quad!(|j| {
+                        let scale = e8m0_to_f32(*s[m].get_unchecked((c * LANES + j * 16) / MXFP4_GROUP));
+                        _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), lut), _mm512_set1_ps(scale))
+                    })
+                })
+            }
+        }
+        if full * LANES < n {
+            for m in 0..M {
+                for k in 0..N {
+                    let (wt, xt) = tail_chunk(ws[m], xs[k], full * LANES, n);
+                    for j in 0..4 {
+                        acc[m][k][j] = _mm512_fmadd_ps(_mm512_loadu_ps(wt.as_ptr().add(j * 16)), _mm512_loadu_ps(xt.as_ptr().add(j * 16)), acc[m][k][j]);
                     }
                 }
             }
         }
-        if full * LANES < n {
+        let mut out = [[0.0f32; N]; M];
+        for m in 0..M {
             for k in 0..N {
-                let (wt, xt) = tail_chunk(w, xs[k], full * LANES, n);
-                for j in 0..4 {
-                    acc[k][j] = _mm512_fmadd_ps(_mm512_loadu_ps(wt.as_ptr().add(j * 16)), _mm512_loadu_ps(xt.as_ptr().add(j * 16)), acc[k][j]);
-                }
+                out[m][k] = super::scaled(ws[m], reduce512x4(&acc[m][k]));
             }
-        }
-        let mut out = [0.0f32; N];
-        for k in 0..N {
-            out[k] = super::scaled(w, reduce512x4(&acc[k]));
         }
         out
     }
@@ -352,59 +516,112 @@ mod x86 {
         reduce256(_mm256_add_ps(c[0], c[1])) // s = 8, then 4, 2, 1
     }
 
+    /// Four packed bytes (eight nibbles, low first) → eight nibble values as i32 lanes.
+    #[inline(always)]
+    unsafe fn nibbles8(p: *const u8) -> __m256i {
+        let mask = _mm_set1_epi8(0x0f);
+        let b = _mm_cvtsi32_si128((p as *const i32).read_unaligned());
+        _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)))
+    }
+
+    /// Eight fp8-e4m3 bytes → f32, as `fp8x16`.
+    #[inline(always)]
+    unsafe fn fp8x8(p: *const u8) -> __m256 {
+        let w = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+        let h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+        let f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0));
+        let abs = _mm256_and_ps(f, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+        let nan = _mm256_cmp_ps::<_CMP_EQ_OQ>(abs, _mm256_set1_ps(480.0));
+        _mm256_blendv_ps(f, _mm256_set1_ps(f32::NAN), nan)
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dots_avx2<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
-        let n = w.len();
+    pub(super) unsafe fn dots_avx2<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
+        let n = ws[0].len();
         let full = n / LANES;
-        let mut acc = [[_mm256_setzero_ps(); 8]; N];
+        let mut acc = [[[_mm256_setzero_ps(); 8]; N]; M];
+        // `$decode` gives lanes `$i..$i + 8` of row `$m`.
         macro_rules! run {
-            ($i:ident => $decode:expr) => {
+            (|$m:ident, $i:ident| $decode:expr) => {
                 for c in 0..full {
-                    for j in 0..8 {
-                        let $i = c * LANES + j * 8;
-                        let wv: __m256 = $decode;
-                        for k in 0..N {
-                            acc[k][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[k].as_ptr().add($i)), acc[k][j]);
+                    for $m in 0..M {
+                        for j in 0..8 {
+                            let $i = c * LANES + j * 8;
+                            let wv: __m256 = $decode;
+                            for k in 0..N {
+                                acc[$m][k][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[k].as_ptr().add($i)), acc[$m][k][j]);
+                            }
                         }
                     }
                 }
             };
         }
-        match *w {
-            WeightRow::F32(v) => run!(i => _mm256_loadu_ps(v.as_ptr().add(i))),
-            WeightRow::Bf16(v) => run!(i => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i)), 16))),
-            WeightRow::F16(v) => run!(i => _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i))),
-            WeightRow::Int8 { q, .. } => run!(i => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(i) as *const __m128i)))),
-            WeightRow::Int4 { packed, scales, group, .. } => {
+        match *ws[0] {
+            WeightRow::F32(_) => {
+                let v = fields!(ws, WeightRow::F32(v) => v.as_ptr());
+                run!(|m, i| _mm256_loadu_ps(v[m].add(i)))
+            }
+            WeightRow::Bf16(_) => {
+                let v = fields!(ws, WeightRow::Bf16(v) => v.as_ptr());
+                run!(|m, i| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v[m].add(i) as *const __m128i)), 16)))
+            }
+            WeightRow::F16(_) => {
+                let v = fields!(ws, WeightRow::F16(v) => v.as_ptr());
+                run!(|m, i| _mm256_cvtph_ps(_mm_loadu_si128(v[m].add(i) as *const __m128i)))
+            }
+            WeightRow::Int8 { .. } => {
+                let q = fields!(ws, WeightRow::Int8 { q, .. } => q.as_ptr());
+                run!(|m, i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q[m].add(i) as *const __m128i))))
+            }
+            WeightRow::Int4 { group, .. } => {
+                let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
                 let eight = _mm256_set1_epi32(8);
-                let mask = _mm_set1_epi8(0x0f);
-                run!(i => {
-                    let b = _mm_cvtsi32_si128((packed.as_ptr().add(i / 2) as *const i32).read_unaligned());
-                    let bytes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), eight)), _mm256_set1_ps(*scales.get_unchecked(i / group)))
+                run!(|m, i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles8(p[m].add(i / 2)), eight)), _mm256_set1_ps(*s[m].get_unchecked(i / group))))
+            }
+            WeightRow::Fp8 { group, .. } => {
+                let (q, s) = (fields!(ws, WeightRow::Fp8 { q, .. } => q.as_ptr()), fields!(ws, WeightRow::Fp8 { scales, .. } => scales));
+                run!(|m, i| _mm256_mul_ps(fp8x8(q[m].add(i)), _mm256_set1_ps(*s[m].get_unchecked(i / group))))
+            }
+            WeightRow::Mxfp4 { .. } => {
+                let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
+                // The eight magnitudes; the nibble's top bit is the sign.
+                let lut = _mm256_loadu_ps(E2M1.as_ptr());
+                run!(|m, i| {
+                    let idx = nibbles8(p[m].add(i / 2));
+                    let sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+                    let v = _mm256_or_ps(_mm256_permutevar8x32_ps(lut, idx), _mm256_castsi256_ps(sign));
+                    _mm256_mul_ps(v, _mm256_set1_ps(e8m0_to_f32(*s[m].get_unchecked(i / MXFP4_GROUP))))
                 })
             }
         }
         if full * LANES < n {
-            for k in 0..N {
-                let (wt, xt) = tail_chunk(w, xs[k], full * LANES, n);
-                for j in 0..8 {
-                    acc[k][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr().add(j * 8)), _mm256_loadu_ps(xt.as_ptr().add(j * 8)), acc[k][j]);
+            for m in 0..M {
+                for k in 0..N {
+                    let (wt, xt) = tail_chunk(ws[m], xs[k], full * LANES, n);
+                    for j in 0..8 {
+                        acc[m][k][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr().add(j * 8)), _mm256_loadu_ps(xt.as_ptr().add(j * 8)), acc[m][k][j]);
+                    }
                 }
             }
         }
-        let mut out = [0.0f32; N];
-        for k in 0..N {
-            out[k] = super::scaled(w, reduce256x8(&acc[k]));
+        let mut out = [[0.0f32; N]; M];
+        for m in 0..M {
+            for k in 0..N {
+                out[m][k] = super::scaled(ws[m], reduce256x8(&acc[m][k]));
+            }
         }
         out
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+#[path = "dot/neon.rs"]
+mod neon;
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, QuantMatrix};
+    use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4, QuantMatrix};
 
     fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         let mut s = seed;
@@ -427,10 +644,13 @@ mod tests {
             let xs: Vec<Vec<f32>> = (0..5).map(|k| values(n, 1000 + k, 3.0)).collect();
             let bf: Vec<u16> = w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
             let f16: Vec<u16> = w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
-            let mut quants = vec![quantize_int8(&w, 1, n)];
+            let mut quants = vec![quantize_int8(&w, 1, n), quantize_mxfp4(&w, 1, n)];
             for g in [32, 64, 128] {
                 quants.push(quantize_int4(&w, 1, n, g));
             }
+            // fp8: every code but NaN in turn, with block scales of 128 and of an awkward 48.
+            let fp8: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
+            let fp8_scales: Vec<Vec<f32>> = [128usize, 48].iter().map(|g| values(n.div_ceil(*g), 77 + *g as u64, 0.01)).collect();
             let mut formats: Vec<(String, WeightRow<'_>, Vec<f32>)> = vec![
                 ("f32".into(), WeightRow::F32(&w), w.clone()),
                 ("bf16".into(), WeightRow::Bf16(&bf), bf.iter().map(|b| half::bf16::from_bits(*b).to_f32()).collect()),
@@ -440,12 +660,18 @@ mod tests {
                 let row = match q {
                     QuantMatrix::Int8 { q, scales, .. } => WeightRow::Int8 { q, scale: scales[0] },
                     QuantMatrix::Int4 { packed, scales, group, .. } => WeightRow::Int4 { packed, scales, group: *group, n },
+                    QuantMatrix::Mxfp4 { packed, scales, .. } => WeightRow::Mxfp4 { packed, scales, n },
                 };
                 let label = match q {
                     QuantMatrix::Int8 { .. } => "int8".to_string(),
                     QuantMatrix::Int4 { group, .. } => format!("int4-g{group}"),
+                    QuantMatrix::Mxfp4 { .. } => "mxfp4".to_string(),
                 };
                 formats.push((label, row, dequantize(q)));
+            }
+            for (g, scales) in [128usize, 48].iter().zip(&fp8_scales) {
+                let decoded = shimmer_common::quant::dequantize_fp8_blocks(&fp8, 1, n, scales, *g).unwrap_or_else(|e| panic!("{e}"));
+                formats.push((format!("fp8-b{g}"), WeightRow::Fp8 { q: &fp8, scales, group: *g }, decoded));
             }
             for (name, row, decoded) in &formats {
                 // The decoder is the format's definition (dequantize / widen).
@@ -464,9 +690,23 @@ mod tests {
                     assert_eq!(bits(&four), bits(&want[..4]), "{name} n={n} {isa:?} in a batch of four");
                     let two = dots_with::<2>(isa, row, [&xs[4], &xs[0]]);
                     assert_eq!(bits(&two), bits(&[want[4], want[0]]), "{name} n={n} {isa:?} in a batch of two");
+                    // Two weight rows in one pass (gate and up), each result as if alone.
+                    let [a, b] = dots_rows_with::<2, 2>(isa, [row, row], [&xs[1], &xs[2]]);
+                    assert_eq!((bits(&a), bits(&b)), (bits(&want[1..3]), bits(&want[1..3])), "{name} n={n} {isa:?} two rows");
+                    let [a, b] = dots_rows_with::<2, 1>(isa, [row, &formats[0].1], [&xs[3]]);
+                    assert_eq!((a[0].to_bits(), b[0].to_bits()), (want[3].to_bits(), dot_scalar(&formats[0].1, &xs[3]).to_bits()), "{name} n={n} {isa:?} rows of two formats");
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_vector_isa_of_the_architecture_is_found() {
+        #[cfg(target_arch = "aarch64")]
+        assert!(Isa::all_available().contains(&Isa::Neon), "aarch64 always has Advanced SIMD");
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(Isa::Avx2.available(), std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c"));
+        assert!(Isa::all_available().contains(&isa()));
     }
 
     #[test]
@@ -491,6 +731,21 @@ mod tests {
             let row = WeightRow::Int4 { packed, scales: &huge, group: 32, n };
             let small_x: Vec<f32> = x.iter().map(|v| v * 1e-30).collect();
             assert_eq!(dots_with::<1>(isa, &row, [&small_x])[0].to_bits(), dot_scalar(&row, &small_x).to_bits(), "{isa:?} near-max int4 scale");
+            // fp8: NaN codes give NaN, subnormal codes their exact values, on every ISA.
+            let codes: Vec<u8> = (0..n).map(|i| [0x7f, 0x01, 0x87, 0x00, 0x80, 0xff, 0x07, 0x08][i % 8]).collect();
+            let ones = vec![1.0f32; 1];
+            let row = WeightRow::Fp8 { q: &codes, scales: &ones, group: n };
+            assert!(dots_with::<1>(isa, &row, [&x])[0].is_nan(), "{isa:?} fp8 NaN");
+            let tame: Vec<u8> = codes.iter().map(|b| if b & 0x7f == 0x7f { 0x06 } else { *b }).collect();
+            let row = WeightRow::Fp8 { q: &tame, scales: &ones, group: n };
+            assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} fp8 subnormals");
+            // MXFP4 with the smallest and largest scales.
+            let nibbles: Vec<u8> = (0..n.div_ceil(2)).map(|i| (i * 29 % 256) as u8).collect();
+            for e in [0u8, 1, 127, 254] {
+                let sc = vec![e; n.div_ceil(32)];
+                let row = WeightRow::Mxfp4 { packed: &nibbles, scales: &sc, n };
+                assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} mxfp4 scale {e}");
+            }
             let zero_scales = vec![0.0f32; scales.len()];
             let row = WeightRow::Int4 { packed, scales: &zero_scales, group: 32, n };
             assert_eq!(dots_with::<1>(isa, &row, [&x])[0], 0.0);

@@ -25,6 +25,11 @@ pub enum WeightData {
     Int8 { q: Vec<i8>, scales: Vec<f32> },
     /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes.
     Int4 { packed: Vec<u8>, scales: Vec<f32>, group: usize },
+    /// fp8-e4m3 with block scales (DeepSeek-V3's checkpoints): `w[r][c] = fp8(q) · scales[r /
+    /// block][c / block]`, `scales` being `⌈rows/block⌉ × ⌈cols/block⌉`.
+    Fp8 { q: Vec<u8>, scales: Vec<f32>, block: usize },
+    /// MXFP4 (`shimmer_common::quant`): e2m1 nibbles, one e8m0 scale per 32 values of a row.
+    Mxfp4 { packed: Vec<u8>, scales: Vec<u8> },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -61,7 +66,29 @@ impl Matrix {
         match m {
             QuantMatrix::Int8 { rows, cols, q, scales } => Matrix { rows, cols, data: WeightData::Int8 { q, scales } },
             QuantMatrix::Int4 { rows, cols, group, packed, scales } => Matrix { rows, cols, data: WeightData::Int4 { packed, scales, group } },
+            QuantMatrix::Mxfp4 { rows, cols, packed, scales } => Matrix { rows, cols, data: WeightData::Mxfp4 { packed, scales } },
         }
+    }
+
+    /// Wraps a block-scaled fp8 matrix, checking its buffers. Errors say what does not fit.
+    pub fn from_fp8_blocks(rows: usize, cols: usize, q: Vec<u8>, scales: Vec<f32>, block: usize) -> Result<Self, String> {
+        if block == 0 {
+            return Err("fp8 block size is 0".into());
+        }
+        if q.len() != rows * cols {
+            return Err(format!("fp8 data is {} bytes, the shape {rows}×{cols} needs {}", q.len(), rows * cols));
+        }
+        let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
+        if scales.len() != br * bc {
+            return Err(format!("block scales hold {} values, {rows}×{cols} in {block}×{block} blocks needs {br}×{bc}", scales.len()));
+        }
+        if let Some(bad) = scales.iter().find(|s| !s.is_finite()) {
+            return Err(format!("a block scale is {bad}"));
+        }
+        if let Some(i) = q.iter().position(|b| b & 0x7f == 0x7f) {
+            return Err(format!("element ({}, {}) is an fp8 NaN", i / cols.max(1), i % cols.max(1)));
+        }
+        Ok(Matrix { rows, cols, data: WeightData::Fp8 { q, scales, block } })
     }
 
     pub fn bytes(&self) -> usize {
@@ -70,6 +97,8 @@ impl Matrix {
             WeightData::Bf16(v) | WeightData::F16(v) => v.len() * 2,
             WeightData::Int8 { q, scales } => q.len() + scales.len() * 4,
             WeightData::Int4 { packed, scales, .. } => packed.len() + scales.len() * 4,
+            WeightData::Fp8 { q, scales, .. } => q.len() + scales.len() * 4,
+            WeightData::Mxfp4 { packed, scales } => packed.len() + scales.len(),
         }
     }
 
@@ -81,10 +110,10 @@ impl Matrix {
             WeightData::Bf16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = bf16_to_f32(*b)),
             WeightData::F16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = half::f16::from_bits(*b).to_f32()),
             WeightData::Int8 { q, scales } => out.iter_mut().zip(&q[range]).for_each(|(o, v)| *o = *v as f32 * scales[r]),
-            WeightData::Int4 { packed, scales, group } => {
-                let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
+            WeightData::Int4 { .. } | WeightData::Fp8 { .. } | WeightData::Mxfp4 { .. } => {
+                let row = self.row(r);
                 for (c, o) in out.iter_mut().enumerate() {
-                    *o = nibble(&packed[r * bpr..], c) as f32 * scales[r * gpr + c / group];
+                    *o = row.get(c);
                 }
             }
         }
@@ -102,6 +131,15 @@ impl Matrix {
             WeightData::Int4 { packed, scales, group } => {
                 let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
                 WeightRow::Int4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], group: *group, n: self.cols }
+            }
+            WeightData::Fp8 { q, scales, block } => {
+                let gpr = self.cols.div_ceil(*block);
+                let sr = (r / block) * gpr;
+                WeightRow::Fp8 { q: &q[range], scales: &scales[sr..sr + gpr], group: *block }
+            }
+            WeightData::Mxfp4 { packed, scales } => {
+                let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(shimmer_common::quant::MXFP4_GROUP));
+                WeightRow::Mxfp4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], n: self.cols }
             }
         }
     }
@@ -197,13 +235,6 @@ impl Matrix {
     }
 }
 
-/// The signed int4 value at column `c` of a packed row.
-#[inline]
-fn nibble(row: &[u8], c: usize) -> i32 {
-    let byte = row[c / 2];
-    (if c % 2 == 0 { byte & 0x0f } else { byte >> 4 }) as i32 - 8
-}
-
 #[inline]
 pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
@@ -251,10 +282,10 @@ mod tests {
 
     #[test]
     fn quantised_matvec_matches_the_dequantised_reference() {
-        use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8};
+        use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4};
         for &(rows, cols) in &[(1, 1), (3, 7), (5, 33), (17, 64), (4, 129), (2, 300)] {
             let (w, x) = random(rows, cols, (rows * 7 + cols) as u64);
-            let mut formats = vec![quantize_int8(&w, rows, cols)];
+            let mut formats = vec![quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols)];
             for g in [32, 64, 128] {
                 formats.push(quantize_int4(&w, rows, cols, g));
             }
@@ -279,9 +310,49 @@ mod tests {
     fn rows_are_batch_invariant() {
         let (rows, cols) = (300, 257);
         let (w, _) = random(rows, cols, 7);
-        for m in [Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 64)), Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)), Matrix::from_f32(rows, cols, w.clone())] {
+        for m in [
+            Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 64)),
+            Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)),
+            Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&w, rows, cols)),
+            fp8_matrix(rows, cols, 128),
+            Matrix::from_f32(rows, cols, w.clone()),
+        ] {
             batch_invariant(&m);
         }
+    }
+
+    /// A block-scaled fp8 matrix with every non-NaN code and scales varying by block.
+    fn fp8_matrix(rows: usize, cols: usize, block: usize) -> Matrix {
+        let q: Vec<u8> = (0..rows * cols).map(|i| (i * 53 % 256) as u8).map(|b| if b & 0x7f == 0x7f { 0x3c } else { b }).collect();
+        let scales: Vec<f32> = (0..rows.div_ceil(block) * cols.div_ceil(block)).map(|i| 0.001 * (i + 1) as f32).collect();
+        Matrix::from_fp8_blocks(rows, cols, q, scales, block).unwrap()
+    }
+
+    #[test]
+    fn fp8_matrices_equal_their_block_dequantisation_row_by_row() {
+        for &(rows, cols, block) in &[(1, 1, 128), (3, 7, 2), (130, 300, 128), (17, 65, 16)] {
+            let m = fp8_matrix(rows, cols, block);
+            let WeightData::Fp8 { q, scales, .. } = &m.data else { unreachable!() };
+            let want = shimmer_common::quant::dequantize_fp8_blocks(q, rows, cols, scales, block).unwrap();
+            let mut row = vec![0.0; cols];
+            for r in 0..rows {
+                m.row_f32(r, &mut row);
+                assert_eq!(row, want[r * cols..(r + 1) * cols], "{rows}x{cols}/{block} row {r}");
+            }
+            let x: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 - 2.0).collect();
+            let mut got = vec![0.0; rows];
+            m.matvec(&x, &mut got);
+            for (r, g) in got.iter().enumerate() {
+                let f = Matrix::from_f32(1, cols, want[r * cols..(r + 1) * cols].to_vec());
+                let mut alone = [0.0];
+                f.matvec(&x, &mut alone);
+                assert_eq!(g.to_bits(), alone[0].to_bits(), "fp8 row {r} equals its f32 dequantisation exactly");
+            }
+        }
+        let e = Matrix::from_fp8_blocks(2, 2, vec![0x7f, 0, 0, 0], vec![1.0], 128).unwrap_err();
+        assert!(e.contains("NaN"), "{e}");
+        assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![1.0, 2.0], 128).unwrap_err().contains("block scales"));
+        assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![f32::INFINITY], 128).is_err());
     }
 
     fn batch_invariant(m: &Matrix) {

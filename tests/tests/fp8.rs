@@ -1,6 +1,7 @@
 //! DeepSeek-style fp8-e4m3 checkpoints with block scales: the dequantisation equals torch's bit
-//! for bit, and `shimmer convert` turns such a checkpoint into a container holding exactly those
-//! values (rounded to the target format).
+//! for bit; served as they are (the fp8 kernels) they give exactly the logits of the dequantised
+//! f32 checkpoint; and `shimmer convert` turns such a checkpoint into a container holding exactly
+//! those values (rounded to the target format).
 
 use shimmer_common::expert_blob::{self, StoredMatrix};
 use shimmer_common::{quant, Checkpoint, StDtype};
@@ -34,12 +35,54 @@ fn fp8_block_dequantisation_equals_torch_bit_for_bit() {
     }
 }
 
+/// The fp8 fixture with every fp8 tensor replaced by torch's dequantised f32 values.
+fn dequantised_model(dir: &std::path::Path) {
+    let src = fixture("deepseek_v3_fp8");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        if f.file_name() != "model.safetensors" {
+            std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+        }
+    }
+    let want = reference();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        if name.ends_with("_scale_inv") {
+            continue;
+        }
+        match want.get(&name) {
+            Some(f) => out.push((name, safetensors::Dtype::F32, t.shape().to_vec(), f.iter().flat_map(|v| v.to_le_bytes()).collect())),
+            None => out.push((name, t.dtype(), t.shape().to_vec(), t.data().to_vec())),
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        out.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn an_fp8_checkpoint_served_as_it_is_gives_exactly_the_dequantised_models_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    dequantised_model(tmp.path());
+    let fp8 = shimmer_coordinator::Engine::load(&fixture("deepseek_v3_fp8")).unwrap();
+    let f32s = shimmer_coordinator::Engine::load(tmp.path()).unwrap();
+    let tokens = [1u32, 5, 9, 2, 7, 3, 11, 4];
+    let (a, b) = (fp8.logits_all(&tokens).unwrap(), f32s.logits_all(&tokens).unwrap());
+    assert!(a.iter().all(|x| x.is_finite()));
+    assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    // And fp8 stays fp8 in memory: a quarter of the f32 model's expert bytes, plus block scales.
+    let bytes = |dir: &std::path::Path| {
+        let spec = shimmer_common::ModelSpec::from_dir(dir).unwrap();
+        shimmer_worker::InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap().bytes()
+    };
+    let (a, b) = (bytes(&fixture("deepseek_v3_fp8")), bytes(tmp.path()));
+    assert!(a * 3 < b, "fp8 experts hold {a} bytes, f32 {b}");
+}
+
 #[test]
 fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
-    // Unconverted, the engine says what to do.
-    let e = shimmer_coordinator::Engine::load(&fixture("deepseek_v3_fp8")).err().expect("fp8 is not served unconverted").to_string();
-    assert!(e.contains("fp8") && e.contains("shimmer convert"), "{e}");
-
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("c");
     convert(&fixture("deepseek_v3_fp8"), &dir, ConvertOptions { expert_quant: quant::QuantScheme::Bf16, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap();

@@ -170,20 +170,6 @@ fn tensor_f32(ckpt: &Checkpoint, name: &str, shape: &[usize], fp8_block: usize) 
     quant::dequantize_fp8_blocks(raw.bytes, rows, cols, &scales, fp8_block).map_err(err)
 }
 
-/// The fp8 block size from config.json's `quantization_config.weight_block_size` (square blocks).
-fn fp8_block_size(config: &serde_json::Value, path: &Path) -> Result<usize, LoadError> {
-    let Some(qc) = config.get("quantization_config") else { return Ok(128) };
-    match qc.get("weight_block_size").and_then(|v| v.as_array()).map(|a| a.iter().map(|x| x.as_u64()).collect::<Vec<_>>()) {
-        None => Ok(128),
-        Some(b) if b.len() == 2 && b[0] == b[1] && b[0].is_some_and(|x| x > 0 && x <= 1 << 16) => Ok(b[0].unwrap_or(128) as usize),
-        Some(_) => Err(LoadError::Field {
-            path: path.to_path_buf(),
-            field: "quantization_config.weight_block_size".into(),
-            problem: "expected two equal positive block sizes".into(),
-        }),
-    }
-}
-
 /// One dense tensor as it will be written.
 struct DensePlan {
     name: String,
@@ -298,7 +284,7 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
                         pending_scales = Some(scales);
                         q.iter().map(|v| *v as u8).collect()
                     }
-                    quant::QuantMatrix::Int4 { .. } => unreachable!("int8 quantisation returns int8"),
+                    _ => unreachable!("int8 quantisation returns int8"),
                 }
             }
             DenseKind::Int8Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
@@ -322,8 +308,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     let ckpt = Checkpoint::open(from)?;
     let config_path = from.join("config.json");
     let config_bytes = std::fs::read(&config_path).map_err(io(&config_path))?;
-    let config: serde_json::Value = serde_json::from_slice(&config_bytes).map_err(|e| LoadError::malformed(&config_path, e.to_string()))?;
-    let fp8_block = fp8_block_size(&config, &config_path)?;
+    let fp8_block = spec.fp8_block;
     let source_fingerprint = ckpt.fingerprint(&config_bytes);
     let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
     let (_, blob_len) = expert_blob::layout(opts.expert_quant, h, i);

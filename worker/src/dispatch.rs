@@ -14,6 +14,7 @@ use shimmer_common::spec::LayerMlp;
 use shimmer_kernels::{fixed, FixedPointOverflow, Matrix};
 
 use crate::expert::{Expert, FfnScratch};
+use crate::weights::load_matrix;
 
 pub struct MoeBatch<'a> {
     pub layer: usize,
@@ -106,6 +107,7 @@ impl InProcessExperts {
                 QuantScheme::Bf16 => m,
                 QuantScheme::Int8PerRow => Matrix::from_quant(quant::quantize_int8(&widened(), m.rows, m.cols)),
                 QuantScheme::Int4 { group } => Matrix::from_quant(quant::quantize_int4(&widened(), m.rows, m.cols, group)),
+                QuantScheme::Mxfp4 => Matrix::from_quant(quant::quantize_mxfp4(&widened(), m.rows, m.cols)),
             }
         };
         let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
@@ -119,9 +121,9 @@ impl InProcessExperts {
             for e in 0..spec.moe.num_experts {
                 let [g, u, d] = spec.expert_names.expert(l, e);
                 experts.push(Expert {
-                    gate: convert(Matrix::from_view(&ckpt.get(&g, &[i, h])?)),
-                    up: convert(Matrix::from_view(&ckpt.get(&u, &[i, h])?)),
-                    down: convert(Matrix::from_view(&ckpt.get(&d, &[h, i])?)),
+                    gate: convert(load_matrix(ckpt, &g, i, h, spec.fp8_block)?),
+                    up: convert(load_matrix(ckpt, &u, i, h, spec.fp8_block)?),
+                    down: convert(load_matrix(ckpt, &d, h, i, spec.fp8_block)?),
                 });
             }
             layers.push(Some(experts));

@@ -16,6 +16,7 @@ pub mod policy;
 pub mod store;
 pub mod trace_analysis;
 pub mod usage;
+pub mod weights;
 
 pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
 pub use expert::Expert;

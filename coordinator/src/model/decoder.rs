@@ -90,8 +90,8 @@ impl DenseMlp {
         self.gate.bytes() + self.up.bytes() + self.down.bytes()
     }
 
-    fn load(ckpt: &Checkpoint, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
-        Ok(DenseMlp { gate: matrix(ckpt, g, intermediate, hidden)?, up: matrix(ckpt, u, intermediate, hidden)?, down: matrix(ckpt, d, hidden, intermediate)? })
+    fn load(ckpt: &Checkpoint, spec: &ModelSpec, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
+        Ok(DenseMlp { gate: matrix(ckpt, spec, g, intermediate, hidden)?, up: matrix(ckpt, spec, u, intermediate, hidden)?, down: matrix(ckpt, spec, d, hidden, intermediate)? })
     }
 
     /// `out = mlp(x)` row by row.
@@ -222,27 +222,14 @@ pub(crate) fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f3
     Ok(ckpt.get(name, &[len])?.to_f32())
 }
 
-/// A weight matrix as stored: 16/32-bit floats, or (in a converted container with int8 dense
-/// weights) int8 rows with their f32 scales beside them.
-pub(crate) fn matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
-    let scale_name = format!("{name}{}", shimmer_worker::convert::INT8_SCALE_SUFFIX);
-    if ckpt.contains(&scale_name) {
-        let raw = ckpt.raw(name)?;
-        let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
-        if raw.dtype != shimmer_common::StDtype::I8 || raw.shape != [rows, cols] {
-            return Err(bad(format!("int8 dense weight must be I8 {:?}, found {:?} {:?}", [rows, cols], raw.dtype, raw.shape)));
-        }
-        let scales = ckpt.get(&scale_name, &[rows])?.to_f32();
-        let m = shimmer_common::quant::QuantMatrix::Int8 { rows, cols, q: raw.bytes.iter().map(|b| *b as i8).collect(), scales };
-        shimmer_common::quant::validate(&m, name).map_err(|e| bad(e.to_string()))?;
-        return Ok(Matrix::from_quant(m));
-    }
-    Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
+/// A weight matrix as stored (`shimmer_worker::weights`: floats, fp8 with block scales, int8).
+pub(crate) fn matrix(ckpt: &Checkpoint, spec: &ModelSpec, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    shimmer_worker::weights::load_matrix(ckpt, name, rows, cols, spec.fp8_block)
 }
 
-pub(crate) fn linear(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {
+pub(crate) fn linear(ckpt: &Checkpoint, spec: &ModelSpec, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {
     Ok(Linear {
-        weight: matrix(ckpt, &format!("{base}.weight"), rows, cols)?,
+        weight: matrix(ckpt, spec, &format!("{base}.weight"), rows, cols)?,
         bias: if bias { Some(vector(ckpt, &format!("{base}.bias"), rows)?) } else { None },
     })
 }
@@ -258,7 +245,7 @@ impl Decoder {
             };
             let mlp = match spec.layers[l] {
                 LayerMlp::Dense { intermediate_size: i } => {
-                    Mlp::Dense(DenseMlp::load(ckpt, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?)
+                    Mlp::Dense(DenseMlp::load(ckpt, spec, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?)
                 }
                 LayerMlp::Moe => {
                     let e = spec.moe.num_experts;
@@ -267,10 +254,10 @@ impl Decoder {
                         None => None,
                     };
                     let shared = match (spec.expert_names.shared(l), spec.moe.shared_intermediate_size) {
-                        (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, [&g, &u, &d], h, i)?),
+                        (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?),
                         _ => None,
                     };
-                    let router = Router { weight: matrix(ckpt, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
+                    let router = Router { weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
                     Mlp::Moe { router, shared }
                 }
             };
@@ -281,9 +268,9 @@ impl Decoder {
                 mlp,
             });
         }
-        let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, names.lm_head, spec.vocab_size, h)?) };
+        let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, spec, names.lm_head, spec.vocab_size, h)?) };
         Ok(Decoder {
-            embed: matrix(ckpt, names.embed, spec.vocab_size, h)?,
+            embed: matrix(ckpt, spec, names.embed, spec.vocab_size, h)?,
             final_norm: vector(ckpt, names.final_norm, h)?,
             lm_head,
             layers,
@@ -302,10 +289,10 @@ impl Decoder {
             QkNorm::FullProjection => (Some(vector(ckpt, &name(names.q_norm, l), qd)?), Some(vector(ckpt, &name(names.k_norm, l), kvd)?)),
         };
         Ok(Gqa {
-            q: linear(ckpt, &name(names.q, l), qd, h, a.bias)?,
-            k: linear(ckpt, &name(names.k, l), kvd, h, a.bias)?,
-            v: linear(ckpt, &name(names.v, l), kvd, h, a.bias)?,
-            o: linear(ckpt, &name(names.o, l), h, qd, a.o_bias)?,
+            q: linear(ckpt, spec, &name(names.q, l), qd, h, a.bias)?,
+            k: linear(ckpt, spec, &name(names.k, l), kvd, h, a.bias)?,
+            v: linear(ckpt, spec, &name(names.v, l), kvd, h, a.bias)?,
+            o: linear(ckpt, spec, &name(names.o, l), h, qd, a.o_bias)?,
             q_norm,
             k_norm,
             window: a.sliding_window[l],

@@ -53,15 +53,15 @@ impl Mla {
         let at = |t: &str| name(&format!("model.layers.{{L}}.self_attn.{t}"), l);
         let qk = dims.qk_head_dim();
         let q = match dims.q_lora_rank {
-            None => Query::Plain(linear(ckpt, &at("q_proj"), heads * qk, h, false)?),
+            None => Query::Plain(linear(ckpt, spec, &at("q_proj"), heads * qk, h, false)?),
             Some(r) => Query::LowRank {
-                a: linear(ckpt, &at("q_a_proj"), r, h, bias)?,
+                a: linear(ckpt, spec, &at("q_a_proj"), r, h, bias)?,
                 norm: vector(ckpt, &at("q_a_layernorm.weight"), r)?,
-                b: matrix(ckpt, &at("q_b_proj.weight"), heads * qk, r)?,
+                b: matrix(ckpt, spec, &at("q_b_proj.weight"), heads * qk, r)?,
             },
         };
         let (rank, nope, v) = (dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim);
-        let kv_b = matrix(ckpt, &at("kv_b_proj.weight"), heads * (nope + v), rank)?;
+        let kv_b = matrix(ckpt, spec, &at("kv_b_proj.weight"), heads * (nope + v), rank)?;
         let mut row = vec![0.0f32; rank];
         let uk_t = (0..heads)
             .map(|head| {
@@ -79,11 +79,11 @@ impl Mla {
             dims: dims.clone(),
             heads,
             q,
-            kv_a: linear(ckpt, &at("kv_a_proj_with_mqa"), rank + dims.qk_rope_head_dim, h, bias)?,
+            kv_a: linear(ckpt, spec, &at("kv_a_proj_with_mqa"), rank + dims.qk_rope_head_dim, h, bias)?,
             kv_a_norm: vector(ckpt, &at("kv_a_layernorm.weight"), rank)?,
             kv_b,
             uk_t,
-            o: linear(ckpt, &at("o_proj"), h, heads * v, spec.attention.o_bias)?,
+            o: linear(ckpt, spec, &at("o_proj"), h, heads * v, spec.attention.o_bias)?,
         })
     }
 

@@ -84,7 +84,7 @@ pub struct SourceCounters {
 
 pub enum Source {
     Container { container: Container, drives: Vec<Drive>, direct: bool, warned: Mutex<std::collections::HashSet<(usize, usize)>>, counters: SourceCounters },
-    Checkpoint { ckpt: Arc<Checkpoint>, hidden: usize, intermediate: usize, names: shimmer_common::spec::ExpertNames, first_moe: usize },
+    Checkpoint { ckpt: Arc<Checkpoint>, hidden: usize, intermediate: usize, names: shimmer_common::spec::ExpertNames, first_moe: usize, fp8_block: usize },
 }
 
 fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
@@ -145,7 +145,7 @@ impl Source {
 
     pub fn checkpoint(ckpt: Arc<Checkpoint>, spec: &ModelSpec) -> Self {
         let first_moe = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).unwrap_or(0);
-        Source::Checkpoint { ckpt, hidden: spec.hidden_size, intermediate: spec.moe.expert_intermediate_size, names: spec.expert_names.clone(), first_moe }
+        Source::Checkpoint { ckpt, hidden: spec.hidden_size, intermediate: spec.moe.expert_intermediate_size, names: spec.expert_names.clone(), first_moe, fp8_block: spec.fp8_block }
     }
 
     pub fn drives(&self) -> Vec<(PathBuf, f64)> {
@@ -166,9 +166,10 @@ impl Source {
     pub fn expert_bytes(&self) -> u64 {
         match self {
             Source::Container { container, .. } => container.expert_bytes(),
-            Source::Checkpoint { ckpt, hidden, intermediate, names, first_moe } => {
-                // The first MoE layer's expert 0 tells the stored dtype.
-                let size = |name: &str| ckpt.raw(name).map(|r| r.bytes.len() as u64).unwrap_or((hidden * intermediate * 2) as u64);
+            Source::Checkpoint { ckpt, hidden, intermediate, names, first_moe, .. } => {
+                // The first MoE layer's expert 0 tells the stored dtype (fp8 block scales included).
+                let scales = |name: &str| ckpt.raw(&format!("{name}_scale_inv")).map_or(0, |r| r.bytes.len() as u64);
+                let size = |name: &str| ckpt.raw(name).map(|r| r.bytes.len() as u64).unwrap_or((hidden * intermediate * 2) as u64) + scales(name);
                 let [g, u, d] = names.expert(*first_moe, 0);
                 size(&g) + size(&u) + size(&d)
             }
@@ -207,11 +208,11 @@ impl Source {
                 }
                 Err(ReadError::Failed(failures.join("; ")))
             }
-            Source::Checkpoint { ckpt, hidden, intermediate, names, .. } => {
+            Source::Checkpoint { ckpt, hidden, intermediate, names, fp8_block, .. } => {
                 let (h, i) = (*hidden, *intermediate);
                 let [g, u, d] = names.expert(layer, expert);
-                let load = |name: &str, shape: &[usize]| ckpt.get(name, shape).map(|v| Matrix::from_view(&v)).map_err(|e| ReadError::Failed(e.to_string()));
-                let e = Expert { gate: load(&g, &[i, h])?, up: load(&u, &[i, h])?, down: load(&d, &[h, i])? };
+                let load = |name: &str, rows: usize, cols: usize| crate::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()));
+                let e = Expert { gate: load(&g, i, h)?, up: load(&u, i, h)?, down: load(&d, h, i)? };
                 let bytes = e.bytes() as u64;
                 Ok((e, bytes))
             }
