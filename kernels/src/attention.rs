@@ -1,8 +1,24 @@
-//! Causal attention of query rows over a contiguous range of cached keys/values, with grouped
-//! query heads (GQA: query head h reads kv head h / (heads / kv_heads)).
+//! Causal attention over the KV cache, fused: scores, an online softmax and the weighted sum of
+//! values in one pass over the keys, with no buffer the size of the context. Query vectors that
+//! read the same keys go through together in tiles of up to four — the query heads of one GQA
+//! group, the heads of an absorbed MLA layer (all of which read the one latent cache), and in
+//! prefill the rows of the prompt — so each key and value row is read once per tile.
+//!
+//! **The canonical order**, per query vector with keys `0..=last` of its key space: keys in
+//! blocks of `KEY_BLOCK` from key 0; for each block, scores `s_j = dot(k_j, q)·scale` (the
+//! canonical dot, `dot.rs`), `m' = max(m, max_j s_j)`, `c = exp(m − m')` (0 for the first block),
+//! `l = l·c + Σ_j exp(s_j − m')` and `o = o·c + Σ_j exp(s_j − m')·v_j`, summed in key order;
+//! finally `o / l`. Nothing in it depends on which other vectors share the tile, so a prompt row
+//! attends exactly as the same row does in decode (batch invariance, DESIGN.md §1).
+//!
+//! Must never: let a vector see a key past its `last`, or order a sum by anything but key index.
 
-use crate::dot::{dot, WeightRow};
-use crate::ops::softmax_in_place;
+use crate::dot::{dots, WeightRow};
+
+/// Keys per online-softmax block.
+pub const KEY_BLOCK: usize = 32;
+/// Query vectors per pass over the keys.
+pub const TILE: usize = 4;
 
 pub struct AttentionShape {
     pub num_heads: usize,
@@ -11,53 +27,175 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-/// `out` (heads × head_dim) = softmax(q·Kᵀ·scale)·V over the positions in `keys`/`values`
-/// (each position holds kv_heads × head_dim values). `scores` needs one slot per position.
-pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], scores: &mut [f32], out: &mut [f32]) {
-    let d = shape.head_dim;
-    let stride = shape.num_kv_heads * d;
-    let n = keys.len() / stride;
-    let group = shape.num_heads / shape.num_kv_heads;
-    for h in 0..shape.num_heads {
-        let kvh = h / group;
-        let qh = &q[h * d..(h + 1) * d];
-        let s = &mut scores[..n];
-        for (j, slot) in s.iter_mut().enumerate() {
-            let k = &keys[j * stride + kvh * d..j * stride + (kvh + 1) * d];
-            // The canonical dot (`dot.rs`): vectorised, and the same bits on every ISA.
-            *slot = dot(&WeightRow::F32(k), qh) * shape.scale;
+/// `dot(key, qs[v])` for the first `qs.len()` (≤ TILE) vectors.
+#[inline]
+fn scores_of(key: &[f32], qs: &[&[f32]], out: &mut [f32; TILE]) {
+    let w = WeightRow::F32(key);
+    match *qs {
+        [a, b, c, d] => *out = dots::<4>(&w, [a, b, c, d]),
+        [a, b, c] => {
+            let [x, y] = dots::<2>(&w, [a, b]);
+            out[..3].copy_from_slice(&[x, y, dots::<1>(&w, [c])[0]]);
         }
-        softmax_in_place(s);
-        let o = &mut out[h * d..(h + 1) * d];
-        o.iter_mut().for_each(|v| *v = 0.0);
-        for (j, p) in s.iter().enumerate() {
-            let v = &values[j * stride + kvh * d..j * stride + (kvh + 1) * d];
-            for (oi, vi) in o.iter_mut().zip(v) {
-                *oi += p * vi;
+        [a, b] => out[..2].copy_from_slice(&dots::<2>(&w, [a, b])),
+        [a] => out[0] = dots::<1>(&w, [a])[0],
+        _ => {}
+    }
+}
+
+/// The online softmax of one tile: vector `v` sees keys `0..=last[v]`; `score(j, s)` fills
+/// `s[v] = scaled score of key j` for every vector of the tile, `value(j)` is value row `j`; each
+/// vector's result lands in `out[v·d..(v+1)·d]`.
+fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]), value: impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+    let count = last.len();
+    let d = out.len() / count.max(1);
+    let mut m = [f32::NEG_INFINITY; TILE];
+    let mut l = [0.0f32; TILE];
+    out.iter_mut().for_each(|x| *x = 0.0);
+    let Some(&max_last) = last.iter().max() else { return };
+    let mut p = [[0.0f32; TILE]; KEY_BLOCK];
+    let mut b0 = 0;
+    while b0 <= max_last {
+        let b1 = (b0 + KEY_BLOCK).min(max_last + 1);
+        for j in b0..b1 {
+            score(j, &mut p[j - b0]);
+        }
+        for v in 0..count {
+            if b0 > last[v] {
+                continue;
             }
+            let end = b1.min(last[v] + 1);
+            let block_max = (b0..end).fold(f32::NEG_INFINITY, |a, j| a.max(p[j - b0][v]));
+            let m_new = m[v].max(block_max);
+            let c = if m[v] == f32::NEG_INFINITY { 0.0 } else { (m[v] - m_new).exp() };
+            l[v] *= c;
+            out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x *= c);
+            for j in b0..end {
+                let e = (p[j - b0][v] - m_new).exp();
+                l[v] += e;
+                p[j - b0][v] = e;
+            }
+            m[v] = m_new;
+        }
+        for j in b0..b1 {
+            let vj = value(j);
+            for v in 0..count {
+                if j <= last[v] {
+                    let e = p[j - b0][v];
+                    out[v * d..(v + 1) * d].iter_mut().zip(vj).for_each(|(o, x)| *o += e * x);
+                }
+            }
+        }
+        b0 = b1;
+    }
+    for v in 0..count {
+        let lv = l[v];
+        out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x /= lv);
+    }
+}
+
+/// Room for a tile's results on the stack (value rows up to this long: every GQA head and the
+/// 512-wide MLA latents); longer ones use the heap.
+const STACK_VALUES: usize = TILE * 1024;
+
+/// Runs `f` with a zeroed scratch of `len` floats, on the stack when it fits.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if len <= STACK_VALUES {
+        let mut buf = [0.0f32; STACK_VALUES];
+        f(&mut buf[..len])
+    } else {
+        f(&mut vec![0.0f32; len])
+    }
+}
+
+/// Grouped-query attention of `n` query rows (`qs`: n × heads·head_dim) at positions
+/// `first..first + n`; `keys`/`values` hold positions `0..first + n` (kv_heads·head_dim each). A
+/// row at position p sees keys `max(0, p + 1 − window)..=p` (transformers' sliding-window mask).
+/// Query head h reads kv head h / (heads / kv_heads). `out`: n × heads·head_dim.
+pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32], values: &[f32], window: Option<usize>, out: &mut [f32]) {
+    let d = shape.head_dim;
+    let (stride, qd) = (shape.num_kv_heads * d, shape.num_heads * d);
+    let n = qs.len() / qd.max(1);
+    let group = shape.num_heads / shape.num_kv_heads;
+    let lo_of = |i: usize| window.map_or(0, |w| (first + i + 1).saturating_sub(w));
+    for g in 0..shape.num_kv_heads {
+        // Vectors (row, head) of this kv head, row-major; a tile holds vectors that share a key
+        // range start (all of them without a window; one row's heads with one).
+        let vectors = (0..n).flat_map(|i| (g * group..(g + 1) * group).map(move |h| (i, h)));
+        let mut tile: [(usize, usize); TILE] = [(0, 0); TILE];
+        let mut count = 0;
+        let mut flush = |tile: &[(usize, usize)]| {
+            let lo = lo_of(tile[0].0);
+            let mut lasts = [0usize; TILE];
+            let mut q: [&[f32]; TILE] = [&[]; TILE];
+            for (v, (i, h)) in tile.iter().enumerate() {
+                lasts[v] = first + i - lo;
+                q[v] = &qs[i * qd + h * d..i * qd + (h + 1) * d];
+            }
+            let k = tile.len();
+            with_scratch(k * d, |res| {
+                online_tile(
+                    &lasts[..k],
+                    |j, s| {
+                        let at = (lo + j) * stride + g * d;
+                        scores_of(&keys[at..at + d], &q[..k], s);
+                        s[..k].iter_mut().for_each(|x| *x *= shape.scale);
+                    },
+                    |j| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d],
+                    res,
+                );
+                for (v, (i, h)) in tile.iter().enumerate() {
+                    out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&res[v * d..(v + 1) * d]);
+                }
+            });
+        };
+        for (i, h) in vectors {
+            if count == TILE || (count > 0 && lo_of(tile[0].0) != lo_of(i)) {
+                flush(&tile[..count]);
+                count = 0;
+            }
+            tile[count] = (i, h);
+            count += 1;
+        }
+        if count > 0 {
+            flush(&tile[..count]);
         }
     }
 }
 
-/// Absorbed multi-head latent attention for one head: scores are `q_lat·c_j + q_rot·r_j` over
-/// each position's latent `c_j` (`latents`, n × rank) and rotary key `r_j` (`rots`, n × rope),
-/// scaled; the result is the probability-weighted sum of latents (`out`, rank long), which the
-/// caller maps to the head's value with W_UV. Full keys and values are never formed.
-pub fn attend_latent(q_lat: &[f32], q_rot: &[f32], latents: &[f32], rots: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
-    let (rank, rope) = (q_lat.len(), q_rot.len());
-    let n = latents.len() / rank;
-    let s = &mut scores[..n];
-    for (j, slot) in s.iter_mut().enumerate() {
-        let c = &latents[j * rank..(j + 1) * rank];
-        let r = &rots[j * rope..(j + 1) * rope];
-        *slot = (dot(&WeightRow::F32(c), q_lat) + dot(&WeightRow::F32(r), q_rot)) * scale;
-    }
-    softmax_in_place(s);
-    out.iter_mut().for_each(|v| *v = 0.0);
-    for (j, p) in s.iter().enumerate() {
-        for (o, c) in out.iter_mut().zip(&latents[j * rank..(j + 1) * rank]) {
-            *o += p * c;
+/// Absorbed multi-head latent attention of query vectors (rows × heads, row-major; vector `v`
+/// at position `first + v / heads`): scores are `q_lat·c_j + q_rot·r_j` over each position's
+/// latent `c_j` (`latents`, positions × rank) and rotary key `r_j` (`rots`, positions × rope),
+/// scaled; each result is the probability-weighted sum of latents (`out`, vectors × rank), which
+/// the caller maps to the head's value with W_UV. Full keys and values are never formed.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_latent_rows(q_lat: &[f32], q_rot: &[f32], (rank, rope): (usize, usize), heads: usize, first: usize, latents: &[f32], rots: &[f32], scale: f32, out: &mut [f32]) {
+    let vectors = q_lat.len() / rank.max(1);
+    let mut v0 = 0;
+    while v0 < vectors {
+        let k = TILE.min(vectors - v0);
+        let mut lasts = [0usize; TILE];
+        let (mut ql, mut qr): ([&[f32]; TILE], [&[f32]; TILE]) = ([&[]; TILE], [&[]; TILE]);
+        for t in 0..k {
+            let v = v0 + t;
+            lasts[t] = first + v / heads;
+            ql[t] = &q_lat[v * rank..(v + 1) * rank];
+            qr[t] = &q_rot[v * rope..(v + 1) * rope];
         }
+        online_tile(
+            &lasts[..k],
+            |j, s| {
+                let mut r = [0.0f32; TILE];
+                scores_of(&latents[j * rank..(j + 1) * rank], &ql[..k], s);
+                scores_of(&rots[j * rope..(j + 1) * rope], &qr[..k], &mut r);
+                for t in 0..k {
+                    s[t] = (s[t] + r[t]) * scale;
+                }
+            },
+            |j| &latents[j * rank..(j + 1) * rank],
+            &mut out[v0 * rank..(v0 + k) * rank],
+        );
+        v0 += k;
     }
 }
 
@@ -66,44 +204,95 @@ mod tests {
     use super::*;
     use crate::reference;
 
+    fn f(i: usize) -> f32 {
+        ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     #[test]
-    fn latent_attention_equals_attention_over_concatenated_keys() {
-        // q = [q_lat | q_rot], k_j = [c_j | r_j], v_j = c_j: the absorbed form is plain attention.
-        let f = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0;
-        let (rank, rope, n) = (6, 4, 7);
-        let q_lat: Vec<f32> = (0..rank).map(f).collect();
-        let q_rot: Vec<f32> = (0..rope).map(|i| f(i + 50)).collect();
-        let lat: Vec<f32> = (0..n * rank).map(|i| f(i + 100)).collect();
-        let rot: Vec<f32> = (0..n * rope).map(|i| f(i + 500)).collect();
-        let mut out = vec![0.0; rank];
-        attend_latent(&q_lat, &q_rot, &lat, &rot, 0.3, &mut vec![0.0; n], &mut out);
-        let q: Vec<f32> = q_lat.iter().chain(&q_rot).copied().collect();
-        let keys: Vec<Vec<f32>> = (0..n).map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
-        let ks: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
-        let vs: Vec<&[f32]> = (0..n).map(|j| &lat[j * rank..(j + 1) * rank]).collect();
-        let want = reference::attend_head(&q, &ks, &vs, 0.3);
-        for (a, b) in out.iter().zip(want) {
-            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    fn gqa_attention_matches_reference_with_and_without_a_window() {
+        // 75 positions: two full key blocks and a partial one; 3 new rows at the end.
+        let shape = AttentionShape { num_heads: 6, num_kv_heads: 2, head_dim: 5, scale: 0.4 };
+        let (total, n) = (75, 3);
+        let first = total - n;
+        let q: Vec<f32> = (0..n * 30).map(f).collect();
+        let keys: Vec<f32> = (0..total * 10).map(|i| f(i + 77)).collect();
+        let values: Vec<f32> = (0..total * 10).map(|i| f(i + 991)).collect();
+        for window in [None, Some(40), Some(1)] {
+            let mut out = vec![0.0; n * 30];
+            attend_rows(&shape, &q, first, &keys, &values, window, &mut out);
+            for i in 0..n {
+                let pos = first + i;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for h in 0..6 {
+                    let kvh = h / 3;
+                    let ks: Vec<&[f32]> = (lo..=pos).map(|j| &keys[j * 10 + kvh * 5..j * 10 + kvh * 5 + 5]).collect();
+                    let vs: Vec<&[f32]> = (lo..=pos).map(|j| &values[j * 10 + kvh * 5..j * 10 + kvh * 5 + 5]).collect();
+                    let want = reference::attend_head(&q[i * 30 + h * 5..i * 30 + h * 5 + 5], &ks, &vs, 0.4);
+                    for (a, b) in out[i * 30 + h * 5..i * 30 + h * 5 + 5].iter().zip(want) {
+                        assert!((a - b).abs() < 1e-5, "window {window:?} row {i} head {h}: {a} vs {b}");
+                    }
+                }
+            }
         }
     }
 
     #[test]
-    fn gqa_attention_matches_reference() {
-        let shape = AttentionShape { num_heads: 6, num_kv_heads: 2, head_dim: 5, scale: 0.4 };
-        let n = 9;
-        let f = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0;
-        let q: Vec<f32> = (0..30).map(f).collect();
-        let keys: Vec<f32> = (0..n * 10).map(|i| f(i + 77)).collect();
-        let values: Vec<f32> = (0..n * 10).map(|i| f(i + 991)).collect();
-        let mut out = vec![0.0; 30];
-        attend(&shape, &q, &keys, &values, &mut vec![0.0; n], &mut out);
-        for h in 0..6 {
-            let kvh = h / 3;
-            let ks: Vec<&[f32]> = (0..n).map(|j| &keys[j * 10 + kvh * 5..j * 10 + kvh * 5 + 5]).collect();
-            let vs: Vec<&[f32]> = (0..n).map(|j| &values[j * 10 + kvh * 5..j * 10 + kvh * 5 + 5]).collect();
-            let want = reference::attend_head(&q[h * 5..h * 5 + 5], &ks, &vs, 0.4);
-            for (a, b) in out[h * 5..h * 5 + 5].iter().zip(want) {
-                assert!((a - b).abs() < 1e-5, "head {h}: {a} vs {b}");
+    fn a_prompt_row_attends_exactly_as_the_same_row_in_decode() {
+        // Prefill tiles mix rows and heads; decode sees one row. Same bits, any group size.
+        for (heads, kv, d) in [(8, 2, 7), (3, 3, 4), (4, 1, 9)] {
+            let shape = AttentionShape { num_heads: heads, num_kv_heads: kv, head_dim: d, scale: 0.3 };
+            let (qd, stride, n) = (heads * d, kv * d, 70);
+            let q: Vec<f32> = (0..n * qd).map(|i| f(i + 5)).collect();
+            let keys: Vec<f32> = (0..n * stride).map(|i| f(i + 300)).collect();
+            let values: Vec<f32> = (0..n * stride).map(|i| f(i + 7000)).collect();
+            for window in [None, Some(33)] {
+                let mut all = vec![0.0; n * qd];
+                attend_rows(&shape, &q, 0, &keys, &values, window, &mut all);
+                for i in 0..n {
+                    let mut one = vec![0.0; qd];
+                    attend_rows(&shape, &q[i * qd..(i + 1) * qd], i, &keys[..(i + 1) * stride], &values[..(i + 1) * stride], window, &mut one);
+                    assert_eq!(bits(&one), bits(&all[i * qd..(i + 1) * qd]), "{heads}/{kv} heads, window {window:?}, row {i}");
+                }
+                // And a prefill split in two chunks (chunked prefill) agrees too.
+                let mut split = vec![0.0; n * qd];
+                let cut = 29;
+                attend_rows(&shape, &q[..cut * qd], 0, &keys[..cut * stride], &values[..cut * stride], window, &mut split[..cut * qd]);
+                attend_rows(&shape, &q[cut * qd..], cut, &keys, &values, window, &mut split[cut * qd..]);
+                assert_eq!(bits(&split), bits(&all));
+            }
+        }
+    }
+
+    #[test]
+    fn latent_attention_equals_attention_over_concatenated_keys_and_is_row_invariant() {
+        // q = [q_lat | q_rot], k_j = [c_j | r_j], v_j = c_j: the absorbed form is plain attention.
+        let (rank, rope, heads, n) = (6, 4, 5, 40);
+        let q_lat: Vec<f32> = (0..n * heads * rank).map(f).collect();
+        let q_rot: Vec<f32> = (0..n * heads * rope).map(|i| f(i + 50_000)).collect();
+        let lat: Vec<f32> = (0..n * rank).map(|i| f(i + 100)).collect();
+        let rot: Vec<f32> = (0..n * rope).map(|i| f(i + 500)).collect();
+        let mut out = vec![0.0; n * heads * rank];
+        attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, 0, &lat, &rot, 0.3, &mut out);
+        for v in 0..n * heads {
+            let row = v / heads;
+            let q: Vec<f32> = q_lat[v * rank..(v + 1) * rank].iter().chain(&q_rot[v * rope..(v + 1) * rope]).copied().collect();
+            let keys: Vec<Vec<f32>> = (0..=row).map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
+            let ks: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+            let vs: Vec<&[f32]> = (0..=row).map(|j| &lat[j * rank..(j + 1) * rank]).collect();
+            let want = reference::attend_head(&q, &ks, &vs, 0.3);
+            for (a, b) in out[v * rank..(v + 1) * rank].iter().zip(want) {
+                assert!((a - b).abs() < 1e-5, "vector {v}: {a} vs {b}");
+            }
+            if v % heads == 0 {
+                // The row alone (decode) gives the same bits as inside the prompt.
+                let mut one = vec![0.0; heads * rank];
+                let (a, b) = (v * rank, (v + heads) * rank);
+                attend_latent_rows(&q_lat[a..b], &q_rot[v * rope..(v + heads) * rope], (rank, rope), heads, row, &lat[..(row + 1) * rank], &rot[..(row + 1) * rope], 0.3, &mut one);
+                assert_eq!(bits(&one), bits(&out[a..b]), "row {row}");
             }
         }
     }

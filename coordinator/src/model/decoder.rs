@@ -11,7 +11,7 @@
 
 use shimmer_common::spec::{AttentionKind, LayerMlp, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
-use shimmer_kernels::attention::{attend, AttentionShape};
+use shimmer_kernels::attention::{attend_rows, AttentionShape};
 use shimmer_kernels::{fixed, ops, Matrix};
 use shimmer_worker::{DispatchError, ExpertDispatch, MoeBatch};
 
@@ -405,14 +405,9 @@ impl Decoder {
         cache.append(l, &k, &v);
         let shape = AttentionShape { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: d, scale: a.scale };
         let mut attn = vec![0.0f32; n * qd];
-        let mut scores = vec![0.0f32; start + n];
-        for i in 0..n {
-            let pos = start + i;
-            // A query sees keys j with pos - j < window (itself included), as transformers' mask.
-            let lo = g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let (keys, values) = cache.layer(l, lo..pos + 1);
-            attend(&shape, &q[i * qd..(i + 1) * qd], keys, values, &mut scores, &mut attn[i * qd..(i + 1) * qd]);
-        }
+        // A query sees keys j with pos - j < window (itself included), as transformers' mask.
+        let (keys, values) = cache.layer(l, 0..start + n);
+        attend_rows(&shape, &q, start, keys, values, g.window, &mut attn);
         g.o.forward(&attn, out);
     }
 

@@ -9,7 +9,7 @@
 
 use shimmer_common::spec::{MlaSpec, ModelSpec};
 use shimmer_common::{Checkpoint, LoadError};
-use shimmer_kernels::attention::attend_latent;
+use shimmer_kernels::attention::attend_latent_rows;
 use shimmer_kernels::{ops, Matrix};
 
 use super::decoder::{linear, matrix, name, norm_rows, vector, Linear};
@@ -128,18 +128,22 @@ impl Mla {
         }
         cache.append(l, &latents, &rots);
 
-        let mut attn = vec![0.0f32; n * self.heads * vd];
-        let (mut q_lat, mut o_lat) = (vec![0.0f32; rank], vec![0.0f32; rank]);
-        let mut scores = vec![0.0f32; start + n];
-        for i in 0..n {
-            let (lat, rts) = cache.layer(l, 0..start + i + 1);
-            for head in 0..self.heads {
-                let qh = &q[(i * self.heads + head) * qk..(i * self.heads + head + 1) * qk];
-                self.uk_t[head].matvec(&qh[..nope], &mut q_lat);
-                attend_latent(&q_lat, &qh[nope..], lat, rts, spec.attention.scale, &mut scores, &mut o_lat);
-                let first = head * (nope + vd) + nope;
-                self.kv_b.matvec_rows(first..first + vd, &o_lat, &mut attn[(i * self.heads + head) * vd..(i * self.heads + head + 1) * vd]);
-            }
+        // Every (row, head) query in the latent space, then all of them through the latent cache
+        // together (the heads share it), then each head's W_UV.
+        let vectors = n * self.heads;
+        let (mut q_lat, mut q_rot) = (vec![0.0f32; vectors * rank], vec![0.0f32; vectors * rot]);
+        for v in 0..vectors {
+            let qh = &q[v * qk..(v + 1) * qk];
+            self.uk_t[v % self.heads].matvec(&qh[..nope], &mut q_lat[v * rank..(v + 1) * rank]);
+            q_rot[v * rot..(v + 1) * rot].copy_from_slice(&qh[nope..]);
+        }
+        let mut o_lat = vec![0.0f32; vectors * rank];
+        let (lat, rts) = cache.layer(l, 0..start + n);
+        attend_latent_rows(&q_lat, &q_rot, (rank, rot), self.heads, start, lat, rts, spec.attention.scale, &mut o_lat);
+        let mut attn = vec![0.0f32; vectors * vd];
+        for v in 0..vectors {
+            let first = (v % self.heads) * (nope + vd) + nope;
+            self.kv_b.matvec_rows(first..first + vd, &o_lat[v * rank..(v + 1) * rank], &mut attn[v * vd..(v + 1) * vd]);
         }
         self.o.forward(&attn, out);
     }
