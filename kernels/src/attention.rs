@@ -77,13 +77,11 @@ fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]
             }
             m[v] = m_new;
         }
-        for j in b0..b1 {
-            let vj = value(j);
-            for v in 0..count {
-                if j <= last[v] {
-                    let e = p[j - b0][v];
-                    out[v * d..(v + 1) * d].iter_mut().zip(vj).for_each(|(o, x)| *o += e * x);
-                }
+        for (v, o) in out.chunks_exact_mut(d).enumerate() {
+            let end = b1.min(last[v] + 1);
+            for j in b0..end {
+                let e = p[j - b0][v];
+                o.iter_mut().zip(value(j)).for_each(|(o, x)| *o += e * x);
             }
         }
         b0 = b1;
@@ -91,20 +89,6 @@ fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]
     for v in 0..count {
         let lv = l[v];
         out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x /= lv);
-    }
-}
-
-/// Room for a tile's results on the stack (value rows up to this long: every GQA head and the
-/// 512-wide MLA latents); longer ones use the heap.
-const STACK_VALUES: usize = TILE * 1024;
-
-/// Runs `f` with a zeroed scratch of `len` floats, on the stack when it fits.
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    if len <= STACK_VALUES {
-        let mut buf = [0.0f32; STACK_VALUES];
-        f(&mut buf[..len])
-    } else {
-        f(&mut vec![0.0f32; len])
     }
 }
 
@@ -118,6 +102,8 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
     let n = qs.len() / qd.max(1);
     let group = shape.num_heads / shape.num_kv_heads;
     let lo_of = |i: usize| window.map_or(0, |w| (first + i + 1).saturating_sub(w));
+    // One tile's results before they go to their rows (one allocation per call, not per tile).
+    let mut res = vec![0.0f32; TILE * d];
     for g in 0..shape.num_kv_heads {
         // Vectors (row, head) of this kv head, row-major; a tile holds vectors that share a key
         // range start (all of them without a window; one row's heads with one).
@@ -133,21 +119,20 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
                 q[v] = &qs[i * qd + h * d..i * qd + (h + 1) * d];
             }
             let k = tile.len();
-            with_scratch(k * d, |res| {
-                online_tile(
-                    &lasts[..k],
-                    |j, s| {
-                        let at = (lo + j) * stride + g * d;
-                        scores_of(&keys[at..at + d], &q[..k], s);
-                        s[..k].iter_mut().for_each(|x| *x *= shape.scale);
-                    },
-                    |j| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d],
-                    res,
-                );
-                for (v, (i, h)) in tile.iter().enumerate() {
-                    out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&res[v * d..(v + 1) * d]);
-                }
-            });
+            let res = &mut res[..k * d];
+            online_tile(
+                &lasts[..k],
+                |j, s| {
+                    let at = (lo + j) * stride + g * d;
+                    scores_of(&keys[at..at + d], &q[..k], s);
+                    s[..k].iter_mut().for_each(|x| *x *= shape.scale);
+                },
+                |j| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d],
+                res,
+            );
+            for (v, (i, h)) in tile.iter().enumerate() {
+                out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&res[v * d..(v + 1) * d]);
+            }
         };
         for (i, h) in vectors {
             if count == TILE || (count > 0 && lo_of(tile[0].0) != lo_of(i)) {
