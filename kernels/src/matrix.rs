@@ -235,6 +235,51 @@ impl Matrix {
     }
 }
 
+/// `a_out[i] = A · xs[i]` and `b_out[i] = B · xs[i]` for two matrices of one shape and format —
+/// an expert's gate and up — in one pass: row r of both is decoded against each activation chunk
+/// loaded once (`dot::dots_rows`), in one parallel region. Every result is exactly `matmul`'s.
+pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out: &mut [f32], parallel: bool) {
+    assert!(a.rows == b.rows && a.cols == b.cols, "paired matrices differ in shape");
+    let (rows, cols) = (a.rows, a.cols);
+    let n = xs.len() / cols.max(1);
+    assert_eq!(xs.len(), n * cols, "matmul input is not whole rows");
+    assert!(a_out.len() == n * rows && b_out.len() == n * rows, "matmul output length");
+    if n == 0 {
+        return;
+    }
+    let x_rows = |i: usize| &xs[i * cols..(i + 1) * cols];
+    let width = dot::pair_batch_width();
+    // Per weight row: both results for every activation row, side by side ([a; n] then [b; n]).
+    let per_row = |r: usize, o: &mut [f32]| {
+        let (wa, wb) = (a.row(r), b.row(r));
+        let mut i = 0;
+        while width >= 2 && i + 2 <= n {
+            let [ra, rb] = dot::dots_rows::<2, 2>([&wa, &wb], [x_rows(i), x_rows(i + 1)]);
+            o[i..i + 2].copy_from_slice(&ra);
+            o[n + i..n + i + 2].copy_from_slice(&rb);
+            i += 2;
+        }
+        while i < n {
+            let [ra, rb] = dot::dots_rows::<2, 1>([&wa, &wb], [x_rows(i)]);
+            o[i] = ra[0];
+            o[n + i] = rb[0];
+            i += 1;
+        }
+    };
+    let mut t = vec![0.0f32; rows * 2 * n];
+    if parallel && 2 * rows * cols * n >= PARALLEL_MIN_WORK {
+        t.par_chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+    } else {
+        t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+    }
+    for (r, both) in t.chunks(2 * n).enumerate() {
+        for i in 0..n {
+            a_out[i * rows + r] = both[i];
+            b_out[i * rows + r] = both[n + i];
+        }
+    }
+}
+
 #[inline]
 pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
@@ -353,6 +398,31 @@ mod tests {
         assert!(e.contains("NaN"), "{e}");
         assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![1.0, 2.0], 128).unwrap_err().contains("block scales"));
         assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![f32::INFINITY], 128).is_err());
+    }
+
+    #[test]
+    fn paired_products_equal_separate_ones() {
+        let (rows, cols) = (70, 300);
+        let (w, _) = random(2 * rows, cols, 3);
+        let (wa, wb) = (&w[..rows * cols], &w[rows * cols..]);
+        let mut s = 5u64;
+        for n in [1usize, 2, 3, 5] {
+            let xs: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+            for (a, b) in [
+                (Matrix::from_quant(shimmer_common::quant::quantize_int4(wa, rows, cols, 32)), Matrix::from_quant(shimmer_common::quant::quantize_int4(wb, rows, cols, 32))),
+                (Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wa, rows, cols)), Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wb, rows, cols))),
+                (Matrix::from_f32(rows, cols, wa.to_vec()), Matrix::from_quant(shimmer_common::quant::quantize_int8(wb, rows, cols))),
+            ] {
+                let (mut pa, mut pb, mut sa, mut sb) = (vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows]);
+                for parallel in [false, true] {
+                    matmul_pair(&a, &b, &xs, &mut pa, &mut pb, parallel);
+                    a.matmul(&xs, &mut sa);
+                    b.matmul(&xs, &mut sb);
+                    assert_eq!(pa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n={n}");
+                    assert_eq!(pb.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sb.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n={n}");
+                }
+            }
+        }
     }
 
     fn batch_invariant(m: &Matrix) {

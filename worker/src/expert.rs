@@ -40,8 +40,8 @@ impl Expert {
         let n = xs.len() / h.max(1);
         scratch.gate.resize(n * i, 0.0);
         scratch.up.resize(n * i, 0.0);
-        self.gate.matmul_on(xs, &mut scratch.gate, parallel);
-        self.up.matmul_on(xs, &mut scratch.up, parallel);
+        // Gate and up in one pass over the input (same bits as two products).
+        shimmer_kernels::matrix::matmul_pair(&self.gate, &self.up, xs, &mut scratch.gate, &mut scratch.up, parallel);
         ops::swiglu_in_place(&mut scratch.gate, &scratch.up);
         self.down.matmul_on(&scratch.gate, out, parallel);
     }

@@ -94,16 +94,14 @@ impl DenseMlp {
         Ok(DenseMlp { gate: matrix(ckpt, spec, g, intermediate, hidden)?, up: matrix(ckpt, spec, u, intermediate, hidden)?, down: matrix(ckpt, spec, d, hidden, intermediate)? })
     }
 
-    /// `out = mlp(x)` row by row.
+    /// `out = mlp(x)` for every row (each row's bits as if alone): gate and up in one pass.
     fn forward(&self, x: &[f32], out: &mut [f32]) {
         let (hd, i) = (self.gate.cols, self.gate.rows);
-        let (mut g, mut u) = (vec![0.0f32; i], vec![0.0f32; i]);
-        for (xr, or) in x.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
-            self.gate.matvec(xr, &mut g);
-            self.up.matvec(xr, &mut u);
-            ops::swiglu_in_place(&mut g, &u);
-            self.down.matvec(&g, or);
-        }
+        let n = x.len() / hd;
+        let (mut g, mut u) = (vec![0.0f32; n * i], vec![0.0f32; n * i]);
+        shimmer_kernels::matrix::matmul_pair(&self.gate, &self.up, x, &mut g, &mut u, true);
+        ops::swiglu_in_place(&mut g, &u);
+        self.down.matmul(&g, out);
     }
 }
 
