@@ -248,6 +248,20 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
         return;
     }
     let x_rows = |i: usize| &xs[i * cols..(i + 1) * cols];
+    let go_parallel = parallel && 2 * rows * cols * n >= PARALLEL_MIN_WORK;
+    if n == 1 {
+        // Decode: straight into the outputs.
+        let one = |(r, (oa, ob)): (usize, (&mut f32, &mut f32))| {
+            let [ra, rb] = dot::dots_rows::<2, 1>([&a.row(r), &b.row(r)], [xs]);
+            (*oa, *ob) = (ra[0], rb[0]);
+        };
+        if go_parallel {
+            a_out.par_iter_mut().zip(b_out.par_iter_mut()).enumerate().with_min_len(16).for_each(one);
+        } else {
+            a_out.iter_mut().zip(b_out.iter_mut()).enumerate().for_each(one);
+        }
+        return;
+    }
     let width = dot::pair_batch_width();
     // Per weight row: both results for every activation row, side by side ([a; n] then [b; n]).
     let per_row = |r: usize, o: &mut [f32]| {
@@ -267,7 +281,7 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
         }
     };
     let mut t = vec![0.0f32; rows * 2 * n];
-    if parallel && 2 * rows * cols * n >= PARALLEL_MIN_WORK {
+    if go_parallel {
         t.par_chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
     } else {
         t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
