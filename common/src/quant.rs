@@ -109,11 +109,9 @@ pub static E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5
 /// An e8m0 scale byte: `2^(e−127)` (exact in f32, 2⁻¹²⁷ being subnormal); 255 is NaN.
 #[inline]
 pub fn e8m0_to_f32(e: u8) -> f32 {
-    match e {
-        255 => f32::NAN,
-        0 => f32::from_bits(0x0040_0000),
-        e => f32::from_bits((e as u32) << 23),
-    }
+    // Branch-free (kernels call it per 16 lanes): 0 → the subnormal 2⁻¹²⁷, 255 → the quiet NaN.
+    let fix = ((e == 0) | (e == 255)) as u32 * 0x0040_0000;
+    f32::from_bits(((e as u32) << 23) | fix)
 }
 
 pub fn quantize_mxfp4(w: &[f32], rows: usize, cols: usize) -> QuantMatrix {

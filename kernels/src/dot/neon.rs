@@ -5,7 +5,7 @@
 //!
 //! Must never: reorder the sum, or fuse the format's `value · scale` product into the FMA.
 
-use super::{tail_chunk, WeightRow, LANES};
+use super::{tail_chunk, Group, WeightRow, LANES};
 use shimmer_common::quant::{e8m0_to_f32, E2M1, MXFP4_GROUP};
 use std::arch::aarch64::*;
 
@@ -110,6 +110,7 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
+            let grp = Group::new(group);
             run!(|m, c| {
                 let mut out = [vdupq_n_f32(0.0); REGS];
                 for half_chunk in 0..2 {
@@ -117,7 +118,7 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
                         for (t, u) in widen16(bytes).into_iter().enumerate() {
                             let r = half_chunk * 8 + b * 4 + t;
                             let q = vsubq_s32(vreinterpretq_s32_u32(u), vdupq_n_s32(8));
-                            let scale = *s[m].get_unchecked((c * LANES + r * 4) / group);
+                            let scale = *s[m].get_unchecked(grp.of(c * LANES + r * 4));
                             out[r] = vmulq_f32(vcvtq_f32_s32(q), vdupq_n_f32(scale));
                         }
                     }
@@ -127,12 +128,13 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
         }
         WeightRow::Fp8 { group, .. } => {
             let (q, s) = (fields!(ws, WeightRow::Fp8 { q, .. } => q.as_ptr()), fields!(ws, WeightRow::Fp8 { scales, .. } => scales));
+            let grp = Group::new(group);
             run!(|m, c| {
                 let mut out = [vdupq_n_f32(0.0); REGS];
                 for sub in 0..4 {
                     for (t, u) in widen16(vld1q_u8(q[m].add(c * LANES + sub * 16))).into_iter().enumerate() {
                         let r = sub * 4 + t;
-                        let scale = *s[m].get_unchecked((c * LANES + r * 4) / group);
+                        let scale = *s[m].get_unchecked(grp.of(c * LANES + r * 4));
                         out[r] = vmulq_f32(fp8x4(u), vdupq_n_f32(scale));
                     }
                 }
