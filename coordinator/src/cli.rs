@@ -83,7 +83,7 @@ struct ConvertArgs {
     /// The container directory to write (new or empty, or an interrupted conversion to resume).
     #[arg(long)]
     to: PathBuf,
-    /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128.
+    /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128, mxfp4.
     #[arg(long, default_value = "bf16")]
     quant: String,
     /// Dense weights' format: bf16 or int8.
@@ -148,9 +148,9 @@ struct QuantEvalArgs {
     /// A UTF-8 text file (e.g. held-out text).
     #[arg(long)]
     text: PathBuf,
-    /// Formats to measure, comma-separated: int8, int4-g32, int4-g64, int4-g128 (`none`: only
+    /// Formats to measure, comma-separated: int8, int4-g32, int4-g64, int4-g128, mxfp4 (`none`: only
     /// the --candidate models).
-    #[arg(long, value_delimiter = ',', default_value = "int8,int4-g32,int4-g64,int4-g128")]
+    #[arg(long, value_delimiter = ',', default_value = "int8,int4-g32,int4-g64,int4-g128,mxfp4")]
     quant: Vec<String>,
     /// Also measure this model directory (e.g. a converted container, with int8 dense weights)
     /// against --model; repeatable.

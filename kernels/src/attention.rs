@@ -102,8 +102,9 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
     let n = qs.len() / qd.max(1);
     let group = shape.num_heads / shape.num_kv_heads;
     let lo_of = |i: usize| window.map_or(0, |w| (first + i + 1).saturating_sub(w));
-    // One tile's results before they go to their rows (one allocation per call, not per tile).
-    let mut res = vec![0.0f32; TILE * d];
+    // A tile of one row's heads writes straight into `out` (decode allocates nothing); a tile
+    // spanning rows (prefill) gathers its results here first.
+    let mut gather: Vec<f32> = Vec::new();
     for g in 0..shape.num_kv_heads {
         // Vectors (row, head) of this kv head, row-major; a tile holds vectors that share a key
         // range start (all of them without a window; one row's heads with one).
@@ -119,19 +120,23 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
                 q[v] = &qs[i * qd + h * d..i * qd + (h + 1) * d];
             }
             let k = tile.len();
-            let res = &mut res[..k * d];
-            online_tile(
-                &lasts[..k],
-                |j, s| {
-                    let at = (lo + j) * stride + g * d;
-                    scores_of(&keys[at..at + d], &q[..k], s);
-                    s[..k].iter_mut().for_each(|x| *x *= shape.scale);
-                },
-                |j| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d],
-                res,
-            );
-            for (v, (i, h)) in tile.iter().enumerate() {
-                out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&res[v * d..(v + 1) * d]);
+            let (i0, h0) = tile[0];
+            let one_row = tile.iter().all(|(i, _)| *i == i0);
+            let score = |j: usize, s: &mut [f32; TILE]| {
+                let at = (lo + j) * stride + g * d;
+                scores_of(&keys[at..at + d], &q[..k], s);
+                s[..k].iter_mut().for_each(|x| *x *= shape.scale);
+            };
+            let value = |j: usize| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d];
+            if one_row {
+                // Heads h0.. of one row are contiguous in `out`.
+                online_tile(&lasts[..k], score, value, &mut out[i0 * qd + h0 * d..i0 * qd + (h0 + k) * d]);
+            } else {
+                gather.resize(TILE * d, 0.0);
+                online_tile(&lasts[..k], score, value, &mut gather[..k * d]);
+                for (v, (i, h)) in tile.iter().enumerate() {
+                    out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&gather[v * d..(v + 1) * d]);
+                }
             }
         };
         for (i, h) in vectors {
