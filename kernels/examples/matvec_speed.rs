@@ -38,6 +38,18 @@ fn main() {
             let dt = t.elapsed().as_secs_f64() / reps as f64;
             println!("{name:9} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
         }
+        // Prefill-like: 16 activation rows per product, one thread; multiply-adds per second.
+        let n = 16;
+        let xs: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1).collect();
+        let mut outs = vec![0.0f32; n * rows];
+        m.matmul_on(&xs, &mut outs, false);
+        let t = Instant::now();
+        let reps = 4;
+        for _ in 0..reps {
+            m.matmul_on(&xs, &mut outs, false);
+        }
+        let dt = t.elapsed().as_secs_f64() / reps as f64;
+        println!("{name:9} matmul×{n} 1 thread {:7.2} ms  {:6.2} GMAC/s", dt * 1e3, (rows * cols * n) as f64 / dt / 1e9);
     }
 }
 
