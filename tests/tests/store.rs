@@ -161,3 +161,33 @@ fn the_demo_model_bf16_container_and_checkpoint_agree_at_ten_percent() {
     convert_to(&demo(), &container, QuantScheme::Bf16);
     placements_agree("demo bf16", &container, &reference);
 }
+
+#[test]
+fn an_mxfp4_container_matches_its_in_memory_quantisation_under_every_placement() {
+    // bf16 checkpoints (their dense weights convert losslessly, so only the experts change).
+    for name in ["olmoe", "deepseek_v3"] {
+        let reference = answers(&Engine::load_with_experts_as(&fixture(name), QuantScheme::Mxfp4).unwrap());
+        let out = tempfile::tempdir().unwrap();
+        let container = out.path().join("c");
+        convert_to(&fixture(name), &container, QuantScheme::Mxfp4);
+        placements_agree(&format!("{name} mxfp4"), &container, &reference);
+    }
+}
+
+#[test]
+fn an_fp8_checkpoint_streams_its_experts_as_they_are_with_identical_answers() {
+    // fp8 experts read from the checkpoint through the store under a small budget (three tensor
+    // reads and their block scales per expert) answer as the all-resident fp8 model does.
+    let src = fixture("deepseek_v3_fp8");
+    let reference = answers(&Engine::load(&src).unwrap());
+    let resident = open(&src, &opts(100.0));
+    same(&answers(&resident), &reference, "fp8 through the store, all resident");
+    let t = resident.store_telemetry().unwrap();
+    let top_k = resident.spec.moe.top_k as u64;
+    drop(resident);
+    // One layer's working set: every other access reads from the checkpoint again.
+    let tight = open(&src, &opts((top_k * t.expert_bytes) as f64 / 1e9 * 1.000_001));
+    same(&answers(&tight), &reference, "fp8 through the store, top-k experts resident");
+    let tt = tight.store_telemetry().unwrap();
+    assert!(tt.disk_misses > 0 && tt.capacity_experts < t.capacity_experts, "{tt:?}");
+}
