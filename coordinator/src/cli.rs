@@ -24,6 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible API (and, later, the dashboard) on one port.
+    Run(RunArgs),
     /// Generate a continuation of a prompt, streaming text to stdout.
     Generate(GenerateArgs),
     /// Teacher-force a token sequence: argmax and log-probability at every position.
@@ -44,6 +46,31 @@ enum Command {
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this API key (repeatable; also SHIMMER_API_KEY). Without one, no key is needed.
+    #[arg(long = "api-key", value_name = "KEY")]
+    api_keys: Vec<String>,
+    /// Requests that may wait for a batch slot; beyond, 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Sequences decoded together in one forward pass.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// The model name clients use (default: the model directory's name; `shimmer-demo` for the demo).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[command(flatten)]
+    store: StoreArgs,
 }
 
 #[derive(Args)]
@@ -324,6 +351,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Generate(a) => generate(a),
         Command::Score(a) => score(a),
         Command::Chat(a) => chat(a),
+        Command::Run(a) => run_server(a),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
         Command::Convert(a) => convert(a),
@@ -490,6 +518,30 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
         }
         store_summary(&engine);
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_server(a: RunArgs) -> Result<ExitCode> {
+    let dir = model_dir(&a.model)?;
+    let engine = open(&dir, &a.store, false)?;
+    let mut api_keys = a.api_keys.clone();
+    if let Ok(k) = std::env::var("SHIMMER_API_KEY") {
+        if !k.is_empty() {
+            api_keys.push(k);
+        }
+    }
+    let model_id = match (&a.served_model_name, &a.model) {
+        (Some(n), _) => n.clone(),
+        (None, None) => "shimmer-demo".into(),
+        (None, Some(_)) => std::fs::canonicalize(&dir).ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into()),
+    };
+    if a.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    crate::server::serve(
+        engine,
+        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), max_body_bytes: 4 << 20, model_id },
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -16,7 +16,7 @@ use shimmer_worker::usage::Usage;
 use shimmer_worker::{ExpertDispatch, InProcessExperts};
 
 use crate::kv_cache::KvCache;
-use crate::model::{load_dense, Decoder, ForwardError, Logits, MoeObserver};
+use crate::model::{load_dense, Decoder, ForwardError, Logits, MoeObserver, Segment};
 use crate::sampling::{argmax, Sampler, SamplingParams};
 
 #[derive(Debug, thiserror::Error)]
@@ -331,6 +331,20 @@ impl Engine {
         }
     }
 
+    /// One forward pass over several sequences at once (the server's continuous batching): each
+    /// segment's tokens go after what its cache holds; returns each segment's logits. A
+    /// sequence's results are bit-identical to running it alone.
+    pub fn forward_batch(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> {
+        let mut guard = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let mut recorder = guard.take();
+        let result = self.pool.install(|| match recorder.as_mut() {
+            Some(recorder) => self.decoder.forward_segments(segments, self.experts.as_ref(), recorder),
+            None => self.decoder.forward_segments(segments, self.experts.as_ref(), &mut crate::model::NoObserver),
+        });
+        *guard = recorder;
+        result
+    }
+
     /// One forward pass, reported to the trace recorder when one is set.
     fn run(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Result<Vec<f32>, ForwardError> {
         let mut guard = self.trace.lock().unwrap_or_else(|e| e.into_inner());
@@ -487,23 +501,23 @@ fn log_softmax_at(row: &[f32], i: usize) -> f32 {
 /// Turns the growing decoded text into final pieces: holds back an incomplete UTF-8 sequence
 /// (decoded as U+FFFD) and any tail that could still become a stop string, and cuts the text
 /// before the first stop string.
-struct TextStream<'a> {
-    stops: &'a [String],
+pub(crate) struct TextStream {
+    stops: Vec<String>,
     /// The text emitted so far (final).
-    text: String,
+    pub(crate) text: String,
     /// The latest full decode.
     latest: String,
     stopped: bool,
 }
 
-impl<'a> TextStream<'a> {
-    fn new(stops: &'a [String]) -> Self {
-        TextStream { stops, text: String::new(), latest: String::new(), stopped: false }
+impl TextStream {
+    pub(crate) fn new(stops: &[String]) -> Self {
+        TextStream { stops: stops.to_vec(), text: String::new(), latest: String::new(), stopped: false }
     }
 
     /// Takes the full decode of the output so far; returns the newly final text and whether a
     /// stop string was reached.
-    fn push(&mut self, decoded: &str) -> (&str, bool) {
+    pub(crate) fn push(&mut self, decoded: &str) -> (&str, bool) {
         self.latest = decoded.to_string();
         let before = self.text.len();
         if let Some(cut) = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str())).min() {
@@ -519,7 +533,7 @@ impl<'a> TextStream<'a> {
         }
         // Hold back the longest tail that is a proper prefix of some stop string.
         let mut hold = 0;
-        for stop in self.stops {
+        for stop in &self.stops {
             for (i, _) in stop.char_indices().skip(1) {
                 if decoded[..end].ends_with(&stop[..i]) {
                     hold = hold.max(i);
@@ -535,7 +549,7 @@ impl<'a> TextStream<'a> {
 
     /// Whatever was held back, once generation ends without a stop string: the final text is
     /// the whole decode, an incomplete last character (U+FFFD) included.
-    fn finish(&mut self) -> &str {
+    pub(crate) fn finish(&mut self) -> &str {
         let before = self.text.len();
         if !self.stopped && self.latest.len() > before && self.latest.starts_with(self.text.as_str()) {
             let tail = self.latest[before..].to_string();

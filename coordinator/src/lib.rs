@@ -15,6 +15,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod routing;
 pub mod sampling;
+pub mod server;
 pub mod session_file;
 pub mod trace_recorder;
 

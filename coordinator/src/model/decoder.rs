@@ -167,6 +167,21 @@ impl MoeObserver for NoObserver {
     fn moe_layer(&mut self, _: usize, _: &[f32], _: &[u32], _: &[f32]) {}
 }
 
+/// One sequence's part of a batched forward pass: its new tokens, its own KV cache (the tokens
+/// go at positions `cache.len()..`) and which logits it wants back.
+pub struct Segment<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+    pub want: Logits,
+}
+
+/// Where a segment's rows sit in the batch and where its positions start.
+pub(crate) struct SegmentRows<'a> {
+    pub rows: std::ops::Range<usize>,
+    pub start: usize,
+    pub cache: &'a mut KvCache,
+}
+
 /// Which positions' logits a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -324,17 +339,35 @@ impl Decoder {
         want: Logits,
         observer: &mut dyn MoeObserver,
     ) -> Result<Vec<f32>, ForwardError> {
+        let mut out = self.forward_segments(&mut [Segment { tokens, cache, want }], experts, observer)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One forward pass over several sequences at once (continuous batching): every dense
+    /// product runs over all their rows together, each MoE layer makes one batch-union dispatch
+    /// for all of them, and attention reads each sequence's own cache. Every row is computed as
+    /// it would be alone (DESIGN.md §1), so a sequence's logits do not depend on its batch-mates.
+    /// Returns each segment's logits (`vocab` per returned row).
+    pub fn forward_segments(&self, segments: &mut [Segment<'_>], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver) -> Result<Vec<Vec<f32>>, ForwardError> {
         let s = &self.spec;
-        let (n, hd) = (tokens.len(), s.hidden_size);
-        let start = cache.len();
-        if start + n > cache.capacity() {
-            return Err(ForwardError::ContextFull { have: start, adding: n, capacity: cache.capacity() });
+        let hd = s.hidden_size;
+        let wants: Vec<Logits> = segments.iter().map(|seg| seg.want).collect();
+        let tokens: Vec<u32> = segments.iter().flat_map(|seg| seg.tokens.iter().copied()).collect();
+        let mut rows = Vec::with_capacity(segments.len());
+        let mut n = 0;
+        for seg in segments.iter_mut() {
+            let (start, len) = (seg.cache.len(), seg.tokens.len());
+            if start + len > seg.cache.capacity() {
+                return Err(ForwardError::ContextFull { have: start, adding: len, capacity: seg.cache.capacity() });
+            }
+            if let Some(t) = seg.tokens.iter().find(|t| **t as usize >= s.vocab_size) {
+                return Err(ForwardError::TokenOutOfRange { id: *t, vocab: s.vocab_size });
+            }
+            rows.push(SegmentRows { rows: n..n + len, start, cache: &mut *seg.cache });
+            n += len;
         }
         let mut h = vec![0.0f32; n * hd];
         for (t, row) in tokens.iter().zip(h.chunks_exact_mut(hd)) {
-            if *t as usize >= s.vocab_size {
-                return Err(ForwardError::TokenOutOfRange { id: *t, vocab: s.vocab_size });
-            }
             self.embed.row_f32(*t as usize, row);
         }
         let mut x = vec![0.0f32; n * hd];
@@ -342,8 +375,8 @@ impl Decoder {
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
             match &layer.attention {
-                Attention::Gqa(g) => self.gqa(g, l, start, &x, cache, &mut proj),
-                Attention::Mla(m) => m.forward(s, &self.rope, l, start, &x, cache, &mut proj),
+                Attention::Gqa(g) => self.gqa(g, l, &x, &mut rows, &mut proj),
+                Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut proj),
             }
             add(&mut h, &proj);
 
@@ -354,24 +387,30 @@ impl Decoder {
             }
             add(&mut h, &proj);
         }
-        cache.commit(n);
-
-        let rows: Vec<usize> = match want {
-            Logits::Last => vec![n - 1],
-            Logits::All => (0..n).collect(),
-        };
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0.0f32; rows.len() * s.vocab_size];
-        for (r, out) in rows.iter().zip(logits.chunks_exact_mut(s.vocab_size)) {
-            ops::rms_norm(&h[r * hd..(r + 1) * hd], &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
-            head.matvec(&x[..hd], out);
+        for seg in rows.iter_mut() {
+            seg.cache.commit(seg.rows.len());
         }
-        Ok(logits)
+
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut all = Vec::with_capacity(rows.len());
+        for (want, r) in wants.iter().zip(&rows) {
+            let wanted: Vec<usize> = match want {
+                Logits::Last => r.rows.end.checked_sub(1).into_iter().filter(|_| !r.rows.is_empty()).collect(),
+                Logits::All => r.rows.clone().collect(),
+            };
+            let mut logits = vec![0.0f32; wanted.len() * s.vocab_size];
+            for (row, out) in wanted.iter().zip(logits.chunks_exact_mut(s.vocab_size)) {
+                ops::rms_norm(&h[row * hd..(row + 1) * hd], &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
+                head.matvec(&x[..hd], out);
+            }
+            all.push(logits);
+        }
+        Ok(all)
     }
 
-    /// Grouped-query attention of `n` rows at positions `start..`, appending their keys/values.
-    #[allow(clippy::too_many_arguments)]
-    fn gqa(&self, g: &Gqa, l: usize, start: usize, x: &[f32], cache: &mut KvCache, out: &mut [f32]) {
+    /// Grouped-query attention of every segment's rows (projections over all rows at once;
+    /// rotary positions, cache and attention per segment), appending their keys/values.
+    fn gqa(&self, g: &Gqa, l: usize, x: &[f32], segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
         let s = &self.spec;
         let a = &s.attention;
         let (hd, d) = (s.hidden_size, s.head_dim);
@@ -394,18 +433,21 @@ impl Decoder {
             }
         }
         let (mut cos, mut sin) = (vec![0.0f32; a.rotary_dim / 2], vec![0.0f32; a.rotary_dim / 2]);
-        for i in 0..n {
-            self.rope.cos_sin(start + i, &mut cos, &mut sin);
-            for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(d).chain(k[i * kvd..(i + 1) * kvd].chunks_exact_mut(d)) {
-                self.rotate(&mut head[..a.rotary_dim], &cos, &sin);
-            }
-        }
-        cache.append(l, &k, &v);
         let shape = AttentionShape { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: d, scale: a.scale };
         let mut attn = vec![0.0f32; n * qd];
-        // A query sees keys j with pos - j < window (itself included), as transformers' mask.
-        let (keys, values) = cache.layer(l, 0..start + n);
-        attend_rows(&shape, &q, start, keys, values, g.window, &mut attn);
+        for seg in segments.iter_mut() {
+            let (r, start) = (seg.rows.clone(), seg.start);
+            for i in r.clone() {
+                self.rope.cos_sin(start + i - r.start, &mut cos, &mut sin);
+                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(d).chain(k[i * kvd..(i + 1) * kvd].chunks_exact_mut(d)) {
+                    self.rotate(&mut head[..a.rotary_dim], &cos, &sin);
+                }
+            }
+            seg.cache.append(l, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
+            // A query sees keys j with pos - j < window (itself included), as transformers' mask.
+            let (keys, values) = seg.cache.layer(l, 0..start + r.len());
+            attend_rows(&shape, &q[r.start * qd..r.end * qd], start, keys, values, g.window, &mut attn[r.start * qd..r.end * qd]);
+        }
         g.o.forward(&attn, out);
     }
 

@@ -12,9 +12,8 @@ use shimmer_common::{Checkpoint, LoadError};
 use shimmer_kernels::attention::attend_latent_rows;
 use shimmer_kernels::{ops, Matrix};
 
-use super::decoder::{linear, matrix, name, norm_rows, vector, Linear};
+use super::decoder::{linear, matrix, name, norm_rows, vector, Linear, SegmentRows};
 use super::rope::Rope;
-use crate::kv_cache::KvCache;
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with the RMSNorm default, not the config's eps.
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -87,9 +86,9 @@ impl Mla {
         })
     }
 
-    /// Attention of `x`'s rows at positions `start..`, appending their latents to `cache`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(&self, spec: &ModelSpec, rope: &Rope, l: usize, start: usize, x: &[f32], cache: &mut KvCache, out: &mut [f32]) {
+    /// Attention of every segment's rows (projections over all rows at once; rotary positions,
+    /// cache and attention per segment), appending their latents to each segment's cache.
+    pub(crate) fn forward(&self, spec: &ModelSpec, rope: &Rope, l: usize, x: &[f32], segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
         let d = &self.dims;
         let (rank, nope, rot, vd) = (d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim);
         let qk = nope + rot;
@@ -116,17 +115,18 @@ impl Mla {
                 ops::rope_rotate_half(v, cos, sin)
             }
         };
-        for i in 0..n {
-            let row = &ckv[i * (rank + rot)..(i + 1) * (rank + rot)];
-            ops::rms_norm(&row[..rank], &self.kv_a_norm, LORA_NORM_EPS, &mut latents[i * rank..(i + 1) * rank]);
-            rots[i * rot..(i + 1) * rot].copy_from_slice(&row[rank..]);
-            rope.cos_sin(start + i, &mut cos, &mut sin);
-            rotate(&mut rots[i * rot..(i + 1) * rot], &cos, &sin);
-            for head in q[i * self.heads * qk..(i + 1) * self.heads * qk].chunks_exact_mut(qk) {
-                rotate(&mut head[nope..], &cos, &sin);
+        for seg in segments.iter() {
+            for i in seg.rows.clone() {
+                let row = &ckv[i * (rank + rot)..(i + 1) * (rank + rot)];
+                ops::rms_norm(&row[..rank], &self.kv_a_norm, LORA_NORM_EPS, &mut latents[i * rank..(i + 1) * rank]);
+                rots[i * rot..(i + 1) * rot].copy_from_slice(&row[rank..]);
+                rope.cos_sin(seg.start + i - seg.rows.start, &mut cos, &mut sin);
+                rotate(&mut rots[i * rot..(i + 1) * rot], &cos, &sin);
+                for head in q[i * self.heads * qk..(i + 1) * self.heads * qk].chunks_exact_mut(qk) {
+                    rotate(&mut head[nope..], &cos, &sin);
+                }
             }
         }
-        cache.append(l, &latents, &rots);
 
         // Every (row, head) query in the latent space, then all of them through the latent cache
         // together (the heads share it), then each head's W_UV.
@@ -138,8 +138,13 @@ impl Mla {
             q_rot[v * rot..(v + 1) * rot].copy_from_slice(&qh[nope..]);
         }
         let mut o_lat = vec![0.0f32; vectors * rank];
-        let (lat, rts) = cache.layer(l, 0..start + n);
-        attend_latent_rows(&q_lat, &q_rot, (rank, rot), self.heads, start, lat, rts, spec.attention.scale, &mut o_lat);
+        for seg in segments.iter_mut() {
+            let (r, hs) = (seg.rows.clone(), self.heads);
+            seg.cache.append(l, &latents[r.start * rank..r.end * rank], &rots[r.start * rot..r.end * rot]);
+            let (lat, rts) = seg.cache.layer(l, 0..seg.start + r.len());
+            let (v0, v1) = (r.start * hs, r.end * hs);
+            attend_latent_rows(&q_lat[v0 * rank..v1 * rank], &q_rot[v0 * rot..v1 * rot], (rank, rot), hs, seg.start, lat, rts, spec.attention.scale, &mut o_lat[v0 * rank..v1 * rank]);
+        }
         let mut attn = vec![0.0f32; vectors * vd];
         for v in 0..vectors {
             let first = (v % self.heads) * (nope + vd) + nope;

@@ -1,0 +1,352 @@
+//! Continuous batching: one thread owns the forward passes and runs every admitted request in
+//! them together. Each step feeds every decoding sequence its one new token and every sequence
+//! still reading its prompt a chunk of it (at most `PREFILL_CHUNK` prompt tokens per step, shared
+//! out in arrival order, so a long prompt does not stall the others' decoding for long), in one
+//! `Engine::forward_batch` — every MoE layer thus makes one batch-union expert dispatch for all of
+//! them. Sequences compute exactly as they would alone (DESIGN.md §1), so a request's greedy
+//! tokens do not depend on what else is running.
+//!
+//! Requests wait in a bounded queue (`max_queue`: a full queue is refused at once, the HTTP layer
+//! answers 429); at most `max_batch` run at a time. A request whose receiver is gone (the client
+//! disconnected) is dropped at the next step, its KV freed.
+//!
+//! Must never: block on a client, or let one request's sampling see another's tokens.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
+use crate::model::{Logits, Segment};
+use crate::sampling::Sampler;
+
+/// Prompt tokens one step may prefill, across all sequences.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// One generation request.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub opts: GenerateOptions,
+    /// OpenAI's `presence_penalty` and `frequency_penalty` (over the generated tokens).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Report each token's log-probability, with this many alternatives (`None`: no logprobs).
+    pub logprobs: Option<usize>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// A token's log-probability under the model (raw logits, before sampling's processors) and the
+/// most likely alternatives at its position.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// Text that became final, and the tokens sampled since the last event.
+    Text { text: String, logprobs: Vec<TokenLogprob> },
+    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Error(String),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    #[error("the request queue is full ({0} waiting)")]
+    QueueFull(usize),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// What the dashboard and `/metrics` read.
+#[derive(Debug, Default, Clone)]
+pub struct BatcherStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub requests_finished: u64,
+}
+
+enum Msg {
+    Job(Box<Job>),
+    Shutdown,
+}
+
+/// The handle the HTTP layer submits through.
+#[derive(Clone)]
+pub struct Batcher {
+    tx: mpsc::Sender<Msg>,
+    queued: Arc<AtomicUsize>,
+    max_queue: usize,
+    closing: Arc<AtomicBool>,
+    pub stats: Arc<Mutex<BatcherStats>>,
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl Batcher {
+    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize) -> Batcher {
+        let (tx, rx) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let stats = Arc::new(Mutex::new(BatcherStats::default()));
+        let (q, st) = (queued.clone(), stats.clone());
+        let thread = std::thread::Builder::new()
+            .name("batcher".into())
+            .spawn(move || Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new() }.run())
+            .expect("cannot start the batcher thread");
+        Batcher { tx, queued, max_queue, closing: Arc::new(AtomicBool::new(false)), stats, thread: Arc::new(Mutex::new(Some(thread))) }
+    }
+
+    /// Queues a request, or refuses it at once when the queue is full or the server is closing.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let n = self.queued.fetch_add(1, Ordering::SeqCst);
+        if n >= self.max_queue {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(n));
+        }
+        self.tx.send(Msg::Job(Box::new(job))).map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::ShuttingDown
+        })
+    }
+
+    /// Stops admitting, cancels what is queued or running (their streams end with
+    /// `FinishReason::Cancelled`, which the API reports as vLLM does, `"abort"`), persists usage,
+    /// and waits for the thread.
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A running request.
+struct Seq {
+    job: Job,
+    session: Session,
+    /// Prompt tokens fed so far.
+    fed: usize,
+    output: Vec<u32>,
+    sampler: Sampler,
+    text: TextStream,
+    /// Counts of each generated token (for the penalties).
+    counts: std::collections::HashMap<u32, u32>,
+}
+
+struct Loop {
+    engine: Arc<Engine>,
+    rx: mpsc::Receiver<Msg>,
+    queued: Arc<AtomicUsize>,
+    stats: Arc<Mutex<BatcherStats>>,
+    max_batch: usize,
+    waiting: VecDeque<Job>,
+    active: Vec<Seq>,
+}
+
+impl Loop {
+    fn run(mut self) {
+        loop {
+            // Wait when idle; otherwise take whatever has arrived and step.
+            let first = if self.active.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                }
+            } else {
+                None
+            };
+            let mut shutdown = false;
+            for msg in first.into_iter().chain(std::iter::from_fn(|| self.rx.try_recv().ok())) {
+                match msg {
+                    Msg::Job(j) => self.waiting.push_back(*j),
+                    Msg::Shutdown => shutdown = true,
+                }
+            }
+            if shutdown {
+                for seq in self.active.drain(..) {
+                    let _ = seq.job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len() });
+                }
+                for job in self.waiting.drain(..) {
+                    let _ = job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: job.prompt.len(), completion_tokens: 0 });
+                }
+                self.engine.end_turn();
+                break;
+            }
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn admit(&mut self) {
+        // Requests whose client left while queued never start.
+        self.waiting.retain(|j| {
+            let keep = !j.events.is_closed();
+            if !keep {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            keep
+        });
+        while self.active.len() < self.max_batch {
+            let Some(job) = self.waiting.pop_front() else { break };
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            if let Err(e) = self.engine.check_prompt(&job.prompt).and_then(|_| job.opts.sampling.validate().map_err(crate::engine::EngineError::Input)) {
+                let _ = job.events.send(Event::Error(e.to_string()));
+                continue;
+            }
+            let sampler = Sampler::new(job.opts.sampling.clone());
+            let text = TextStream::new(&job.opts.stop);
+            self.active.push(Seq { session: self.engine.new_session(), fed: 0, output: Vec::new(), sampler, text, counts: Default::default(), job });
+        }
+    }
+
+    /// One forward pass for every active sequence, then sampling for those that finished their prompt.
+    fn step(&mut self) {
+        self.active.retain(|s| !s.job.events.is_closed());
+        if self.active.is_empty() {
+            return;
+        }
+        // Decoding sequences first (one token each), then prompt chunks in arrival order.
+        let mut budget = PREFILL_CHUNK;
+        let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(self.active.len());
+        for seq in &self.active {
+            let remaining = seq.job.prompt.len() - seq.fed;
+            if remaining == 0 {
+                feeds.push(seq.output.last().map(|t| vec![*t]).unwrap_or_default());
+            } else {
+                let take = remaining.min(budget);
+                budget -= take;
+                feeds.push(seq.job.prompt[seq.fed..seq.fed + take].to_vec());
+            }
+        }
+        let mut segments: Vec<Segment<'_>> = Vec::new();
+        let mut which = Vec::new();
+        for (i, (seq, feed)) in self.active.iter_mut().zip(&feeds).enumerate() {
+            if !feed.is_empty() {
+                segments.push(Segment { tokens: feed, cache: &mut seq.session.cache, want: Logits::Last });
+                which.push(i);
+            }
+        }
+        let t0 = Instant::now();
+        let result = self.engine.forward_batch(&mut segments);
+        drop(segments);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // A forward error (an unreachable expert) fails every request in this step.
+                for i in which.iter().rev() {
+                    let seq = self.active.remove(*i);
+                    let _ = seq.job.events.send(Event::Error(e.to_string()));
+                }
+                return;
+            }
+        };
+        tracing::trace!(sequences = which.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "step");
+        let mut finished = Vec::new();
+        let (mut prompt_tokens, mut generated) = (0u64, 0u64);
+        for (i, mut row) in which.iter().copied().zip(logits) {
+            let seq = &mut self.active[i];
+            let feed = &feeds[i];
+            seq.session.tokens.extend_from_slice(feed);
+            if seq.fed < seq.job.prompt.len() {
+                seq.fed += feed.len();
+                prompt_tokens += feed.len() as u64;
+                if seq.fed < seq.job.prompt.len() {
+                    continue; // more prompt to read before the first token
+                }
+            }
+            generated += 1;
+            if let Some(finish) = Self::sample(&self.engine, seq, &mut row) {
+                finished.push((i, finish));
+            }
+        }
+        for (i, finish) in finished.into_iter().rev() {
+            let mut seq = self.active.remove(i);
+            let rest = seq.text.finish().to_string();
+            if !rest.is_empty() {
+                let _ = seq.job.events.send(Event::Text { text: rest, logprobs: Vec::new() });
+            }
+            let _ = seq.job.events.send(Event::Done { finish, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len() });
+            self.engine.end_turn();
+            self.stats.lock().unwrap_or_else(|e| e.into_inner()).requests_finished += 1;
+        }
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.steps += 1;
+        st.prompt_tokens += prompt_tokens;
+        st.generated_tokens += generated;
+    }
+
+    /// Samples the next token from `logits`; returns why the sequence ends, if it does.
+    fn sample(engine: &Engine, seq: &mut Seq, logits: &mut [f32]) -> Option<FinishReason> {
+        let lp = seq.job.logprobs.map(|top| logprobs_of(logits, top));
+        for (tok, n) in &seq.counts {
+            if let Some(l) = logits.get_mut(*tok as usize) {
+                *l -= seq.job.presence_penalty + seq.job.frequency_penalty * *n as f32;
+            }
+        }
+        let next = seq.sampler.sample(logits, &seq.session.tokens);
+        if engine.eos_ids.contains(&next) {
+            return Some(FinishReason::Stop);
+        }
+        seq.output.push(next);
+        *seq.counts.entry(next).or_insert(0) += 1;
+        let logprobs: Vec<TokenLogprob> = lp.map(|f| f(next)).into_iter().collect();
+        let text = match engine.tokenizer.decode(&seq.output, true) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = seq.job.events.send(Event::Error(e.to_string()));
+                return Some(FinishReason::Cancelled);
+            }
+        };
+        let (fresh, stopped) = seq.text.push(&text);
+        if !fresh.is_empty() || !logprobs.is_empty() {
+            let _ = seq.job.events.send(Event::Text { text: fresh.to_string(), logprobs });
+        }
+        if stopped {
+            return Some(FinishReason::Stop);
+        }
+        if seq.output.len() >= seq.job.opts.max_tokens || seq.session.cache.len() + 1 > seq.session.cache.capacity() {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+
+    fn publish(&self) {
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.running = self.active.len();
+        st.waiting = self.waiting.len() + self.queued.load(Ordering::SeqCst).saturating_sub(self.waiting.len());
+    }
+}
+
+/// The log-softmax of `logits` (before any penalty or sampling processor), as a function of the
+/// token that gets sampled: its log-probability and the `top` most likely tokens'.
+fn logprobs_of(logits: &[f32], top: usize) -> impl FnOnce(u32) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = top.min(idx.len());
+        idx.select_nth_unstable_by(k.saturating_sub(1), |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        idx.truncate(k);
+        idx.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+        best = idx.into_iter().map(|i| (i, (logits[i as usize] as f64 - log_z) as f32)).collect();
+    }
+    // The sampler rewrites the logits in place; keep the raw ones for the chosen token.
+    let chosen_logits = logits.to_vec();
+    move |id| TokenLogprob { id, logprob: (chosen_logits[id as usize] as f64 - log_z) as f32, top: best }
+}

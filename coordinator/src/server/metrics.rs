@@ -1,0 +1,83 @@
+//! `/metrics` in Prometheus' text format. Request series follow vLLM's names (with the
+//! `shimmer_` prefix) and buckets, so dashboards and autoscalers written for it carry over; the
+//! expert store's hits, misses and bytes are shimmer's own.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use shimmer_worker::store::StoreTelemetry;
+
+use super::batcher::BatcherStats;
+
+const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
+const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
+
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    ttft: Histogram,
+    e2e: Histogram,
+    running: IntGauge,
+    waiting: IntGauge,
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    expert_accesses: IntCounterVec,
+    expert_bytes_read: IntCounter,
+    /// Counter values already exported (counters only go up; the sources are running totals).
+    seen: Mutex<[u64; 5]>,
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(Opts::new("shimmer_request_total", "Finished requests by outcome"), &["outcome"])?;
+        let ttft = Histogram::with_opts(HistogramOpts::new("shimmer_time_to_first_token_seconds", "Time to first token").buckets(TTFT_BUCKETS.to_vec()))?;
+        let e2e = Histogram::with_opts(HistogramOpts::new("shimmer_e2e_request_latency_seconds", "End-to-end request latency").buckets(E2E_BUCKETS.to_vec()))?;
+        let running = IntGauge::new("shimmer_num_requests_running", "Requests in the running batch")?;
+        let waiting = IntGauge::new("shimmer_num_requests_waiting", "Requests waiting for a batch slot")?;
+        let prompt_tokens = IntCounter::new("shimmer_prompt_tokens_total", "Prompt tokens prefilled")?;
+        let generation_tokens = IntCounter::new("shimmer_generation_tokens_total", "Tokens generated")?;
+        let expert_accesses = IntCounterVec::new(Opts::new("shimmer_expert_accesses_total", "Routed-expert accesses by where they were served from"), &["tier", "result"])?;
+        let expert_bytes_read = IntCounter::new("shimmer_expert_bytes_read_total", "Expert bytes read from storage")?;
+        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone())] {
+            registry.register(c)?;
+        }
+        Ok(Metrics { registry, requests, ttft, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, seen: Mutex::new([0; 5]) })
+    }
+
+    pub fn request_started(&self) {}
+
+    pub fn first_token(&self, after: Duration) {
+        self.ttft.observe(after.as_secs_f64());
+    }
+
+    pub fn request_finished(&self, after: Duration, ok: bool) {
+        self.e2e.observe(after.as_secs_f64());
+        self.requests.with_label_values(&[if ok { "success" } else { "failure" }]).inc();
+    }
+
+    /// The text exposition, with the batcher's and the store's totals brought up to date.
+    pub fn render(&self, st: &BatcherStats, store: Option<&StoreTelemetry>) -> Result<String, prometheus::Error> {
+        self.running.set(st.running as i64);
+        self.waiting.set(st.waiting as i64);
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let now = [st.prompt_tokens, st.generated_tokens, store.map_or(0, |s| s.ram_hits + s.in_flight_hits), store.map_or(0, |s| s.disk_misses), store.map_or(0, |s| s.bytes_read)];
+            let bump = |i: usize, c: &IntCounter, seen: &mut [u64; 5]| {
+                if now[i] > seen[i] {
+                    c.inc_by(now[i] - seen[i]);
+                    seen[i] = now[i];
+                }
+            };
+            bump(0, &self.prompt_tokens, &mut seen);
+            bump(1, &self.generation_tokens, &mut seen);
+            bump(2, &self.expert_accesses.with_label_values(&["ram", "hit"]), &mut seen);
+            bump(3, &self.expert_accesses.with_label_values(&["disk", "miss"]), &mut seen);
+            bump(4, &self.expert_bytes_read, &mut seen);
+        }
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}

@@ -1,0 +1,142 @@
+//! `shimmer run`: the OpenAI-compatible HTTP server (axum) in front of the batcher, on one port
+//! (default 127.0.0.1:8080). Graceful shutdown on SIGINT/SIGTERM: stop admitting, cancel what is
+//! queued or running (streams end with `finish_reason: "abort"`), persist usage statistics.
+//!
+//! Must never: run model math on an async worker thread (the batcher thread does all of it), or
+//! let a request's failure take down the server.
+
+pub mod batcher;
+pub mod errors;
+pub mod metrics;
+pub mod openai;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::Engine;
+use batcher::Batcher;
+use errors::ApiError;
+use metrics::Metrics;
+
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    pub api_keys: Vec<String>,
+    /// Requests that may wait for a batch slot before new ones get 429.
+    pub max_queue: usize,
+    /// Sequences decoded together.
+    pub max_batch: usize,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// The name `/v1/models` lists and requests must use.
+    pub model_id: String,
+}
+
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub batcher: Batcher,
+    pub api_keys: Vec<String>,
+    pub model_id: String,
+    pub created: u64,
+    pub metrics: Arc<Metrics>,
+}
+
+pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn not_found() -> Response {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint (see docs/api.md)").code("not_found").into_response()
+}
+
+/// Liveness; with the model, queue and store details when the caller is authorised (or no keys
+/// are set).
+async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let mut body = json!({ "status": "ok" });
+    if openai::authorize(&headers, &state.api_keys).is_ok() {
+        let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        body["model"] = json!(state.model_id);
+        body["running"] = json!(st.running);
+        body["waiting"] = json!(st.waiting);
+        body["generated_tokens"] = json!(st.generated_tokens);
+    }
+    Json(body).into_response()
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let store = state.engine.store_telemetry();
+    match state.metrics.render(&st, store.as_ref()) {
+        Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}")).kind("server_error").into_response(),
+    }
+}
+
+/// Serves until SIGINT or SIGTERM.
+pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
+    let engine = Arc::new(engine);
+    let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue);
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let state = Arc::new(AppState { engine, batcher: batcher.clone(), api_keys: cfg.api_keys.clone(), model_id: cfg.model_id.clone(), created, metrics: Arc::new(Metrics::new()?) });
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
+    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("`{}:{}` is not a host:port to listen on", cfg.host, cfg.port))?;
+    let b = batcher.clone();
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let local = listener.local_addr()?;
+        // Tests and scripts wait for this line.
+        eprintln!("shimmer: serving {} on http://{local} (OpenAI API under /v1)", cfg.model_id);
+        let app = router(state, cfg.max_body_bytes);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("shimmer: shutting down (cancelling running requests)");
+                // Ends every stream, so the connections close and the server can stop.
+                tokio::task::spawn_blocking(move || b.shutdown()).await.ok();
+            })
+            .await
+            .context("the HTTP server failed")?;
+        anyhow::Ok(())
+    })?;
+    batcher.shutdown();
+    rt.shutdown_timeout(Duration::from_secs(2));
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,542 @@
+//! The OpenAI-compatible HTTP API: request parsing and validation (every parameter checked and
+//! named when wrong; parameters shimmer does not support refused with a 400 that names them,
+//! never ignored), prompt rendering through the model's chat template, and the responses —
+//! whole or streamed as server-sent events ending in `data: [DONE]`.
+//!
+//! Must never: run a forward pass (the batcher does), or answer a client's mistake with a 500.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde_json::{json, Map, Value};
+use shimmer_common::chat_template::Message;
+use tokio::sync::mpsc;
+
+use super::batcher::{Event, Job, SubmitError, TokenLogprob};
+use super::errors::ApiError;
+use super::AppState;
+use crate::engine::{FinishReason, GenerateOptions};
+use crate::sampling::SamplingParams;
+
+/// Most tokens one request may ask for when it does not say (and the context allows).
+const DEFAULT_MAX_TOKENS: usize = 256;
+/// Most `top_logprobs` alternatives (OpenAI's limit).
+const MAX_TOP_LOGPROBS: usize = 20;
+/// Most stop strings (OpenAI's limit).
+const MAX_STOPS: usize = 4;
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+/// The JSON object of a request body, or the error naming what is wrong with it.
+fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "the request body is larger than the server accepts").code("request_too_large")
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"))
+        }
+    })?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")).code("invalid_json"))?;
+    match value {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError::bad_request("the body must be a JSON object")),
+    }
+}
+
+/// Typed access to a request's fields, each error naming its parameter.
+struct Params<'a>(&'a Map<String, Value>);
+
+impl Params<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+
+    fn f32_in(&self, k: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if (lo as f64..=hi as f64).contains(&x) => Ok(Some(x as f32)),
+                _ => Err(ApiError::param(k, format!("`{k}` must be a number in [{lo}, {hi}], got {v}"))),
+            },
+        }
+    }
+
+    fn usize_in(&self, k: &str, lo: usize, hi: usize) -> Result<Option<usize>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(x) if (lo as u64..=hi as u64).contains(&x) => Ok(Some(x as usize)),
+                _ => Err(ApiError::param(k, format!("`{k}` must be an integer in [{lo}, {hi}], got {v}"))),
+            },
+        }
+    }
+
+    fn bool(&self, k: &str) -> Result<bool, ApiError> {
+        match self.get(k) {
+            None => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(ApiError::param(k, format!("`{k}` must be true or false, got {v}"))),
+        }
+    }
+
+    fn str(&self, k: &str) -> Result<Option<&str>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(ApiError::param(k, format!("`{k}` must be a string, got {v}"))),
+        }
+    }
+
+    /// `stop`: a string or a list of up to four.
+    fn stops(&self) -> Result<Vec<String>, ApiError> {
+        let bad = || ApiError::param("stop", format!("`stop` must be a string or a list of at most {MAX_STOPS} strings"));
+        match self.get("stop") {
+            None => Ok(Vec::new()),
+            Some(Value::String(s)) => Ok(vec![s.clone()]),
+            Some(Value::Array(a)) if a.len() <= MAX_STOPS => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(bad)).collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
+    /// Refuses every field that is not in `known`: unsupported ones by name, unknown ones as
+    /// OpenAI does ("unrecognized request argument").
+    fn only(&self, known: &[&str], unsupported: &[(&str, &str)]) -> Result<(), ApiError> {
+        for k in self.0.keys() {
+            if let Some((_, why)) = unsupported.iter().find(|(name, _)| name == k) {
+                return Err(ApiError::param(k, format!("`{k}` is not supported: {why}")).code("unsupported_parameter"));
+            }
+            if !known.contains(&k.as_str()) {
+                return Err(ApiError::param(k, format!("unrecognized request argument supplied: {k}")).code("unrecognized_argument"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What chat and text completions share: sampling, limits, stop strings, logprobs, streaming.
+struct Common {
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    max_tokens: Option<usize>,
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+}
+
+const COMMON_FIELDS: &[&str] = &[
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user",
+];
+
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("logit_bias", "token biases are not implemented"),
+    ("tools", "tool calling is not implemented yet"),
+    ("tool_choice", "tool calling is not implemented yet"),
+    ("functions", "function calling is not implemented"),
+    ("function_call", "function calling is not implemented"),
+    ("parallel_tool_calls", "tool calling is not implemented yet"),
+    ("response_format", "constrained output is not implemented yet"),
+    ("best_of", "only one candidate is generated"),
+    ("suffix", "insertion is not implemented"),
+    ("echo", "echoing the prompt is not implemented"),
+    ("audio", "audio is not supported"),
+    ("modalities", "only text is supported"),
+    ("prediction", "predicted outputs are not supported"),
+];
+
+fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
+    let model = p.str("model")?.ok_or_else(|| ApiError::param("model", "`model` is required"))?.to_string();
+    if model != state.model_id {
+        return Err(ApiError::param("model", format!("the model `{model}` does not exist; this server serves `{}`", state.model_id)).code("model_not_found"));
+    }
+    if let Some(n) = p.get("n") {
+        if n.as_u64() != Some(1) {
+            return Err(ApiError::param("n", format!("`n` = {n} is not supported: one choice per request (n = 1)")).code("unsupported_parameter"));
+        }
+    }
+    let stream = p.bool("stream")?;
+    let include_usage = match p.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => {
+            if !stream {
+                return Err(ApiError::param("stream_options", "`stream_options` is only allowed when `stream` is true"));
+            }
+            for k in o.keys() {
+                if k != "include_usage" {
+                    return Err(ApiError::param("stream_options", format!("unrecognized stream option `{k}`")));
+                }
+            }
+            Params(o).bool("include_usage")?
+        }
+        Some(v) => return Err(ApiError::param("stream_options", format!("`stream_options` must be an object, got {v}"))),
+    };
+    let temperature = p.f32_in("temperature", 0.0, 2.0)?.unwrap_or(1.0);
+    let sampling = SamplingParams {
+        temperature,
+        top_p: match p.f32_in("top_p", 0.0, 1.0)? {
+            Some(x) if x <= 0.0 => return Err(ApiError::param("top_p", "`top_p` must be greater than 0")),
+            Some(x) => x,
+            None => 1.0,
+        },
+        top_k: p.usize_in("top_k", 0, 1 << 20)?.unwrap_or(0),
+        min_p: p.f32_in("min_p", 0.0, 1.0)?.unwrap_or(0.0),
+        repetition_penalty: p.f32_in("repetition_penalty", 0.01, 100.0)?.unwrap_or(1.0),
+        seed: match p.get("seed") {
+            None => rand_seed(),
+            Some(v) => v.as_i64().map(|s| s as u64).or_else(|| v.as_u64()).ok_or_else(|| ApiError::param("seed", format!("`seed` must be an integer, got {v}")))?,
+        },
+    };
+    Ok(Common {
+        model,
+        stream,
+        include_usage,
+        max_tokens: None,
+        sampling,
+        stop: p.stops()?,
+        presence_penalty: p.f32_in("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+        frequency_penalty: p.f32_in("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+    })
+}
+
+/// A seed for requests that give none: different per request, as OpenAI's sampling is.
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+/// `max_tokens` (or its newer name), bounded by what the context has left after the prompt.
+fn max_tokens(p: &Params<'_>, names: &[&str], prompt_len: usize, context: usize) -> Result<usize, ApiError> {
+    if prompt_len >= context {
+        return Err(ApiError::param("messages", format!("the prompt is {prompt_len} tokens, and this model's context is {context}: nothing is left to generate")).code("context_length_exceeded"));
+    }
+    let left = context - prompt_len;
+    let mut asked = None;
+    for n in names {
+        if let Some(v) = p.usize_in(n, 1, usize::MAX >> 1)? {
+            asked = Some((n, v));
+        }
+    }
+    match asked {
+        Some((n, v)) if v > left => Err(ApiError::param(n, format!("`{n}` = {v}, but the prompt ({prompt_len} tokens) leaves {left} of the model's {context}-token context")).code("context_length_exceeded")),
+        Some((_, v)) => Ok(v),
+        None => Ok(DEFAULT_MAX_TOKENS.min(left)),
+    }
+}
+
+/// `messages` as chat-template messages.
+fn messages(p: &Params<'_>) -> Result<Vec<Message>, ApiError> {
+    let Some(Value::Array(list)) = p.get("messages") else {
+        return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
+    };
+    if list.is_empty() {
+        return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let Value::Object(m) = m else {
+            return Err(ApiError::param(&at, format!("`{at}` must be an object")));
+        };
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("system" | "user" | "assistant" | "developer")) => if r == "developer" { "system" } else { r },
+            Some("tool") => return Err(ApiError::param(&format!("{at}.role"), "tool messages are not supported yet (tool calling is not implemented)").code("unsupported_parameter")),
+            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user or assistant, got {other:?}"))),
+        };
+        if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::param(&format!("{at}.tool_calls"), "tool calls are not supported yet").code("unsupported_parameter"));
+        }
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (kind, _) => return Err(ApiError::param(&format!("{at}.content[{j}]"), format!("only text content parts are supported, got type {kind:?}"))),
+                    }
+                }
+                text
+            }
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            other => return Err(ApiError::param(&format!("{at}.content"), format!("`{at}.content` must be a string or a list of text parts, got {}", other.map_or("nothing".to_string(), |v| v.to_string())))),
+        };
+        out.push(Message { role: role.to_string(), content });
+    }
+    Ok(out)
+}
+
+fn logprobs_request(p: &Params<'_>, chat: bool) -> Result<Option<usize>, ApiError> {
+    if chat {
+        let on = p.bool("logprobs")?;
+        let top = p.usize_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+        if top.is_some() && !on {
+            return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs: true`"));
+        }
+        Ok(on.then_some(top.unwrap_or(0)))
+    } else {
+        // Completions: `logprobs` is the number of alternatives (0–5).
+        p.usize_in("logprobs", 0, 5)
+    }
+}
+
+/// Checks the API key when the server has any (`Authorization: Bearer KEY` or `x-api-key`).
+pub(crate) fn authorize(headers: &HeaderMap, keys: &[String]) -> Result<(), ApiError> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
+    let Some(given) = given else {
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "no API key given (send `Authorization: Bearer KEY`)").kind("authentication_error").code("invalid_api_key"));
+    };
+    use subtle::ConstantTimeEq;
+    // Every key is compared, each in constant time for its length.
+    let ok = keys.iter().fold(0u8, |acc, k| acc | k.as_bytes().ct_eq(given.as_bytes()).unwrap_u8());
+    if ok == 1 {
+        Ok(())
+    } else {
+        Err(ApiError::new(StatusCode::UNAUTHORIZED, "incorrect API key").kind("authentication_error").code("invalid_api_key"))
+    }
+}
+
+fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
+    state.batcher.submit(job).map_err(|e| match e {
+        SubmitError::QueueFull(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()).kind("rate_limit_error").code("queue_full").retry_after(1),
+        SubmitError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).kind("server_error"),
+    })
+}
+
+fn logprob_json(engine: &crate::Engine, lp: &TokenLogprob) -> Value {
+    let token = |id: u32| engine.tokenizer.decode(&[id], false).unwrap_or_default();
+    let entry = |id: u32, logprob: f32| {
+        let t = token(id);
+        json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
+    };
+    let mut v = entry(lp.id, lp.logprob);
+    v["top_logprobs"] = Value::Array(lp.top.iter().map(|(id, l)| entry(*id, *l)).collect());
+    v
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    match chat_inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    authorize(&headers, &state.api_keys)?;
+    let obj = parse_body(body)?;
+    let p = Params(&obj);
+    let mut known = COMMON_FIELDS.to_vec();
+    known.extend(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "store", "metadata", "service_tier"]);
+    p.only(&known, UNSUPPORTED)?;
+    let mut c = common(&p, &state)?;
+    let msgs = messages(&p)?;
+    let logprobs = logprobs_request(&p, true)?;
+    let prompt = state.engine.encode_chat(&msgs).map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))?;
+    c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
+    run(state, c, prompt, logprobs, true).await
+}
+
+pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    match completions_inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    authorize(&headers, &state.api_keys)?;
+    let obj = parse_body(body)?;
+    let p = Params(&obj);
+    let mut known = COMMON_FIELDS.to_vec();
+    known.extend(["prompt", "logprobs"]);
+    p.only(&known, UNSUPPORTED)?;
+    let mut c = common(&p, &state)?;
+    let logprobs = logprobs_request(&p, false)?;
+    let vocab = state.engine.spec.vocab_size;
+    let ids_of = |v: &Vec<Value>| -> Result<Vec<u32>, ApiError> {
+        v.iter()
+            .map(|t| t.as_u64().filter(|t| (*t as usize) < vocab).map(|t| t as u32).ok_or_else(|| ApiError::param("prompt", format!("token id {t} is not in the vocabulary (size {vocab})"))))
+            .collect()
+    };
+    let prompt = match p.get("prompt") {
+        Some(Value::String(s)) => state.engine.encode_prompt(s).map_err(|e| ApiError::param("prompt", e.to_string()))?,
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => ids_of(a)?,
+        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
+            Value::String(s) => state.engine.encode_prompt(s).map_err(|e| ApiError::param("prompt", e.to_string()))?,
+            Value::Array(ids) if !ids.is_empty() => ids_of(ids)?,
+            _ => return Err(ApiError::param("prompt", "`prompt` must be a string, a list of token ids, or a list holding one of those")),
+        },
+        Some(Value::Array(a)) if a.len() > 1 => return Err(ApiError::param("prompt", "several prompts in one request are not supported (send one per request)").code("unsupported_parameter")),
+        _ => return Err(ApiError::param("prompt", "`prompt` must be a string, a list of token ids, or a list holding one of those")),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::param("prompt", "the prompt is empty"));
+    }
+    c.max_tokens = Some(max_tokens(&p, &["max_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
+    run(state, c, prompt, logprobs, false).await
+}
+
+/// Submits the request and answers it whole or as a stream.
+async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, chat: bool) -> Result<Response, ApiError> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
+    let prompt_len = prompt.len();
+    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, events: tx })?;
+    let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_seed());
+    let created = now_secs();
+    let object = if chat { "chat.completion" } else { "text_completion" };
+    let t0 = Instant::now();
+    state.metrics.request_started();
+
+    if !c.stream {
+        let (mut text, mut lps) = (String::new(), Vec::new());
+        let (finish, completion_tokens) = loop {
+            match rx.recv().await {
+                Some(Event::Text { text: t, logprobs }) => {
+                    if text.is_empty() && !t.is_empty() {
+                        state.metrics.first_token(t0.elapsed());
+                    }
+                    text.push_str(&t);
+                    lps.extend(logprobs);
+                }
+                Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
+                Some(Event::Error(e)) => {
+                    state.metrics.request_finished(t0.elapsed(), false);
+                    return Err(ApiError::bad_request(e));
+                }
+                None => {
+                    state.metrics.request_finished(t0.elapsed(), false);
+                    return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the request was dropped (server shutting down)").kind("server_error"));
+                }
+            }
+        };
+        state.metrics.request_finished(t0.elapsed(), true);
+        let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
+        let choice = if chat {
+            let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&state.engine, l)).collect::<Vec<_>>() }));
+            json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": finish_str(finish) })
+        } else {
+            json!({ "index": 0, "text": text, "logprobs": logprobs.map(|_| completion_logprobs(&state.engine, &lps)), "finish_reason": finish_str(finish) })
+        };
+        return Ok(Json(json!({ "id": id, "object": object, "created": created, "model": c.model, "choices": [choice], "usage": usage, "system_fingerprint": state.engine.fingerprint })).into_response());
+    }
+
+    // Streaming: chunks as text becomes final, the finish reason, usage if asked, then [DONE].
+    let chunk_object = if chat { "chat.completion.chunk" } else { "text_completion" };
+    let model = c.model.clone();
+    let include_usage = c.include_usage;
+    let engine = state.engine.clone();
+    let metrics = state.metrics.clone();
+    let chunk = move |choice: Value, usage: Option<Value>| {
+        let mut v = json!({ "id": id, "object": chunk_object, "created": created, "model": model, "choices": choice });
+        if include_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    let stream = async_stream(move |out: mpsc::UnboundedSender<SseEvent>| async move {
+        if chat {
+            let _ = out.send(chunk(json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
+        }
+        let mut first = true;
+        loop {
+            match rx.recv().await {
+                Some(Event::Text { text, logprobs: lps }) => {
+                    if first && !text.is_empty() {
+                        metrics.first_token(t0.elapsed());
+                        first = false;
+                    }
+                    let choice = if chat {
+                        let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&engine, l)).collect::<Vec<_>>() }));
+                        json!([{ "index": 0, "delta": { "content": text }, "logprobs": lp, "finish_reason": null }])
+                    } else {
+                        json!([{ "index": 0, "text": text, "logprobs": logprobs.map(|_| completion_logprobs(&engine, &lps)), "finish_reason": null }])
+                    };
+                    if out.send(chunk(choice, None)).is_err() {
+                        return; // the client left; dropping `rx` cancels the generation
+                    }
+                }
+                Some(Event::Done { finish, completion_tokens, .. }) => {
+                    metrics.request_finished(t0.elapsed(), true);
+                    let choice = if chat {
+                        json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_str(finish) }])
+                    } else {
+                        json!([{ "index": 0, "text": "", "logprobs": null, "finish_reason": finish_str(finish) }])
+                    };
+                    let _ = out.send(chunk(choice, None));
+                    if include_usage {
+                        let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
+                        let _ = out.send(chunk(json!([]), Some(usage)));
+                    }
+                    break;
+                }
+                Some(Event::Error(e)) => {
+                    metrics.request_finished(t0.elapsed(), false);
+                    let _ = out.send(SseEvent::default().data(json!({ "error": { "message": e, "type": "server_error", "param": null, "code": null } }).to_string()));
+                    break;
+                }
+                None => break,
+            }
+        }
+        let _ = out.send(SseEvent::default().data("[DONE]"));
+    });
+    Ok(Sse::new(stream.map(Ok::<_, Infallible>)).into_response())
+}
+
+/// Completions' older logprobs shape.
+fn completion_logprobs(engine: &crate::Engine, lps: &[TokenLogprob]) -> Value {
+    let tok = |id: u32| engine.tokenizer.decode(&[id], false).unwrap_or_default();
+    json!({
+        "tokens": lps.iter().map(|l| tok(l.id)).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(id, lp)| (tok(*id), json!(lp))).collect::<Map<String, Value>>()).collect::<Vec<_>>(),
+        "text_offset": Value::Array(Vec::new()),
+    })
+}
+
+/// A stream fed by a task: the producer gets a sender, the consumer the events (ends when the
+/// producer finishes; dropping the consumer makes the producer's sends fail).
+fn async_stream<F, Fut>(produce: F) -> impl futures_util::Stream<Item = SseEvent>
+where
+    F: FnOnce(mpsc::UnboundedSender<SseEvent>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(produce(tx));
+    tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+}
+
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&headers, &state.api_keys) {
+        return e.into_response();
+    }
+    Json(json!({ "object": "list", "data": [{ "id": state.model_id, "object": "model", "created": state.created, "owned_by": "shimmer", "max_model_len": state.engine.spec.max_position_embeddings }] })).into_response()
+}
