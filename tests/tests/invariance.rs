@@ -97,3 +97,38 @@ fn splitting_the_experts_across_nodes_never_changes_a_bit() {
         assert_eq!(bits(&single.logits_all(&ids).unwrap()), bits(&split.logits_all(&ids).unwrap()), "{}", dir.display());
     }
 }
+
+#[test]
+fn sequences_batched_together_get_the_logits_they_get_alone() {
+    // Continuous batching: one forward pass holds a sequence's prompt chunk beside other
+    // sequences' single decode tokens and prompt chunks. Each must come out as if alone.
+    use shimmer_coordinator::model::{Logits, Segment};
+    for name in FAMILIES {
+        let engine = Engine::load(&fixture(name)).unwrap();
+        let o = oracle(name);
+        let seqs: Vec<Vec<u32>> = o.prompts.iter().map(|p| p.ids.iter().chain(&p.greedy).copied().collect()).collect();
+        let vocab = engine.spec.vocab_size;
+        let alone: Vec<Vec<f32>> = seqs.iter().map(|s| engine.logits_all(s).unwrap()).collect();
+        // Each sequence advances by its own chunk size per step (1 = decode-like), all in one pass.
+        let mut sessions: Vec<_> = seqs.iter().map(|_| engine.new_session()).collect();
+        let mut at = vec![0usize; seqs.len()];
+        let chunks = [1usize, 4, 2, 7, 3];
+        let mut step = 0;
+        while at.iter().zip(&seqs).any(|(a, s)| a < &s.len()) {
+            let live: Vec<usize> = (0..seqs.len()).filter(|i| at[*i] < seqs[*i].len()).collect();
+            let ends: Vec<usize> = live.iter().map(|i| (at[*i] + chunks[(i + step) % chunks.len()]).min(seqs[*i].len())).collect();
+            let mut segments: Vec<Segment<'_>> = Vec::new();
+            for ((i, end), session) in live.iter().zip(&ends).zip(sessions.iter_mut().enumerate().filter(|(j, _)| live.contains(j)).map(|(_, s)| s)) {
+                segments.push(Segment { tokens: &seqs[*i][at[*i]..*end], cache: &mut session.cache, want: Logits::All });
+            }
+            let out = engine.forward_batch(&mut segments).unwrap();
+            drop(segments);
+            for ((i, end), logits) in live.iter().zip(&ends).zip(out) {
+                let want = &alone[*i][at[*i] * vocab..*end * vocab];
+                assert_eq!(bits(&logits), bits(want), "{name}: sequence {i}, positions {}..{end}, step {step}", at[*i]);
+                at[*i] = *end;
+            }
+            step += 1;
+        }
+    }
+}

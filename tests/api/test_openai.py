@@ -1,0 +1,246 @@
+"""The real `openai` Python client (pinned in requirements.txt) against a running `shimmer run`
+on the demo model, plus raw HTTP for what a client library hides (SSE framing, error bodies)."""
+import concurrent.futures as cf
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "shimmer-demo"
+PROMPT = [{"role": "user", "content": "And the LORD spake unto Moses, saying,"}]
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+
+
+def greedy(c, messages=PROMPT, max_tokens=24, **kw):
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+    return r.choices[0].message.content
+
+
+def test_models_lists_the_served_model(server):
+    ids = [m.id for m in client(server).models.list().data]
+    assert ids == [MODEL]
+
+
+def test_plain_chat_answers_with_usage(server):
+    r = client(server).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and len(choice.message.content) > 0
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_chat_equals_the_whole_answer_and_reports_usage(server):
+    c = client(server)
+    whole = greedy(c, max_tokens=20)
+    pieces, usage, finish = [], None, None
+    for chunk in c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                pieces.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert "".join(pieces) == whole
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_the_raw_stream_is_sse_ending_in_done(server):
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_greedy_tokens_are_the_same_alone_and_amid_other_requests(server):
+    c = client(server)
+    alone = greedy(c, max_tokens=32)
+    others = [
+        [{"role": "user", "content": "To be, or not to be"}],
+        [{"role": "user", "content": "In the beginning God created"}],
+        [{"role": "system", "content": "Answer in verse."}, {"role": "user", "content": "Shall I compare thee"}],
+    ]
+    with cf.ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(greedy, c, PROMPT, 32)] + [pool.submit(greedy, c, m, 40) for m in others] + [pool.submit(greedy, c, PROMPT, 32)]
+        results = [f.result() for f in futs]
+    assert results[0] == alone and results[-1] == alone
+
+
+def test_a_seed_makes_sampling_reproducible(server):
+    c = client(server)
+    kw = dict(model=MODEL, messages=PROMPT, max_tokens=24, temperature=1.0, top_p=0.95)
+    a = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    b = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    others = {c.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1, "different seeds should give different samples"
+
+
+def test_stop_strings_end_the_answer_and_are_stripped(server):
+    c = client(server)
+    full = greedy(c, max_tokens=40)
+    # A word the greedy answer contains after its start.
+    word = next(w for w in full.split()[1:] if len(w) >= 3)
+    r = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=40, temperature=0, stop=[word, "zzzz"])
+    out = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert word not in out and full.startswith(out)
+
+
+def test_logprobs_with_alternatives(server):
+    r = client(server).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert tok.top_logprobs[0].token == tok.token and abs(tok.top_logprobs[0].logprob - tok.logprob) < 1e-6
+        assert tok.top_logprobs[0].logprob >= tok.top_logprobs[1].logprob >= tok.top_logprobs[2].logprob
+
+
+def test_text_completions_take_strings_and_token_ids(server):
+    c = client(server)
+    a = c.completions.create(model=MODEL, prompt="And the LORD said", max_tokens=8, temperature=0)
+    assert a.object == "text_completion" and len(a.choices[0].text) > 0
+    ids = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+
+
+def error_of(r):
+    body = r.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def test_client_mistakes_are_400s_that_say_what_is_wrong(server):
+    url = server.url + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=PROMPT)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=10_000_000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, extra_body={"frobnicate": 1})
+    assert "frobnicate" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, temperature=7)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[])
+    assert e.value.body["param"] == "messages"
+    # A prompt longer than the context (the demo's is 1024 tokens).
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "and it came to pass " * 400}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = httpx.post(url, content=b"x" * (5 << 20))
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and error_of(r)
+
+
+def test_a_wrong_or_missing_key_is_401(make_server):
+    s = make_server("--api-key", "sekrit")
+    with pytest.raises(openai.AuthenticationError):
+        client(s, api_key="wrong").models.list()
+    r = httpx.get(s.url + "/v1/models")
+    assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
+    assert [m.id for m in client(s, api_key="sekrit").models.list().data] == [MODEL]
+    # /health answers without a key, but only with details when authorised.
+    assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+    assert "running" in httpx.get(s.url + "/health", headers={"authorization": "Bearer sekrit"}).json()
+
+
+def test_a_full_queue_is_429_with_retry_after(make_server):
+    s = make_server("--max-queue", "1", "--max-batch", "1")
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 200, "temperature": 0}
+
+    def post():
+        return httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        rs = [f.result() for f in [pool.submit(post) for _ in range(6)]]
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 429 in codes, codes
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1" and error_of(limited)["type"] == "rate_limit_error"
+
+
+def running(server):
+    return httpx.get(server.url + "/health").json()["running"]
+
+
+def test_a_client_that_disconnects_cancels_its_generation(server):
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert running(server) >= 1
+    deadline = time.time() + 10
+    while running(server) > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert running(server) == 0
+
+
+def test_sigterm_ends_running_streams_and_exits_cleanly(make_server):
+    s = make_server()
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [l for l in lines if l.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"abort"' in l for l in rest)
+    assert s.proc.wait(timeout=30) == 0
+
+
+def test_load_32_concurrent_streams_for_30_seconds(make_server):
+    s = make_server("--max-batch", "32", "--max-queue", "64")
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 48, "temperature": 0.8, "stream": True}
+    deadline = time.time() + 30
+    rss_start = s.rss_kb()
+
+    def worker(k):
+        done = errors = 0
+        while time.time() < deadline:
+            try:
+                with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "seed": k * 1000 + done}, timeout=120) as r:
+                    if r.status_code != 200:
+                        errors += 1
+                        continue
+                    data = [l for l in r.iter_lines() if l.startswith("data: ")]
+                if data and data[-1] == "data: [DONE]":
+                    done += 1
+                else:
+                    errors += 1
+            except httpx.HTTPError:
+                errors += 1
+        return done, errors
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(worker, range(32)))
+    total, errors = sum(r[0] for r in results), sum(r[1] for r in results)
+    assert errors == 0 and total >= 32, results
+    # RSS stays bounded: finished requests leave nothing behind (KV freed).
+    assert s.rss_kb() < rss_start + 400_000, (rss_start, s.rss_kb())
+    assert running(s) == 0
