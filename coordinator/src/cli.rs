@@ -66,6 +66,10 @@ struct RunArgs {
     /// Sequences decoded together in one forward pass.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// GB of KV cache kept from finished requests, so a prompt that starts like an earlier one
+    /// (the next chat turn) reuses it instead of prefilling again; 0 turns prefix reuse off.
+    #[arg(long, default_value_t = 1.0)]
+    kv_gb: f64,
     /// The model name clients use (default: the model directory's name; `shimmer-demo` for the demo).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -538,9 +542,12 @@ fn run_server(a: RunArgs) -> Result<ExitCode> {
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
+    if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
+        bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
+    }
     crate::server::serve(
         engine,
-        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), max_body_bytes: 4 << 20, model_id },
+        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id },
     )?;
     Ok(ExitCode::SUCCESS)
 }

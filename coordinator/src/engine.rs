@@ -49,6 +49,7 @@ pub struct Engine {
 }
 
 /// A conversation's KV cache and the tokens it holds, kept between turns.
+#[derive(Clone)]
 pub struct Session {
     pub cache: KvCache,
     pub tokens: Vec<u32>,

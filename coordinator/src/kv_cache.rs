@@ -2,6 +2,7 @@
 //! grown on demand up to the model's context. GQA stores `kv_heads × head_dim` in each; MLA stores
 //! the compressed latent in the key slot and the shared rotary key in the value slot.
 
+#[derive(Clone)]
 pub struct KvCache {
     k_width: usize,
     v_width: usize,

@@ -244,3 +244,27 @@ def test_load_32_concurrent_streams_for_30_seconds(make_server):
     # RSS stays bounded: finished requests leave nothing behind (KV freed).
     assert s.rss_kb() < rss_start + 400_000, (rss_start, s.rss_kb())
     assert running(s) == 0
+
+
+def health(server):
+    return httpx.get(server.url + "/health").json()
+
+
+def test_the_next_chat_turn_reuses_the_cached_prefix_with_identical_tokens(server, make_server):
+    c = client(server)
+    turn1 = greedy(c, PROMPT, 16)
+    turn2_messages = PROMPT + [{"role": "assistant", "content": turn1}, {"role": "user", "content": "And what said Moses?"}]
+    before = health(server)["prefix_reused_tokens"]
+    turn2 = greedy(c, turn2_messages, 16)
+    assert health(server)["prefix_reused_tokens"] - before >= 10
+    # The same conversation on a server that keeps no KV: the same tokens.
+    cold = make_server("--kv-gb", "0")
+    assert greedy(client(cold), turn2_messages, 16) == turn2
+    assert health(cold)["prefix_hits"] == 0
+
+
+def test_metrics_are_prometheus_text_with_the_request_series(server):
+    greedy(client(server), max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for series in ["shimmer_num_requests_running", "shimmer_num_requests_waiting", "shimmer_time_to_first_token_seconds_bucket", "shimmer_e2e_request_latency_seconds_count", "shimmer_prompt_tokens_total", "shimmer_generation_tokens_total", 'shimmer_request_total{outcome="success"}', "shimmer_kv_cache_usage_perc"]:
+        assert series in text, series

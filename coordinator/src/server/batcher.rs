@@ -22,6 +22,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
 use crate::model::{Logits, Segment};
 use crate::sampling::Sampler;
+use super::prefix_cache::PrefixCache;
 
 /// Prompt tokens one step may prefill, across all sequences.
 pub const PREFILL_CHUNK: usize = 256;
@@ -72,6 +73,12 @@ pub struct BatcherStats {
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
     pub requests_finished: u64,
+    /// Requests that started from a cached prefix, and the prompt tokens that saved.
+    pub prefix_hits: u64,
+    pub prefix_reused_tokens: u64,
+    /// KV held by running requests and by the prefix cache, and the prefix cache's budget.
+    pub kv_bytes: u64,
+    pub kv_budget_bytes: u64,
 }
 
 enum Msg {
@@ -91,15 +98,17 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize) -> Batcher {
+    /// `kv_budget_bytes`: KV kept from finished requests for prefix reuse (0: none).
+    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize) -> Batcher {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(Mutex::new(BatcherStats::default()));
         let (q, st) = (queued.clone(), stats.clone());
         let thread = std::thread::Builder::new()
             .name("batcher".into())
-            .spawn(move || Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new() }.run())
+            .spawn(move || Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes) }.run())
             .expect("cannot start the batcher thread");
+        stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
         Batcher { tx, queued, max_queue, closing: Arc::new(AtomicBool::new(false)), stats, thread: Arc::new(Mutex::new(Some(thread))) }
     }
 
@@ -152,6 +161,7 @@ struct Loop {
     max_batch: usize,
     waiting: VecDeque<Job>,
     active: Vec<Seq>,
+    prefix: PrefixCache,
 }
 
 impl Loop {
@@ -209,7 +219,10 @@ impl Loop {
             }
             let sampler = Sampler::new(job.opts.sampling.clone());
             let text = TextStream::new(&job.opts.stop);
-            self.active.push(Seq { session: self.engine.new_session(), fed: 0, output: Vec::new(), sampler, text, counts: Default::default(), job });
+            // Start from the longest cached prefix of the prompt, if any.
+            let session = self.prefix.lookup(&job.prompt).unwrap_or_else(|| self.engine.new_session());
+            let fed = session.tokens.len();
+            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job });
         }
     }
 
@@ -280,6 +293,7 @@ impl Loop {
                 let _ = seq.job.events.send(Event::Text { text: rest, logprobs: Vec::new() });
             }
             let _ = seq.job.events.send(Event::Done { finish, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len() });
+            self.prefix.insert(seq.session);
             self.engine.end_turn();
             self.stats.lock().unwrap_or_else(|e| e.into_inner()).requests_finished += 1;
         }
@@ -325,7 +339,11 @@ impl Loop {
     }
 
     fn publish(&self) {
+        let kv = self.prefix.bytes() + self.active.iter().map(|s| s.session.cache.bytes()).sum::<usize>();
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.prefix_hits = self.prefix.hits;
+        st.prefix_reused_tokens = self.prefix.reused_tokens;
+        st.kv_bytes = kv as u64;
         st.running = self.active.len();
         st.waiting = self.waiting.len() + self.queued.load(Ordering::SeqCst).saturating_sub(self.waiting.len());
     }

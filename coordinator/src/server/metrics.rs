@@ -24,8 +24,11 @@ pub struct Metrics {
     generation_tokens: IntCounter,
     expert_accesses: IntCounterVec,
     expert_bytes_read: IntCounter,
+    kv_usage: prometheus::Gauge,
+    prefix_hits: IntCounter,
+    prefix_tokens: IntCounter,
     /// Counter values already exported (counters only go up; the sources are running totals).
-    seen: Mutex<[u64; 5]>,
+    seen: Mutex<[u64; 7]>,
 }
 
 impl Metrics {
@@ -40,10 +43,13 @@ impl Metrics {
         let generation_tokens = IntCounter::new("shimmer_generation_tokens_total", "Tokens generated")?;
         let expert_accesses = IntCounterVec::new(Opts::new("shimmer_expert_accesses_total", "Routed-expert accesses by where they were served from"), &["tier", "result"])?;
         let expert_bytes_read = IntCounter::new("shimmer_expert_bytes_read_total", "Expert bytes read from storage")?;
-        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone())] {
+        let kv_usage = prometheus::Gauge::new("shimmer_kv_cache_usage_perc", "KV held (running requests and the prefix cache) as a fraction of the prefix cache's budget")?;
+        let prefix_hits = IntCounter::new("shimmer_prefix_cache_hits_total", "Requests that started from a cached prefix")?;
+        let prefix_tokens = IntCounter::new("shimmer_prefix_cache_reused_tokens_total", "Prompt tokens not prefilled thanks to a cached prefix")?;
+        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone()), Box::new(kv_usage.clone()), Box::new(prefix_hits.clone()), Box::new(prefix_tokens.clone())] {
             registry.register(c)?;
         }
-        Ok(Metrics { registry, requests, ttft, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, seen: Mutex::new([0; 5]) })
+        Ok(Metrics { registry, requests, ttft, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, kv_usage, prefix_hits, prefix_tokens, seen: Mutex::new([0; 7]) })
     }
 
     pub fn request_started(&self) {}
@@ -63,8 +69,8 @@ impl Metrics {
         self.waiting.set(st.waiting as i64);
         {
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let now = [st.prompt_tokens, st.generated_tokens, store.map_or(0, |s| s.ram_hits + s.in_flight_hits), store.map_or(0, |s| s.disk_misses), store.map_or(0, |s| s.bytes_read)];
-            let bump = |i: usize, c: &IntCounter, seen: &mut [u64; 5]| {
+            let now = [st.prompt_tokens, st.generated_tokens, store.map_or(0, |s| s.ram_hits + s.in_flight_hits), store.map_or(0, |s| s.disk_misses), store.map_or(0, |s| s.bytes_read), st.prefix_hits, st.prefix_reused_tokens];
+            let bump = |i: usize, c: &IntCounter, seen: &mut [u64; 7]| {
                 if now[i] > seen[i] {
                     c.inc_by(now[i] - seen[i]);
                     seen[i] = now[i];
@@ -75,6 +81,9 @@ impl Metrics {
             bump(2, &self.expert_accesses.with_label_values(&["ram", "hit"]), &mut seen);
             bump(3, &self.expert_accesses.with_label_values(&["disk", "miss"]), &mut seen);
             bump(4, &self.expert_bytes_read, &mut seen);
+            bump(5, &self.prefix_hits, &mut seen);
+            bump(6, &self.prefix_tokens, &mut seen);
+            self.kv_usage.set(if st.kv_budget_bytes > 0 { st.kv_bytes as f64 / st.kv_budget_bytes as f64 } else { 0.0 });
         }
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;

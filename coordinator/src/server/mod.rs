@@ -9,6 +9,7 @@ pub mod batcher;
 pub mod errors;
 pub mod metrics;
 pub mod openai;
+pub mod prefix_cache;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,6 +36,8 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Sequences decoded together.
     pub max_batch: usize,
+    /// KV bytes kept from finished requests for prefix reuse (`--kv-gb`; 0 turns reuse off).
+    pub kv_budget_bytes: usize,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
     /// The name `/v1/models` lists and requests must use.
@@ -76,6 +79,9 @@ async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
         body["running"] = json!(st.running);
         body["waiting"] = json!(st.waiting);
         body["generated_tokens"] = json!(st.generated_tokens);
+        body["prefix_hits"] = json!(st.prefix_hits);
+        body["prefix_reused_tokens"] = json!(st.prefix_reused_tokens);
+        body["kv_bytes"] = json!(st.kv_bytes);
     }
     Json(body).into_response()
 }
@@ -92,7 +98,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
 /// Serves until SIGINT or SIGTERM.
 pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
     let engine = Arc::new(engine);
-    let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue);
+    let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue, cfg.kv_budget_bytes);
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let state = Arc::new(AppState { engine, batcher: batcher.clone(), api_keys: cfg.api_keys.clone(), model_id: cfg.model_id.clone(), created, metrics: Arc::new(Metrics::new()?) });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
