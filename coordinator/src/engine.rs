@@ -504,6 +504,8 @@ fn log_softmax_at(row: &[f32], i: usize) -> f32 {
 /// before the first stop string.
 pub(crate) struct TextStream {
     stops: Vec<String>,
+    /// The stop string that ended the text, once one has.
+    pub(crate) matched: Option<String>,
     /// The text emitted so far (final).
     pub(crate) text: String,
     /// The latest full decode.
@@ -513,7 +515,7 @@ pub(crate) struct TextStream {
 
 impl TextStream {
     pub(crate) fn new(stops: &[String]) -> Self {
-        TextStream { stops: stops.to_vec(), text: String::new(), latest: String::new(), stopped: false }
+        TextStream { stops: stops.to_vec(), matched: None, text: String::new(), latest: String::new(), stopped: false }
     }
 
     /// Takes the full decode of the output so far; returns the newly final text and whether a
@@ -521,10 +523,11 @@ impl TextStream {
     pub(crate) fn push(&mut self, decoded: &str) -> (&str, bool) {
         self.latest = decoded.to_string();
         let before = self.text.len();
-        if let Some(cut) = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str())).min() {
+        if let Some((cut, stop)) = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, _)| *at) {
             if cut >= before && decoded.is_char_boundary(before) {
                 self.text.push_str(&decoded[before..cut]);
             }
+            self.matched = Some(stop.clone());
             self.stopped = true;
             return (&self.text[before.min(self.text.len())..], true);
         }

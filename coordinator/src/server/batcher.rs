@@ -52,7 +52,8 @@ pub struct TokenLogprob {
 pub enum Event {
     /// Text that became final, and the tokens sampled since the last event.
     Text { text: String, logprobs: Vec<TokenLogprob> },
-    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// `stop_sequence`: the stop string that ended the answer, if one did.
+    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize, stop_sequence: Option<String> },
     Error(String),
 }
 
@@ -185,10 +186,10 @@ impl Loop {
             }
             if shutdown {
                 for seq in self.active.drain(..) {
-                    let _ = seq.job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len() });
+                    let _ = seq.job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len(), stop_sequence: None });
                 }
                 for job in self.waiting.drain(..) {
-                    let _ = job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: job.prompt.len(), completion_tokens: 0 });
+                    let _ = job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: job.prompt.len(), completion_tokens: 0, stop_sequence: None });
                 }
                 self.engine.end_turn();
                 break;
@@ -292,7 +293,8 @@ impl Loop {
             if !rest.is_empty() {
                 let _ = seq.job.events.send(Event::Text { text: rest, logprobs: Vec::new() });
             }
-            let _ = seq.job.events.send(Event::Done { finish, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len() });
+            let stop_sequence = seq.text.matched.clone();
+            let _ = seq.job.events.send(Event::Done { finish, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len(), stop_sequence });
             self.prefix.insert(seq.session);
             self.engine.end_turn();
             self.stats.lock().unwrap_or_else(|e| e.into_inner()).requests_finished += 1;

@@ -5,6 +5,7 @@
 //! Must never: run model math on an async worker thread (the batcher thread does all of it), or
 //! let a request's failure take down the server.
 
+pub mod anthropic;
 pub mod batcher;
 pub mod errors;
 pub mod metrics;
@@ -58,6 +59,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)

@@ -34,7 +34,7 @@ const MAX_TOP_LOGPROBS: usize = 20;
 /// Most stop strings (OpenAI's limit).
 const MAX_STOPS: usize = 4;
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -47,7 +47,7 @@ fn finish_str(f: FinishReason) -> &'static str {
 }
 
 /// The JSON object of a request body, or the error naming what is wrong with it.
-fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>, ApiError> {
     let bytes = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "the request body is larger than the server accepts").code("request_too_large")
@@ -63,14 +63,14 @@ fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>,
 }
 
 /// Typed access to a request's fields, each error naming its parameter.
-struct Params<'a>(&'a Map<String, Value>);
+pub(crate) struct Params<'a>(pub(crate) &'a Map<String, Value>);
 
 impl Params<'_> {
-    fn get(&self, k: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, k: &str) -> Option<&Value> {
         self.0.get(k).filter(|v| !v.is_null())
     }
 
-    fn f32_in(&self, k: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
+    pub(crate) fn f32_in(&self, k: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => match v.as_f64() {
@@ -80,7 +80,7 @@ impl Params<'_> {
         }
     }
 
-    fn usize_in(&self, k: &str, lo: usize, hi: usize) -> Result<Option<usize>, ApiError> {
+    pub(crate) fn usize_in(&self, k: &str, lo: usize, hi: usize) -> Result<Option<usize>, ApiError> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => match v.as_u64() {
@@ -90,7 +90,7 @@ impl Params<'_> {
         }
     }
 
-    fn bool(&self, k: &str) -> Result<bool, ApiError> {
+    pub(crate) fn bool(&self, k: &str) -> Result<bool, ApiError> {
         match self.get(k) {
             None => Ok(false),
             Some(Value::Bool(b)) => Ok(*b),
@@ -98,7 +98,7 @@ impl Params<'_> {
         }
     }
 
-    fn str(&self, k: &str) -> Result<Option<&str>, ApiError> {
+    pub(crate) fn str(&self, k: &str) -> Result<Option<&str>, ApiError> {
         match self.get(k) {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
@@ -107,7 +107,7 @@ impl Params<'_> {
     }
 
     /// `stop`: a string or a list of up to four.
-    fn stops(&self) -> Result<Vec<String>, ApiError> {
+    pub(crate) fn stops(&self) -> Result<Vec<String>, ApiError> {
         let bad = || ApiError::param("stop", format!("`stop` must be a string or a list of at most {MAX_STOPS} strings"));
         match self.get("stop") {
             None => Ok(Vec::new()),
@@ -119,7 +119,7 @@ impl Params<'_> {
 
     /// Refuses every field that is not in `known`: unsupported ones by name, unknown ones as
     /// OpenAI does ("unrecognized request argument").
-    fn only(&self, known: &[&str], unsupported: &[(&str, &str)]) -> Result<(), ApiError> {
+    pub(crate) fn only(&self, known: &[&str], unsupported: &[(&str, &str)]) -> Result<(), ApiError> {
         for k in self.0.keys() {
             if let Some((_, why)) = unsupported.iter().find(|(name, _)| name == k) {
                 return Err(ApiError::param(k, format!("`{k}` is not supported: {why}")).code("unsupported_parameter"));
@@ -219,7 +219,7 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
 }
 
 /// A seed for requests that give none: different per request, as OpenAI's sampling is.
-fn rand_seed() -> u64 {
+pub(crate) fn rand_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
@@ -324,7 +324,7 @@ pub(crate) fn authorize(headers: &HeaderMap, keys: &[String]) -> Result<(), ApiE
     }
 }
 
-fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
+pub(crate) fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
     state.batcher.submit(job).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()).kind("rate_limit_error").code("queue_full").retry_after(1),
         SubmitError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).kind("server_error"),
@@ -524,7 +524,7 @@ fn completion_logprobs(engine: &crate::Engine, lps: &[TokenLogprob]) -> Value {
 
 /// A stream fed by a task: the producer gets a sender, the consumer the events (ends when the
 /// producer finishes; dropping the consumer makes the producer's sends fail).
-fn async_stream<F, Fut>(produce: F) -> impl futures_util::Stream<Item = SseEvent>
+pub(crate) fn async_stream<F, Fut>(produce: F) -> impl futures_util::Stream<Item = SseEvent>
 where
     F: FnOnce(mpsc::UnboundedSender<SseEvent>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,

@@ -1,0 +1,212 @@
+//! The Anthropic Messages API (`POST /v1/messages`): system prompts, text content blocks,
+//! `stop_sequences`, streaming as named server-sent events (message_start, content_block_start,
+//! content_block_delta, content_block_stop, message_delta, message_stop), `x-api-key`, and errors
+//! in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`). Enough for the
+//! official `anthropic` client and tools built on it.
+//!
+//! Must never: run a forward pass (the batcher does), or answer a client's mistake with a 500.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use shimmer_common::chat_template::Message;
+use tokio::sync::mpsc;
+
+use super::batcher::{Event, Job};
+use super::errors::ApiError;
+use super::openai::{async_stream, authorize, parse_body, rand_seed, submit, Params};
+use super::AppState;
+use crate::engine::{FinishReason, GenerateOptions};
+use crate::sampling::SamplingParams;
+
+/// An error as Anthropic's API shapes it.
+fn anthropic_error(e: ApiError) -> Response {
+    let kind = match e.status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+        s if s.is_server_error() => "api_error",
+        _ => "invalid_request_error",
+    };
+    let mut r = (e.status, Json(json!({ "type": "error", "error": { "type": kind, "message": e.message } }))).into_response();
+    if let Some(s) = e.retry_after_s {
+        if let Ok(v) = s.to_string().parse() {
+            r.headers_mut().insert("retry-after", v);
+        }
+    }
+    r
+}
+
+fn stop_reason(finish: FinishReason, stop_sequence: &Option<String>) -> &'static str {
+    match (finish, stop_sequence) {
+        (FinishReason::Stop, Some(_)) => "stop_sequence",
+        (FinishReason::Stop, None) => "end_turn",
+        (FinishReason::Length, _) => "max_tokens",
+        (FinishReason::Cancelled, _) => "end_turn",
+    }
+}
+
+/// Text of a content field: a string, or a list of `{"type": "text", "text": …}` blocks.
+fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut out = String::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    (Some(kind @ ("tool_use" | "tool_result")), _) => return Err(ApiError::param(&format!("{at}[{j}]"), format!("`{kind}` blocks are not supported yet (tool use is not implemented)"))),
+                    (kind, _) => return Err(ApiError::param(&format!("{at}[{j}]"), format!("only text blocks are supported, got type {kind:?}"))),
+                }
+            }
+            Ok(out)
+        }
+        other => Err(ApiError::param(at, format!("`{at}` must be a string or a list of text blocks, got {other}"))),
+    }
+}
+
+pub async fn messages(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    match messages_inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => anthropic_error(e),
+    }
+}
+
+async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    authorize(&headers, &state.api_keys)?;
+    let obj = parse_body(body)?;
+    let p = Params(&obj);
+    p.only(
+        &["model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "seed"],
+        &[("tools", "tool use is not implemented yet"), ("tool_choice", "tool use is not implemented yet"), ("thinking", "extended thinking is not supported"), ("mcp_servers", "MCP is not supported")],
+    )?;
+    let model = p.str("model")?.ok_or_else(|| ApiError::param("model", "`model` is required"))?.to_string();
+    if model != state.model_id {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("model: {model} (this server serves `{}`)", state.model_id)));
+    }
+    let max_tokens = p.usize_in("max_tokens", 1, usize::MAX >> 1)?.ok_or_else(|| ApiError::param("max_tokens", "`max_tokens` is required"))?;
+    let mut msgs = Vec::new();
+    if let Some(system) = p.get("system") {
+        msgs.push(Message { role: "system".into(), content: text_of(system, "system")? });
+    }
+    let Some(Value::Array(list)) = p.get("messages") else {
+        return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
+    };
+    if list.is_empty() {
+        return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
+    }
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages.{i}");
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("user" | "assistant")) => r,
+            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be user or assistant, got {other:?}"))),
+        };
+        let content = text_of(m.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
+        msgs.push(Message { role: role.into(), content });
+    }
+    let stops: Vec<String> = match p.get("stop_sequences") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings"))).collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings")),
+    };
+    let sampling = SamplingParams {
+        temperature: p.f32_in("temperature", 0.0, 1.0)?.unwrap_or(1.0),
+        top_p: p.f32_in("top_p", 0.0, 1.0)?.filter(|x| *x > 0.0).unwrap_or(1.0),
+        top_k: p.usize_in("top_k", 0, 1 << 20)?.unwrap_or(0),
+        seed: match p.get("seed") {
+            None => rand_seed(),
+            Some(v) => v.as_u64().ok_or_else(|| ApiError::param("seed", "`seed` must be a non-negative integer"))?,
+        },
+        ..SamplingParams::default()
+    };
+    let stream = p.bool("stream")?;
+    let prompt = state.engine.encode_chat(&msgs).map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))?;
+    let context = state.engine.spec.max_position_embeddings;
+    if prompt.len() + max_tokens > context {
+        return Err(ApiError::param("max_tokens", format!("prompt ({} tokens) + max_tokens ({max_tokens}) > the model's context ({context})", prompt.len())));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let input_tokens = prompt.len();
+    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, events: tx })?;
+    let id = format!("msg_{:016x}", rand_seed());
+    let t0 = Instant::now();
+
+    if !stream {
+        let mut text = String::new();
+        let (finish, output_tokens, stop_sequence) = loop {
+            match rx.recv().await {
+                Some(Event::Text { text: t, .. }) => {
+                    if text.is_empty() && !t.is_empty() {
+                        state.metrics.first_token(t0.elapsed());
+                    }
+                    text.push_str(&t)
+                }
+                Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => break (finish, completion_tokens, stop_sequence),
+                Some(Event::Error(e)) => {
+                    state.metrics.request_finished(t0.elapsed(), false);
+                    return Err(ApiError::bad_request(e));
+                }
+                None => return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the request was dropped (server shutting down)")),
+            }
+        };
+        state.metrics.request_finished(t0.elapsed(), true);
+        return Ok(Json(json!({
+            "id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{ "type": "text", "text": text }],
+            "stop_reason": stop_reason(finish, &stop_sequence), "stop_sequence": stop_sequence,
+            "usage": { "input_tokens": input_tokens, "output_tokens": output_tokens },
+        }))
+        .into_response());
+    }
+
+    let metrics = state.metrics.clone();
+    let named = |name: &str, data: Value| SseEvent::default().event(name).data(data.to_string());
+    let stream = async_stream(move |out: mpsc::UnboundedSender<SseEvent>| async move {
+        let start = json!({ "type": "message_start", "message": { "id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": { "input_tokens": input_tokens, "output_tokens": 0 } } });
+        let _ = out.send(named("message_start", start));
+        let _ = out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+        let mut first = true;
+        loop {
+            match rx.recv().await {
+                Some(Event::Text { text, .. }) => {
+                    if text.is_empty() {
+                        continue;
+                    }
+                    if first {
+                        metrics.first_token(t0.elapsed());
+                        first = false;
+                    }
+                    if out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text } }))).is_err() {
+                        return; // the client left: dropping `rx` cancels the generation
+                    }
+                }
+                Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => {
+                    metrics.request_finished(t0.elapsed(), true);
+                    let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+                    let _ = out.send(named("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": stop_reason(finish, &stop_sequence), "stop_sequence": stop_sequence }, "usage": { "output_tokens": completion_tokens } })));
+                    let _ = out.send(named("message_stop", json!({ "type": "message_stop" })));
+                    return;
+                }
+                Some(Event::Error(e)) => {
+                    metrics.request_finished(t0.elapsed(), false);
+                    let _ = out.send(named("error", json!({ "type": "error", "error": { "type": "api_error", "message": e } })));
+                    return;
+                }
+                None => return,
+            }
+        }
+    });
+    Ok(Sse::new(stream.map(Ok::<_, Infallible>)).into_response())
+}

@@ -1,0 +1,61 @@
+"""The real `anthropic` Python client (pinned in requirements.txt) against `shimmer run`'s
+Messages API on the demo model."""
+import anthropic
+import httpx
+import pytest
+
+MODEL = "shimmer-demo"
+MESSAGES = [{"role": "user", "content": "And the LORD spake unto Moses, saying,"}]
+
+
+def client(server, key="none"):
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=120)
+
+
+def test_a_message_with_a_system_prompt(server):
+    r = client(server).messages.create(model=MODEL, max_tokens=16, system="Speak as the prophets.", messages=MESSAGES, extra_body={"temperature": 0})
+    assert r.type == "message" and r.role == "assistant"
+    assert r.content[0].type == "text" and len(r.content[0].text) > 0
+    assert r.stop_reason in ("end_turn", "max_tokens")
+    assert r.usage.input_tokens > 5 and 0 < r.usage.output_tokens <= 16
+
+
+def test_streaming_gives_named_events_and_the_same_text(server):
+    c = client(server)
+    whole = c.messages.create(model=MODEL, max_tokens=20, messages=MESSAGES, extra_body={"temperature": 0}).content[0].text
+    with c.messages.stream(model=MODEL, max_tokens=20, messages=MESSAGES, extra_body={"temperature": 0}) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == whole
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens > 0
+    events = []
+    body = {"model": MODEL, "max_tokens": 4, "messages": MESSAGES, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+        events = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[1] == "content_block_start"
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_a_stop_sequence_is_reported(server):
+    c = client(server)
+    full = c.messages.create(model=MODEL, max_tokens=40, messages=MESSAGES, extra_body={"temperature": 0}).content[0].text
+    word = next(w for w in full.split()[1:] if len(w) >= 3)
+    r = c.messages.create(model=MODEL, max_tokens=40, messages=MESSAGES, extra_body={"temperature": 0}, stop_sequences=[word])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == word
+    assert word not in r.content[0].text
+
+
+def test_errors_in_anthropics_shape(server, make_server):
+    c = client(server)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=MODEL, max_tokens=0, messages=MESSAGES)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        c.messages.create(model="claude-nonexistent", max_tokens=8, messages=MESSAGES)
+    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": MESSAGES})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    s = make_server("--api-key", "k1")
+    with pytest.raises(anthropic.AuthenticationError):
+        client(s, "k2").messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
+    ok = client(s, "k1").messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
+    assert ok.content[0].text
