@@ -310,8 +310,17 @@ struct ScoreArgs {
 #[derive(Args)]
 struct ChatArgs {
     /// A Hugging Face checkpoint directory (default: the bundled demo model).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "url")]
     model: Option<PathBuf>,
+    /// Chat with a running OpenAI-compatible server instead (e.g. http://127.0.0.1:8080).
+    #[arg(long, value_name = "URL")]
+    url: Option<String>,
+    /// The server's API key (also SHIMMER_API_KEY or OPENAI_API_KEY); with --url.
+    #[arg(long, requires = "url")]
+    api_key: Option<String>,
+    /// The model to ask the server for (default: the first it lists); with --url.
+    #[arg(long, requires = "url")]
+    model_name: Option<String>,
     /// Most tokens per answer.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -553,6 +562,27 @@ fn run_server(a: RunArgs) -> Result<ExitCode> {
 }
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
+    if let Some(url) = &a.url {
+        for (set, flag) in [(a.session.is_some(), "--session"), (a.trace.is_some(), "--trace"), (a.store.ram_gb.is_some() || a.store.direct_io, "the expert-store flags")] {
+            if set {
+                bail!("{flag} applies to a local model, not to --url");
+            }
+        }
+        let api_key = a.api_key.clone().or_else(|| std::env::var("SHIMMER_API_KEY").ok()).or_else(|| std::env::var("OPENAI_API_KEY").ok()).filter(|k| !k.is_empty());
+        let p = a.sampling.params(0.7, 0.9);
+        crate::remote_chat::RemoteChat {
+            url: url.clone(),
+            api_key,
+            model: a.model_name.clone(),
+            max_tokens: a.max_tokens,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            seed: Some(p.seed),
+            stop: a.sampling.stop.clone(),
+        }
+        .run()?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let dir = model_dir(&a.model)?;
     let engine = open(&dir, &a.store, false)?;
     start_trace(&engine, &a.trace)?;

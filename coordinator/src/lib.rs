@@ -13,6 +13,7 @@ pub mod demo;
 pub mod engine;
 pub mod kv_cache;
 pub mod model;
+pub mod remote_chat;
 pub mod routing;
 pub mod sampling;
 pub mod server;
