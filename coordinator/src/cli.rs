@@ -554,9 +554,13 @@ fn run_server(a: RunArgs) -> Result<ExitCode> {
     if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
         bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
     }
+    let expert_bytes = match engine.store_telemetry() {
+        Some(t) => t.expert_bytes,
+        None => shimmer_worker::store::expert_bytes_of(&dir, &engine.spec)?,
+    };
     crate::server::serve(
         engine,
-        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id },
+        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id, expert_bytes },
     )?;
     Ok(ExitCode::SUCCESS)
 }

@@ -304,6 +304,11 @@ impl Engine {
         Ok(self.experts.preload().map_err(crate::model::ForwardError::from)?)
     }
 
+    /// Which experts of `layer` are in RAM now (`None`: all of them, no store).
+    pub fn resident_experts(&self, layer: usize) -> Option<Vec<bool>> {
+        self.experts.resident(layer)
+    }
+
     /// The expert store's counters, when the experts are in one.
     pub fn store_telemetry(&self) -> Option<StoreTelemetry> {
         self.experts.telemetry()
@@ -336,11 +341,17 @@ impl Engine {
     /// segment's tokens go after what its cache holds; returns each segment's logits. A
     /// sequence's results are bit-identical to running it alone.
     pub fn forward_batch(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.forward_batch_observed(segments, &mut crate::model::NoObserver)
+    }
+
+    /// `forward_batch`, reporting routing and phase times to `observer` (and to the trace
+    /// recorder, when one is set).
+    pub fn forward_batch_observed(&self, segments: &mut [Segment<'_>], observer: &mut (dyn MoeObserver + Send)) -> Result<Vec<Vec<f32>>, ForwardError> {
         let mut guard = self.trace.lock().unwrap_or_else(|e| e.into_inner());
         let mut recorder = guard.take();
         let result = self.pool.install(|| match recorder.as_mut() {
-            Some(recorder) => self.decoder.forward_segments(segments, self.experts.as_ref(), recorder),
-            None => self.decoder.forward_segments(segments, self.experts.as_ref(), &mut crate::model::NoObserver),
+            Some(recorder) => self.decoder.forward_segments(segments, self.experts.as_ref(), &mut crate::model::Tee(recorder, observer)),
+            None => self.decoder.forward_segments(segments, self.experts.as_ref(), observer),
         });
         *guard = recorder;
         result

@@ -71,6 +71,11 @@ pub trait ExpertDispatch: Send + Sync {
         None
     }
 
+    /// Which experts of `layer` are in RAM now (`None`: the dispatcher keeps them all there).
+    fn resident(&self, _layer: usize) -> Option<Vec<bool>> {
+        None
+    }
+
     /// Reads every expert that fits the budget now (benchmarks of a resident model); returns how
     /// many were read.
     fn preload(&self) -> Result<usize, DispatchError> {

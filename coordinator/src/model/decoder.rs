@@ -158,6 +158,41 @@ pub trait MoeObserver {
 
     /// The next MoE layer's predicted experts (`n × top_k`) for the rows of `layer`.
     fn lookahead(&mut self, _layer: usize, _next_layer: usize, _predicted: &[u32]) {}
+
+    /// Where one forward pass spent its time (called once, at its end).
+    fn phases(&mut self, _times: &PhaseTimes) {}
+}
+
+/// Wall time of one forward pass by phase: attention (its projections included), routers (and
+/// the lookahead prediction), routed and shared experts (dispatch, compute and any wait for
+/// reads), and the rest (embedding, norms, dense MLPs, the LM head).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PhaseTimes {
+    pub attention: std::time::Duration,
+    pub router: std::time::Duration,
+    pub experts: std::time::Duration,
+    pub total: std::time::Duration,
+}
+
+/// Reports to two observers (the trace recorder and the server's dashboard).
+pub struct Tee<'a>(pub &'a mut dyn MoeObserver, pub &'a mut dyn MoeObserver);
+
+impl MoeObserver for Tee<'_> {
+    fn moe_layer(&mut self, layer: usize, rows: &[f32], experts: &[u32], weights: &[f32]) {
+        self.0.moe_layer(layer, rows, experts, weights);
+        self.1.moe_layer(layer, rows, experts, weights);
+    }
+    fn wants_lookahead(&self) -> bool {
+        self.0.wants_lookahead() || self.1.wants_lookahead()
+    }
+    fn lookahead(&mut self, layer: usize, next_layer: usize, predicted: &[u32]) {
+        self.0.lookahead(layer, next_layer, predicted);
+        self.1.lookahead(layer, next_layer, predicted);
+    }
+    fn phases(&mut self, times: &PhaseTimes) {
+        self.0.phases(times);
+        self.1.phases(times);
+    }
 }
 
 /// The observer that does nothing, for the ordinary path.
@@ -372,18 +407,22 @@ impl Decoder {
         }
         let mut x = vec![0.0f32; n * hd];
         let mut proj = vec![0.0f32; n * hd];
+        let t_start = std::time::Instant::now();
+        let mut times = PhaseTimes::default();
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
+            let t = std::time::Instant::now();
             match &layer.attention {
                 Attention::Gqa(g) => self.gqa(g, l, &x, &mut rows, &mut proj),
                 Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut proj),
             }
+            times.attention += t.elapsed();
             add(&mut h, &proj);
 
             norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
             match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
-                Mlp::Moe { router, shared } => self.moe(l, router, shared.as_ref(), &x, experts, observer, &mut proj)?,
+                Mlp::Moe { router, shared } => self.moe(l, router, shared.as_ref(), &x, experts, observer, &mut proj, &mut times)?,
             }
             add(&mut h, &proj);
         }
@@ -405,6 +444,8 @@ impl Decoder {
             }
             all.push(logits);
         }
+        times.total = t_start.elapsed();
+        observer.phases(&times);
         Ok(all)
     }
 
@@ -461,8 +502,9 @@ impl Decoder {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn moe(&self, layer: usize, router: &Router, shared: Option<&DenseMlp>, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32]) -> Result<(), ForwardError> {
+    fn moe(&self, layer: usize, router: &Router, shared: Option<&DenseMlp>, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32], times: &mut PhaseTimes) -> Result<(), ForwardError> {
         let s = &self.spec;
+        let t_router = std::time::Instant::now();
         let (hd, k) = (s.hidden_size, s.moe.top_k);
         let n = x.len() / hd;
         let mut ids = Vec::with_capacity(n * k);
@@ -484,6 +526,8 @@ impl Decoder {
                 }
             }
         }
+        let t_experts = std::time::Instant::now();
+        times.router += t_experts - t_router;
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
         fixed::to_f32(&acc, out);
@@ -493,6 +537,7 @@ impl Decoder {
             shared.forward(x, &mut y);
             add(out, &y);
         }
+        times.experts += t_experts.elapsed();
         Ok(())
     }
 

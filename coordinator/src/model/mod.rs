@@ -19,7 +19,7 @@ pub mod router;
 
 use shimmer_common::{Checkpoint, Family, LoadError, ModelSpec};
 
-pub use decoder::{Decoder, ForwardError, Logits, MoeObserver, NoObserver, Segment};
+pub use decoder::{Decoder, ForwardError, Logits, MoeObserver, NoObserver, PhaseTimes, Segment, Tee};
 
 /// Loads the dense part of the model the spec describes.
 pub fn load_dense(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Decoder, LoadError> {

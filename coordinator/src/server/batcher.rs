@@ -22,6 +22,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
 use crate::model::{Logits, Segment};
 use crate::sampling::Sampler;
+use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
 use super::prefix_cache::PrefixCache;
 
 /// Prompt tokens one step may prefill, across all sequences.
@@ -99,18 +100,27 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    /// `kv_budget_bytes`: KV kept from finished requests for prefix reuse (0: none).
-    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize) -> Batcher {
+    /// `kv_budget_bytes`: KV kept from finished requests for prefix reuse (0: none);
+    /// `expert_bytes`: one routed expert's bytes (for the bytes-served tiers).
+    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize, dash: Arc<Mutex<Dashboard>>, expert_bytes: u64) -> Batcher {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(Mutex::new(BatcherStats::default()));
         let (q, st) = (queued.clone(), stats.clone());
         let thread = std::thread::Builder::new()
             .name("batcher".into())
-            .spawn(move || Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes) }.run())
+            .spawn(move || {
+                let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+                let last_store = engine.store_telemetry();
+                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store }.run()
+            })
             .expect("cannot start the batcher thread");
         stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
         Batcher { tx, queued, max_queue, closing: Arc::new(AtomicBool::new(false)), stats, thread: Arc::new(Mutex::new(Some(thread))) }
+    }
+
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
     }
 
     /// Queues a request, or refuses it at once when the queue is full or the server is closing.
@@ -152,6 +162,9 @@ struct Seq {
     text: TextStream,
     /// Counts of each generated token (for the penalties).
     counts: std::collections::HashMap<u32, u32>,
+    admitted: Instant,
+    first_token: Option<Instant>,
+    breakdown: Breakdown,
 }
 
 struct Loop {
@@ -163,6 +176,11 @@ struct Loop {
     waiting: VecDeque<Job>,
     active: Vec<Seq>,
     prefix: PrefixCache,
+    dash: Arc<Mutex<Dashboard>>,
+    moe_layers: Vec<usize>,
+    expert_bytes: u64,
+    /// The store's counters after the previous step (for per-step I/O wait and bytes).
+    last_store: Option<shimmer_worker::store::StoreTelemetry>,
 }
 
 impl Loop {
@@ -223,7 +241,7 @@ impl Loop {
             // Start from the longest cached prefix of the prompt, if any.
             let session = self.prefix.lookup(&job.prompt).unwrap_or_else(|| self.engine.new_session());
             let fed = session.tokens.len();
-            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job });
+            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, breakdown: Breakdown::default() });
         }
     }
 
@@ -255,8 +273,23 @@ impl Loop {
             }
         }
         let t0 = Instant::now();
-        let result = self.engine.forward_batch(&mut segments);
+        let mut routing = StepRouting::new(self.engine.spec.num_layers, &self.moe_layers, self.engine.spec.moe.num_experts);
+        let result = self.engine.forward_batch_observed(&mut segments, &mut routing);
         drop(segments);
+        // What the store did during the step: its wait for reads, and bytes by tier.
+        let store = self.engine.store_telemetry();
+        let (io_wait, ram_bytes, disk_bytes) = match (&store, &self.last_store) {
+            (Some(now), Some(before)) => (
+                std::time::Duration::from_secs_f64((now.io_wait_ms - before.io_wait_ms).max(0.0) / 1e3),
+                (now.ram_hits + now.in_flight_hits).saturating_sub(before.ram_hits + before.in_flight_hits) * self.expert_bytes,
+                now.bytes_read.saturating_sub(before.bytes_read),
+            ),
+            _ => (std::time::Duration::ZERO, routing.distinct * self.expert_bytes, 0),
+        };
+        self.last_store = store;
+        for i in &which {
+            self.active[*i].breakdown.add_step(&routing.phases, io_wait);
+        }
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -283,9 +316,19 @@ impl Loop {
                 }
             }
             generated += 1;
-            if let Some(finish) = Self::sample(&self.engine, seq, &mut row) {
+            let t_sample = Instant::now();
+            let finish = Self::sample(&self.engine, seq, &mut row);
+            seq.breakdown.sampling_ms += t_sample.elapsed().as_secs_f64() * 1e3;
+            seq.first_token.get_or_insert_with(Instant::now);
+            if let Some(finish) = finish {
                 finished.push((i, finish));
             }
+        }
+        {
+            let mut dash = self.dash.lock().unwrap_or_else(|e| e.into_inner());
+            dash.tiers.ram_bytes += ram_bytes;
+            dash.tiers.disk_bytes += disk_bytes;
+            dash.step(&routing, generated, Instant::now());
         }
         for (i, finish) in finished.into_iter().rev() {
             let mut seq = self.active.remove(i);
@@ -294,6 +337,21 @@ impl Loop {
                 let _ = seq.job.events.send(Event::Text { text: rest, logprobs: Vec::new() });
             }
             let stop_sequence = seq.text.matched.clone();
+            {
+                let first = seq.first_token.unwrap_or(seq.admitted);
+                let ttft_ms = first.duration_since(seq.admitted).as_secs_f64() * 1e3;
+                let decode_s = first.elapsed().as_secs_f64();
+                let turn = LastTurn {
+                    breakdown: seq.breakdown,
+                    prompt_tokens: seq.job.prompt.len(),
+                    completion_tokens: seq.output.len(),
+                    ttft_ms,
+                    decode_tok_s: if decode_s > 0.0 { seq.output.len().saturating_sub(1) as f64 / decode_s } else { 0.0 },
+                };
+                let mut dash = self.dash.lock().unwrap_or_else(|e| e.into_inner());
+                dash.ttft_ms = Some(ttft_ms);
+                dash.last_turn = Some(turn);
+            }
             let _ = seq.job.events.send(Event::Done { finish, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len(), stop_sequence });
             self.prefix.insert(seq.session);
             self.engine.end_turn();

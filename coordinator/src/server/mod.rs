@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod batcher;
+pub mod dashboard;
 pub mod errors;
 pub mod metrics;
 pub mod openai;
@@ -43,6 +44,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// The name `/v1/models` lists and requests must use.
     pub model_id: String,
+    /// One routed expert's bytes (the dashboard's bytes-served tiers).
+    pub expert_bytes: u64,
 }
 
 pub struct AppState {
@@ -52,6 +55,7 @@ pub struct AppState {
     pub model_id: String,
     pub created: u64,
     pub metrics: Arc<Metrics>,
+    pub dashboard: Arc<std::sync::Mutex<dashboard::Dashboard>>,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -60,11 +64,57 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/", get(|| async { static_file("text/html; charset=utf-8", include_str!("dashboard/index.html")) }))
+        .route("/dashboard.js", get(|| async { static_file("text/javascript; charset=utf-8", include_str!("dashboard/dashboard.js")) }))
+        .route("/dashboard.css", get(|| async { static_file("text/css; charset=utf-8", include_str!("dashboard/dashboard.css")) }))
+        .route("/api/dashboard", get(dashboard_json))
+        .route("/api/dashboard/events", get(dashboard_events))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
+}
+
+fn static_file(content_type: &'static str, body: &'static str) -> Response {
+    ([("content-type", content_type), ("cache-control", "no-cache")], body).into_response()
+}
+
+fn snapshot(state: &AppState) -> dashboard::Snapshot {
+    let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let engine = state.engine.clone();
+    let dash = state.dashboard.lock().unwrap_or_else(|e| e.into_inner());
+    dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer))
+}
+
+async fn dashboard_json(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = openai::authorize(&headers, &state.api_keys) {
+        return e.into_response();
+    }
+    Json(snapshot(&state)).into_response()
+}
+
+/// The dashboard's live feed: a snapshot every half second, as server-sent events.
+async fn dashboard_events(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = openai::authorize(&headers, &state.api_keys) {
+        return e.into_response();
+    }
+    let stream = openai::async_stream(move |out: tokio::sync::mpsc::UnboundedSender<axum::response::sse::Event>| async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            if state.batcher.is_closing() {
+                return; // lets a graceful shutdown finish
+            }
+            let s = snapshot(&state);
+            let Ok(json) = serde_json::to_string(&s) else { return };
+            if out.send(axum::response::sse::Event::default().data(json)).is_err() {
+                return;
+            }
+        }
+    });
+    use futures_util::StreamExt;
+    axum::response::sse::Sse::new(stream.map(Ok::<_, std::convert::Infallible>)).into_response()
 }
 
 async fn not_found() -> Response {
@@ -100,9 +150,11 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
 /// Serves until SIGINT or SIGTERM.
 pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
     let engine = Arc::new(engine);
-    let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue, cfg.kv_budget_bytes);
+    let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    let dash = Arc::new(std::sync::Mutex::new(dashboard::Dashboard::new(cfg.model_id.clone(), moe_layers, engine.spec.moe.num_experts)));
+    let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue, cfg.kv_budget_bytes, dash.clone(), cfg.expert_bytes);
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let state = Arc::new(AppState { engine, batcher: batcher.clone(), api_keys: cfg.api_keys.clone(), model_id: cfg.model_id.clone(), created, metrics: Arc::new(Metrics::new()?) });
+    let state = Arc::new(AppState { engine, batcher: batcher.clone(), api_keys: cfg.api_keys.clone(), model_id: cfg.model_id.clone(), created, metrics: Arc::new(Metrics::new()?), dashboard: dash });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
     let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("`{}:{}` is not a host:port to listen on", cfg.host, cfg.port))?;
     let b = batcher.clone();

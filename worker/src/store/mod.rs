@@ -594,6 +594,11 @@ impl ExpertDispatch for ExpertStore {
         Some(self.inner.telemetry())
     }
 
+    fn resident(&self, layer: usize) -> Option<Vec<bool>> {
+        let state = lock(&self.inner.state);
+        Some((0..self.inner.num_experts).map(|e| matches!(state.slots.get(&(layer as u16, e as u16)), Some(Slot::Ready(_)))).collect())
+    }
+
     fn preload(&self) -> Result<usize, DispatchError> {
         let inner = &self.inner;
         let slots = inner.telemetry_base.slots_per_layer.min(inner.num_experts);

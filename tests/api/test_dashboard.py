@@ -1,0 +1,121 @@
+"""The dashboard in a real headless Chromium (Debian's `chromium`), driven over the DevTools
+protocol: the page loads with no console errors, sends a chat message, shows the streamed answer
+and a non-zero tok/s, and fills the panels. A screenshot is kept as a test artifact
+(`target/test-artifacts/dashboard.png`)."""
+import asyncio
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import websockets
+
+from conftest import ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "test-artifacts"
+
+
+class Page:
+    """One tab, over the DevTools websocket: commands, and the console errors seen so far."""
+
+    def __init__(self, ws):
+        self.ws, self.next_id, self.errors, self.pending = ws, 0, [], {}
+
+    async def pump(self):
+        async for raw in self.ws:
+            msg = json.loads(raw)
+            if "id" in msg and msg["id"] in self.pending:
+                self.pending.pop(msg["id"]).set_result(msg)
+            elif msg.get("method") == "Runtime.exceptionThrown":
+                self.errors.append(msg["params"]["exceptionDetails"].get("text", "exception") + " " + json.dumps(msg["params"]["exceptionDetails"].get("exception", {}).get("description", "")))
+            elif msg.get("method") == "Runtime.consoleAPICalled" and msg["params"]["type"] == "error":
+                self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in msg["params"]["args"]))
+            elif msg.get("method") == "Log.entryAdded" and msg["params"]["entry"]["level"] == "error":
+                self.errors.append(msg["params"]["entry"]["text"])
+
+    async def call(self, method, **params):
+        self.next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = fut
+        await self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        msg = await asyncio.wait_for(fut, 60)
+        if "error" in msg:
+            raise RuntimeError(f"{method}: {msg['error']}")
+        return msg["result"]
+
+    async def eval(self, expr):
+        r = await self.call("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expr}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    async def until(self, expr, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if await self.eval(expr):
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {expr}")
+
+
+async def drive(url: str, profile: str) -> tuple[dict, list]:
+    proc = subprocess.Popen(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1400,900", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        port_file = Path(profile) / "DevToolsActivePort"
+        deadline = time.time() + 60
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert time.time() < deadline and proc.poll() is None, "chromium did not start"
+            time.sleep(0.1)
+        port = port_file.read_text().split()[0]
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list").read())
+        ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+        async with websockets.connect(ws_url, max_size=64 << 20) as ws:
+            page = Page(ws)
+            pump = asyncio.create_task(page.pump())
+            await page.call("Runtime.enable")
+            await page.call("Log.enable")
+            await page.call("Page.enable")
+            await page.call("Page.navigate", url=url)
+            await page.until("document.readyState === 'complete' && document.getElementById('model').textContent === 'shimmer-demo'")
+            await page.eval("document.getElementById('input').value = 'And the LORD spake unto Moses, saying,'")
+            await page.eval("document.getElementById('send').click()")
+            await page.until("(() => { const m = document.querySelectorAll('.msg.assistant'); return m.length > 0 && m[m.length - 1].dataset.done === '1'; })()", timeout=120)
+            await page.until("parseFloat(document.getElementById('toks').textContent) > 0", timeout=30)
+            await page.until("document.getElementById('breakdown').children.length === 6")
+            facts = await page.eval("""({
+                answer: [...document.querySelectorAll('.msg.assistant')].pop().textContent,
+                error: document.querySelectorAll('.msg.error').length,
+                toks: parseFloat(document.getElementById('toks').textContent),
+                ttft: document.getElementById('ttft').textContent,
+                brain: document.getElementById('brain').width * document.getElementById('brain').height,
+                tiers: document.getElementById('tiers-legend').textContent,
+            })""")
+            shot = await page.call("Page.captureScreenshot", format="png")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
+            pump.cancel()
+            return facts, page.errors
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_dashboard_chats_and_shows_live_figures(server):
+    assert CHROMIUM, "chromium is not installed (scripts/test installs Debian's chromium package)"
+    with tempfile.TemporaryDirectory() as profile:
+        facts, errors = asyncio.run(drive(server.url + "/", profile))
+    assert errors == [], errors
+    assert facts["error"] == 0 and len(facts["answer"].strip()) > 0, facts
+    assert facts["toks"] > 0 and facts["ttft"].endswith("ms"), facts
+    assert facts["brain"] > 0 and "RAM" in facts["tiers"], facts
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
