@@ -12,6 +12,7 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod error;
 pub mod expert_blob;
+pub mod json_constraint;
 pub mod json;
 pub mod quant;
 pub mod spec;

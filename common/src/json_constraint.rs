@@ -1,0 +1,780 @@
+//! JSON-schema-constrained generation: a schema (a documented subset of JSON Schema) compiled to
+//! a character-level pushdown matcher. The server asks it, before each sampled token, which
+//! tokens' text can extend the output, so what the model writes always parses as JSON and
+//! validates against the schema (unless `max_tokens` cuts it short).
+//!
+//! Output is compact JSON: no whitespace outside strings, a schema object's properties in the
+//! order the schema lists them, every listed property present (so `required` always holds).
+//! Strings are at most `maxLength` characters (256 when the schema does not say), arrays at most
+//! `maxItems` items (64), numbers at most 15 digits before and after the point — bounds that make
+//! every value end.
+//!
+//! Supported keywords: `type` (one or a list), `properties`, `required`, `additionalProperties:
+//! false`, `items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `enum`, `const`, `anyOf`,
+//! `oneOf` (alternatives must start with different characters), and the annotations `title`,
+//! `description`, `default`, `examples`, `$schema`. Anything else is refused by name (a schema
+//! keyword the output could break must not be ignored).
+//!
+//! Must never: accept a character that no valid continuation has, or end (`can_end`) where the
+//! text so far is not a whole valid value. Size limits: schema text, nesting and node count.
+
+use serde_json::Value;
+
+pub const MAX_SCHEMA_BYTES: usize = 64 << 10;
+const MAX_SCHEMA_DEPTH: usize = 32;
+const MAX_NODES: usize = 4096;
+/// Nesting of the output itself (free-form objects and arrays).
+const MAX_STACK: usize = 64;
+pub const DEFAULT_MAX_STRING: usize = 256;
+pub const DEFAULT_MAX_ITEMS: usize = 64;
+const MAX_INT_DIGITS: usize = 15;
+const MAX_FRAC_DIGITS: usize = 15;
+// Two: with 15 digits before the point the largest is ~1e114, inside every parser's f64 range.
+const MAX_EXP_DIGITS: usize = 2;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("schema at `{at}`: {problem}")]
+pub struct SchemaError {
+    pub at: String,
+    pub problem: String,
+}
+
+fn err(at: &str, problem: impl Into<String>) -> SchemaError {
+    SchemaError { at: if at.is_empty() { "/".into() } else { at.into() }, problem: problem.into() }
+}
+
+type NodeId = usize;
+
+#[derive(Debug, Clone)]
+enum Node {
+    /// Any JSON value.
+    Any,
+    /// Properties in order, each written as `"name":` then its value.
+    Object { keys: Vec<String>, values: Vec<NodeId> },
+    /// Any keys, any values.
+    FreeObject,
+    Array { items: NodeId, min: usize, max: usize },
+    String { min: usize, max: usize },
+    Number { integer: bool },
+    /// Alternatives as canonical JSON text (`enum`, `const`, true/false/null).
+    Literals(Vec<String>),
+    /// Alternatives that start with different characters.
+    Union(Vec<NodeId>),
+}
+
+const ANY: NodeId = 0;
+/// `true`, `false`, `null`: the literals `Any` starts with t, f or n.
+const ANY_LITERALS: NodeId = 1;
+
+fn base_nodes() -> Vec<Node> {
+    vec![Node::Any, Node::Literals(vec!["true".into(), "false".into(), "null".into()])]
+}
+
+#[derive(Debug, Clone)]
+pub struct Schema {
+    nodes: Vec<Node>,
+    root: NodeId,
+}
+
+impl Schema {
+    /// `response_format: {"type": "json_object"}`: any JSON object.
+    pub fn any_object() -> Schema {
+        let mut nodes = base_nodes();
+        nodes.push(Node::FreeObject);
+        Schema { root: nodes.len() - 1, nodes }
+    }
+
+    pub fn compile(schema: &Value) -> Result<Schema, SchemaError> {
+        let size = serde_json::to_string(schema).map(|s| s.len()).unwrap_or(usize::MAX);
+        if size > MAX_SCHEMA_BYTES {
+            return Err(err("", format!("the schema is {size} bytes; at most {MAX_SCHEMA_BYTES}")));
+        }
+        let mut s = Schema { nodes: base_nodes(), root: ANY };
+        s.root = s.node(schema, "", 0)?;
+        Ok(s)
+    }
+
+    fn push(&mut self, n: Node, at: &str) -> Result<NodeId, SchemaError> {
+        if self.nodes.len() >= MAX_NODES {
+            return Err(err(at, format!("more than {MAX_NODES} schema nodes")));
+        }
+        self.nodes.push(n);
+        Ok(self.nodes.len() - 1)
+    }
+
+    fn node(&mut self, v: &Value, at: &str, depth: usize) -> Result<NodeId, SchemaError> {
+        if depth > MAX_SCHEMA_DEPTH {
+            return Err(err(at, format!("nested deeper than {MAX_SCHEMA_DEPTH}")));
+        }
+        let obj = match v {
+            Value::Bool(true) => return Ok(ANY),
+            Value::Object(o) => o,
+            _ => return Err(err(at, "a schema must be an object or `true`")),
+        };
+        const KNOWN: &[&str] = &[
+            "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "title", "description", "default", "examples", "$schema",
+        ];
+        if let Some(k) = obj.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+            return Err(err(at, format!("`{k}` is not supported by constrained decoding")));
+        }
+        let usize_of = |k: &str| -> Result<Option<usize>, SchemaError> {
+            match obj.get(k) {
+                None => Ok(None),
+                Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| err(at, format!("`{k}` must be a non-negative integer"))),
+            }
+        };
+        if let Some(c) = obj.get("const") {
+            return self.push(Node::Literals(vec![canonical(c)]), at);
+        }
+        if let Some(e) = obj.get("enum") {
+            let Value::Array(vals) = e else { return Err(err(at, "`enum` must be a list")) };
+            if vals.is_empty() {
+                return Err(err(at, "`enum` is empty: nothing could validate"));
+            }
+            return self.push(Node::Literals(vals.iter().map(canonical).collect()), at);
+        }
+        for key in ["anyOf", "oneOf"] {
+            if let Some(alts) = obj.get(key) {
+                let Value::Array(alts) = alts else { return Err(err(at, format!("`{key}` must be a list"))) };
+                if alts.is_empty() {
+                    return Err(err(at, format!("`{key}` is empty")));
+                }
+                let ids = alts.iter().enumerate().map(|(i, a)| self.node(a, &format!("{at}/{key}/{i}"), depth + 1)).collect::<Result<Vec<_>, _>>()?;
+                return self.union(ids, at);
+            }
+        }
+        let types: Vec<&str> = match obj.get("type") {
+            None => return Ok(if obj.contains_key("properties") { self.object(obj, at, depth)? } else { ANY }),
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) => ts.iter().map(|t| t.as_str().ok_or_else(|| err(at, "`type` must be a string or a list of strings"))).collect::<Result<_, _>>()?,
+            Some(_) => return Err(err(at, "`type` must be a string or a list of strings")),
+        };
+        let mut ids = Vec::new();
+        for t in &types {
+            let id = match *t {
+                "object" => self.object(obj, at, depth)?,
+                "array" => {
+                    let items = match obj.get("items") {
+                        None => ANY,
+                        Some(i) => self.node(i, &format!("{at}/items"), depth + 1)?,
+                    };
+                    let (min, max) = (usize_of("minItems")?.unwrap_or(0), usize_of("maxItems")?.unwrap_or(DEFAULT_MAX_ITEMS.max(usize_of("minItems")?.unwrap_or(0))));
+                    if min > max {
+                        return Err(err(at, "minItems > maxItems"));
+                    }
+                    self.push(Node::Array { items, min, max }, at)?
+                }
+                "string" => {
+                    let (min, max) = (usize_of("minLength")?.unwrap_or(0), usize_of("maxLength")?.unwrap_or(DEFAULT_MAX_STRING.max(usize_of("minLength")?.unwrap_or(0))));
+                    if min > max {
+                        return Err(err(at, "minLength > maxLength"));
+                    }
+                    self.push(Node::String { min, max }, at)?
+                }
+                "number" => self.push(Node::Number { integer: false }, at)?,
+                "integer" => self.push(Node::Number { integer: true }, at)?,
+                "boolean" => self.push(Node::Literals(vec!["true".into(), "false".into()]), at)?,
+                "null" => self.push(Node::Literals(vec!["null".into()]), at)?,
+                other => return Err(err(at, format!("unknown type `{other}`"))),
+            };
+            ids.push(id);
+        }
+        if ids.len() == 1 {
+            Ok(ids[0])
+        } else {
+            self.union(ids, at)
+        }
+    }
+
+    fn object(&mut self, obj: &serde_json::Map<String, Value>, at: &str, depth: usize) -> Result<NodeId, SchemaError> {
+        let Some(props) = obj.get("properties") else {
+            if let Some(Value::Array(r)) = obj.get("required") {
+                if !r.is_empty() {
+                    return Err(err(at, "`required` without `properties`"));
+                }
+            }
+            return self.push(Node::FreeObject, at);
+        };
+        let Value::Object(props) = props else { return Err(err(at, "`properties` must be an object")) };
+        match obj.get("additionalProperties") {
+            None | Some(Value::Bool(false)) => {}
+            Some(_) => return Err(err(at, "only `additionalProperties: false` is supported with `properties` (the output holds exactly the listed properties)")),
+        }
+        if let Some(r) = obj.get("required") {
+            let Value::Array(r) = r else { return Err(err(at, "`required` must be a list")) };
+            for name in r {
+                let Some(name) = name.as_str() else { return Err(err(at, "`required` must list names")) };
+                if !props.contains_key(name) {
+                    return Err(err(at, format!("`{name}` is required but not among the properties")));
+                }
+            }
+        }
+        let mut keys = Vec::with_capacity(props.len());
+        let mut values = Vec::with_capacity(props.len());
+        for (name, sub) in props {
+            keys.push(format!("{}:", canonical(&Value::String(name.clone()))));
+            values.push(self.node(sub, &format!("{at}/properties/{name}"), depth + 1)?);
+        }
+        self.push(Node::Object { keys, values }, at)
+    }
+
+    fn union(&mut self, ids: Vec<NodeId>, at: &str) -> Result<NodeId, SchemaError> {
+        let mut seen = String::new();
+        for id in &ids {
+            for c in self.first_chars(*id) {
+                if seen.contains(c) {
+                    return Err(err(at, format!("alternatives that can both start with `{c}` are not supported (they must differ in JSON type)")));
+                }
+                seen.push(c);
+            }
+        }
+        self.push(Node::Union(ids), at)
+    }
+
+    fn first_chars(&self, id: NodeId) -> Vec<char> {
+        match &self.nodes[id] {
+            Node::Any => "{[\"-0123456789tfn".chars().collect(),
+            Node::Object { .. } | Node::FreeObject => vec!['{'],
+            Node::Array { .. } => vec!['['],
+            Node::String { .. } => vec!['"'],
+            Node::Number { .. } => "-0123456789".chars().collect(),
+            Node::Literals(ls) => {
+                let mut cs: Vec<char> = ls.iter().filter_map(|l| l.chars().next()).collect();
+                cs.sort_unstable();
+                cs.dedup();
+                cs
+            }
+            Node::Union(ids) => ids.iter().flat_map(|i| self.first_chars(*i)).collect(),
+        }
+    }
+}
+
+/// Compact JSON text of a value (object keys in their given order).
+fn canonical(v: &Value) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum NumPart {
+    Start,
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    E,
+    ESign,
+    Exp,
+}
+
+#[derive(Debug, Clone)]
+enum Frame {
+    /// A value of this node, nothing of it read yet.
+    Value(NodeId),
+    /// A schema object: `stage` counts what has been written (0: `{`; then per property its
+    /// key text, then its value; separators between).
+    Object { node: NodeId, prop: usize, key_pos: usize, after_value: bool },
+    /// A free object: `{`, then `"key":value` pairs.
+    FreeObject { opened: bool, count: usize, stage: FreeStage },
+    Array { opened: bool, items: NodeId, min: usize, max: usize, count: usize, after_value: bool },
+    /// A string; `opened` once its quote is read.
+    Str { opened: bool, len: usize, min: usize, max: usize, escape: Escape },
+    Num { integer: bool, part: NumPart, digits: usize },
+    /// Literal alternatives, `pos` characters in; `alive[i]`: alternative i still matches.
+    Lit { node: NodeId, pos: usize, alive: Vec<bool> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum FreeStage {
+    /// After `{` or `,`: a key (or `}` right after `{`).
+    Key,
+    /// After the key: `:`.
+    Colon,
+    /// After a value: `,` or `}`.
+    AfterValue,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Escape {
+    None,
+    Backslash,
+    Hex(u8),
+}
+
+enum Step {
+    /// Consumed; the frame continues.
+    Took,
+    /// Consumed, and the frame's value is complete.
+    Done,
+    /// The frame's value was already complete; the character belongs to the parent.
+    Pass,
+    Reject,
+}
+
+/// Where a constrained generation stands: feed it the output's characters; ask it what may come.
+#[derive(Debug, Clone)]
+pub struct Matcher {
+    schema: std::sync::Arc<Schema>,
+    stack: Vec<Frame>,
+}
+
+impl Matcher {
+    pub fn new(schema: std::sync::Arc<Schema>) -> Self {
+        let root = schema.root;
+        Matcher { schema, stack: vec![Frame::Value(root)] }
+    }
+
+    /// Whether the text so far is a whole value of the schema (generation may stop here).
+    pub fn can_end(&self) -> bool {
+        match self.stack.as_slice() {
+            [] => true,
+            [Frame::Num { part, .. }] => matches!(part, NumPart::Zero | NumPart::Int | NumPart::Frac | NumPart::Exp),
+            [Frame::Lit { node, pos, alive }] => self.lit_complete(*node, *pos, alive),
+            _ => false,
+        }
+    }
+
+    /// Whether nothing more can be written (the value is complete and cannot grow).
+    pub fn is_finished(&self) -> bool {
+        self.stack.is_empty()
+    }
+
+    /// Feeds `text`; false (and the matcher unchanged in meaning: drop it) if any character is
+    /// not a valid continuation.
+    pub fn feed(&mut self, text: &str) -> bool {
+        text.chars().all(|c| self.advance(c))
+    }
+
+    /// Whether `text` can follow what was fed so far.
+    pub fn accepts(&self, text: &str) -> bool {
+        let mut m = self.clone();
+        m.feed(text)
+    }
+
+    fn lit_complete(&self, node: NodeId, pos: usize, alive: &[bool]) -> bool {
+        let Node::Literals(ls) = &self.schema.nodes[node] else { return false };
+        ls.iter().zip(alive).any(|(l, a)| *a && l.len() == pos)
+    }
+
+    pub fn advance(&mut self, c: char) -> bool {
+        loop {
+            let Some(top) = self.stack.last_mut() else { return false };
+            let step = match top {
+                Frame::Value(node) => {
+                    let node = *node;
+                    match self.start(node, c) {
+                        Some(frame) => {
+                            self.stack.pop();
+                            self.stack.push(frame);
+                            // The first character of the new frame.
+                            continue;
+                        }
+                        None => Step::Reject,
+                    }
+                }
+                Frame::Str { opened, len, min, max, escape } => {
+                    if *opened {
+                        Self::string_step(c, len, *min, *max, escape)
+                    } else if c == '"' {
+                        *opened = true;
+                        Step::Took
+                    } else {
+                        Step::Reject
+                    }
+                }
+                Frame::Num { integer, part, digits } => Self::number_step(c, *integer, part, digits),
+                Frame::Lit { node, pos, alive } => {
+                    let Node::Literals(ls) = &self.schema.nodes[*node] else { return false };
+                    let complete = ls.iter().zip(alive.iter()).any(|(l, a)| *a && l.len() == *pos);
+                    let next: Vec<bool> = ls.iter().zip(alive.iter()).map(|(l, a)| *a && l[*pos..].starts_with(c)).collect();
+                    if next.iter().any(|a| *a) {
+                        *pos += c.len_utf8();
+                        *alive = next;
+                        let p = *pos;
+                        let more = ls.iter().zip(alive.iter()).any(|(l, a)| *a && l.len() > p);
+                        if more {
+                            Step::Took
+                        } else {
+                            Step::Done
+                        }
+                    } else if complete {
+                        Step::Pass
+                    } else {
+                        Step::Reject
+                    }
+                }
+                Frame::Object { node, prop, key_pos, after_value } => {
+                    let Node::Object { keys, values } = &self.schema.nodes[*node] else { return false };
+                    if *after_value {
+                        // After property `prop - 1`'s value: `,` then the next key, or `}`.
+                        if *prop < keys.len() {
+                            if c == ',' {
+                                *after_value = false;
+                                *key_pos = 0;
+                                Step::Took
+                            } else {
+                                Step::Reject
+                            }
+                        } else if c == '}' {
+                            Step::Done
+                        } else {
+                            Step::Reject
+                        }
+                    } else if *prop == 0 && *key_pos == usize::MAX {
+                        // Nothing yet: `{`.
+                        if c == '{' {
+                            *key_pos = 0;
+                            if keys.is_empty() {
+                                *after_value = true;
+                            }
+                            Step::Took
+                        } else {
+                            Step::Reject
+                        }
+                    } else {
+                        let key = &keys[*prop];
+                        if key[*key_pos..].starts_with(c) {
+                            *key_pos += c.len_utf8();
+                            if *key_pos == key.len() {
+                                let value = values[*prop];
+                                *prop += 1;
+                                *after_value = true;
+                                self.stack.push(Frame::Value(value));
+                            }
+                            Step::Took
+                        } else {
+                            Step::Reject
+                        }
+                    }
+                }
+                Frame::FreeObject { opened: opened @ false, .. } => {
+                    if c == '{' {
+                        *opened = true;
+                        Step::Took
+                    } else {
+                        Step::Reject
+                    }
+                }
+                Frame::FreeObject { count, stage, .. } => match (*stage, c) {
+                    (FreeStage::Key, '}') if *count == 0 => Step::Done,
+                    (FreeStage::Key, '"') if *count < DEFAULT_MAX_ITEMS => {
+                        *stage = FreeStage::Colon;
+                        self.stack.push(Frame::Str { opened: true, len: 0, min: 0, max: DEFAULT_MAX_STRING, escape: Escape::None });
+                        Step::Took
+                    }
+                    (FreeStage::Colon, ':') => {
+                        *stage = FreeStage::AfterValue;
+                        *count += 1;
+                        if self.stack.len() >= MAX_STACK {
+                            return false;
+                        }
+                        self.stack.push(Frame::Value(ANY));
+                        Step::Took
+                    }
+                    (FreeStage::AfterValue, ',') if *count < DEFAULT_MAX_ITEMS => {
+                        *stage = FreeStage::Key;
+                        Step::Took
+                    }
+                    (FreeStage::AfterValue, '}') => Step::Done,
+                    _ => Step::Reject,
+                },
+                Frame::Array { opened: opened @ false, .. } => {
+                    if c == '[' {
+                        *opened = true;
+                        Step::Took
+                    } else {
+                        Step::Reject
+                    }
+                }
+                Frame::Array { items, min, max, count, after_value, .. } => {
+                    let (items, min, max) = (*items, *min, *max);
+                    if *after_value {
+                        match c {
+                            ',' if *count < max => {
+                                *after_value = false;
+                                Step::Took
+                            }
+                            ']' if *count >= min => Step::Done,
+                            _ => Step::Reject,
+                        }
+                    } else if *count == 0 && c == ']' && min == 0 {
+                        Step::Done
+                    } else if *count >= max {
+                        Step::Reject
+                    } else {
+                        *count += 1;
+                        *after_value = true;
+                        if self.stack.len() >= MAX_STACK {
+                            return false;
+                        }
+                        self.stack.push(Frame::Value(items));
+                        continue; // the character starts the item
+                    }
+                }
+            };
+            match step {
+                Step::Took => return true,
+                Step::Done => {
+                    self.stack.pop();
+                    return true;
+                }
+                Step::Pass => {
+                    self.stack.pop();
+                    continue;
+                }
+                Step::Reject => return false,
+            }
+        }
+    }
+
+    /// The frame a value of `node` becomes when it starts with `c` (not yet consumed), if any.
+    fn start(&self, node: NodeId, c: char) -> Option<Frame> {
+        match &self.schema.nodes[node] {
+            Node::Any => match c {
+                '{' if self.stack.len() < MAX_STACK => Some(Frame::FreeObject { opened: false, count: 0, stage: FreeStage::Key }),
+                '[' if self.stack.len() < MAX_STACK => Some(Frame::Array { opened: false, items: ANY, min: 0, max: DEFAULT_MAX_ITEMS, count: 0, after_value: false }),
+                '"' => Some(Frame::Str { opened: false, len: 0, min: 0, max: DEFAULT_MAX_STRING, escape: Escape::None }),
+                '-' | '0'..='9' => Some(Frame::Num { integer: false, part: NumPart::Start, digits: 0 }),
+                't' | 'f' | 'n' => self.start(ANY_LITERALS, c),
+                _ => None,
+            },
+            Node::Object { .. } => (c == '{').then_some(Frame::Object { node, prop: 0, key_pos: usize::MAX, after_value: false }),
+            Node::FreeObject => (c == '{').then_some(Frame::FreeObject { opened: false, count: 0, stage: FreeStage::Key }),
+            Node::Array { items, min, max } => (c == '[').then_some(Frame::Array { opened: false, items: *items, min: *min, max: *max, count: 0, after_value: false }),
+            Node::String { min, max } => (c == '"').then_some(Frame::Str { opened: false, len: 0, min: *min, max: *max, escape: Escape::None }),
+            Node::Number { integer } => matches!(c, '-' | '0'..='9').then_some(Frame::Num { integer: *integer, part: NumPart::Start, digits: 0 }),
+            Node::Literals(ls) => {
+                let alive: Vec<bool> = ls.iter().map(|l| l.starts_with(c)).collect();
+                alive.iter().any(|a| *a).then_some(Frame::Lit { node, pos: 0, alive: ls.iter().map(|_| true).collect() })
+            }
+            Node::Union(ids) => ids.iter().find(|i| self.schema.first_chars(**i).contains(&c)).and_then(|i| self.start(*i, c)),
+        }
+    }
+
+    fn string_step(c: char, len: &mut usize, min: usize, max: usize, escape: &mut Escape) -> Step {
+        match *escape {
+            Escape::Backslash => {
+                if c == 'u' {
+                    *escape = Escape::Hex(0);
+                    Step::Took
+                } else if "\"\\/bfnrt".contains(c) {
+                    *escape = Escape::None;
+                    *len += 1;
+                    Step::Took
+                } else {
+                    Step::Reject
+                }
+            }
+            Escape::Hex(n) => {
+                if c.is_ascii_hexdigit() {
+                    if n == 3 {
+                        *escape = Escape::None;
+                        *len += 1;
+                    } else {
+                        *escape = Escape::Hex(n + 1);
+                    }
+                    Step::Took
+                } else {
+                    Step::Reject
+                }
+            }
+            Escape::None => match c {
+                '"' if *len >= min => Step::Done,
+                '"' => Step::Reject,
+                _ if *len >= max => Step::Reject,
+                '\\' => {
+                    *escape = Escape::Backslash;
+                    Step::Took
+                }
+                c if (c as u32) < 0x20 => Step::Reject,
+                _ => {
+                    *len += 1;
+                    Step::Took
+                }
+            },
+        }
+    }
+
+    fn number_step(c: char, integer: bool, part: &mut NumPart, digits: &mut usize) -> Step {
+        use NumPart::*;
+        let digit = c.is_ascii_digit();
+        let next = match (*part, c) {
+            (Start, '-') => Some(Minus),
+            // `-0` is a float to strict parsers: integers never start that way.
+            (Minus, '0') if integer => None,
+            (Start | Minus, '0') => Some(Zero),
+            (Start | Minus, _) if digit => Some(Int),
+            (Int, _) if digit && *digits < MAX_INT_DIGITS => Some(Int),
+            (Zero | Int, '.') if !integer => Some(Dot),
+            (Dot, _) if digit => Some(Frac),
+            (Frac, _) if digit && *digits < MAX_FRAC_DIGITS => Some(Frac),
+            (Zero | Int | Frac, 'e' | 'E') if !integer => Some(E),
+            (E, '+' | '-') => Some(ESign),
+            (E | ESign, _) if digit => Some(Exp),
+            (Exp, _) if digit && *digits < MAX_EXP_DIGITS => Some(Exp),
+            _ => None,
+        };
+        match next {
+            Some(p) => {
+                *digits = if p == *part { *digits + 1 } else { usize::from(digit) };
+                *part = p;
+                Step::Took
+            }
+            None if matches!(*part, Zero | Int | Frac | Exp) => Step::Pass,
+            None => Step::Reject,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::sync::Arc;
+
+    fn matcher(schema: Value) -> Matcher {
+        Matcher::new(Arc::new(Schema::compile(&schema).unwrap_or_else(|e| panic!("{e}"))))
+    }
+
+    /// A plain validator for the supported subset, written independently of the matcher.
+    fn validates(s: &Value, v: &Value) -> bool {
+        if s == &json!(true) || s == &json!({}) {
+            return true;
+        }
+        if let Some(c) = s.get("const") {
+            return c == v;
+        }
+        if let Some(Value::Array(e)) = s.get("enum") {
+            return e.contains(v);
+        }
+        for k in ["anyOf", "oneOf"] {
+            if let Some(Value::Array(alts)) = s.get(k) {
+                let n = alts.iter().filter(|a| validates(a, v)).count();
+                return if k == "oneOf" { n == 1 } else { n >= 1 };
+            }
+        }
+        let types: Vec<&str> = match s.get("type") {
+            Some(Value::String(t)) => vec![t],
+            Some(Value::Array(ts)) => ts.iter().filter_map(|t| t.as_str()).collect(),
+            _ => vec!["object"],
+        };
+        types.iter().any(|t| match (*t, v) {
+            ("object", Value::Object(o)) => {
+                let props = s.get("properties").and_then(Value::as_object);
+                let required = s.get("required").and_then(Value::as_array).map_or(vec![], |r| r.iter().filter_map(|x| x.as_str()).collect());
+                required.iter().all(|r| o.contains_key(*r))
+                    && o.iter().all(|(k, x)| match props {
+                        Some(p) => p.get(k).is_some_and(|ps| validates(ps, x)),
+                        None => true,
+                    })
+            }
+            ("array", Value::Array(a)) => {
+                let min = s.get("minItems").and_then(Value::as_u64).unwrap_or(0) as usize;
+                let max = s.get("maxItems").and_then(Value::as_u64).map_or(usize::MAX, |m| m as usize);
+                a.len() >= min && a.len() <= max && a.iter().all(|x| s.get("items").is_none_or(|i| validates(i, x)))
+            }
+            ("string", Value::String(x)) => {
+                let n = x.chars().count();
+                n >= s.get("minLength").and_then(Value::as_u64).unwrap_or(0) as usize && n <= s.get("maxLength").and_then(Value::as_u64).map_or(usize::MAX, |m| m as usize)
+            }
+            ("number", Value::Number(_)) => true,
+            ("integer", Value::Number(n)) => n.is_i64() || n.is_u64(),
+            ("boolean", Value::Bool(_)) => true,
+            ("null", Value::Null) => true,
+            _ => false,
+        })
+    }
+
+    fn schemas() -> Vec<Value> {
+        vec![
+            json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3}, "ok": {"type": "boolean"}}, "required": ["name", "age"]}),
+            json!({"type": "object", "properties": {"kind": {"enum": ["cat", "dog", 3, null]}, "score": {"type": "number"}, "note": {"type": ["string", "null"], "maxLength": 8}}}),
+            json!({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": {"const": "é\"\\"}}}]}, "minItems": 1, "maxItems": 4}),
+            json!({"type": "object"}),
+            json!(true),
+            json!({"type": "object", "properties": {}}),
+            json!({"type": "string", "minLength": 2, "maxLength": 3}),
+        ]
+    }
+
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self, n: usize) -> usize {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 33) as usize) % n
+        }
+    }
+
+    #[test]
+    fn every_random_walk_through_the_matcher_is_valid_json_of_the_schema() {
+        let alphabet: Vec<char> = (0x20u8..0x7f).map(|b| b as char).chain(['é', '\n', '\u{1F600}']).collect();
+        for (si, schema) in schemas().into_iter().enumerate() {
+            for seed in 0..60u64 {
+                let mut rng = Lcg(seed * 7919 + si as u64);
+                let mut m = matcher(schema.clone());
+                let mut text = String::new();
+                for _ in 0..4000 {
+                    if m.is_finished() || (m.can_end() && rng.next(8) == 0) {
+                        break;
+                    }
+                    let ok: Vec<char> = alphabet.iter().copied().filter(|c| m.accepts(&c.to_string())).collect();
+                    assert!(!ok.is_empty() || m.can_end(), "schema {si} seed {seed}: dead end after {text:?}");
+                    if ok.is_empty() {
+                        break;
+                    }
+                    let c = ok[rng.next(ok.len())];
+                    assert!(m.advance(c));
+                    text.push(c);
+                }
+                if !m.can_end() {
+                    continue; // the step budget ran out mid-value (a long free-form walk)
+                }
+                let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("schema {si} seed {seed}: {text:?} does not parse: {e}"));
+                assert!(validates(&schema, &v), "schema {si} seed {seed}: {text} does not validate against {schema}");
+            }
+        }
+    }
+
+    #[test]
+    fn valid_texts_are_accepted_and_invalid_ones_refused() {
+        let s = schemas().remove(0);
+        let m = matcher(s.clone());
+        assert!(m.accepts(r#"{"name":"Moses","age":120,"tags":["a","bc"],"ok":true}"#));
+        let mut done = m.clone();
+        assert!(done.feed(r#"{"name":"Moses","age":120,"tags":[],"ok":false}"#) && done.can_end() && done.is_finished());
+        for bad in [r#"{"age":1"#, r#"{"name":"Moses","age":1.5"#, r#"{"name":"abcdefghijklmn"#, r#"{ "name""#, r#"{"name":"a","age":01"#, r#"{"name":"a","age":1,"tags":["a","b","c","d""#, "[", r#"{"name":"a\q"#] {
+            assert!(!m.accepts(bad), "accepted {bad}");
+        }
+        let mut n = matcher(json!({"type": "number"}));
+        assert!(n.feed("-12.5e+3") && n.can_end() && !n.is_finished());
+        assert!(!matcher(json!({"type": "number"})).accepts("1.e5"));
+        let mut e = matcher(json!({"enum": [1, 10, "x"]}));
+        assert!(e.feed("1") && e.can_end() && e.accepts("0") && !e.accepts("2"));
+        let o = Matcher::new(Arc::new(Schema::any_object()));
+        assert!(o.accepts(r#"{"a":[1,{"b":null}],"c":"d"}"#) && !o.accepts("[") && !o.accepts("\"x\""));
+    }
+
+    #[test]
+    fn unsupported_or_impossible_schemas_are_refused_by_name() {
+        let cases = [
+            (json!({"type": "string", "pattern": "a+"}), "pattern"),
+            (json!({"$ref": "#/x"}), "$ref"),
+            (json!({"anyOf": [{"type": "object"}, {"type": "object", "properties": {"a": true}}]}), "start with `{`"),
+            (json!({"type": "object", "properties": {"a": true}, "additionalProperties": true}), "additionalProperties"),
+            (json!({"type": "object", "properties": {"a": true}, "required": ["b"]}), "`b` is required"),
+            (json!({"type": "stringy"}), "stringy"),
+            (json!({"enum": []}), "empty"),
+            (json!({"type": "array", "minItems": 3, "maxItems": 2}), "minItems"),
+            (json!(42), "object"),
+        ];
+        for (schema, needle) in cases {
+            let e = Schema::compile(&schema).expect_err(&schema.to_string()).to_string();
+            assert!(e.contains(needle), "{schema}: {e}");
+        }
+        let mut deep = json!({"type": "string"});
+        for _ in 0..40 {
+            deep = json!({"type": "array", "items": deep});
+        }
+        assert!(Schema::compile(&deep).unwrap_err().to_string().contains("deeper"));
+    }
+}
