@@ -49,8 +49,9 @@ type NodeId = usize;
 enum Node {
     /// Any JSON value.
     Any,
-    /// Properties in order, each written as `"name":` then its value.
-    Object { keys: Vec<String>, values: Vec<NodeId> },
+    /// Properties in the schema's order, each written as `"name":` then its value; optional ones
+    /// may be left out.
+    Object { keys: Vec<String>, values: Vec<NodeId>, required: Vec<bool> },
     /// Any keys, any values.
     FreeObject,
     Array { items: NodeId, min: usize, max: usize },
@@ -74,6 +75,8 @@ fn base_nodes() -> Vec<Node> {
 pub struct Schema {
     nodes: Vec<Node>,
     root: NodeId,
+    /// Per node, the fewest characters a whole value of it takes.
+    min_len: Vec<usize>,
 }
 
 impl Schema {
@@ -81,7 +84,9 @@ impl Schema {
     pub fn any_object() -> Schema {
         let mut nodes = base_nodes();
         nodes.push(Node::FreeObject);
-        Schema { root: nodes.len() - 1, nodes }
+        let mut s = Schema { root: nodes.len() - 1, nodes, min_len: Vec::new() };
+        s.measure();
+        s
     }
 
     pub fn compile(schema: &Value) -> Result<Schema, SchemaError> {
@@ -89,9 +94,31 @@ impl Schema {
         if size > MAX_SCHEMA_BYTES {
             return Err(err("", format!("the schema is {size} bytes; at most {MAX_SCHEMA_BYTES}")));
         }
-        let mut s = Schema { nodes: base_nodes(), root: ANY };
+        let mut s = Schema { nodes: base_nodes(), root: ANY, min_len: Vec::new() };
         s.root = s.node(schema, "", 0)?;
+        s.measure();
         Ok(s)
+    }
+
+    /// Fills `min_len`. A node's parts are always compiled (pushed) before it.
+    fn measure(&mut self) {
+        let mut m = vec![0usize; self.nodes.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            m[i] = match n {
+                Node::Any => 1, // `0`
+                Node::Object { keys, values, required } => {
+                    let req: Vec<usize> = (0..keys.len()).filter(|i| required[*i]).collect();
+                    2 + req.iter().map(|i| keys[*i].len() + m[values[*i]]).sum::<usize>() + req.len().saturating_sub(1)
+                }
+                Node::FreeObject => 2,
+                Node::Array { items, min, .. } => 2 + min * m[*items] + min.saturating_sub(1),
+                Node::String { min, .. } => min + 2,
+                Node::Number { .. } => 1,
+                Node::Literals(ls) => ls.iter().map(|l| l.chars().count()).min().unwrap_or(0),
+                Node::Union(ids) => ids.iter().map(|i| m[*i]).min().unwrap_or(0),
+            };
+        }
+        self.min_len = m;
     }
 
     fn push(&mut self, n: Node, at: &str) -> Result<NodeId, SchemaError> {
@@ -200,6 +227,7 @@ impl Schema {
             None | Some(Value::Bool(false)) => {}
             Some(_) => return Err(err(at, "only `additionalProperties: false` is supported with `properties` (the output holds exactly the listed properties)")),
         }
+        let mut required_names = Vec::new();
         if let Some(r) = obj.get("required") {
             let Value::Array(r) = r else { return Err(err(at, "`required` must be a list")) };
             for name in r {
@@ -207,15 +235,18 @@ impl Schema {
                 if !props.contains_key(name) {
                     return Err(err(at, format!("`{name}` is required but not among the properties")));
                 }
+                required_names.push(name);
             }
         }
         let mut keys = Vec::with_capacity(props.len());
         let mut values = Vec::with_capacity(props.len());
+        let mut required = Vec::with_capacity(props.len());
         for (name, sub) in props {
             keys.push(format!("{}:", canonical(&Value::String(name.clone()))));
             values.push(self.node(sub, &format!("{at}/properties/{name}"), depth + 1)?);
+            required.push(required_names.contains(&name.as_str()));
         }
-        self.push(Node::Object { keys, values }, at)
+        self.push(Node::Object { keys, values, required }, at)
     }
 
     fn union(&mut self, ids: Vec<NodeId>, at: &str) -> Result<NodeId, SchemaError> {
@@ -271,9 +302,10 @@ enum NumPart {
 enum Frame {
     /// A value of this node, nothing of it read yet.
     Value(NodeId),
-    /// A schema object: `stage` counts what has been written (0: `{`; then per property its
-    /// key text, then its value; separators between).
-    Object { node: NodeId, prop: usize, key_pos: usize, after_value: bool },
+    /// A schema object. `prop`: the first property that may still come; `opened` once `{` is
+    /// read; `first` until a property is written; `after_value` between a value and `,`/`}`;
+    /// otherwise `key_pos` characters of a key are read, `alive[i]` for the keys still matching.
+    Object { node: NodeId, prop: usize, opened: bool, first: bool, after_value: bool, key_pos: usize, alive: Vec<bool> },
     /// A free object: `{`, then `"key":value` pairs.
     FreeObject { opened: bool, count: usize, stage: FreeStage },
     Array { opened: bool, items: NodeId, min: usize, max: usize, count: usize, after_value: bool },
@@ -298,7 +330,9 @@ enum FreeStage {
 enum Escape {
     None,
     Backslash,
-    Hex(u8),
+    /// `\u` and this many hex digits; `d` if the first was `d`/`D` (then no surrogate: the
+    /// second must be 0–7, as a lone surrogate is not valid JSON text to strict parsers).
+    Hex(u8, bool),
 }
 
 enum Step {
@@ -332,6 +366,75 @@ impl Matcher {
             [Frame::Lit { node, pos, alive }] => self.lit_complete(*node, *pos, alive),
             _ => false,
         }
+    }
+
+    /// The fewest characters that complete the value from here (0 when it may end now).
+    pub fn min_to_finish(&self) -> usize {
+        let ml = &self.schema.min_len;
+        self.stack
+            .iter()
+            .map(|f| match f {
+                Frame::Value(n) => ml[*n],
+                Frame::Str { opened: false, min, .. } => min + 2,
+                Frame::Str { len, min, escape, .. } => {
+                    let pending = match escape {
+                        Escape::None => 0,
+                        Escape::Backslash => 1,
+                        Escape::Hex(n, _) => 4 - *n as usize,
+                    };
+                    pending + min.saturating_sub(*len + usize::from(pending > 0)) + 1
+                }
+                Frame::Num { part, .. } => match part {
+                    NumPart::Zero | NumPart::Int | NumPart::Frac | NumPart::Exp => 0,
+                    _ => 1,
+                },
+                Frame::Lit { node, pos, alive } => match &self.schema.nodes[*node] {
+                    Node::Literals(ls) => ls.iter().zip(alive).filter(|(_, a)| **a).map(|(l, _)| l[*pos..].chars().count()).min().unwrap_or(0),
+                    _ => 0,
+                },
+                Frame::Object { node, prop, opened, first, after_value, key_pos, alive } => {
+                    let Node::Object { keys, values, required } = &self.schema.nodes[*node] else { return 0 };
+                    let prop_len = |i: usize| keys[i].len() + ml[values[i]];
+                    // Required properties from `from` on, each with its comma.
+                    let required_rest = |from: usize| (from..keys.len()).filter(|i| required[*i]).map(|i| 1 + prop_len(i)).sum::<usize>();
+                    if !*opened {
+                        ml[*node]
+                    } else if *after_value {
+                        required_rest(*prop) + 1
+                    } else if *key_pos == 0 {
+                        // Right after `{` (nothing needed if all is optional) or `,` (a property must follow).
+                        let need = required_rest(*prop);
+                        if need > 0 {
+                            need - 1 + 1
+                        } else if *first {
+                            1
+                        } else {
+                            (*prop..keys.len()).map(prop_len).min().unwrap_or(0) + 1
+                        }
+                    } else {
+                        (0..keys.len()).filter(|i| alive[*i]).map(|i| keys[i].len() - *key_pos + ml[values[i]] + required_rest(i + 1)).min().unwrap_or(0) + 1
+                    }
+                }
+                Frame::FreeObject { opened: false, .. } => 2,
+                Frame::FreeObject { count, stage, .. } => match stage {
+                    FreeStage::Key if *count == 0 => 1,
+                    FreeStage::Key => 5, // `"":0}`
+                    FreeStage::Colon => 3, // `:0}` (the key's string counts itself)
+                    FreeStage::AfterValue => 1,
+                },
+                Frame::Array { opened: false, items, min, .. } => 2 + min * ml[*items] + min.saturating_sub(1),
+                Frame::Array { items, min, count, after_value, .. } => {
+                    let item = ml[*items];
+                    if *after_value {
+                        min.saturating_sub(*count) * (1 + item) + 1
+                    } else if *count == 0 {
+                        min * item + min.saturating_sub(1) + 1
+                    } else {
+                        item + min.saturating_sub(*count + 1) * (1 + item) + 1
+                    }
+                }
+            })
+            .sum()
     }
 
     /// Whether nothing more can be written (the value is complete and cannot grow).
@@ -403,47 +506,53 @@ impl Matcher {
                         Step::Reject
                     }
                 }
-                Frame::Object { node, prop, key_pos, after_value } => {
-                    let Node::Object { keys, values } = &self.schema.nodes[*node] else { return false };
-                    if *after_value {
-                        // After property `prop - 1`'s value: `,` then the next key, or `}`.
-                        if *prop < keys.len() {
-                            if c == ',' {
-                                *after_value = false;
-                                *key_pos = 0;
-                                Step::Took
-                            } else {
-                                Step::Reject
-                            }
-                        } else if c == '}' {
+                Frame::Object { node, prop, opened, first, after_value, key_pos, alive } => {
+                    let Node::Object { keys, values, required } = &self.schema.nodes[*node] else { return false };
+                    let rest_optional = required[*prop..].iter().all(|r| !r);
+                    // Keys that may come next: from `prop` up to the first required one.
+                    let candidates = |prop: usize| -> Vec<bool> {
+                        let last = (prop..keys.len()).find(|i| required[*i]).unwrap_or(keys.len().saturating_sub(1));
+                        (0..keys.len()).map(|i| i >= prop && i <= last).collect()
+                    };
+                    if !*opened {
+                        if c == '{' {
+                            *opened = true;
+                            *key_pos = 0;
+                            *alive = candidates(*prop);
+                            Step::Took
+                        } else {
+                            Step::Reject
+                        }
+                    } else if *after_value {
+                        if c == ',' && *prop < keys.len() {
+                            *after_value = false;
+                            *key_pos = 0;
+                            *alive = candidates(*prop);
+                            Step::Took
+                        } else if c == '}' && rest_optional {
                             Step::Done
                         } else {
                             Step::Reject
                         }
-                    } else if *prop == 0 && *key_pos == usize::MAX {
-                        // Nothing yet: `{`.
-                        if c == '{' {
-                            *key_pos = 0;
-                            if keys.is_empty() {
-                                *after_value = true;
-                            }
-                            Step::Took
-                        } else {
-                            Step::Reject
-                        }
+                    } else if *key_pos == 0 && *first && c == '}' && rest_optional {
+                        Step::Done
                     } else {
-                        let key = &keys[*prop];
-                        if key[*key_pos..].starts_with(c) {
+                        let pos = *key_pos;
+                        let next: Vec<bool> = keys.iter().zip(alive.iter()).map(|(k, a)| *a && k[pos..].starts_with(c)).collect();
+                        if !next.iter().any(|a| *a) {
+                            Step::Reject
+                        } else {
                             *key_pos += c.len_utf8();
-                            if *key_pos == key.len() {
-                                let value = values[*prop];
-                                *prop += 1;
+                            *alive = next;
+                            // Keys end in `":` and so none is a prefix of another.
+                            if let Some(i) = (0..keys.len()).find(|i| alive[*i] && keys[*i].len() == *key_pos) {
+                                let value = values[i];
+                                *prop = i + 1;
+                                *first = false;
                                 *after_value = true;
                                 self.stack.push(Frame::Value(value));
                             }
                             Step::Took
-                        } else {
-                            Step::Reject
                         }
                     }
                 }
@@ -538,7 +647,7 @@ impl Matcher {
                 't' | 'f' | 'n' => self.start(ANY_LITERALS, c),
                 _ => None,
             },
-            Node::Object { .. } => (c == '{').then_some(Frame::Object { node, prop: 0, key_pos: usize::MAX, after_value: false }),
+            Node::Object { .. } => (c == '{').then_some(Frame::Object { node, prop: 0, opened: false, first: true, after_value: false, key_pos: 0, alive: Vec::new() }),
             Node::FreeObject => (c == '{').then_some(Frame::FreeObject { opened: false, count: 0, stage: FreeStage::Key }),
             Node::Array { items, min, max } => (c == '[').then_some(Frame::Array { opened: false, items: *items, min: *min, max: *max, count: 0, after_value: false }),
             Node::String { min, max } => (c == '"').then_some(Frame::Str { opened: false, len: 0, min: *min, max: *max, escape: Escape::None }),
@@ -555,7 +664,7 @@ impl Matcher {
         match *escape {
             Escape::Backslash => {
                 if c == 'u' {
-                    *escape = Escape::Hex(0);
+                    *escape = Escape::Hex(0, false);
                     Step::Took
                 } else if "\"\\/bfnrt".contains(c) {
                     *escape = Escape::None;
@@ -565,13 +674,14 @@ impl Matcher {
                     Step::Reject
                 }
             }
-            Escape::Hex(n) => {
-                if c.is_ascii_hexdigit() {
+            Escape::Hex(n, d) => {
+                let surrogate = n == 1 && d && !('0'..='7').contains(&c);
+                if c.is_ascii_hexdigit() && !surrogate {
                     if n == 3 {
                         *escape = Escape::None;
                         *len += 1;
                     } else {
-                        *escape = Escape::Hex(n + 1);
+                        *escape = Escape::Hex(n + 1, n == 0 && c.eq_ignore_ascii_case(&'d'));
                     }
                     Step::Took
                 } else {
@@ -731,6 +841,45 @@ mod tests {
                 }
                 let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("schema {si} seed {seed}: {text:?} does not parse: {e}"));
                 assert!(validates(&schema, &v), "schema {si} seed {seed}: {text} does not validate against {schema}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_walk_that_always_moves_closer_finishes_within_the_promised_length() {
+        // From any point of a random walk, taking characters that lower `min_to_finish` ends the
+        // value in at most that many characters (what the server relies on near `max_tokens`).
+        let alphabet: Vec<char> = (0x20u8..0x7f).map(|b| b as char).chain(['é']).collect();
+        for (si, schema) in schemas().into_iter().enumerate() {
+            for seed in 0..40u64 {
+                let mut rng = Lcg(seed * 31 + si as u64);
+                let mut m = matcher(schema.clone());
+                let mut text = String::new();
+                for _ in 0..rng.next(60) {
+                    let ok: Vec<char> = alphabet.iter().copied().filter(|c| m.accepts(&c.to_string())).collect();
+                    if ok.is_empty() || m.is_finished() {
+                        break;
+                    }
+                    let c = ok[rng.next(ok.len())];
+                    m.advance(c);
+                    text.push(c);
+                }
+                let promised = m.min_to_finish();
+                let mut steps = 0;
+                while !m.can_end() {
+                    let d = m.min_to_finish();
+                    let c = alphabet.iter().copied().find(|c| {
+                        let mut n = m.clone();
+                        n.advance(*c) && n.min_to_finish() < d
+                    });
+                    let c = c.unwrap_or_else(|| panic!("schema {si} seed {seed}: no step closer from {text:?} (distance {d})"));
+                    m.advance(c);
+                    text.push(c);
+                    steps += 1;
+                }
+                assert!(steps <= promised, "schema {si} seed {seed}: {steps} > {promised} for {text:?}");
+                let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert!(validates(&schema, &v), "{text}");
             }
         }
     }

@@ -268,3 +268,50 @@ def test_metrics_are_prometheus_text_with_the_request_series(server):
     text = httpx.get(server.url + "/metrics").text
     for series in ["shimmer_num_requests_running", "shimmer_num_requests_waiting", "shimmer_time_to_first_token_seconds_bucket", "shimmer_e2e_request_latency_seconds_count", "shimmer_prompt_tokens_total", "shimmer_generation_tokens_total", 'shimmer_request_total{outcome="success"}', "shimmer_kv_cache_usage_perc"]:
         assert series in text, series
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "tribe": {"enum": ["Judah", "Levi", "Benjamin"]},
+        "sayings": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        "prophet": {"type": "boolean"},
+        "spouse": {"type": ["string", "null"], "maxLength": 16},
+    },
+    "required": ["name", "age", "tribe"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_always_parses_and_validates(server):
+    import jsonschema
+
+    c = client(server)
+    # Down to budgets where the value must close early (it always fits 40 tokens here).
+    for seed, max_tokens in [(1, 200), (2, 200), (3, 40), (4, 40), (5, 60)]:
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell of a prophet of Israel."}], max_tokens=max_tokens, temperature=0.9, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        )
+        text = r.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)  # raises if the output breaks the schema
+        assert r.usage.completion_tokens <= max_tokens
+
+
+def test_json_object_output_is_an_object_even_when_tokens_run_short(server):
+    c = client(server)
+    for seed in range(4):
+        r = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=12 + 6 * seed, temperature=1.0, seed=seed, response_format={"type": "json_object"})
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_unsupported_schemas_are_refused_by_name(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}})
+    assert "pattern" in e.value.body["message"] and e.value.body["code"] == "unsupported_schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, response_format={"type": "yaml"})
+    assert e.value.body["param"] == "response_format"

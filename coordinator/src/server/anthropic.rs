@@ -139,7 +139,7 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let input_tokens = prompt.len();
-    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, events: tx })?;
+    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint: None, events: tx })?;
     let id = format!("msg_{:016x}", rand_seed());
     let t0 = Instant::now();
 

@@ -24,6 +24,7 @@ use crate::model::{Logits, Segment};
 use crate::sampling::Sampler;
 use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
 use super::prefix_cache::PrefixCache;
+use shimmer_common::json_constraint::Matcher;
 
 /// Prompt tokens one step may prefill, across all sequences.
 pub const PREFILL_CHUNK: usize = 256;
@@ -37,6 +38,8 @@ pub struct Job {
     pub frequency_penalty: f32,
     /// Report each token's log-probability, with this many alternatives (`None`: no logprobs).
     pub logprobs: Option<usize>,
+    /// Constrain the output to JSON of this schema (`response_format`).
+    pub constraint: Option<Arc<shimmer_common::json_constraint::Schema>>,
     pub events: UnboundedSender<Event>,
 }
 
@@ -112,7 +115,7 @@ impl Batcher {
             .spawn(move || {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
-                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store }.run()
+                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, pieces: None }.run()
             })
             .expect("cannot start the batcher thread");
         stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
@@ -165,6 +168,7 @@ struct Seq {
     admitted: Instant,
     first_token: Option<Instant>,
     breakdown: Breakdown,
+    matcher: Option<Matcher>,
 }
 
 struct Loop {
@@ -181,6 +185,8 @@ struct Loop {
     expert_bytes: u64,
     /// The store's counters after the previous step (for per-step I/O wait and bytes).
     last_store: Option<shimmer_worker::store::StoreTelemetry>,
+    /// Each token's text as it extends an output (built at the first constrained request).
+    pieces: Option<Vec<Option<String>>>,
 }
 
 impl Loop {
@@ -241,7 +247,11 @@ impl Loop {
             // Start from the longest cached prefix of the prompt, if any.
             let session = self.prefix.lookup(&job.prompt).unwrap_or_else(|| self.engine.new_session());
             let fed = session.tokens.len();
-            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, breakdown: Breakdown::default() });
+            let matcher = job.constraint.clone().map(Matcher::new);
+            if matcher.is_some() && self.pieces.is_none() {
+                self.pieces = Some(token_pieces(&self.engine));
+            }
+            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, breakdown: Breakdown::default(), matcher });
         }
     }
 
@@ -317,7 +327,7 @@ impl Loop {
             }
             generated += 1;
             let t_sample = Instant::now();
-            let finish = Self::sample(&self.engine, seq, &mut row);
+            let finish = Self::sample(&self.engine, self.pieces.as_deref(), seq, &mut row);
             seq.breakdown.sampling_ms += t_sample.elapsed().as_secs_f64() * 1e3;
             seq.first_token.get_or_insert_with(Instant::now);
             if let Some(finish) = finish {
@@ -364,16 +374,65 @@ impl Loop {
     }
 
     /// Samples the next token from `logits`; returns why the sequence ends, if it does.
-    fn sample(engine: &Engine, seq: &mut Seq, logits: &mut [f32]) -> Option<FinishReason> {
+    fn sample(engine: &Engine, pieces: Option<&[Option<String>]>, seq: &mut Seq, logits: &mut [f32]) -> Option<FinishReason> {
         let lp = seq.job.logprobs.map(|top| logprobs_of(logits, top));
         for (tok, n) in &seq.counts {
             if let Some(l) = logits.get_mut(*tok as usize) {
                 *l -= seq.job.presence_penalty + seq.job.frequency_penalty * *n as f32;
             }
         }
+        // Constrained output: only tokens whose text continues valid JSON of the schema; the end
+        // of text only where the value is whole.
+        if let (Some(m), Some(pieces)) = (&seq.matcher, pieces) {
+            // Near the token limit only tokens that bring the value closer to its end are allowed,
+            // so it closes before the limit cuts it (every step then shortens what is left).
+            let left = seq.job.opts.max_tokens.saturating_sub(seq.output.len()).min(seq.session.cache.capacity().saturating_sub(seq.session.cache.len()));
+            let distance = m.min_to_finish();
+            let closing = left <= distance + 1;
+            // Each token's distance to the end after it (`None`: not allowed at all).
+            let after: Vec<Option<usize>> = (0..logits.len())
+                .map(|t| {
+                    if engine.eos_ids.contains(&(t as u32)) {
+                        return m.can_end().then_some(0);
+                    }
+                    let p = pieces.get(t).and_then(|p| p.as_deref())?;
+                    let mut next = m.clone();
+                    next.feed(p).then(|| next.min_to_finish())
+                })
+                .collect();
+            // Never a token after which the rest cannot fit the tokens left (at a character per
+            // token); when closing — or when nothing fits — only the tokens that bring the end
+            // nearest (several characters at once when the vocabulary has them).
+            let bound = left.saturating_sub(1);
+            let fits = after.iter().flatten().any(|d| *d <= bound);
+            let best = after.iter().flatten().copied().min();
+            let greedy = closing || !fits;
+            let mut any = false;
+            for (l, d) in logits.iter_mut().zip(&after) {
+                let ok = match d {
+                    None => false,
+                    Some(d) if greedy => Some(*d) == best,
+                    Some(d) => *d <= bound,
+                };
+                if ok {
+                    any |= l.is_finite();
+                } else {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                let _ = seq.job.events.send(Event::Error("constrained decoding reached a point no token of this model's vocabulary can continue".into()));
+                return Some(FinishReason::Cancelled);
+            }
+        }
         let next = seq.sampler.sample(logits, &seq.session.tokens);
         if engine.eos_ids.contains(&next) {
             return Some(FinishReason::Stop);
+        }
+        let mut json_done = false;
+        if let (Some(m), Some(pieces)) = (&mut seq.matcher, pieces) {
+            m.feed(pieces.get(next as usize).and_then(|p| p.as_deref()).unwrap_or(""));
+            json_done = m.is_finished();
         }
         seq.output.push(next);
         *seq.counts.entry(next).or_insert(0) += 1;
@@ -389,7 +448,7 @@ impl Loop {
         if !fresh.is_empty() || !logprobs.is_empty() {
             let _ = seq.job.events.send(Event::Text { text: fresh.to_string(), logprobs });
         }
-        if stopped {
+        if stopped || json_done {
             return Some(FinishReason::Stop);
         }
         if seq.output.len() >= seq.job.opts.max_tokens || seq.session.cache.len() + 1 > seq.session.cache.capacity() {
@@ -427,4 +486,22 @@ fn logprobs_of(logits: &[f32], top: usize) -> impl FnOnce(u32) -> TokenLogprob {
     // The sampler rewrites the logits in place; keep the raw ones for the chosen token.
     let chosen_logits = logits.to_vec();
     move |id| TokenLogprob { id, logprob: (chosen_logits[id as usize] as f64 - log_z) as f32, top: best }
+}
+
+/// Each vocabulary token's text as it continues an output: decoded after a fixed anchor token
+/// (so decoders that drop a leading space at the start of a text do not), `None` for special
+/// tokens and for byte pieces that are not whole characters (a constrained output never uses those).
+fn token_pieces(engine: &Engine) -> Vec<Option<String>> {
+    let tok = &engine.tokenizer;
+    let anchor = tok.encode("a", false).ok().and_then(|ids| ids.first().copied());
+    let base = anchor.and_then(|a| tok.decode(&[a], true).ok()).unwrap_or_default();
+    (0..engine.spec.vocab_size as u32)
+        .map(|t| {
+            let text = match anchor {
+                Some(a) => tok.decode(&[a, t], true).ok()?.strip_prefix(base.as_str())?.to_string(),
+                None => tok.decode(&[t], true).ok()?,
+            };
+            (!text.is_empty() && !text.contains('\u{FFFD}')).then_some(text)
+        })
+        .collect()
 }

@@ -26,6 +26,7 @@ use super::errors::ApiError;
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
+use shimmer_common::json_constraint::Schema;
 
 /// Most tokens one request may ask for when it does not say (and the context allows).
 const DEFAULT_MAX_TOKENS: usize = 256;
@@ -142,10 +143,11 @@ struct Common {
     stop: Vec<String>,
     presence_penalty: f32,
     frequency_penalty: f32,
+    constraint: Option<Arc<Schema>>,
 }
 
 const COMMON_FIELDS: &[&str] = &[
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user",
+    "model", "stream", "stream_options", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user",
 ];
 
 const UNSUPPORTED: &[(&str, &str)] = &[
@@ -155,7 +157,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("functions", "function calling is not implemented"),
     ("function_call", "function calling is not implemented"),
     ("parallel_tool_calls", "tool calling is not implemented yet"),
-    ("response_format", "constrained output is not implemented yet"),
     ("best_of", "only one candidate is generated"),
     ("suffix", "insertion is not implemented"),
     ("echo", "echoing the prompt is not implemented"),
@@ -215,7 +216,29 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
         stop: p.stops()?,
         presence_penalty: p.f32_in("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: p.f32_in("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+        constraint: response_format(p)?,
     })
+}
+
+/// `response_format`: text (no constraint), `json_object` (any JSON object) or `json_schema`
+/// (JSON valid against the schema; the subset `shimmer_common::json_constraint` supports).
+fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
+    let Some(rf) = p.get("response_format") else { return Ok(None) };
+    let bad = |m: String| ApiError::param("response_format", m);
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Arc::new(Schema::any_object()))),
+        Some("json_schema") => {
+            let Some(js) = rf.get("json_schema").filter(|v| v.is_object()) else {
+                return Err(bad("`response_format.json_schema` must be an object with a `schema`".into()));
+            };
+            let Some(schema) = js.get("schema") else {
+                return Err(bad("`response_format.json_schema.schema` is required".into()));
+            };
+            Schema::compile(schema).map(|s| Some(Arc::new(s))).map_err(|e| ApiError::param("response_format.json_schema.schema", format!("unsupported or invalid schema: {e}")).code("unsupported_schema"))
+        }
+        other => Err(bad(format!("`response_format.type` must be text, json_object or json_schema, got {other:?}"))),
+    }
 }
 
 /// A seed for requests that give none: different per request, as OpenAI's sampling is.
@@ -409,7 +432,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
     let (tx, mut rx) = mpsc::unbounded_channel();
     let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
     let prompt_len = prompt.len();
-    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, events: tx })?;
+    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, constraint: c.constraint.clone(), events: tx })?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_seed());
     let created = now_secs();
     let object = if chat { "chat.completion" } else { "text_completion" };
