@@ -105,6 +105,23 @@ impl ChatConfig {
         render_template(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
             .map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
     }
+
+    /// `render` for messages as the API gives them (JSON: assistant `tool_calls`, `tool` role
+    /// messages with `tool_call_id`) and the request's `tools`, as `apply_chat_template(messages,
+    /// tools=...)` passes them to the template.
+    pub fn render_json(&self, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool) -> Result<String, LoadError> {
+        let (Some(template), Some(path)) = (&self.template, &self.template_path) else {
+            return Err(LoadError::malformed("tokenizer_config.json", "the model has no chat template"));
+        };
+        render_with(template, &minijinja::value::Serde(messages), tools, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+            .map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
+    }
+
+    /// Whether the template renders tool definitions and calls itself (it mentions `tools`);
+    /// otherwise the server describes tools in a system message of its own.
+    pub fn knows_tools(&self) -> bool {
+        self.template.as_deref().is_some_and(|t| t.contains("tools") && t.contains("tool_call"))
+    }
 }
 
 /// `bos_token`/`eos_token` are a string or an AddedToken object with `content`.
@@ -119,6 +136,17 @@ fn special_token(v: Option<&Value>) -> Option<String> {
 pub fn render_template(
     template: &str,
     messages: &[Message],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String, JinjaError> {
+    render_with(template, &minijinja::value::Serde(messages), None, add_generation_prompt, bos_token, eos_token)
+}
+
+fn render_with<M: serde::Serialize>(
+    template: &str,
+    messages: &minijinja::value::Serde<M>,
+    tools: Option<&Value>,
     add_generation_prompt: bool,
     bos_token: Option<&str>,
     eos_token: Option<&str>,
@@ -142,7 +170,8 @@ pub fn render_template(
     });
     env.add_filter("tojson", tojson_filter);
     let ctx = minijinja::context! {
-        messages => JValue::from(minijinja::value::Serde(messages)),
+        messages => JValue::from(minijinja::value::Serde(&messages.0)),
+        tools => tools.map(|t| JValue::from(minijinja::value::Serde(t))),
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or(""),
         eos_token => eos_token.unwrap_or(""),

@@ -61,6 +61,9 @@ enum Node {
     Literals(Vec<String>),
     /// Alternatives that start with different characters.
     Union(Vec<NodeId>),
+    /// `prefix, value, suffix` alternatives told apart by their (prefix-free) prefixes: a tool
+    /// call, `{"name":"N","arguments":` + N's arguments + `}`.
+    Tagged(Vec<(String, NodeId, String)>),
 }
 
 const ANY: NodeId = 0;
@@ -87,6 +90,29 @@ impl Schema {
         let mut s = Schema { root: nodes.len() - 1, nodes, min_len: Vec::new() };
         s.measure();
         s
+    }
+
+    /// One call of one of `tools` (name, parameters schema): `{"name":"N","arguments":ARGS}` with
+    /// ARGS valid for N's parameters (an absent schema means any object).
+    pub fn tool_call(tools: &[(String, Option<Value>)]) -> Result<Schema, SchemaError> {
+        if tools.is_empty() {
+            return Err(err("", "no tools to call"));
+        }
+        let mut s = Schema { nodes: base_nodes(), root: ANY, min_len: Vec::new() };
+        let mut alts = Vec::with_capacity(tools.len());
+        for (name, params) in tools {
+            let args = match params {
+                Some(p) => s.node(p, &format!("/{name}/parameters"), 0)?,
+                None => s.push(Node::FreeObject, name)?,
+            };
+            if !s.first_chars(args).contains(&'{') || s.first_chars(args).len() != 1 {
+                return Err(err(&format!("/{name}/parameters"), "a tool's parameters must be an object schema"));
+            }
+            alts.push((format!("{{\"name\":{},\"arguments\":", canonical(&Value::String(name.clone()))), args, "}".to_string()));
+        }
+        s.root = s.push(Node::Tagged(alts), "")?;
+        s.measure();
+        Ok(s)
     }
 
     pub fn compile(schema: &Value) -> Result<Schema, SchemaError> {
@@ -116,6 +142,7 @@ impl Schema {
                 Node::Number { .. } => 1,
                 Node::Literals(ls) => ls.iter().map(|l| l.chars().count()).min().unwrap_or(0),
                 Node::Union(ids) => ids.iter().map(|i| m[*i]).min().unwrap_or(0),
+                Node::Tagged(alts) => alts.iter().map(|(p, v, x)| p.chars().count() + m[*v] + x.chars().count()).min().unwrap_or(0),
             };
         }
         self.min_len = m;
@@ -276,6 +303,7 @@ impl Schema {
                 cs
             }
             Node::Union(ids) => ids.iter().flat_map(|i| self.first_chars(*i)).collect(),
+            Node::Tagged(_) => vec!['{'],
         }
     }
 }
@@ -314,6 +342,9 @@ enum Frame {
     Num { integer: bool, part: NumPart, digits: usize },
     /// Literal alternatives, `pos` characters in; `alive[i]`: alternative i still matches.
     Lit { node: NodeId, pos: usize, alive: Vec<bool> },
+    /// A tagged value: reading the prefixes (`chosen: None`, `pos` bytes in), or, once one is
+    /// whole and its value read, `pos` bytes of its suffix.
+    Tagged { node: NodeId, pos: usize, alive: Vec<bool>, chosen: Option<usize> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -415,6 +446,13 @@ impl Matcher {
                         (0..keys.len()).filter(|i| alive[*i]).map(|i| keys[i].len() - *key_pos + ml[values[i]] + required_rest(i + 1)).min().unwrap_or(0) + 1
                     }
                 }
+                Frame::Tagged { node, pos, alive, chosen } => match &self.schema.nodes[*node] {
+                    Node::Tagged(alts) => match chosen {
+                        Some(i) => alts[*i].2[*pos..].chars().count(),
+                        None => (0..alts.len()).filter(|i| alive[*i]).map(|i| alts[i].0[*pos..].chars().count() + ml[alts[i].1] + alts[i].2.chars().count()).min().unwrap_or(0),
+                    },
+                    _ => 0,
+                },
                 Frame::FreeObject { opened: false, .. } => 2,
                 Frame::FreeObject { count, stage, .. } => match stage {
                     FreeStage::Key if *count == 0 => 1,
@@ -556,6 +594,41 @@ impl Matcher {
                         }
                     }
                 }
+                Frame::Tagged { node, pos, alive, chosen } => {
+                    let Node::Tagged(alts) = &self.schema.nodes[*node] else { return false };
+                    match *chosen {
+                        Some(i) => {
+                            let suffix = &alts[i].2;
+                            if suffix[*pos..].starts_with(c) {
+                                *pos += c.len_utf8();
+                                if *pos == suffix.len() {
+                                    Step::Done
+                                } else {
+                                    Step::Took
+                                }
+                            } else {
+                                Step::Reject
+                            }
+                        }
+                        None => {
+                            let p = *pos;
+                            let next: Vec<bool> = alts.iter().zip(alive.iter()).map(|((prefix, _, _), a)| *a && prefix[p..].starts_with(c)).collect();
+                            if !next.iter().any(|a| *a) {
+                                Step::Reject
+                            } else {
+                                *pos += c.len_utf8();
+                                *alive = next;
+                                if let Some(i) = (0..alts.len()).find(|i| alive[*i] && alts[*i].0.len() == *pos) {
+                                    *chosen = Some(i);
+                                    *pos = 0;
+                                    let value = alts[i].1;
+                                    self.stack.push(Frame::Value(value));
+                                }
+                                Step::Took
+                            }
+                        }
+                    }
+                }
                 Frame::FreeObject { opened: opened @ false, .. } => {
                     if c == '{' {
                         *opened = true;
@@ -657,6 +730,7 @@ impl Matcher {
                 alive.iter().any(|a| *a).then_some(Frame::Lit { node, pos: 0, alive: ls.iter().map(|_| true).collect() })
             }
             Node::Union(ids) => ids.iter().find(|i| self.schema.first_chars(**i).contains(&c)).and_then(|i| self.start(*i, c)),
+            Node::Tagged(alts) => (c == '{').then(|| Frame::Tagged { node, pos: 0, alive: vec![true; alts.len()], chosen: None }),
         }
     }
 
@@ -901,6 +975,44 @@ mod tests {
         assert!(e.feed("1") && e.can_end() && e.accepts("0") && !e.accepts("2"));
         let o = Matcher::new(Arc::new(Schema::any_object()));
         assert!(o.accepts(r#"{"a":[1,{"b":null}],"c":"d"}"#) && !o.accepts("[") && !o.accepts("\"x\""));
+    }
+
+    #[test]
+    fn a_tool_call_names_one_tool_and_gives_arguments_valid_for_it() {
+        let tools = vec![
+            ("get_weather".to_string(), Some(json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}))),
+            ("get_time".to_string(), Some(json!({"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}}))),
+            ("ping".to_string(), None),
+        ];
+        let m = Matcher::new(Arc::new(Schema::tool_call(&tools).unwrap()));
+        assert!(m.accepts(r#"{"name":"get_weather","arguments":{"city":"Ur"}}"#));
+        assert!(m.accepts(r#"{"name":"get_time","arguments":{}}"#));
+        assert!(m.accepts(r#"{"name":"ping","arguments":{"x":[1]}}"#));
+        assert!(!m.accepts(r#"{"name":"get_time","arguments":{"city""#), "arguments of another tool");
+        assert!(!m.accepts(r#"{"name":"nope""#));
+        let mut done = m.clone();
+        assert!(done.feed(r#"{"name":"get_time","arguments":{"zone":"CET"}}"#) && done.is_finished());
+        // Random walks always end in a call of a listed tool with valid arguments.
+        let alphabet: Vec<char> = (0x20u8..0x7f).map(|b| b as char).collect();
+        for seed in 0..30u64 {
+            let mut rng = Lcg(seed);
+            let mut m = m.clone();
+            let mut text = String::new();
+            while !m.is_finished() && text.len() < 2000 {
+                let ok: Vec<char> = alphabet.iter().copied().filter(|c| m.accepts(&c.to_string())).collect();
+                let c = ok[rng.next(ok.len())];
+                m.advance(c);
+                text.push(c);
+            }
+            if !m.is_finished() {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let (name, args) = (v["name"].as_str().unwrap(), &v["arguments"]);
+            let schema = tools.iter().find(|(n, _)| n == name).unwrap().1.clone().unwrap_or(json!({"type": "object"}));
+            assert!(validates(&schema, args), "{text}");
+        }
+        assert!(Schema::tool_call(&[("x".into(), Some(json!({"type": "string"})))]).is_err());
     }
 
     #[test]

@@ -404,6 +404,13 @@ impl Engine {
         Ok(self.tokenizer.encode(&text, false)?)
     }
 
+    /// The ids of API-shaped messages (JSON, with tool calls and results) and tools rendered with
+    /// the model's chat template, ready for generation.
+    pub fn encode_chat_json(&self, messages: &[serde_json::Value], tools: Option<&serde_json::Value>) -> Result<Vec<u32>, EngineError> {
+        let text = self.chat.render_json(messages, tools, true)?;
+        Ok(self.tokenizer.encode(&text, false)?)
+    }
+
     /// Teacher forcing over `ids` in one pass.
     pub fn score(&self, ids: &[u32]) -> Result<Score, EngineError> {
         let logits = self.logits_all(ids)?;

@@ -315,3 +315,62 @@ def test_unsupported_schemas_are_refused_by_name(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=PROMPT, response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]},
+    },
+}
+CENSUS = {"type": "function", "function": {"name": "count_people", "description": "Number the tribes.", "parameters": {"type": "object", "properties": {"tribe": {"type": "string", "maxLength": 12}}}}}
+
+
+def test_a_tool_call_round_trip(server):
+    import jsonschema
+
+    c = client(server)
+    ask = [{"role": "user", "content": "What is the weather in Jerusalem?"}]
+    r = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CENSUS], tool_choice="required", max_tokens=60, temperature=0.7, seed=5)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in ("get_weather", "count_people") and call.id.startswith("call_")
+    schema = {"get_weather": WEATHER, "count_people": CENSUS}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # The result goes back as a `tool` message; the model answers in text.
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, {"role": "tool", "tool_call_id": call.id, "content": "Hot and dry, 31 C."}]
+    r2 = c.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, CENSUS], tool_choice="none", max_tokens=20, temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length") and r2.choices[0].message.content
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_a_named_tool_choice_calls_that_tool_also_when_streamed(server):
+    c = client(server)
+    ask = [{"role": "user", "content": "Number the tribe of Levi."}]
+    named = {"type": "function", "function": {"name": "count_people"}}
+    r = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CENSUS], tool_choice=named, max_tokens=40, temperature=0)
+    whole = r.choices[0].message.tool_calls[0]
+    assert whole.function.name == "count_people"
+    calls, finish = [], None
+    for chunk in c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CENSUS], tool_choice=named, max_tokens=40, temperature=0, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.tool_calls:
+                calls.extend(ch.delta.tool_calls)
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "count_people" and json.loads(calls[0].function.arguments) == json.loads(whole.function.arguments)
+
+
+def test_bad_tool_requests_are_400s(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=PROMPT, tools=[{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}], tool_choice="required")
+    assert "object" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])

@@ -12,6 +12,7 @@ pub mod errors;
 pub mod metrics;
 pub mod openai;
 pub mod prefix_cache;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

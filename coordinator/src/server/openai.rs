@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
-use shimmer_common::chat_template::Message;
 use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job, SubmitError, TokenLogprob};
@@ -27,6 +26,7 @@ use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
 use shimmer_common::json_constraint::Schema;
+use super::tools::{Call, ToolChoice, ToolSpec, Tools};
 
 /// Most tokens one request may ask for when it does not say (and the context allows).
 const DEFAULT_MAX_TOKENS: usize = 256;
@@ -152,11 +152,8 @@ const COMMON_FIELDS: &[&str] = &[
 
 const UNSUPPORTED: &[(&str, &str)] = &[
     ("logit_bias", "token biases are not implemented"),
-    ("tools", "tool calling is not implemented yet"),
-    ("tool_choice", "tool calling is not implemented yet"),
     ("functions", "function calling is not implemented"),
     ("function_call", "function calling is not implemented"),
-    ("parallel_tool_calls", "tool calling is not implemented yet"),
     ("best_of", "only one candidate is generated"),
     ("suffix", "insertion is not implemented"),
     ("echo", "echoing the prompt is not implemented"),
@@ -268,8 +265,10 @@ fn max_tokens(p: &Params<'_>, names: &[&str], prompt_len: usize, context: usize)
     }
 }
 
-/// `messages` as chat-template messages.
-fn messages(p: &Params<'_>) -> Result<Vec<Message>, ApiError> {
+/// `messages` as the chat template takes them (JSON): roles system (or developer), user,
+/// assistant (with `tool_calls`, their `arguments` parsed into objects as templates expect) and
+/// tool (with `tool_call_id`); content a string or a list of text parts.
+fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
     let Some(Value::Array(list)) = p.get("messages") else {
         return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
     };
@@ -283,13 +282,10 @@ fn messages(p: &Params<'_>) -> Result<Vec<Message>, ApiError> {
             return Err(ApiError::param(&at, format!("`{at}` must be an object")));
         };
         let role = match m.get("role").and_then(Value::as_str) {
-            Some(r @ ("system" | "user" | "assistant" | "developer")) => if r == "developer" { "system" } else { r },
-            Some("tool") => return Err(ApiError::param(&format!("{at}.role"), "tool messages are not supported yet (tool calling is not implemented)").code("unsupported_parameter")),
-            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user or assistant, got {other:?}"))),
+            Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
+            Some("developer") => "system",
+            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user, assistant or tool, got {other:?}"))),
         };
-        if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::param(&format!("{at}.tool_calls"), "tool calls are not supported yet").code("unsupported_parameter"));
-        }
         let content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
@@ -305,9 +301,92 @@ fn messages(p: &Params<'_>) -> Result<Vec<Message>, ApiError> {
             None | Some(Value::Null) if role == "assistant" => String::new(),
             other => return Err(ApiError::param(&format!("{at}.content"), format!("`{at}.content` must be a string or a list of text parts, got {}", other.map_or("nothing".to_string(), |v| v.to_string())))),
         };
-        out.push(Message { role: role.to_string(), content });
+        let mut msg = json!({ "role": role, "content": content });
+        if role == "assistant" {
+            if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+                let Value::Array(calls) = calls else { return Err(ApiError::param(&format!("{at}.tool_calls"), "`tool_calls` must be a list")) };
+                let mut parsed = Vec::with_capacity(calls.len());
+                for (j, c) in calls.iter().enumerate() {
+                    let (Some(name), args) = (c["function"]["name"].as_str(), &c["function"]["arguments"]) else {
+                        return Err(ApiError::param(&format!("{at}.tool_calls[{j}]"), "a tool call needs `function.name` and `function.arguments`"));
+                    };
+                    let arguments = match args {
+                        Value::String(s) => serde_json::from_str::<Value>(s).map_err(|e| ApiError::param(&format!("{at}.tool_calls[{j}].function.arguments"), format!("arguments are not JSON: {e}")))?,
+                        Value::Object(_) => args.clone(),
+                        _ => return Err(ApiError::param(&format!("{at}.tool_calls[{j}].function.arguments"), "arguments must be a JSON object (or its text)")),
+                    };
+                    parsed.push(json!({ "id": c.get("id").cloned().unwrap_or(Value::Null), "type": "function", "function": { "name": name, "arguments": arguments } }));
+                }
+                msg["tool_calls"] = Value::Array(parsed);
+            }
+        }
+        if role == "tool" {
+            msg["tool_call_id"] = m.get("tool_call_id").cloned().ok_or_else(|| ApiError::param(&format!("{at}.tool_call_id"), "a tool message needs `tool_call_id`"))?;
+            if let Some(n) = m.get("name") {
+                msg["name"] = n.clone();
+            }
+        }
+        out.push(msg);
     }
     Ok(out)
+}
+
+/// `tools` and `tool_choice` (OpenAI's function-tool shape).
+fn tools_of(p: &Params<'_>) -> Result<Option<Tools>, ApiError> {
+    let list = match p.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let f = t.get("function").filter(|_| t.get("type").and_then(Value::as_str) == Some("function")).ok_or_else(|| ApiError::param(&format!("tools[{i}]"), "each tool must be {\"type\": \"function\", \"function\": {...}}"))?;
+                Ok(ToolSpec {
+                    name: f.get("name").and_then(Value::as_str).unwrap_or("").to_string(),
+                    description: f.get("description").and_then(Value::as_str).unwrap_or("").to_string(),
+                    parameters: f.get("parameters").cloned(),
+                })
+            })
+            .collect::<Result<_, ApiError>>()?,
+        Some(_) => return Err(ApiError::param("tools", "`tools` must be a list")),
+    };
+    let choice = match p.get("tool_choice") {
+        None => {
+            if list.is_empty() {
+                return Ok(None);
+            }
+            ToolChoice::Auto
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => return Err(ApiError::param("tool_choice", format!("`tool_choice` must be none, auto, required or a named function, got `{other}`"))),
+        },
+        Some(v) => match v["function"]["name"].as_str() {
+            Some(n) if v["type"] == "function" => ToolChoice::Named(n.to_string()),
+            _ => return Err(ApiError::param("tool_choice", "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+        },
+    };
+    Tools::new(list, choice, "tools").map(Some)
+}
+
+/// The prompt for a conversation with (or without) tools: rendered by the template itself when it
+/// knows tools, else with our tool instructions and plain turns (`tools.rs`).
+pub(crate) fn encode_conversation(state: &AppState, msgs: Vec<Value>, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+    let has_tool_turns = msgs.iter().any(|m| m.get("tool_calls").is_some() || m["role"] == "tool");
+    let engine = &state.engine;
+    let rendered = match tools {
+        // The tools stay in the prompt with `tool_choice: none` too (the conversation's prefix, and
+        // so its cached KV, does not change with the choice).
+        Some(t) if !t.list.is_empty() && engine.chat.knows_tools() => engine.encode_chat_json(&msgs, Some(&t.for_template())),
+        Some(t) if !t.list.is_empty() => engine.encode_chat_json(&super::tools::plain_messages(msgs, t), None),
+        _ if has_tool_turns && !engine.chat.knows_tools() => {
+            let none = Tools { list: Vec::new(), choice: ToolChoice::None };
+            engine.encode_chat_json(&super::tools::plain_messages(msgs, &none), None)
+        }
+        _ => engine.encode_chat_json(&msgs, None),
+    };
+    rendered.map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))
 }
 
 fn logprobs_request(p: &Params<'_>, chat: bool) -> Result<Option<usize>, ApiError> {
@@ -377,14 +456,27 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
     let obj = parse_body(body)?;
     let p = Params(&obj);
     let mut known = COMMON_FIELDS.to_vec();
-    known.extend(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "store", "metadata", "service_tier"]);
+    known.extend(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "store", "metadata", "service_tier", "tools", "tool_choice", "parallel_tool_calls"]);
     p.only(&known, UNSUPPORTED)?;
     let mut c = common(&p, &state)?;
     let msgs = messages(&p)?;
     let logprobs = logprobs_request(&p, true)?;
-    let prompt = state.engine.encode_chat(&msgs).map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))?;
+    let tools = tools_of(&p)?;
+    let parallel = match p.get("parallel_tool_calls") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(ApiError::param("parallel_tool_calls", format!("`parallel_tool_calls` must be true or false, got {v}"))),
+    };
+    if let Some(schema) = tools.as_ref().and_then(Tools::constraint) {
+        if c.constraint.is_some() {
+            return Err(ApiError::param("response_format", "`response_format` cannot be combined with a required or named `tool_choice` (the answer is a tool call)"));
+        }
+        c.constraint = Some(Arc::new(schema));
+    }
+    let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
     c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
-    run(state, c, prompt, logprobs, true).await
+    let calling = tools.filter(|t| t.active()).map(|t| CallParse { tools: Arc::new(t), parallel });
+    run(state, c, prompt, logprobs, true, calling).await
 }
 
 pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
@@ -424,11 +516,45 @@ async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Resul
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
     c.max_tokens = Some(max_tokens(&p, &["max_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
-    run(state, c, prompt, logprobs, false).await
+    run(state, c, prompt, logprobs, false, None).await
+}
+
+/// How a chat answer is read for tool calls.
+struct CallParse {
+    tools: Arc<Tools>,
+    /// `parallel_tool_calls`: false keeps only the first call.
+    parallel: bool,
+}
+
+impl CallParse {
+    fn calls(&self, text: &str) -> Option<Vec<Call>> {
+        let mut calls = self.tools.parse(text)?;
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        Some(calls)
+    }
+}
+
+/// OpenAI's `tool_calls` for an answer's calls (arguments as JSON text, as the API gives them).
+fn tool_calls_json(calls: &[Call], with_index: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({ "id": format!("call_{:016x}", rand_seed()), "type": "function", "function": { "name": c.name, "arguments": c.arguments.to_string() } });
+                if with_index {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect(),
+    )
 }
 
 /// Submits the request and answers it whole or as a stream.
-async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, chat: bool) -> Result<Response, ApiError> {
+async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, chat: bool, calling: Option<CallParse>) -> Result<Response, ApiError> {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
     let prompt_len = prompt.len();
@@ -465,7 +591,10 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
         let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
         let choice = if chat {
             let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&state.engine, l)).collect::<Vec<_>>() }));
-            json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": finish_str(finish) })
+            match calling.as_ref().and_then(|cp| cp.calls(&text)) {
+                Some(calls) => json!({ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": tool_calls_json(&calls, false) }, "logprobs": lp, "finish_reason": "tool_calls" }),
+                None => json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": finish_str(finish) }),
+            }
         } else {
             json!({ "index": 0, "text": text, "logprobs": logprobs.map(|_| completion_logprobs(&state.engine, &lps)), "finish_reason": finish_str(finish) })
         };
@@ -490,12 +619,18 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
             let _ = out.send(chunk(json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
         }
         let mut first = true;
+        // With tools the answer is held until it is known whether it is a call.
+        let mut held = String::new();
         loop {
             match rx.recv().await {
                 Some(Event::Text { text, logprobs: lps }) => {
                     if first && !text.is_empty() {
                         metrics.first_token(t0.elapsed());
                         first = false;
+                    }
+                    if calling.is_some() {
+                        held.push_str(&text);
+                        continue;
                     }
                     let choice = if chat {
                         let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&engine, l)).collect::<Vec<_>>() }));
@@ -509,8 +644,19 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                 }
                 Some(Event::Done { finish, completion_tokens, .. }) => {
                     metrics.request_finished(t0.elapsed(), true);
+                    let mut finish_reason = finish_str(finish);
+                    if let Some(cp) = &calling {
+                        let delta = match cp.calls(&held) {
+                            Some(calls) => {
+                                finish_reason = "tool_calls";
+                                json!({ "tool_calls": tool_calls_json(&calls, true) })
+                            }
+                            None => json!({ "content": held }),
+                        };
+                        let _ = out.send(chunk(json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
+                    }
                     let choice = if chat {
-                        json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_str(finish) }])
+                        json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason }])
                     } else {
                         json!([{ "index": 0, "text": "", "logprobs": null, "finish_reason": finish_str(finish) }])
                     };
