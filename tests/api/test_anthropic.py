@@ -59,3 +59,29 @@ def test_errors_in_anthropics_shape(server, make_server):
         client(s, "k2").messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
     ok = client(s, "k1").messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
     assert ok.content[0].text
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}
+
+
+def test_a_tool_use_round_trip(server):
+    import jsonschema
+
+    c = client(server)
+    ask = [{"role": "user", "content": "What is the weather in Jerusalem?"}]
+    r = c.messages.create(model=MODEL, max_tokens=60, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert r.stop_reason == "tool_use"
+    use = r.content[0]
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+    follow = ask + [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Hot and dry."}]},
+    ]
+    r2 = c.messages.create(model=MODEL, max_tokens=16, messages=follow, tools=[WEATHER], tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    assert r2.content[0].type == "text" and r2.content[0].text
+    # Streamed, the same call arrives as a tool_use block with its input as JSON deltas.
+    with c.messages.stream(model=MODEL, max_tokens=60, messages=ask, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
+    assert final.content[0].input == use.input

@@ -19,12 +19,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use shimmer_common::chat_template::Message;
 use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job};
 use super::errors::ApiError;
-use super::openai::{async_stream, authorize, parse_body, rand_seed, submit, Params};
+use super::openai::{async_stream, authorize, encode_conversation, parse_body, rand_seed, submit, Params};
+use super::tools::{ToolChoice, ToolSpec, Tools};
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
@@ -58,6 +58,78 @@ fn stop_reason(finish: FinishReason, stop_sequence: &Option<String>) -> &'static
     }
 }
 
+/// One Anthropic turn as chat-template messages: text blocks join into the message; an
+/// assistant's `tool_use` blocks become its `tool_calls`; a user's `tool_result` blocks become
+/// `tool` messages (before the user's own text, if any).
+fn turn(role: &str, content: &Value, at: &str) -> Result<Vec<Value>, ApiError> {
+    let blocks = match content {
+        Value::String(s) => return Ok(vec![json!({ "role": role, "content": s })]),
+        Value::Array(b) => b,
+        other => return Err(ApiError::param(at, format!("`{at}` must be a string or a list of content blocks, got {other}"))),
+    };
+    let (mut text, mut calls, mut results) = (String::new(), Vec::new(), Vec::new());
+    for (j, b) in blocks.iter().enumerate() {
+        let here = format!("{at}.{j}");
+        match (b.get("type").and_then(Value::as_str), role) {
+            (Some("text"), _) => text.push_str(b.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::param(&here, "a text block needs `text`"))?),
+            (Some("tool_use"), "assistant") => {
+                let (Some(id), Some(name)) = (b.get("id").and_then(Value::as_str), b.get("name").and_then(Value::as_str)) else {
+                    return Err(ApiError::param(&here, "a tool_use block needs `id` and `name`"));
+                };
+                calls.push(json!({ "id": id, "type": "function", "function": { "name": name, "arguments": b.get("input").cloned().unwrap_or(json!({})) } }));
+            }
+            (Some("tool_result"), "user") => {
+                let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| ApiError::param(&here, "a tool_result block needs `tool_use_id`"))?;
+                let body = match b.get("content") {
+                    None => String::new(),
+                    Some(c) => text_of(c, &format!("{here}.content"))?,
+                };
+                let body = if b.get("is_error") == Some(&Value::Bool(true)) { format!("Error: {body}") } else { body };
+                results.push(json!({ "role": "tool", "tool_call_id": id, "content": body }));
+            }
+            (kind, _) => return Err(ApiError::param(&here, format!("a {role} turn cannot hold a block of type {kind:?}"))),
+        }
+    }
+    let mut out = results;
+    if !calls.is_empty() {
+        out.push(json!({ "role": "assistant", "content": text, "tool_calls": calls }));
+    } else if !text.is_empty() || out.is_empty() {
+        out.push(json!({ "role": role, "content": text }));
+    }
+    Ok(out)
+}
+
+/// Anthropic's `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any`,
+/// `tool` with a name, `none`).
+fn tools_of(p: &Params<'_>) -> Result<Option<Tools>, ApiError> {
+    let list: Vec<ToolSpec> = match p.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if t.get("type").and_then(Value::as_str).is_some_and(|k| k != "custom") {
+                    return Err(ApiError::param(&format!("tools.{i}"), format!("server tools ({}) are not supported; give `name`, `description` and `input_schema`", t["type"])));
+                }
+                Ok(ToolSpec { name: t.get("name").and_then(Value::as_str).unwrap_or("").into(), description: t.get("description").and_then(Value::as_str).unwrap_or("").into(), parameters: t.get("input_schema").cloned() })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::param("tools", "`tools` must be a list")),
+    };
+    let choice = match p.get("tool_choice") {
+        None if list.is_empty() => return Ok(None),
+        None => ToolChoice::Auto,
+        Some(c) => match (c.get("type").and_then(Value::as_str), c.get("name").and_then(Value::as_str)) {
+            (Some("auto"), _) => ToolChoice::Auto,
+            (Some("any"), _) => ToolChoice::Required,
+            (Some("none"), _) => ToolChoice::None,
+            (Some("tool"), Some(n)) => ToolChoice::Named(n.into()),
+            _ => return Err(ApiError::param("tool_choice", "`tool_choice` must be {\"type\": auto | any | none} or {\"type\": \"tool\", \"name\": ...}")),
+        },
+    };
+    Tools::new(list, choice, "tools").map(Some)
+}
+
 /// Text of a content field: a string, or a list of `{"type": "text", "text": …}` blocks.
 fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
     match v {
@@ -89,17 +161,17 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     let obj = parse_body(body)?;
     let p = Params(&obj);
     p.only(
-        &["model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "seed"],
-        &[("tools", "tool use is not implemented yet"), ("tool_choice", "tool use is not implemented yet"), ("thinking", "extended thinking is not supported"), ("mcp_servers", "MCP is not supported")],
+        &["model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "seed", "tools", "tool_choice"],
+        &[("thinking", "extended thinking is not supported"), ("mcp_servers", "MCP is not supported")],
     )?;
     let model = p.str("model")?.ok_or_else(|| ApiError::param("model", "`model` is required"))?.to_string();
     if model != state.model_id {
         return Err(ApiError::new(StatusCode::NOT_FOUND, format!("model: {model} (this server serves `{}`)", state.model_id)));
     }
     let max_tokens = p.usize_in("max_tokens", 1, usize::MAX >> 1)?.ok_or_else(|| ApiError::param("max_tokens", "`max_tokens` is required"))?;
-    let mut msgs = Vec::new();
+    let mut msgs: Vec<Value> = Vec::new();
     if let Some(system) = p.get("system") {
-        msgs.push(Message { role: "system".into(), content: text_of(system, "system")? });
+        msgs.push(json!({ "role": "system", "content": text_of(system, "system")? }));
     }
     let Some(Value::Array(list)) = p.get("messages") else {
         return Err(ApiError::param("messages", "`messages` must be a non-empty list"));
@@ -113,9 +185,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
             Some(r @ ("user" | "assistant")) => r,
             other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be user or assistant, got {other:?}"))),
         };
-        let content = text_of(m.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
-        msgs.push(Message { role: role.into(), content });
+        msgs.extend(turn(role, m.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?);
     }
+    let tools = tools_of(&p)?;
     let stops: Vec<String> = match p.get("stop_sequences") {
         None => Vec::new(),
         Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings"))).collect::<Result<_, _>>()?,
@@ -132,14 +204,16 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         ..SamplingParams::default()
     };
     let stream = p.bool("stream")?;
-    let prompt = state.engine.encode_chat(&msgs).map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))?;
+    let constraint = tools.as_ref().and_then(Tools::constraint).map(Arc::new);
+    let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
+    let calling = tools.filter(Tools::active);
     let context = state.engine.spec.max_position_embeddings;
     if prompt.len() + max_tokens > context {
         return Err(ApiError::param("max_tokens", format!("prompt ({} tokens) + max_tokens ({max_tokens}) > the model's context ({context})", prompt.len())));
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let input_tokens = prompt.len();
-    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint: None, events: tx })?;
+    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint, events: tx })?;
     let id = format!("msg_{:016x}", rand_seed());
     let t0 = Instant::now();
 
@@ -162,10 +236,14 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
             }
         };
         state.metrics.request_finished(t0.elapsed(), true);
+        let (content, reason) = match calling.as_ref().and_then(|t| t.parse(&text)) {
+            Some(calls) => (Value::Array(calls.iter().map(tool_use_block).collect()), "tool_use"),
+            None => (json!([{ "type": "text", "text": text }]), stop_reason(finish, &stop_sequence)),
+        };
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
-            "content": [{ "type": "text", "text": text }],
-            "stop_reason": stop_reason(finish, &stop_sequence), "stop_sequence": stop_sequence,
+            "content": content,
+            "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": { "input_tokens": input_tokens, "output_tokens": output_tokens },
         }))
         .into_response());
@@ -176,7 +254,12 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     let stream = async_stream(move |out: mpsc::UnboundedSender<SseEvent>| async move {
         let start = json!({ "type": "message_start", "message": { "id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": { "input_tokens": input_tokens, "output_tokens": 0 } } });
         let _ = out.send(named("message_start", start));
-        let _ = out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+        // With tools the answer is held until it is known whether it is a call.
+        let text_block = |out: &mpsc::UnboundedSender<SseEvent>| out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+        if calling.is_none() {
+            let _ = text_block(&out);
+        }
+        let mut held = String::new();
         let mut first = true;
         loop {
             match rx.recv().await {
@@ -188,14 +271,39 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                         metrics.first_token(t0.elapsed());
                         first = false;
                     }
+                    if calling.is_some() {
+                        held.push_str(&text);
+                        continue;
+                    }
                     if out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text } }))).is_err() {
                         return; // the client left: dropping `rx` cancels the generation
                     }
                 }
                 Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => {
                     metrics.request_finished(t0.elapsed(), true);
-                    let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
-                    let _ = out.send(named("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": stop_reason(finish, &stop_sequence), "stop_sequence": stop_sequence }, "usage": { "output_tokens": completion_tokens } })));
+                    let mut reason = stop_reason(finish, &stop_sequence);
+                    match calling.as_ref().map(|t| t.parse(&held)) {
+                        Some(Some(calls)) => {
+                            reason = "tool_use";
+                            for (i, call) in calls.iter().enumerate() {
+                                let mut block = tool_use_block(call);
+                                let input = block["input"].take();
+                                block["input"] = json!({});
+                                let _ = out.send(named("content_block_start", json!({ "type": "content_block_start", "index": i, "content_block": block })));
+                                let _ = out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": i, "delta": { "type": "input_json_delta", "partial_json": input.to_string() } })));
+                                let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": i })));
+                            }
+                        }
+                        Some(None) => {
+                            let _ = text_block(&out);
+                            let _ = out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": held } })));
+                            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+                        }
+                        None => {
+                            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+                        }
+                    }
+                    let _ = out.send(named("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": reason, "stop_sequence": stop_sequence }, "usage": { "output_tokens": completion_tokens } })));
                     let _ = out.send(named("message_stop", json!({ "type": "message_stop" })));
                     return;
                 }
@@ -209,4 +317,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         }
     });
     Ok(Sse::new(stream.map(Ok::<_, Infallible>)).into_response())
+}
+
+/// A call as Anthropic's `tool_use` block.
+fn tool_use_block(call: &super::tools::Call) -> Value {
+    json!({ "type": "tool_use", "id": format!("toolu_{:016x}", rand_seed()), "name": call.name, "input": call.arguments })
 }
