@@ -266,7 +266,7 @@ def test_the_next_chat_turn_reuses_the_cached_prefix_with_identical_tokens(serve
 def test_metrics_are_prometheus_text_with_the_request_series(server):
     greedy(client(server), max_tokens=4)
     text = httpx.get(server.url + "/metrics").text
-    for series in ["shimmer_num_requests_running", "shimmer_num_requests_waiting", "shimmer_time_to_first_token_seconds_bucket", "shimmer_e2e_request_latency_seconds_count", "shimmer_prompt_tokens_total", "shimmer_generation_tokens_total", 'shimmer_request_total{outcome="success"}', "shimmer_kv_cache_usage_perc"]:
+    for series in ["shimmer_num_requests_running", "shimmer_num_requests_waiting", "shimmer_time_to_first_token_seconds_bucket", "shimmer_inter_token_latency_seconds_bucket", "shimmer_request_queue_time_seconds_count", "shimmer_e2e_request_latency_seconds_count", "shimmer_prompt_tokens_total", "shimmer_generation_tokens_total", 'shimmer_request_total{outcome="success"}', "shimmer_kv_cache_usage_perc"]:
         assert series in text, series
 
 

@@ -12,10 +12,12 @@ pub mod container;
 pub mod convert;
 pub mod dispatch;
 pub mod expert;
+pub mod placement;
 pub mod policy;
 pub mod store;
 pub mod trace_analysis;
 pub mod usage;
+pub mod wire;
 pub mod weights;
 
 pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};

@@ -213,7 +213,7 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let input_tokens = prompt.len();
-    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint, events: tx })?;
+    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint, events: tx, submitted: Instant::now() })?;
     let id = format!("msg_{:016x}", rand_seed());
     let t0 = Instant::now();
 

@@ -41,6 +41,8 @@ pub struct Job {
     /// Constrain the output to JSON of this schema (`response_format`).
     pub constraint: Option<Arc<shimmer_common::json_constraint::Schema>>,
     pub events: UnboundedSender<Event>,
+    /// When the request arrived (for the queue-time metric).
+    pub submitted: Instant,
 }
 
 /// A token's log-probability under the model (raw logits, before sampling's processors) and the
@@ -105,7 +107,7 @@ pub struct Batcher {
 impl Batcher {
     /// `kv_budget_bytes`: KV kept from finished requests for prefix reuse (0: none);
     /// `expert_bytes`: one routed expert's bytes (for the bytes-served tiers).
-    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize, dash: Arc<Mutex<Dashboard>>, expert_bytes: u64) -> Batcher {
+    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize, dash: Arc<Mutex<Dashboard>>, expert_bytes: u64, metrics: Arc<super::metrics::Metrics>) -> Batcher {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(Mutex::new(BatcherStats::default()));
@@ -115,7 +117,7 @@ impl Batcher {
             .spawn(move || {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
-                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, pieces: None }.run()
+                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, pieces: None, metrics }.run()
             })
             .expect("cannot start the batcher thread");
         stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
@@ -167,6 +169,7 @@ struct Seq {
     counts: std::collections::HashMap<u32, u32>,
     admitted: Instant,
     first_token: Option<Instant>,
+    last_token: Option<Instant>,
     breakdown: Breakdown,
     matcher: Option<Matcher>,
 }
@@ -187,6 +190,7 @@ struct Loop {
     last_store: Option<shimmer_worker::store::StoreTelemetry>,
     /// Each token's text as it extends an output (built at the first constrained request).
     pieces: Option<Vec<Option<String>>>,
+    metrics: Arc<super::metrics::Metrics>,
 }
 
 impl Loop {
@@ -238,6 +242,7 @@ impl Loop {
         while self.active.len() < self.max_batch {
             let Some(job) = self.waiting.pop_front() else { break };
             self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.queued(job.submitted.elapsed());
             if let Err(e) = self.engine.check_prompt(&job.prompt).and_then(|_| job.opts.sampling.validate().map_err(crate::engine::EngineError::Input)) {
                 let _ = job.events.send(Event::Error(e.to_string()));
                 continue;
@@ -251,7 +256,7 @@ impl Loop {
             if matcher.is_some() && self.pieces.is_none() {
                 self.pieces = Some(token_pieces(&self.engine));
             }
-            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, breakdown: Breakdown::default(), matcher });
+            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, last_token: None, breakdown: Breakdown::default(), matcher });
         }
     }
 
@@ -329,7 +334,11 @@ impl Loop {
             let t_sample = Instant::now();
             let finish = Self::sample(&self.engine, self.pieces.as_deref(), seq, &mut row);
             seq.breakdown.sampling_ms += t_sample.elapsed().as_secs_f64() * 1e3;
-            seq.first_token.get_or_insert_with(Instant::now);
+            let now = Instant::now();
+            seq.first_token.get_or_insert(now);
+            if let Some(prev) = seq.last_token.replace(now) {
+                self.metrics.inter_token(now - prev);
+            }
             if let Some(finish) = finish {
                 finished.push((i, finish));
             }

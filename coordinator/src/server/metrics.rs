@@ -11,12 +11,15 @@ use shimmer_worker::store::StoreTelemetry;
 use super::batcher::BatcherStats;
 
 const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
+const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
 
 pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
     ttft: Histogram,
+    itl: Histogram,
+    queue: Histogram,
     e2e: Histogram,
     running: IntGauge,
     waiting: IntGauge,
@@ -36,6 +39,8 @@ impl Metrics {
         let registry = Registry::new();
         let requests = IntCounterVec::new(Opts::new("shimmer_request_total", "Finished requests by outcome"), &["outcome"])?;
         let ttft = Histogram::with_opts(HistogramOpts::new("shimmer_time_to_first_token_seconds", "Time to first token").buckets(TTFT_BUCKETS.to_vec()))?;
+        let itl = Histogram::with_opts(HistogramOpts::new("shimmer_inter_token_latency_seconds", "Time between a request's consecutive generated tokens").buckets(ITL_BUCKETS.to_vec()))?;
+        let queue = Histogram::with_opts(HistogramOpts::new("shimmer_request_queue_time_seconds", "Time a request waited for a batch slot").buckets(E2E_BUCKETS.to_vec()))?;
         let e2e = Histogram::with_opts(HistogramOpts::new("shimmer_e2e_request_latency_seconds", "End-to-end request latency").buckets(E2E_BUCKETS.to_vec()))?;
         let running = IntGauge::new("shimmer_num_requests_running", "Requests in the running batch")?;
         let waiting = IntGauge::new("shimmer_num_requests_waiting", "Requests waiting for a batch slot")?;
@@ -46,13 +51,23 @@ impl Metrics {
         let kv_usage = prometheus::Gauge::new("shimmer_kv_cache_usage_perc", "KV held (running requests and the prefix cache) as a fraction of the prefix cache's budget")?;
         let prefix_hits = IntCounter::new("shimmer_prefix_cache_hits_total", "Requests that started from a cached prefix")?;
         let prefix_tokens = IntCounter::new("shimmer_prefix_cache_reused_tokens_total", "Prompt tokens not prefilled thanks to a cached prefix")?;
-        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone()), Box::new(kv_usage.clone()), Box::new(prefix_hits.clone()), Box::new(prefix_tokens.clone())] {
+        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(itl.clone()), Box::new(queue.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone()), Box::new(kv_usage.clone()), Box::new(prefix_hits.clone()), Box::new(prefix_tokens.clone())] {
             registry.register(c)?;
         }
-        Ok(Metrics { registry, requests, ttft, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, kv_usage, prefix_hits, prefix_tokens, seen: Mutex::new([0; 7]) })
+        Ok(Metrics { registry, requests, ttft, itl, queue, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, kv_usage, prefix_hits, prefix_tokens, seen: Mutex::new([0; 7]) })
     }
 
     pub fn request_started(&self) {}
+
+    /// How long a request waited before the batcher admitted it.
+    pub fn queued(&self, wait: Duration) {
+        self.queue.observe(wait.as_secs_f64());
+    }
+
+    /// The gap between two consecutive tokens of one request (observed by the batcher).
+    pub fn inter_token(&self, gap: Duration) {
+        self.itl.observe(gap.as_secs_f64());
+    }
 
     pub fn first_token(&self, after: Duration) {
         self.ttft.observe(after.as_secs_f64());

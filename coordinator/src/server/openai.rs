@@ -558,7 +558,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
     let (tx, mut rx) = mpsc::unbounded_channel();
     let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
     let prompt_len = prompt.len();
-    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, constraint: c.constraint.clone(), events: tx })?;
+    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, constraint: c.constraint.clone(), events: tx, submitted: Instant::now() })?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_seed());
     let created = now_secs();
     let object = if chat { "chat.completion" } else { "text_completion" };

@@ -1,0 +1,26 @@
+#![no_main]
+//! Bytes off a QUIC stream → a data-plane frame: any input ends in a frame or a named error (with
+//! the code a worker answers it with); a decoded frame re-encodes to itself.
+use libfuzzer_sys::fuzz_target;
+use shimmer_worker::wire::{self, Frame};
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(frame) = wire::decode(bytes::Bytes::copy_from_slice(data)) else { return };
+    let again = match &frame {
+        Frame::Request(r) => r.encode(),
+        Frame::Response(r) => r.encode(0, 0),
+        Frame::Hint { layer, experts } => {
+            let h = wire::Header::decode(data).expect("decoded once");
+            wire::encode_hint(h.model, h.epoch, *layer, h.top_k, experts)
+        }
+        Frame::Error { request_id, code: Some(code), message } => wire::encode_error(*request_id, *code, message),
+        Frame::Error { .. } => return,
+    };
+    let back = wire::decode(again).expect("a re-encoded frame decodes");
+    match (&frame, &back) {
+        (Frame::Request(a), Frame::Request(b)) => assert!(a.rows == b.rows && a.selections.iter().zip(&b.selections).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits())),
+        (Frame::Response(a), Frame::Response(b)) => assert_eq!(a.sums, b.sums),
+        (a, b) if !matches!(a, Frame::Request(_)) => assert_eq!(a, b),
+        _ => panic!("kind changed"),
+    }
+});

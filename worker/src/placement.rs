@@ -1,0 +1,277 @@
+//! Expert placement: which workers hold which routed experts, as a file (`shimmer plan` writes
+//! it, `--placement` reads it; docs/cluster.md) and as the planner that computes it — a sans-IO
+//! function of the model's shape, the workers' RAM, the routing heat and the replica count.
+//!
+//! The file (JSON, at most 16 MiB): `format` = `shimmer-placement`, `version` = 1, `model` (the
+//! model's fingerprint), `epoch`, `workers` (`name`, `addr`, `ram_bytes`), and `layers`: per MoE
+//! layer, `layer` and `replicas` — per expert, the ordered list of worker names that hold it (the
+//! first is asked first; the next on failure).
+//!
+//! Must never: accept a file whose replicas name an unknown worker, leave an expert without a
+//! holder, or list one worker twice for an expert.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use shimmer_common::LoadError;
+
+pub const FORMAT: &str = "shimmer-placement";
+pub const VERSION: u32 = 1;
+const MAX_FILE_BYTES: u64 = 16 << 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Worker {
+    pub name: String,
+    pub addr: String,
+    /// RAM the worker gives its expert cache.
+    pub ram_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerPlacement {
+    pub layer: usize,
+    /// Per expert, the workers that hold it, in the order they are asked.
+    pub replicas: Vec<Vec<String>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Placement {
+    pub format: String,
+    pub version: u32,
+    pub model: String,
+    pub epoch: u64,
+    pub workers: Vec<Worker>,
+    pub layers: Vec<LayerPlacement>,
+}
+
+impl Placement {
+    /// Checks the placement against the model: every MoE layer present once, every expert held,
+    /// every name a known worker, no worker twice for an expert.
+    pub fn validate(&self, fingerprint: &str, moe_layers: &[usize], experts: usize) -> Result<(), String> {
+        if self.format != FORMAT {
+            return Err(format!("`format` is {:?}, expected {FORMAT:?}", self.format));
+        }
+        if self.version != VERSION {
+            return Err(format!("version {} (this build reads {VERSION})", self.version));
+        }
+        if self.model != fingerprint {
+            return Err(format!("made for model {} but this model is {fingerprint}", self.model));
+        }
+        let mut names = HashSet::new();
+        for w in &self.workers {
+            if w.name.is_empty() || !names.insert(w.name.as_str()) {
+                return Err(format!("worker name {:?} is empty or repeated", w.name));
+            }
+        }
+        let want: HashSet<usize> = moe_layers.iter().copied().collect();
+        let mut seen = HashSet::new();
+        for l in &self.layers {
+            if !want.contains(&l.layer) || !seen.insert(l.layer) {
+                return Err(format!("layer {} is not a MoE layer of this model, or is listed twice", l.layer));
+            }
+            if l.replicas.len() != experts {
+                return Err(format!("layer {} lists {} experts, the model has {experts}", l.layer, l.replicas.len()));
+            }
+            for (e, holders) in l.replicas.iter().enumerate() {
+                if holders.is_empty() {
+                    return Err(format!("layer {} expert {e} has no worker", l.layer));
+                }
+                let mut once = HashSet::new();
+                for h in holders {
+                    if !names.contains(h.as_str()) {
+                        return Err(format!("layer {} expert {e} names unknown worker {h:?}", l.layer));
+                    }
+                    if !once.insert(h) {
+                        return Err(format!("layer {} expert {e} lists worker {h:?} twice", l.layer));
+                    }
+                }
+            }
+        }
+        if let Some(missing) = moe_layers.iter().find(|l| !seen.contains(l)) {
+            return Err(format!("MoE layer {missing} is missing"));
+        }
+        Ok(())
+    }
+
+    pub fn read(path: &Path) -> Result<Placement, LoadError> {
+        let len = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?.len();
+        if len > MAX_FILE_BYTES {
+            return Err(LoadError::malformed(path, format!("{len} bytes; a placement file is at most {MAX_FILE_BYTES}")));
+        }
+        let bytes = std::fs::read(path).map_err(|e| LoadError::io(path, e))?;
+        serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(path, format!("not a placement file: {e}")))
+    }
+
+    /// The holders of `(layer, expert)`, in order.
+    pub fn holders(&self, layer: usize, expert: usize) -> Option<&[String]> {
+        self.layers.iter().find(|l| l.layer == layer)?.replicas.get(expert).map(Vec::as_slice)
+    }
+}
+
+/// What the planner is given.
+pub struct PlanInput<'a> {
+    pub model: &'a str,
+    pub moe_layers: &'a [usize],
+    pub experts: usize,
+    pub expert_bytes: u64,
+    pub workers: &'a [Worker],
+    /// Routing counts per (layer, expert); empty: uniform.
+    pub heat: &'a HashMap<(usize, usize), u64>,
+    /// Copies of each of the hottest experts (1: no replication).
+    pub replicas: usize,
+}
+
+/// The planner's expectations per worker, per generated token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerForecast {
+    pub name: String,
+    /// Expected expert computations (selections served) per token.
+    pub expected_work: f64,
+    /// Expected bytes of expert weights read per token (all tiers).
+    pub bytes_per_token: f64,
+    /// Expected round trips (MoE layers that send it rows) per token.
+    pub round_trips_per_token: f64,
+    /// Experts it holds, and how many of those fit its RAM budget.
+    pub experts_held: usize,
+    pub experts_in_ram: usize,
+}
+
+/// Fraction of each layer's experts (the hottest) that get `replicas` copies.
+const HOT_FRACTION: f64 = 0.1;
+
+/// Balances expected expert work across workers: experts in order of heat, each copy to the
+/// worker with the least expected work so far that does not hold it (ties: more RAM left). The
+/// hottest tenth of each layer gets `replicas` copies, whose work is shared among them; a worker's
+/// hottest experts are the ones that fill its RAM budget (its store pins by the same heat).
+pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), String> {
+    let n = input.workers.len();
+    if n == 0 {
+        return Err("no workers".into());
+    }
+    if input.replicas == 0 || input.replicas > n {
+        return Err(format!("--replicas {} must be between 1 and the number of workers ({n})", input.replicas));
+    }
+    let uniform = input.heat.is_empty();
+    // Per layer, the probability that a token's selection lands on each expert.
+    let share = |layer: usize, e: usize| -> f64 {
+        if uniform {
+            return 1.0 / input.experts as f64;
+        }
+        let total: u64 = (0..input.experts).map(|x| input.heat.get(&(layer, x)).copied().unwrap_or(0)).sum();
+        if total == 0 {
+            1.0 / input.experts as f64
+        } else {
+            input.heat.get(&(layer, e)).copied().unwrap_or(0) as f64 / total as f64
+        }
+    };
+    let mut work = vec![0.0f64; n];
+    let mut used = vec![0u64; n];
+    let mut held = vec![0usize; n];
+    let mut in_ram = vec![0usize; n];
+    let mut layer_hit = vec![vec![0.0f64; input.moe_layers.len()]; n];
+    let mut layers = Vec::with_capacity(input.moe_layers.len());
+    for (li, &layer) in input.moe_layers.iter().enumerate() {
+        let mut order: Vec<usize> = (0..input.experts).collect();
+        order.sort_by(|a, b| share(layer, *b).total_cmp(&share(layer, *a)).then(a.cmp(b)));
+        let hot = ((input.experts as f64 * HOT_FRACTION).ceil() as usize).min(input.experts);
+        let mut replicas = vec![Vec::new(); input.experts];
+        for (rank, &e) in order.iter().enumerate() {
+            let copies = if rank < hot { input.replicas } else { 1 };
+            let p = share(layer, e);
+            for _ in 0..copies {
+                let pick = (0..n)
+                    .filter(|w| !replicas[e].contains(w))
+                    .min_by(|a, b| work[*a].total_cmp(&work[*b]).then((input.workers[*b].ram_bytes.saturating_sub(used[*b])).cmp(&input.workers[*a].ram_bytes.saturating_sub(used[*a]))).then(a.cmp(b)))
+                    .ok_or("not enough workers for the replicas")?;
+                replicas[e].push(pick);
+                work[pick] += p / copies as f64;
+                held[pick] += 1;
+                if used[pick] + input.expert_bytes <= input.workers[pick].ram_bytes {
+                    used[pick] += input.expert_bytes;
+                    in_ram[pick] += 1;
+                }
+                layer_hit[pick][li] += p / copies as f64;
+            }
+        }
+        layers.push(LayerPlacement { layer, replicas: replicas.into_iter().map(|r| r.into_iter().map(|w| input.workers[w].name.clone()).collect()).collect() });
+    }
+    let placement = Placement { format: FORMAT.into(), version: VERSION, model: input.model.into(), epoch: 1, workers: input.workers.to_vec(), layers };
+    // `work[w]` is per selection; a token makes top-k selections per layer, which the caller
+    // scales by. Round trips: a layer sends the worker rows when any selection lands on it.
+    let forecasts = (0..n)
+        .map(|w| WorkerForecast {
+            name: input.workers[w].name.clone(),
+            expected_work: work[w],
+            bytes_per_token: work[w] * input.expert_bytes as f64,
+            round_trips_per_token: layer_hit[w].iter().map(|p| p.min(1.0)).sum(),
+            experts_held: held[w],
+            experts_in_ram: in_ram[w],
+        })
+        .collect();
+    Ok((placement, forecasts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workers(n: usize, ram: u64) -> Vec<Worker> {
+        (0..n).map(|i| Worker { name: format!("w{i}"), addr: format!("127.0.0.{}:7070", i + 2), ram_bytes: ram }).collect()
+    }
+
+    #[test]
+    fn uniform_heat_spreads_experts_evenly_and_validates() {
+        let ws = workers(3, 1 << 30);
+        let heat = HashMap::new();
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1 }).unwrap();
+        p.validate("m", &[1, 2, 3], 12).unwrap();
+        assert!(f.iter().all(|w| w.experts_held == 12), "{f:?}");
+        let works: Vec<f64> = f.iter().map(|w| w.expected_work).collect();
+        assert!(works.iter().all(|w| (w - works[0]).abs() < 1e-9));
+    }
+
+    #[test]
+    fn hot_experts_are_replicated_and_work_is_balanced_by_heat() {
+        let ws = workers(3, 5 << 20);
+        // Layer 0: expert 0 takes half the selections, the rest share the other half.
+        let mut heat = HashMap::new();
+        heat.insert((0, 0), 700);
+        for e in 1..10 {
+            heat.insert((0, e), 70);
+        }
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2 }).unwrap();
+        p.validate("m", &[0], 10).unwrap();
+        assert_eq!(p.holders(0, 0).unwrap().len(), 2, "the hottest expert has two holders");
+        assert_eq!(p.holders(0, 5).unwrap().len(), 1);
+        let works: Vec<f64> = f.iter().map(|w| w.expected_work).collect();
+        let (lo, hi) = (works.iter().copied().fold(1.0, f64::min), works.iter().copied().fold(0.0, f64::max));
+        assert!(hi - lo < 0.1, "expected work balanced within 10 %: {works:?}");
+        // RAM holds 5 experts per worker; nothing beyond is counted as in RAM.
+        assert!(f.iter().all(|w| w.experts_in_ram <= 5));
+    }
+
+    #[test]
+    fn bad_placements_are_refused_with_the_reason() {
+        let ws = workers(2, 1 << 30);
+        let heat = HashMap::new();
+        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2 }).unwrap();
+        let cases: Vec<(Box<dyn Fn(&mut Placement)>, &str)> = vec![
+            (Box::new(|p| p.model = "other".into()), "made for model"),
+            (Box::new(|p| p.layers[0].replicas[1] = vec!["w9".into()]), "unknown worker"),
+            (Box::new(|p| p.layers[0].replicas[1] = vec![]), "no worker"),
+            (Box::new(|p| p.layers[0].replicas[1] = vec!["w0".into(), "w0".into()]), "twice"),
+            (Box::new(|p| p.layers.pop().map(|_| ()).unwrap_or(())), "missing"),
+            (Box::new(|p| p.layers[0].replicas.pop().map(|_| ()).unwrap_or(())), "lists 3 experts"),
+            (Box::new(|p| p.version = 2), "version"),
+        ];
+        for (edit, needle) in cases {
+            let mut q = p.clone();
+            edit(&mut q);
+            let e = q.validate("m", &[0, 1], 4).unwrap_err();
+            assert!(e.contains(needle), "{e}");
+        }
+        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3 }).is_err());
+    }
+}
