@@ -374,3 +374,14 @@ def test_bad_tool_requests_are_400s(server):
     assert "object" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+
+
+def test_penalties_change_a_repetitive_greedy_answer(server):
+    c = client(server)
+    plain = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=60, temperature=0)
+    words = plain.choices[0].message.content.split()
+    assert len(words) > len(set(words)), "the greedy answer repeats words (the premise)"
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        pen = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=60, temperature=0, **kw).choices[0].message.content.split()
+        assert pen != words, kw
+        assert len(set(pen)) / len(pen) > len(set(words)) / len(words), f"{kw}: more distinct words"
