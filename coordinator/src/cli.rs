@@ -24,8 +24,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the OpenAI-compatible API (and, later, the dashboard) on one port.
+    /// Serve the OpenAI and Anthropic APIs and the web dashboard on one port.
     Run(RunArgs),
+    /// Compute an expert placement over workers from routing heat, and forecast each worker's
+    /// load per token.
+    Plan(PlanArgs),
     /// Generate a continuation of a prompt, streaming text to stdout.
     Generate(GenerateArgs),
     /// Teacher-force a token sequence: argmax and log-probability at every position.
@@ -46,6 +49,31 @@ enum Command {
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The workers' addresses (host:port), comma-separated; each is also its name.
+    #[arg(long, value_delimiter = ',', required = true)]
+    workers: Vec<String>,
+    /// RAM each worker gives its expert cache, in GB (default: enough for all of its experts).
+    #[arg(long)]
+    ram_gb_per_worker: Option<f64>,
+    /// Copies of each layer's hottest tenth of experts.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// Routing heat (default: shimmer-usage.json beside the model, if there is one; else uniform).
+    #[arg(long)]
+    usage: Option<PathBuf>,
+    /// Where to write the placement file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Print the forecast as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -365,6 +393,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Score(a) => score(a),
         Command::Chat(a) => chat(a),
         Command::Run(a) => run_server(a),
+        Command::Plan(a) => plan(a),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
         Command::Convert(a) => convert(a),
@@ -530,6 +559,71 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
             writeln!(stdout, "{i}\t{id}\t{}\t{lp}", s.argmax[i])?;
         }
         store_summary(&engine);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn plan(a: PlanArgs) -> Result<ExitCode> {
+    use shimmer_worker::placement::{self, PlanInput, Worker};
+    let dir = model_dir(&a.model)?;
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let fingerprint = crate::engine::model_fingerprint(&dir, &spec)?;
+    let moe_layers: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    let experts = spec.moe.num_experts;
+    let expert_bytes = shimmer_worker::store::expert_bytes_of(&dir, &spec)?;
+    let mut seen = std::collections::HashSet::new();
+    for w in &a.workers {
+        if w.parse::<std::net::SocketAddr>().is_err() && !w.contains(':') {
+            bail!("--workers: `{w}` is not a host:port address");
+        }
+        if !seen.insert(w) {
+            bail!("--workers: `{w}` is listed twice");
+        }
+    }
+    let ram_bytes = match a.ram_gb_per_worker {
+        Some(gb) if gb > 0.0 && gb.is_finite() => (gb * 1e9) as u64,
+        Some(gb) => bail!("--ram-gb-per-worker must be a positive number of GB, got {gb}"),
+        None => u64::MAX,
+    };
+    let workers: Vec<Worker> = a.workers.iter().map(|w| Worker { name: w.clone(), addr: w.clone(), ram_bytes }).collect();
+    let usage_path = a.usage.clone().or_else(|| Some(dir.join(shimmer_worker::usage::USAGE_FILE)).filter(|p| p.exists()));
+    let mut heat = std::collections::HashMap::new();
+    if let Some(p) = &usage_path {
+        let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { experts } else { 0 }).collect();
+        let usage = shimmer_worker::usage::Usage::open(p, &fingerprint, &shape)?;
+        for (l, counts) in usage.base.iter().enumerate() {
+            for (e, c) in counts.iter().enumerate() {
+                if *c > 0 {
+                    heat.insert((l, e), *c);
+                }
+            }
+        }
+    }
+    let (placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
+    let text = serde_json::to_string_pretty(&placement)?;
+    std::fs::write(&a.out, text + "\n").with_context(|| format!("cannot write {}", a.out.display()))?;
+    // Per token: top-k selections in each MoE layer.
+    let per_token = spec.moe.top_k as f64 * moe_layers.len() as f64;
+    if a.json {
+        let rows: Vec<serde_json::Value> = forecast
+            .iter()
+            .map(|f| serde_json::json!({ "worker": f.name, "experts_held": f.experts_held, "experts_in_ram": f.experts_in_ram, "selections_per_token": f.selections_per_token, "bytes_per_token": f.bytes_per_token, "round_trips_per_token": f.round_trips_per_token }))
+            .collect();
+        println!("{}", serde_json::json!({ "out": a.out, "heat": usage_path, "selections_per_token": per_token, "workers": rows }));
+    } else {
+        println!("placement for {} over {} workers → {} ({})", dir.display(), workers.len(), a.out.display(), if usage_path.is_some() { "routing heat from the usage file" } else { "uniform heat: no usage file" });
+        println!("{:24} {:>8} {:>8} {:>16} {:>14} {:>18}", "worker", "experts", "in RAM", "selections/token", "MB/token", "round trips/token");
+        for f in &forecast {
+            println!(
+                "{:24} {:>8} {:>8} {:>16.2} {:>14.2} {:>18.2}",
+                f.name,
+                f.experts_held,
+                f.experts_in_ram,
+                f.selections_per_token,
+                f.bytes_per_token / 1e6,
+                f.round_trips_per_token
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -160,6 +160,17 @@ fn mem_available() -> Option<u64> {
     proc_kb_field("/proc/meminfo", "MemAvailable")
 }
 
+/// A model directory's identity without loading its weights: a container's fingerprint, or a
+/// checkpoint's (config and safetensors headers).
+pub fn model_fingerprint(dir: &Path, spec: &ModelSpec) -> Result<String, EngineError> {
+    if Container::is_container(dir) {
+        return Ok(Container::open(dir, spec)?.fingerprint());
+    }
+    let ckpt = Checkpoint::open(dir)?;
+    let config_path = dir.join("config.json");
+    Ok(ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?))
+}
+
 impl Engine {
     pub fn load(dir: &Path) -> Result<Self, EngineError> {
         Self::open(dir, &ExpertOptions::default())

@@ -302,3 +302,25 @@ fn quant_eval_measures_formats_against_the_checkpoint() {
     assert_eq!(w["formats"][0]["mean_kl_nats"], f[2]["mean_kl_nats"], "{w} vs {v}");
     assert_eq!(w["formats"][0]["top1_agreement"], f[2]["top1_agreement"]);
 }
+
+#[test]
+fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("placement.json");
+    let fixture_dir = shimmer_tests::fixture("qwen3_moe");
+    let o = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.3:7070,127.0.0.4:7070", "--replicas", "2", "--ram-gb-per-worker", "0.001", "--json", "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["workers"].as_array().unwrap().len(), 3);
+    let spec = shimmer_common::ModelSpec::from_dir(&fixture_dir).unwrap();
+    let fingerprint = shimmer_coordinator::engine::model_fingerprint(&fixture_dir, &spec).unwrap();
+    let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    let p = shimmer_worker::placement::Placement::read(&out).unwrap();
+    p.validate(&fingerprint, &moe, spec.moe.num_experts).unwrap();
+    let total: f64 = report["workers"].as_array().unwrap().iter().map(|w| w["selections_per_token"].as_f64().unwrap()).sum();
+    assert!((total - report["selections_per_token"].as_f64().unwrap()).abs() < 1e-6, "every selection is served somewhere: {report}");
+    let dup = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.2:7070", "--out", out.to_str().unwrap()]);
+    assert_clean_failure(&dup, &["listed twice"]);
+    let reps = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070", "--replicas", "2", "--out", out.to_str().unwrap()]);
+    assert_clean_failure(&reps, &["replicas"]);
+}

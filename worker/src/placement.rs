@@ -121,6 +121,8 @@ pub struct PlanInput<'a> {
     pub heat: &'a HashMap<(usize, usize), u64>,
     /// Copies of each of the hottest experts (1: no replication).
     pub replicas: usize,
+    /// Selections per token per MoE layer.
+    pub top_k: usize,
 }
 
 /// The planner's expectations per worker, per generated token.
@@ -128,7 +130,7 @@ pub struct PlanInput<'a> {
 pub struct WorkerForecast {
     pub name: String,
     /// Expected expert computations (selections served) per token.
-    pub expected_work: f64,
+    pub selections_per_token: f64,
     /// Expected bytes of expert weights read per token (all tiers).
     pub bytes_per_token: f64,
     /// Expected round trips (MoE layers that send it rows) per token.
@@ -198,14 +200,16 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
         layers.push(LayerPlacement { layer, replicas: replicas.into_iter().map(|r| r.into_iter().map(|w| input.workers[w].name.clone()).collect()).collect() });
     }
     let placement = Placement { format: FORMAT.into(), version: VERSION, model: input.model.into(), epoch: 1, workers: input.workers.to_vec(), layers };
-    // `work[w]` is per selection; a token makes top-k selections per layer, which the caller
-    // scales by. Round trips: a layer sends the worker rows when any selection lands on it.
+    // `work[w]` is the share of one selection per layer, summed over layers; a token makes top-k
+    // selections per layer. A layer sends the worker rows when any of them lands on it (taking
+    // the selections as independent draws).
+    let k = input.top_k as f64;
     let forecasts = (0..n)
         .map(|w| WorkerForecast {
             name: input.workers[w].name.clone(),
-            expected_work: work[w],
-            bytes_per_token: work[w] * input.expert_bytes as f64,
-            round_trips_per_token: layer_hit[w].iter().map(|p| p.min(1.0)).sum(),
+            selections_per_token: work[w] * k,
+            bytes_per_token: work[w] * k * input.expert_bytes as f64,
+            round_trips_per_token: layer_hit[w].iter().map(|q| 1.0 - (1.0 - q.min(1.0)).powf(k)).sum(),
             experts_held: held[w],
             experts_in_ram: in_ram[w],
         })
@@ -225,11 +229,14 @@ mod tests {
     fn uniform_heat_spreads_experts_evenly_and_validates() {
         let ws = workers(3, 1 << 30);
         let heat = HashMap::new();
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1 }).unwrap();
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1, top_k: 2 }).unwrap();
         p.validate("m", &[1, 2, 3], 12).unwrap();
         assert!(f.iter().all(|w| w.experts_held == 12), "{f:?}");
-        let works: Vec<f64> = f.iter().map(|w| w.expected_work).collect();
+        let works: Vec<f64> = f.iter().map(|w| w.selections_per_token).collect();
         assert!(works.iter().all(|w| (w - works[0]).abs() < 1e-9));
+        // 3 layers × 2 selections spread over 3 workers: 2 each; each layer reaches a worker with
+        // probability 1 − (2/3)².
+        assert!((works[0] - 2.0).abs() < 1e-9 && (f[0].round_trips_per_token - 3.0 * (1.0 - (2.0f64 / 3.0).powi(2))).abs() < 1e-9, "{f:?}");
     }
 
     #[test]
@@ -241,13 +248,13 @@ mod tests {
         for e in 1..10 {
             heat.insert((0, e), 70);
         }
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2 }).unwrap();
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2, top_k: 2 }).unwrap();
         p.validate("m", &[0], 10).unwrap();
         assert_eq!(p.holders(0, 0).unwrap().len(), 2, "the hottest expert has two holders");
         assert_eq!(p.holders(0, 5).unwrap().len(), 1);
-        let works: Vec<f64> = f.iter().map(|w| w.expected_work).collect();
-        let (lo, hi) = (works.iter().copied().fold(1.0, f64::min), works.iter().copied().fold(0.0, f64::max));
-        assert!(hi - lo < 0.1, "expected work balanced within 10 %: {works:?}");
+        let works: Vec<f64> = f.iter().map(|w| w.selections_per_token).collect();
+        let (lo, hi) = (works.iter().copied().fold(f64::MAX, f64::min), works.iter().copied().fold(0.0, f64::max));
+        assert!((hi - lo) / hi < 0.15, "expected work balanced within 15 %: {works:?}");
         // RAM holds 5 experts per worker; nothing beyond is counted as in RAM.
         assert!(f.iter().all(|w| w.experts_in_ram <= 5));
     }
@@ -256,7 +263,7 @@ mod tests {
     fn bad_placements_are_refused_with_the_reason() {
         let ws = workers(2, 1 << 30);
         let heat = HashMap::new();
-        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2 }).unwrap();
+        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, top_k: 2 }).unwrap();
         let cases: Vec<(Box<dyn Fn(&mut Placement)>, &str)> = vec![
             (Box::new(|p| p.model = "other".into()), "made for model"),
             (Box::new(|p| p.layers[0].replicas[1] = vec!["w9".into()]), "unknown worker"),
@@ -272,6 +279,6 @@ mod tests {
             let e = q.validate("m", &[0, 1], 4).unwrap_err();
             assert!(e.contains(needle), "{e}");
         }
-        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3 }).is_err());
+        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3, top_k: 2 }).is_err());
     }
 }
