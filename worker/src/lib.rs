@@ -16,6 +16,7 @@ pub mod placement;
 pub mod policy;
 pub mod store;
 pub mod trace_analysis;
+pub mod transport;
 pub mod usage;
 pub mod wire;
 pub mod weights;
