@@ -46,6 +46,9 @@ pub enum DispatchError {
     Storage { layer: usize, expert: u32, message: String },
     #[error("layer {layer}: {overflow}")]
     Overflow { layer: usize, overflow: FixedPointOverflow },
+    /// A worker could not be reached or answered with an error (the message names it).
+    #[error("{0}")]
+    Remote(String),
 }
 
 /// Whoever holds the experts: in-process now, QUIC workers later.
@@ -167,10 +170,17 @@ impl InProcessExperts {
 }
 
 /// The union of a batch's selected experts: for each expert, the (row, weight) pairs that chose it.
+/// A selection another node computes (a cluster worker's share of a batch): skipped here. Its
+/// contribution arrives as another node's fixed-point partial sum, which adds to the same bits.
+pub const ELSEWHERE: u32 = u32::MAX;
+
 pub(crate) fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<(usize, f32)>>, DispatchError> {
     let layer = batch.layer;
     let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); num_experts];
     for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
+        if e == ELSEWHERE {
+            continue;
+        }
         let list = users.get_mut(e as usize).ok_or(DispatchError::NoSuchExpert { layer, expert: e, count: num_experts })?;
         list.push((slot / batch.top_k, w));
     }

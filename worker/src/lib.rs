@@ -14,6 +14,8 @@ pub mod dispatch;
 pub mod expert;
 pub mod placement;
 pub mod policy;
+pub mod remote;
+pub mod server;
 pub mod store;
 pub mod trace_analysis;
 pub mod transport;

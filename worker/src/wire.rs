@@ -25,7 +25,7 @@ pub const MAX_TOP_K: u32 = 64;
 pub const MAX_PAYLOAD: u64 = 512 << 20;
 pub const MAX_ERROR_MESSAGE: usize = 4096;
 /// A selection another node computes.
-pub const NOT_MINE: u32 = u32::MAX;
+pub const NOT_MINE: u32 = crate::dispatch::ELSEWHERE;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]

@@ -1,0 +1,92 @@
+//! The data plane over real QUIC and TLS (in-process workers on 127.0.0.1 for now; separate
+//! processes come with `shimmer worker`): a coordinator whose experts live on three workers gives
+//! the single box's logits bit for bit, under placements that spread each layer's experts over the
+//! workers differently; a coordinator with the wrong join token is refused.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shimmer_common::{Checkpoint, ModelSpec};
+use shimmer_coordinator::Engine;
+use shimmer_tests::{fixture, oracle};
+use shimmer_worker::placement::{Placement, Worker, FORMAT, VERSION};
+use shimmer_worker::remote::RemoteExperts;
+use shimmer_worker::server::{model_id, serve, WorkerState};
+use shimmer_worker::transport::{self, JoinToken};
+use shimmer_worker::{ExpertDispatch, InProcessExperts};
+
+const TOKEN: &str = "test-cluster-join-token";
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Starts `n` workers serving `dir`'s experts; returns their addresses (and the runtime running them).
+fn start_workers(dir: &std::path::Path, n: usize, fingerprint: &str) -> (tokio::runtime::Runtime, Vec<String>) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let spec = ModelSpec::from_dir(dir).unwrap();
+    let mut addrs = Vec::new();
+    for _ in 0..n {
+        let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
+        let ep = rt.block_on(async { transport::server(([127, 0, 0, 1], 0).into()) }).unwrap();
+        addrs.push(ep.local_addr().unwrap().to_string());
+        let state = Arc::new(WorkerState { dispatch: experts, model: model_id(fingerprint), epoch: AtomicU64::new(1), token: JoinToken::new(TOKEN).unwrap(), hidden: spec.hidden_size, requests: AtomicU64::new(0) });
+        rt.spawn(serve(ep, state));
+    }
+    (rt, addrs)
+}
+
+fn placement(fingerprint: &str, spec: &ModelSpec, addrs: &[String], owner: impl Fn(usize, usize) -> usize) -> Placement {
+    let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    Placement {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: fingerprint.into(),
+        epoch: 1,
+        workers: addrs.iter().map(|a| Worker { name: a.clone(), addr: a.clone(), ram_bytes: u64::MAX }).collect(),
+        layers: moe
+            .iter()
+            .map(|&l| shimmer_worker::placement::LayerPlacement { layer: l, replicas: (0..spec.moe.num_experts).map(|e| vec![addrs[owner(l, e)].clone()]).collect() })
+            .collect(),
+    }
+}
+
+#[test]
+fn three_workers_give_the_single_box_logits_under_every_placement() {
+    for name in ["qwen3_moe", "deepseek_v3"] {
+        let dir = fixture(name);
+        let single = Engine::load(&dir).unwrap();
+        let spec = single.spec.clone();
+        let fingerprint = single.fingerprint.clone();
+        let o = oracle(name);
+        let ids: Vec<u32> = o.prompts[0].ids.iter().chain(&o.prompts[0].greedy).copied().collect();
+        let want = single.logits_all(&ids).unwrap();
+        let (_rt, addrs) = start_workers(&dir, 3, &fingerprint);
+        let n = spec.moe.num_experts;
+        let placements: Vec<(&str, Box<dyn Fn(usize, usize) -> usize>)> = vec![
+            ("round robin", Box::new(|_, e| e % 3)),
+            ("every layer differently", Box::new(|l, e| (e + l) % 3)),
+            ("halves on two workers", Box::new(move |_, e| if e < n / 2 { 0 } else { 2 })),
+        ];
+        for (label, owner) in placements {
+            let p = placement(&fingerprint, &spec, &addrs, owner);
+            p.validate(&fingerprint, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>(), n).unwrap();
+            let remote = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(30)).unwrap();
+            let engine = Engine::load_with_dispatch(&dir, move |_local| Box::new(remote)).unwrap();
+            let got = engine.logits_all(&ids).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{name}: {label}");
+        }
+    }
+}
+
+#[test]
+fn a_coordinator_with_the_wrong_join_token_is_refused() {
+    let dir = fixture("qwen3_moe");
+    let spec = ModelSpec::from_dir(&dir).unwrap();
+    let fingerprint = Engine::load(&dir).unwrap().fingerprint;
+    let (_rt, addrs) = start_workers(&dir, 1, &fingerprint);
+    let p = placement(&fingerprint, &spec, &addrs, |_, _| 0);
+    let e = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new("not-the-cluster-token").unwrap(), Duration::from_secs(10)).err().expect("refused");
+    assert!(matches!(e, transport::TransportError::Refused), "{e}");
+}

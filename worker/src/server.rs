@@ -1,0 +1,111 @@
+//! A worker node's QUIC service (`shimmer worker`): authenticates each coordinator's connection
+//! (the join token, `transport.rs`), then answers every stream's request frame with the partial
+//! sums of the selections it was given, computed by its own expert dispatcher (its store), and
+//! takes prefetch hints. A bad frame gets an error frame on its stream; the connection and
+//! everyone else's streams go on.
+//!
+//! Must never: compute for another model or placement epoch, or let one stream's failure end
+//! the process.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::dispatch::{ExpertDispatch, MoeBatch};
+use crate::transport::{self, JoinToken};
+use crate::wire::{self, ErrorCode, Frame, Header, HEADER_LEN};
+
+pub struct WorkerState {
+    pub dispatch: Arc<dyn ExpertDispatch>,
+    /// 64-bit identity of the model served (`model_id`).
+    pub model: u64,
+    pub epoch: AtomicU64,
+    pub token: JoinToken,
+    pub hidden: usize,
+    pub requests: AtomicU64,
+}
+
+/// The 64-bit model identity frames carry.
+pub fn model_id(fingerprint: &str) -> u64 {
+    shimmer_common::expert_blob::checksum(fingerprint.as_bytes())
+}
+
+/// Serves connections until the endpoint closes.
+pub async fn serve(endpoint: quinn::Endpoint, state: Arc<WorkerState>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else { return };
+            if let Err(e) = transport::authenticate(&conn, &state.token).await {
+                tracing::warn!(peer = %conn.remote_address(), "refused: {e}");
+                return;
+            }
+            while let Ok((send, recv)) = conn.accept_bi().await {
+                let state = state.clone();
+                tokio::spawn(async move { stream(send, recv, state).await });
+            }
+        });
+    }
+}
+
+async fn stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, state: Arc<WorkerState>) {
+    let reply = match read_frame(&mut recv).await {
+        Err((id, code, msg)) => Some(wire::encode_error(id, code, &msg)),
+        Ok(frame) => answer(frame, &state).await,
+    };
+    if let Some(bytes) = reply {
+        let _ = send.write_all(&bytes).await;
+    }
+    let _ = send.finish();
+}
+
+/// Reads one frame: the header first (checked against the limits), then exactly its payload.
+async fn read_frame(recv: &mut quinn::RecvStream) -> Result<Frame, (u64, ErrorCode, String)> {
+    let mut head = [0u8; HEADER_LEN];
+    recv.read_exact(&mut head).await.map_err(|e| (0, ErrorCode::Malformed, format!("short frame: {e}")))?;
+    let h = Header::decode(&head).map_err(|e| (0, e.code(), e.to_string()))?;
+    let mut buf = BytesMut::zeroed(HEADER_LEN + h.payload_len as usize);
+    buf[..HEADER_LEN].copy_from_slice(&head);
+    recv.read_exact(&mut buf[HEADER_LEN..]).await.map_err(|e| (h.request_id, ErrorCode::Malformed, format!("payload cut short: {e}")))?;
+    wire::decode(buf.freeze()).map_err(|e| (h.request_id, e.code(), e.to_string()))
+}
+
+async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
+    match frame {
+        Frame::Request(req) => {
+            if req.model != state.model {
+                return Some(wire::encode_error(req.request_id, ErrorCode::WrongModel, "this worker serves another model"));
+            }
+            let epoch = state.epoch.load(Ordering::SeqCst);
+            if req.epoch != epoch {
+                return Some(wire::encode_error(req.request_id, ErrorCode::Moved, &format!("placement epoch {} is not this worker's {epoch}", req.epoch)));
+            }
+            if req.hidden as usize != state.hidden {
+                return Some(wire::encode_error(req.request_id, ErrorCode::Malformed, &format!("hidden size {} is not the model's {}", req.hidden, state.hidden)));
+            }
+            state.requests.fetch_add(1, Ordering::Relaxed);
+            let st = state.clone();
+            let computed = tokio::task::spawn_blocking(move || {
+                let rows = req.activations();
+                let experts: Vec<u32> = req.selections.iter().map(|s| s.0).collect();
+                let weights: Vec<f32> = req.selections.iter().map(|s| s.1).collect();
+                let batch = MoeBatch { layer: req.layer as usize, hidden: req.hidden as usize, rows: &rows, top_k: req.top_k as usize, experts: &experts, weights: &weights };
+                let mut acc = vec![0i64; rows.len()];
+                st.dispatch.dispatch(&batch, &mut acc).map(|_| wire::Response { request_id: req.request_id, layer: req.layer, hidden: req.hidden, sums: acc })
+            })
+            .await;
+            Some(match computed {
+                Ok(Ok(resp)) => resp.encode(state.model, epoch),
+                Ok(Err(e)) => wire::encode_error(0, ErrorCode::Unavailable, &e.to_string()),
+                Err(e) => wire::encode_error(0, ErrorCode::Internal, &e.to_string()),
+            })
+        }
+        Frame::Hint { layer, experts } => {
+            state.dispatch.prefetch(layer as usize, &experts);
+            None
+        }
+        Frame::Response(r) => Some(wire::encode_error(r.request_id, ErrorCode::Malformed, "a worker takes requests, not responses")),
+        Frame::Error { request_id, .. } => Some(wire::encode_error(request_id, ErrorCode::Malformed, "a worker takes requests, not errors")),
+    }
+}
