@@ -29,6 +29,8 @@ enum Command {
     /// Compute an expert placement over workers from routing heat, and forecast each worker's
     /// load per token.
     Plan(PlanArgs),
+    /// Serve this machine's routed experts to coordinators over QUIC (docs/cluster.md).
+    Worker(WorkerArgs),
     /// Generate a continuation of a prompt, streaming text to stdout.
     Generate(GenerateArgs),
     /// Teacher-force a token sequence: argmax and log-probability at every position.
@@ -49,6 +51,28 @@ enum Command {
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The UDP address to listen on (port 0: any free port; the chosen one is printed).
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    listen: String,
+    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[arg(long)]
+    join_token: Option<String>,
+    /// The placement epoch this worker serves.
+    #[arg(long, default_value_t = 1)]
+    epoch: u64,
+    /// RAM for the expert cache in GB, or `auto`.
+    #[arg(long, value_name = "GB|auto")]
+    ram_gb: Option<String>,
+    /// Read experts with O_DIRECT; needs a converted container.
+    #[arg(long)]
+    direct_io: bool,
 }
 
 #[derive(Args)]
@@ -179,6 +203,24 @@ struct StoreArgs {
     /// Neither read nor write routing heat.
     #[arg(long)]
     no_usage: bool,
+    /// Reach the routed experts on workers placed by this file (`shimmer plan`; docs/cluster.md).
+    #[arg(long, value_name = "FILE")]
+    placement: Option<PathBuf>,
+    /// The workers' addresses; when given, they must be the placement's.
+    #[arg(long, value_delimiter = ',', requires = "placement")]
+    workers: Vec<String>,
+    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[arg(long, requires = "placement")]
+    join_token: Option<String>,
+    /// Seconds to wait for a worker's answer.
+    #[arg(long, default_value_t = 30.0)]
+    worker_timeout_s: f64,
+}
+
+/// The join token from the flag or SHIMMER_JOIN_TOKEN.
+fn join_token(flag: &Option<String>) -> Result<shimmer_worker::transport::JoinToken> {
+    let t = flag.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty()).context("the cluster needs a join token: --join-token or SHIMMER_JOIN_TOKEN")?;
+    Ok(shimmer_worker::transport::JoinToken::new(&t)?)
 }
 
 impl StoreArgs {
@@ -394,6 +436,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Chat(a) => chat(a),
         Command::Run(a) => run_server(a),
         Command::Plan(a) => plan(a),
+        Command::Worker(a) => worker(a),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
         Command::Convert(a) => convert(a),
@@ -426,6 +469,32 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 /// Loads with the experts held as the store flags say, and (unless the output is JSON, which
 /// carries it) says on stderr what the store holds.
 fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> {
+    if let Some(path) = &store.placement {
+        let placement = shimmer_worker::placement::Placement::read(path)?;
+        if !store.workers.is_empty() {
+            let mut want: Vec<&str> = placement.workers.iter().map(|w| w.addr.as_str()).collect();
+            let mut got: Vec<&str> = store.workers.iter().map(String::as_str).collect();
+            want.sort_unstable();
+            got.sort_unstable();
+            if want != got {
+                bail!("--workers {} are not the placement's workers ({})", got.join(","), want.join(","));
+            }
+        }
+        let token = join_token(&store.join_token)?;
+        let timeout = std::time::Duration::from_secs_f64(store.worker_timeout_s.max(0.1));
+        let engine = Engine::open_with_experts(dir, |spec, fingerprint| {
+            let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+            placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
+            let model = shimmer_worker::server::model_id(fingerprint);
+            let remote = shimmer_worker::remote::RemoteExperts::connect(placement, model, &token, timeout).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            Ok(Box::new(remote))
+        })
+        .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
+        if !json {
+            eprintln!("shimmer: routed experts on the workers of {}", path.display());
+        }
+        return Ok(engine);
+    }
     let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
     if let Some(t) = engine.store_telemetry().filter(|_| !json) {
         let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
@@ -560,6 +629,39 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
         }
         store_summary(&engine);
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn worker(a: WorkerArgs) -> Result<ExitCode> {
+    let dir = model_dir(&a.model)?;
+    let token = join_token(&a.join_token)?;
+    let addr: std::net::SocketAddr = a.listen.parse().with_context(|| format!("--listen: `{}` is not an address:port", a.listen))?;
+    let ram = match &a.ram_gb {
+        Some(s) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
+        None => None,
+    };
+    let opts = ExpertOptions { ram, direct_io: a.direct_io, ..ExpertOptions::default() };
+    let (spec, fingerprint, store) = Engine::open_expert_store(&dir, &opts).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("worker-net").enable_all().build()?;
+    rt.block_on(async move {
+        let endpoint = shimmer_worker::transport::server(addr)?;
+        let local = endpoint.local_addr()?;
+        let state = std::sync::Arc::new(shimmer_worker::server::WorkerState {
+            dispatch: std::sync::Arc::new(store),
+            model: shimmer_worker::server::model_id(&fingerprint),
+            epoch: std::sync::atomic::AtomicU64::new(a.epoch),
+            token,
+            hidden: spec.hidden_size,
+            requests: std::sync::atomic::AtomicU64::new(0),
+        });
+        // Tests and scripts wait for this line.
+        eprintln!("shimmer: worker serving {} on {local} (QUIC, ALPN shimmer/1)", dir.display());
+        tokio::select! {
+            _ = shimmer_worker::server::serve(endpoint, state) => {},
+            _ = tokio::signal::ctrl_c() => eprintln!("shimmer: worker stopping"),
+        }
+        anyhow::Ok(())
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -227,6 +227,26 @@ impl Engine {
         Self::assemble(dir, spec, decoder, place(experts), fingerprint, t0)
     }
 
+    /// A model whose routed experts are reached through `make` (given the spec and the model's
+    /// fingerprint) — workers over QUIC — with only the dense weights loaded here.
+    pub fn open_with_experts(dir: &Path, make: impl FnOnce(&ModelSpec, &str) -> Result<Box<dyn ExpertDispatch>, EngineError>) -> Result<Self, EngineError> {
+        let t0 = Instant::now();
+        Self::check_dir(dir)?;
+        let spec = ModelSpec::from_dir(dir)?;
+        let (decoder, fingerprint) = if Container::is_container(dir) {
+            let container = Container::open(dir, &spec)?;
+            let ckpt = Checkpoint::open_files(dir, &[shimmer_worker::container::DENSE_FILE])?;
+            (load_dense(&ckpt, &spec)?, container.fingerprint())
+        } else {
+            let ckpt = Checkpoint::open(dir)?;
+            let config_path = dir.join("config.json");
+            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
+            (load_dense(&ckpt, &spec)?, fingerprint)
+        };
+        let experts = make(&spec, &fingerprint)?;
+        Self::assemble(dir, spec, decoder, experts, fingerprint, t0)
+    }
+
     fn load_store(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         Self::check_dir(dir)?;
@@ -278,6 +298,42 @@ impl Engine {
         let mut engine = Self::assemble(dir, spec, decoder, Box::new(store), fingerprint, t0)?;
         engine.dense_bytes = Some(dense_bytes);
         Ok(engine)
+    }
+
+    /// A worker's experts: the model's routed experts in a store under `opts` (no dense weights),
+    /// with the model's spec and fingerprint.
+    pub fn open_expert_store(dir: &Path, opts: &ExpertOptions) -> Result<(ModelSpec, String, ExpertStore), EngineError> {
+        Self::check_dir(dir)?;
+        let spec = ModelSpec::from_dir(dir)?;
+        let all_experts = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64 * spec.moe.num_experts as u64;
+        let (source, fingerprint) = if Container::is_container(dir) {
+            let container = Container::open(dir, &spec)?;
+            let fingerprint = container.fingerprint();
+            (Source::container(container, opts.mirror.as_deref(), opts.direct_io)?, fingerprint)
+        } else {
+            let ckpt = Checkpoint::open(dir)?;
+            let config_path = dir.join("config.json");
+            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
+            (Source::checkpoint(std::sync::Arc::new(ckpt), &spec), fingerprint)
+        };
+        let all_bytes = all_experts * source.expert_bytes();
+        let budget_bytes = match opts.ram.unwrap_or(RamBudget::Auto) {
+            RamBudget::Gb(gb) => (gb * 1e9) as u64,
+            RamBudget::Auto => mem_available().unwrap_or(0).saturating_sub(AUTO_RESERVE_BYTES).min(all_bytes),
+        };
+        let usage = match &opts.usage {
+            UsageFile::Off => None,
+            other => {
+                let p = match other {
+                    UsageFile::File(p) => p.clone(),
+                    _ => dir.join(shimmer_worker::usage::USAGE_FILE),
+                };
+                let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { spec.moe.num_experts } else { 0 }).collect();
+                Some(Usage::open(&p, &fingerprint, &shape)?)
+            }
+        };
+        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage }).map_err(|e| EngineError::Input(e.to_string()))?;
+        Ok((spec, fingerprint, store))
     }
 
     fn assemble(dir: &Path, spec: ModelSpec, decoder: Decoder, experts: Box<dyn ExpertDispatch>, fingerprint: String, t0: Instant) -> Result<Self, EngineError> {

@@ -90,3 +90,67 @@ fn a_coordinator_with_the_wrong_join_token_is_refused() {
     let e = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new("not-the-cluster-token").unwrap(), Duration::from_secs(10)).err().expect("refused");
     assert!(matches!(e, transport::TransportError::Refused), "{e}");
 }
+
+/// A `shimmer worker` process; killed when dropped.
+struct WorkerProcess {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_worker(model: &std::path::Path) -> WorkerProcess {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(shimmer_tests::shimmer_bin())
+        .args(["worker", "--model", model.to_str().unwrap(), "--listen", "127.0.0.1:0", "--join-token", TOKEN])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("worker exited before serving").unwrap();
+        if let Some(at) = line.find(" on ") {
+            if line.contains("worker serving") {
+                break line[at + 4..].split_whitespace().next().unwrap().to_string();
+            }
+        }
+    };
+    // Keep reading stderr so the worker never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    WorkerProcess { child, addr }
+}
+
+#[test]
+fn three_worker_processes_generate_the_single_box_tokens() {
+    let dir = fixture("qwen3_moe");
+    let d = dir.to_str().unwrap();
+    let workers: Vec<WorkerProcess> = (0..3).map(|_| spawn_worker(&dir)).collect();
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let placement = tmp.path().join("p.json");
+    let p = shimmer_tests::shimmer(&["plan", "--model", d, "--workers", &addrs.join(","), "--out", placement.to_str().unwrap()]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let args = ["generate", "--model", d, "--prompt-ids", "1,5,9,2,7", "--max-tokens", "12", "--json"];
+    let single = shimmer_tests::shimmer(&args);
+    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+    let mut cluster_args = args.to_vec();
+    cluster_args.extend(["--placement", placement.to_str().unwrap(), "--join-token", TOKEN]);
+    let cluster = shimmer_tests::shimmer(&cluster_args);
+    assert!(cluster.status.success(), "{}", String::from_utf8_lossy(&cluster.stderr));
+    let ids = |o: &std::process::Output| -> serde_json::Value { serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["output_ids"].clone() };
+    assert_eq!(ids(&cluster), ids(&single));
+    // A wrong token: refused with a clear error, no tokens.
+    let mut wrong = args.to_vec();
+    wrong.extend(["--placement", placement.to_str().unwrap(), "--join-token", "definitely-not-the-token"]);
+    shimmer_tests::assert_clean_failure(&shimmer_tests::shimmer(&wrong), &["join token"]);
+    // The workers gone: the run depends on them, and says which it cannot reach.
+    drop(workers);
+    shimmer_tests::assert_clean_failure(&shimmer_tests::shimmer(&cluster_args), &[addrs[0]]);
+}
