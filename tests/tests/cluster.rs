@@ -25,16 +25,92 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// Starts `n` workers serving `dir`'s experts; returns their addresses (and the runtime running them).
 fn start_workers(dir: &std::path::Path, n: usize, fingerprint: &str) -> (tokio::runtime::Runtime, Vec<String>) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let spec = ModelSpec::from_dir(dir).unwrap();
-    let mut addrs = Vec::new();
-    for _ in 0..n {
-        let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
-        let ep = rt.block_on(async { transport::server(([127, 0, 0, 1], 0).into()) }).unwrap();
-        addrs.push(ep.local_addr().unwrap().to_string());
-        let state = Arc::new(WorkerState { dispatch: experts, model: model_id(fingerprint), epoch: AtomicU64::new(1), token: JoinToken::new(TOKEN).unwrap(), hidden: spec.hidden_size, requests: AtomicU64::new(0) });
-        rt.spawn(serve(ep, state));
-    }
+    let addrs = (0..n).map(|_| start_worker(&rt, dir, fingerprint, ([127, 0, 0, 1], 0).into()).1).collect();
     (rt, addrs)
+}
+
+fn start_worker(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr) -> (quinn::Endpoint, String) {
+    let spec = ModelSpec::from_dir(dir).unwrap();
+    let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
+    let ep = rt.block_on(async { transport::server(at) }).unwrap();
+    let addr = ep.local_addr().unwrap().to_string();
+    let state = Arc::new(WorkerState { dispatch: experts, model: model_id(fingerprint), epoch: AtomicU64::new(1), token: JoinToken::new(TOKEN).unwrap(), hidden: spec.hidden_size, requests: AtomicU64::new(0) });
+    rt.spawn(serve(ep.clone(), state));
+    (ep, addr)
+}
+
+/// Lets the test keep a handle on the dispatcher the engine owns.
+struct Shared(Arc<RemoteExperts>);
+
+impl ExpertDispatch for Shared {
+    fn dispatch(&self, batch: &shimmer_worker::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_worker::DispatchError> {
+        self.0.dispatch(batch, acc)
+    }
+}
+
+#[test]
+fn a_dead_worker_fails_over_to_replicas_with_identical_logits_and_is_readmitted() {
+    let dir = fixture("qwen3_moe");
+    let single = Engine::load(&dir).unwrap();
+    let (spec, fingerprint) = (single.spec.clone(), single.fingerprint.clone());
+    let o = oracle("qwen3_moe");
+    let ids: Vec<u32> = o.prompts[1].ids.iter().chain(&o.prompts[1].greedy).copied().collect();
+    let want = single.logits_all(&ids).unwrap();
+    let vocab = spec.vocab_size;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let workers: Vec<(quinn::Endpoint, String)> = (0..3).map(|_| start_worker(&rt, &dir, &fingerprint, ([127, 0, 0, 1], 0).into())).collect();
+    let addrs: Vec<String> = workers.iter().map(|w| w.1.clone()).collect();
+    // Two holders per expert: every expert survives any one worker.
+    let mut p = placement(&fingerprint, &spec, &addrs, |_, e| e % 3);
+    for l in &mut p.layers {
+        for (e, r) in l.replicas.iter_mut().enumerate() {
+            r.push(addrs[(e + 1) % 3].clone());
+        }
+    }
+    let remote = Arc::new(RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(5)).unwrap());
+    let r2 = remote.clone();
+    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
+    let mut session = engine.new_session();
+    let half = ids.len() / 2;
+    for (i, t) in ids.iter().enumerate() {
+        if i == half {
+            // Worker 0 dies mid-sequence (its endpoint closes every connection at once).
+            workers[0].0.close(0u32.into(), b"killed");
+        }
+        let got = engine.step(&mut session, &[*t]).unwrap();
+        assert_eq!(bits(&got), bits(&want[i * vocab..(i + 1) * vocab]), "position {i}");
+    }
+    assert_eq!(remote.down_workers(), vec![addrs[0].clone()]);
+    assert!(remote.failovers.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    // Restarted on the same address, it is re-admitted after its backoff and used again.
+    let dead = workers.into_iter().next().unwrap().0;
+    rt.block_on(dead.wait_idle());
+    drop(dead);
+    std::thread::sleep(Duration::from_millis(200));
+    let addr0: std::net::SocketAddr = addrs[0].parse().unwrap();
+    let _again = start_worker(&rt, &dir, &fingerprint, addr0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut s2 = engine.new_session();
+    for (i, t) in ids.iter().take(3).enumerate() {
+        assert_eq!(bits(&engine.step(&mut s2, &[*t]).unwrap()), bits(&want[i * vocab..(i + 1) * vocab]));
+    }
+    assert!(remote.down_workers().is_empty(), "re-admitted: {:?}", remote.down_workers());
+}
+
+#[test]
+fn with_one_copy_an_unreachable_expert_is_an_error_naming_it() {
+    let dir = fixture("qwen3_moe");
+    let single = Engine::load(&dir).unwrap();
+    let (spec, fingerprint) = (single.spec.clone(), single.fingerprint.clone());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let workers: Vec<(quinn::Endpoint, String)> = (0..2).map(|_| start_worker(&rt, &dir, &fingerprint, ([127, 0, 0, 1], 0).into())).collect();
+    let addrs: Vec<String> = workers.iter().map(|w| w.1.clone()).collect();
+    let p = placement(&fingerprint, &spec, &addrs, |_, e| e % 2);
+    let remote = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(5)).unwrap();
+    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
+    workers[1].0.close(0u32.into(), b"killed");
+    let e = engine.logits_all(&[1, 2, 3, 4, 5, 6]).unwrap_err().to_string();
+    assert!(e.contains("no holder can be reached") && e.contains("expert") && e.contains(&addrs[1]), "{e}");
 }
 
 fn placement(fingerprint: &str, spec: &ModelSpec, addrs: &[String], owner: impl Fn(usize, usize) -> usize) -> Placement {
