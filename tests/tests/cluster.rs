@@ -230,3 +230,44 @@ fn three_worker_processes_generate_the_single_box_tokens() {
     drop(workers);
     shimmer_tests::assert_clean_failure(&shimmer_tests::shimmer(&cluster_args), &[addrs[0]]);
 }
+
+#[test]
+fn garbage_wrong_model_and_stale_epoch_frames_get_error_codes_and_the_worker_keeps_serving() {
+    use shimmer_worker::wire::{self, ErrorCode, Frame};
+    let dir = fixture("qwen3_moe");
+    let spec = ModelSpec::from_dir(&dir).unwrap();
+    let fingerprint = Engine::load(&dir).unwrap().fingerprint;
+    let (rt, addrs) = start_workers(&dir, 1, &fingerprint);
+    let addr: std::net::SocketAddr = addrs[0].parse().unwrap();
+    rt.block_on(async {
+        let ep = transport::client().unwrap();
+        let conn = transport::connect(&ep, addr, &JoinToken::new(TOKEN).unwrap()).await.unwrap();
+        let ask = |bytes: Vec<u8>| {
+            let conn = conn.clone();
+            async move {
+                let (mut s, mut r) = conn.open_bi().await.unwrap();
+                s.write_all(&bytes).await.unwrap();
+                s.finish().unwrap();
+                wire::decode(bytes::Bytes::from(r.read_to_end(1 << 24).await.unwrap())).unwrap()
+            }
+        };
+        let code = |f: Frame| match f {
+            Frame::Error { code, .. } => code,
+            other => panic!("expected an error frame, got {other:?}"),
+        };
+        let hidden = spec.hidden_size as u32;
+        let moe_layer = (0..spec.num_layers).find(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).unwrap() as u32;
+        let good = |model: u64, epoch: u64| wire::Request { request_id: 5, model, epoch, layer: moe_layer, hidden, top_k: 1, rows: bytes::Bytes::from(vec![0u8; hidden as usize * 4]), selections: vec![(0, 1.0)] }.encode().to_vec();
+        assert_eq!(code(ask(b"GET / HTTP/1.1\r\n\r\n and then some more bytes to fill a header".to_vec()).await), Some(ErrorCode::Malformed));
+        let mut huge = good(model_id(&fingerprint), 1);
+        huge[36..40].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(code(ask(huge).await), Some(ErrorCode::TooLarge));
+        assert_eq!(code(ask(good(12345, 1)).await), Some(ErrorCode::WrongModel));
+        assert_eq!(code(ask(good(model_id(&fingerprint), 9)).await), Some(ErrorCode::Moved));
+        // The same connection still gets answers.
+        match ask(good(model_id(&fingerprint), 1)).await {
+            Frame::Response(r) => assert!(r.request_id == 5 && r.sums.len() == hidden as usize),
+            other => panic!("{other:?}"),
+        }
+    });
+}

@@ -85,6 +85,7 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
                 return Some(wire::encode_error(req.request_id, ErrorCode::Malformed, &format!("hidden size {} is not the model's {}", req.hidden, state.hidden)));
             }
             state.requests.fetch_add(1, Ordering::Relaxed);
+            let id = req.request_id;
             let st = state.clone();
             let computed = tokio::task::spawn_blocking(move || {
                 let rows = req.activations();
@@ -97,8 +98,8 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
             .await;
             Some(match computed {
                 Ok(Ok(resp)) => resp.encode(state.model, epoch),
-                Ok(Err(e)) => wire::encode_error(0, ErrorCode::Unavailable, &e.to_string()),
-                Err(e) => wire::encode_error(0, ErrorCode::Internal, &e.to_string()),
+                Ok(Err(e)) => wire::encode_error(id, ErrorCode::Unavailable, &e.to_string()),
+                Err(e) => wire::encode_error(id, ErrorCode::Internal, &e.to_string()),
             })
         }
         Frame::Hint { layer, experts } => {
