@@ -4,8 +4,7 @@
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -789,21 +788,7 @@ fn chat(a: ChatArgs) -> Result<ExitCode> {
     if engine.chat.template.is_none() {
         bail!("{}: the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
     }
-    let interrupted = Arc::new(AtomicBool::new(false));
-    let generating = Arc::new(AtomicBool::new(false));
-    {
-        let (interrupted, generating) = (interrupted.clone(), generating.clone());
-        ctrlc::set_handler(move || {
-            if generating.load(Ordering::SeqCst) {
-                interrupted.store(true, Ordering::SeqCst);
-            } else {
-                // At the prompt, Ctrl-C leaves, as in other terminal chats.
-                println!();
-                std::process::exit(130);
-            }
-        })
-        .context("cannot install the Ctrl-C handler")?;
-    }
+    let (interrupted, generating) = crate::remote_chat::chat_interrupt()?;
     let opts = GenerateOptions { max_tokens: a.max_tokens, sampling: a.sampling.params(0.7, 0.9), stop: a.sampling.stop.clone() };
     eprintln!("shimmer chat · {} · /reset clears the conversation, Ctrl-C stops an answer, Ctrl-D leaves", dir.display());
     let (mut session, mut messages) = match &a.session {

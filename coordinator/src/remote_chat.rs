@@ -23,6 +23,25 @@ pub struct RemoteChat {
     pub stop: Vec<String>,
 }
 
+/// The terminal chats' Ctrl-C: while an answer is generating it stops the answer (`interrupted`);
+/// at the prompt it leaves (exit code 130), as other terminal chats do. Returns the flags
+/// (`interrupted`, `generating`) the chat loop sets and reads.
+pub(crate) fn chat_interrupt() -> Result<(Arc<AtomicBool>, Arc<AtomicBool>)> {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let generating = Arc::new(AtomicBool::new(false));
+    let (i, g) = (interrupted.clone(), generating.clone());
+    ctrlc::set_handler(move || {
+        if g.load(Ordering::SeqCst) {
+            i.store(true, Ordering::SeqCst);
+        } else {
+            println!();
+            std::process::exit(130);
+        }
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    Ok((interrupted, generating))
+}
+
 fn agent() -> ureq::Agent {
     ureq::Agent::config_builder().http_status_as_error(false).build().into()
 }
@@ -112,20 +131,7 @@ impl RemoteChat {
 
     pub fn run(&self) -> Result<()> {
         let model = self.model()?;
-        let interrupted = Arc::new(AtomicBool::new(false));
-        let generating = Arc::new(AtomicBool::new(false));
-        {
-            let (interrupted, generating) = (interrupted.clone(), generating.clone());
-            ctrlc::set_handler(move || {
-                if generating.load(Ordering::SeqCst) {
-                    interrupted.store(true, Ordering::SeqCst);
-                } else {
-                    println!();
-                    std::process::exit(130);
-                }
-            })
-            .context("cannot install the Ctrl-C handler")?;
-        }
+        let (interrupted, generating) = chat_interrupt()?;
         eprintln!("shimmer chat · {model} at {} · /reset clears the conversation, Ctrl-C stops an answer, Ctrl-D leaves", self.base());
         let mut messages: Vec<Value> = Vec::new();
         let stdin = std::io::stdin();

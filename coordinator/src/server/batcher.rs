@@ -473,7 +473,8 @@ impl Loop {
         st.prefix_reused_tokens = self.prefix.reused_tokens;
         st.kv_bytes = kv as u64;
         st.running = self.active.len();
-        st.waiting = self.waiting.len() + self.queued.load(Ordering::SeqCst).saturating_sub(self.waiting.len());
+        // Every request submitted and not yet admitted, whether still in the channel or here.
+        st.waiting = self.queued.load(Ordering::SeqCst);
     }
 }
 

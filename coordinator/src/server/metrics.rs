@@ -57,8 +57,6 @@ impl Metrics {
         Ok(Metrics { registry, requests, ttft, itl, queue, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, kv_usage, prefix_hits, prefix_tokens, seen: Mutex::new([0; 7]) })
     }
 
-    pub fn request_started(&self) {}
-
     /// How long a request waited before the batcher admitted it.
     pub fn queued(&self, wait: Duration) {
         self.queue.observe(wait.as_secs_f64());

@@ -563,7 +563,6 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
     let created = now_secs();
     let object = if chat { "chat.completion" } else { "text_completion" };
     let t0 = Instant::now();
-    state.metrics.request_started();
 
     if !c.stream {
         let (mut text, mut lps) = (String::new(), Vec::new());
