@@ -25,6 +25,9 @@ struct Cli {
 enum Command {
     /// Serve the OpenAI and Anthropic APIs and the web dashboard on one port.
     Run(RunArgs),
+    /// `run` with cluster defaults: the routed experts on the workers of --placement (required),
+    /// the API on every interface (--host 0.0.0.0) so the LAN can reach it.
+    Coordinator(RunArgs),
     /// Compute an expert placement over workers from routing heat, and forecast each worker's
     /// load per token.
     Plan(PlanArgs),
@@ -60,12 +63,22 @@ struct WorkerArgs {
     /// The UDP address to listen on (port 0: any free port; the chosen one is printed).
     #[arg(long, default_value = "0.0.0.0:7070")]
     listen: String,
-    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[command(flatten)]
+    auth: ClusterAuthArgs,
+    /// The placement this worker serves a slice of: its assigned experts are pinned and read at
+    /// start (within --ram-gb); others it is asked for are read from its own disk on demand.
+    #[arg(long, value_name = "FILE")]
+    placement: Option<PathBuf>,
+    /// This worker's name in the placement (default: the worker whose address is --listen, or
+    /// the only one with --listen's port).
+    #[arg(long, requires = "placement")]
+    name: Option<String>,
+    /// Serve only the experts the placement assigns this worker (refuse failover for others).
+    #[arg(long, requires = "placement")]
+    assigned_only: bool,
+    /// The placement epoch this worker serves (default: the placement's, else 1).
     #[arg(long)]
-    join_token: Option<String>,
-    /// The placement epoch this worker serves.
-    #[arg(long, default_value_t = 1)]
-    epoch: u64,
+    epoch: Option<u64>,
     /// RAM for the expert cache in GB, or `auto`.
     #[arg(long, value_name = "GB|auto")]
     ram_gb: Option<String>,
@@ -104,8 +117,9 @@ struct RunArgs {
     /// A checkpoint directory or container (default: the bundled demo model).
     #[arg(long)]
     model: Option<PathBuf>,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
+    /// The address to serve on (default 127.0.0.1; 0.0.0.0 for `coordinator`).
+    #[arg(long)]
+    host: Option<String>,
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Require this API key (repeatable; also SHIMMER_API_KEY). Without one, no key is needed.
@@ -208,18 +222,51 @@ struct StoreArgs {
     /// The workers' addresses; when given, they must be the placement's.
     #[arg(long, value_delimiter = ',', requires = "placement")]
     workers: Vec<String>,
-    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
-    #[arg(long, requires = "placement")]
-    join_token: Option<String>,
-    /// Seconds to wait for a worker's answer.
+    #[command(flatten)]
+    auth: ClusterAuthArgs,
+    /// Seconds to wait for a worker's answer to one layer's request before failing over.
     #[arg(long, default_value_t = 30.0)]
     worker_timeout_s: f64,
+    /// Seconds to wait for a worker's connection (at start, and when retrying a down one).
+    #[arg(long, default_value_t = 3.0)]
+    connect_timeout_s: f64,
 }
 
-/// The join token from the flag or SHIMMER_JOIN_TOKEN.
-fn join_token(flag: &Option<String>) -> Result<shimmer_worker::transport::JoinToken> {
-    let t = flag.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty()).context("the cluster needs a join token: --join-token or SHIMMER_JOIN_TOKEN")?;
-    Ok(shimmer_worker::transport::JoinToken::new(&t)?)
+/// How cluster nodes know each other (docs/cluster.md): a join token, operator certificates, or both.
+#[derive(Args, Clone, Default)]
+struct ClusterAuthArgs {
+    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[arg(long)]
+    join_token: Option<String>,
+    /// This node's certificate chain (PEM), for operator-managed mutual TLS.
+    #[arg(long, value_name = "PEM", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, value_name = "PEM", requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// The CA certificate(s) peers' certificates must chain to (PEM).
+    #[arg(long, value_name = "PEM", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+}
+
+impl ClusterAuthArgs {
+    fn given(&self) -> bool {
+        self.join_token.is_some() || self.tls_cert.is_some()
+    }
+
+    /// The token from the flag or SHIMMER_JOIN_TOKEN, and the certificates if given.
+    fn credentials(&self) -> Result<shimmer_worker::transport::Credentials> {
+        use shimmer_worker::transport::{Credentials, JoinToken, OperatorCerts};
+        let token = match self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty()) {
+            Some(t) => Some(JoinToken::new(&t).context("--join-token")?),
+            None => None,
+        };
+        let certs = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(ca)) => Some(OperatorCerts::load(c, k, ca)?),
+            _ => None,
+        };
+        Ok(Credentials::new(token, certs)?)
+    }
 }
 
 impl StoreArgs {
@@ -236,7 +283,7 @@ impl StoreArgs {
             (Some(p), false) => UsageFile::File(p.clone()),
             (None, false) => UsageFile::BesideModel,
         };
-        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth: self.io_depth, usage })
+        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth: self.io_depth, usage, assigned: None })
     }
 }
 
@@ -433,7 +480,8 @@ pub fn run() -> Result<ExitCode> {
         Command::Generate(a) => generate(a),
         Command::Score(a) => score(a),
         Command::Chat(a) => chat(a),
-        Command::Run(a) => run_server(a),
+        Command::Run(a) => run_server(a, false),
+        Command::Coordinator(a) => run_server(a, true),
         Command::Plan(a) => plan(a),
         Command::Worker(a) => worker(a),
         Command::Routing(a) => routing(a),
@@ -479,13 +527,19 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
                 bail!("--workers {} are not the placement's workers ({})", got.join(","), want.join(","));
             }
         }
-        let token = join_token(&store.join_token)?;
-        let timeout = std::time::Duration::from_secs_f64(store.worker_timeout_s.max(0.1));
+        let creds = store.auth.credentials()?;
+        let secs = |flag: &str, v: f64| -> Result<std::time::Duration> {
+            if !(v > 0.0 && v <= 3600.0) {
+                bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
+            }
+            Ok(std::time::Duration::from_secs_f64(v))
+        };
+        let timeouts = shimmer_worker::remote::Timeouts { answer: secs("--worker-timeout-s", store.worker_timeout_s)?, connect: secs("--connect-timeout-s", store.connect_timeout_s)? };
         let engine = Engine::open_with_experts(dir, |spec, fingerprint| {
             let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
             placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
             let model = shimmer_worker::server::model_id(fingerprint);
-            let remote = shimmer_worker::remote::RemoteExperts::connect(placement, model, &token, timeout).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            let remote = shimmer_worker::remote::RemoteExperts::connect(placement, model, &creds, timeouts).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
             Ok(Box::new(remote))
         })
         .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
@@ -493,6 +547,9 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
             eprintln!("shimmer: routed experts on the workers of {}", path.display());
         }
         return Ok(engine);
+    }
+    if store.auth.given() {
+        bail!("--join-token and --tls-* are for a cluster: give --placement FILE too");
     }
     let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
     if let Some(t) = engine.store_telemetry().filter(|_| !json) {
@@ -632,29 +689,75 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
 }
 
 fn worker(a: WorkerArgs) -> Result<ExitCode> {
+    use shimmer_worker::placement::Placement;
     let dir = model_dir(&a.model)?;
-    let token = join_token(&a.join_token)?;
+    let creds = a.auth.credentials()?;
     let addr: std::net::SocketAddr = a.listen.parse().with_context(|| format!("--listen: `{}` is not an address:port", a.listen))?;
     let ram = match &a.ram_gb {
         Some(s) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
         None => None,
     };
-    let opts = ExpertOptions { ram, direct_io: a.direct_io, ..ExpertOptions::default() };
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    // This worker's slice of the placement: its name, and per MoE layer its experts (first-choice
+    // ones before replicas, so a tight RAM budget pins the ones it serves first).
+    let placement = a.placement.as_ref().map(|p| Placement::read(p)).transpose()?;
+    let slice = match (&a.placement, &placement) {
+        (Some(path), Some(p)) => {
+            let name = match &a.name {
+                Some(n) => p.workers.iter().find(|w| &w.name == n).map(|w| w.name.clone()).with_context(|| format!("--name {n}: {} has no such worker", path.display()))?,
+                None => worker_in_placement(p, addr).with_context(|| format!("{}: say which worker this is with --name", path.display()))?,
+            };
+            let mut assigned = std::collections::HashSet::new();
+            let mut per_layer = Vec::new();
+            for &l in &moe {
+                let lp = p.layers.iter().find(|x| x.layer == l).with_context(|| format!("{}: no layer {l}", path.display()))?;
+                let mut first: Vec<u16> = Vec::new();
+                let mut later: Vec<u16> = Vec::new();
+                for (e, holders) in lp.replicas.iter().enumerate() {
+                    match holders.iter().position(|h| *h == name) {
+                        Some(0) => first.push(e as u16),
+                        Some(_) => later.push(e as u16),
+                        None => continue,
+                    }
+                    assigned.insert((l as u32, e as u32));
+                }
+                first.extend(later);
+                per_layer.push(first);
+            }
+            Some((name, p.epoch, assigned, per_layer))
+        }
+        _ => None,
+    };
+    let opts = ExpertOptions { ram, direct_io: a.direct_io, assigned: slice.as_ref().map(|s| s.3.clone()), ..ExpertOptions::default() };
     let (spec, fingerprint, store) = Engine::open_expert_store(&dir, &opts).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
+    if let (Some(path), Some(p)) = (&a.placement, &placement) {
+        p.validate(&fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    }
+    let epoch = a.epoch.or(slice.as_ref().map(|s| s.1)).unwrap_or(1);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("worker-net").enable_all().build()?;
     rt.block_on(async move {
-        let endpoint = shimmer_worker::transport::server(addr)?;
+        let endpoint = shimmer_worker::transport::server(addr, &creds)?;
         let local = endpoint.local_addr()?;
-        let state = std::sync::Arc::new(shimmer_worker::server::WorkerState {
-            dispatch: std::sync::Arc::new(store),
-            model: shimmer_worker::server::model_id(&fingerprint),
-            epoch: std::sync::atomic::AtomicU64::new(a.epoch),
-            token,
-            hidden: spec.hidden_size,
-            requests: std::sync::atomic::AtomicU64::new(0),
-        });
+        let mut state = shimmer_worker::server::WorkerState::new(std::sync::Arc::new(store), shimmer_worker::server::model_id(&fingerprint), epoch, creds, spec.hidden_size);
+        if let Some((name, _, assigned, _)) = slice {
+            state.name = name;
+            state.assigned = Some(assigned);
+            state.assigned_only = a.assigned_only;
+        }
+        let status = state.status();
+        let state = std::sync::Arc::new(state);
         // Tests and scripts wait for this line.
         eprintln!("shimmer: worker serving {} on {local} (QUIC, ALPN shimmer/1)", dir.display());
+        eprintln!(
+            "shimmer: worker {}: {} experts assigned{}, RAM for {} experts of {:.1} MB ({:.3} GB), epoch {epoch}",
+            if status.name.is_empty() { "(no placement)" } else { &status.name },
+            status.assigned_experts,
+            if a.assigned_only { " (serves only those)" } else { ", loads others from its disk on demand" },
+            status.capacity_experts,
+            status.expert_bytes as f64 / 1e6,
+            status.budget_bytes as f64 / 1e9,
+        );
         tokio::select! {
             _ = shimmer_worker::server::serve(endpoint, state) => {},
             _ = tokio::signal::ctrl_c() => eprintln!("shimmer: worker stopping"),
@@ -662,6 +765,20 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The placement's worker this one is: the one whose address is `listen`, else the only one on
+/// its port when `listen` is a wildcard address.
+fn worker_in_placement(p: &shimmer_worker::placement::Placement, listen: std::net::SocketAddr) -> Result<String> {
+    if let Some(w) = p.workers.iter().find(|w| w.addr.parse::<std::net::SocketAddr>().ok() == Some(listen)) {
+        return Ok(w.name.clone());
+    }
+    let same_port: Vec<_> = p.workers.iter().filter(|w| w.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.port() == listen.port())).collect();
+    match same_port.as_slice() {
+        [one] if listen.ip().is_unspecified() => Ok(one.name.clone()),
+        [] => bail!("no worker listens on {listen}"),
+        _ => bail!("{} workers could be {listen}", same_port.len()),
+    }
 }
 
 fn plan(a: PlanArgs) -> Result<ExitCode> {
@@ -729,7 +846,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_server(a: RunArgs) -> Result<ExitCode> {
+fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
+    if coordinator && a.store.placement.is_none() {
+        bail!("shimmer coordinator needs --placement FILE (write one with `shimmer plan`; docs/cluster.md)");
+    }
+    let host = a.host.clone().unwrap_or_else(|| if coordinator { "0.0.0.0" } else { "127.0.0.1" }.into());
     let dir = model_dir(&a.model)?;
     let engine = open(&dir, &a.store, false)?;
     let mut api_keys = a.api_keys.clone();
@@ -755,7 +876,7 @@ fn run_server(a: RunArgs) -> Result<ExitCode> {
     };
     crate::server::serve(
         engine,
-        crate::server::ServerConfig { host: a.host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id, expert_bytes },
+        crate::server::ServerConfig { host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id, expert_bytes },
     )?;
     Ok(ExitCode::SUCCESS)
 }

@@ -137,11 +137,13 @@ pub struct ExpertOptions {
     pub prefetch: bool,
     pub io_depth: usize,
     pub usage: UsageFile,
+    /// A worker's placement assignment: pinned and read at start (`StoreOptions::assigned`).
+    pub assigned: Option<Vec<Vec<u16>>>,
 }
 
 impl Default for ExpertOptions {
     fn default() -> Self {
-        ExpertOptions { ram: None, direct_io: false, mirror: None, prefetch: true, io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH, usage: UsageFile::BesideModel }
+        ExpertOptions { ram: None, direct_io: false, mirror: None, prefetch: true, io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH, usage: UsageFile::BesideModel, assigned: None }
     }
 }
 
@@ -292,7 +294,7 @@ impl Engine {
             }
             None => None,
         };
-        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage })
+        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() })
             .map_err(|e| EngineError::Input(e.to_string()))?;
         tracing::info!(budget_bytes, all_bytes, dense_bytes, "expert store open");
         let mut engine = Self::assemble(dir, spec, decoder, Box::new(store), fingerprint, t0)?;
@@ -332,7 +334,7 @@ impl Engine {
                 Some(Usage::open(&p, &fingerprint, &shape)?)
             }
         };
-        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage }).map_err(|e| EngineError::Input(e.to_string()))?;
+        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() }).map_err(|e| EngineError::Input(e.to_string()))?;
         Ok((spec, fingerprint, store))
     }
 

@@ -15,6 +15,8 @@ fuzz_target!(|data: &[u8]| {
         }
         Frame::Error { request_id, code: Some(code), message } => wire::encode_error(*request_id, *code, message),
         Frame::Error { .. } => return,
+        Frame::Status { request_id } => wire::encode_status_request(*request_id, 0, 0),
+        Frame::StatusReply { request_id, json } => wire::encode_status_reply(*request_id, 0, 0, json).expect("a decoded status is within the limit"),
     };
     let back = wire::decode(again).expect("a re-encoded frame decodes");
     match (&frame, &back) {

@@ -3,7 +3,6 @@
 //! the single box's logits bit for bit, under placements that spread each layer's experts over the
 //! workers differently; a coordinator with the wrong join token is refused.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,12 +10,20 @@ use shimmer_common::{Checkpoint, ModelSpec};
 use shimmer_coordinator::Engine;
 use shimmer_tests::{fixture, oracle};
 use shimmer_worker::placement::{Placement, Worker, FORMAT, VERSION};
-use shimmer_worker::remote::RemoteExperts;
+use shimmer_worker::remote::{RemoteExperts, Timeouts};
 use shimmer_worker::server::{model_id, serve, WorkerState};
-use shimmer_worker::transport::{self, JoinToken};
+use shimmer_worker::transport::{self, Credentials, JoinToken};
 use shimmer_worker::{ExpertDispatch, InProcessExperts};
 
 const TOKEN: &str = "test-cluster-join-token";
+
+fn creds(token: &str) -> Credentials {
+    Credentials::token(JoinToken::new(token).unwrap())
+}
+
+fn timeouts(answer_s: u64) -> Timeouts {
+    Timeouts { answer: Duration::from_secs(answer_s), connect: Duration::from_secs(3) }
+}
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -30,11 +37,22 @@ fn start_workers(dir: &std::path::Path, n: usize, fingerprint: &str) -> (tokio::
 }
 
 fn start_worker(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr) -> (quinn::Endpoint, String) {
+    start_worker_for(rt, dir, fingerprint, at, None)
+}
+
+/// A worker that knows its slice of `placement` (`name`), serving only it when `assigned_only`.
+fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr, slice: Option<(&Placement, &str, bool)>) -> (quinn::Endpoint, String) {
     let spec = ModelSpec::from_dir(dir).unwrap();
     let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
-    let ep = rt.block_on(async { transport::server(at) }).unwrap();
+    let ep = rt.block_on(async { transport::server(at, &creds(TOKEN)) }).unwrap();
     let addr = ep.local_addr().unwrap().to_string();
-    let state = Arc::new(WorkerState { dispatch: experts, model: model_id(fingerprint), epoch: AtomicU64::new(1), token: JoinToken::new(TOKEN).unwrap(), hidden: spec.hidden_size, requests: AtomicU64::new(0) });
+    let mut state = WorkerState::new(experts, model_id(fingerprint), 1, creds(TOKEN), spec.hidden_size);
+    if let Some((p, name, only)) = slice {
+        state.name = name.to_string();
+        state.assigned = Some(p.layers.iter().flat_map(|l| l.replicas.iter().enumerate().filter(|(_, h)| h.iter().any(|x| x == name)).map(move |(e, _)| (l.layer as u32, e as u32))).collect());
+        state.assigned_only = only;
+    }
+    let state = Arc::new(state);
     rt.spawn(serve(ep.clone(), state));
     (ep, addr)
 }
@@ -67,7 +85,7 @@ fn a_dead_worker_fails_over_to_replicas_with_identical_logits_and_is_readmitted(
             r.push(addrs[(e + 1) % 3].clone());
         }
     }
-    let remote = Arc::new(RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(5)).unwrap());
+    let remote = Arc::new(RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap());
     let r2 = remote.clone();
     let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
     let mut session = engine.new_session();
@@ -98,19 +116,34 @@ fn a_dead_worker_fails_over_to_replicas_with_identical_logits_and_is_readmitted(
 }
 
 #[test]
-fn with_one_copy_an_unreachable_expert_is_an_error_naming_it() {
+fn with_one_copy_a_dead_workers_experts_come_from_another_workers_disk_or_are_an_error_naming_them() {
     let dir = fixture("qwen3_moe");
     let single = Engine::load(&dir).unwrap();
     let (spec, fingerprint) = (single.spec.clone(), single.fingerprint.clone());
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let workers: Vec<(quinn::Endpoint, String)> = (0..2).map(|_| start_worker(&rt, &dir, &fingerprint, ([127, 0, 0, 1], 0).into())).collect();
-    let addrs: Vec<String> = workers.iter().map(|w| w.1.clone()).collect();
-    let p = placement(&fingerprint, &spec, &addrs, |_, e| e % 2);
-    let remote = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(5)).unwrap();
-    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
-    workers[1].0.close(0u32.into(), b"killed");
-    let e = engine.logits_all(&[1, 2, 3, 4, 5, 6]).unwrap_err().to_string();
-    assert!(e.contains("no holder can be reached") && e.contains("expert") && e.contains(&addrs[1]), "{e}");
+    let ids = [1u32, 2, 3, 4, 5, 6];
+    let want = single.logits_all(&ids).unwrap();
+    for assigned_only in [false, true] {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let addrs: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", free_udp_port())).collect();
+        let p = placement(&fingerprint, &spec, &addrs, |_, e| e % 2);
+        let workers: Vec<(quinn::Endpoint, String)> = addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
+        let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap();
+        let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
+        workers[1].0.close(0u32.into(), b"killed");
+        let got = engine.logits_all(&ids);
+        if assigned_only {
+            // The survivor serves its own slice only: nobody can load worker 1's experts.
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("no worker can serve it") && e.contains("expert") && e.contains(&addrs[1]), "{e}");
+        } else {
+            // The survivor reads worker 1's experts from its own disk: the same bits.
+            assert_eq!(bits(&got.unwrap()), bits(&want));
+        }
+    }
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn placement(fingerprint: &str, spec: &ModelSpec, addrs: &[String], owner: impl Fn(usize, usize) -> usize) -> Placement {
@@ -148,7 +181,7 @@ fn three_workers_give_the_single_box_logits_under_every_placement() {
         for (label, owner) in placements {
             let p = placement(&fingerprint, &spec, &addrs, owner);
             p.validate(&fingerprint, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>(), n).unwrap();
-            let remote = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new(TOKEN).unwrap(), Duration::from_secs(30)).unwrap();
+            let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(30)).unwrap();
             let engine = Engine::load_with_dispatch(&dir, move |_local| Box::new(remote)).unwrap();
             let got = engine.logits_all(&ids).unwrap();
             assert_eq!(bits(&got), bits(&want), "{name}: {label}");
@@ -163,7 +196,7 @@ fn a_coordinator_with_the_wrong_join_token_is_refused() {
     let fingerprint = Engine::load(&dir).unwrap().fingerprint;
     let (_rt, addrs) = start_workers(&dir, 1, &fingerprint);
     let p = placement(&fingerprint, &spec, &addrs, |_, _| 0);
-    let e = RemoteExperts::connect(p, model_id(&fingerprint), &JoinToken::new("not-the-cluster-token").unwrap(), Duration::from_secs(10)).err().expect("refused");
+    let e = RemoteExperts::connect(p, model_id(&fingerprint), &creds("not-the-cluster-token"), timeouts(10)).err().expect("refused");
     assert!(matches!(e, transport::TransportError::Refused), "{e}");
 }
 
@@ -240,8 +273,8 @@ fn garbage_wrong_model_and_stale_epoch_frames_get_error_codes_and_the_worker_kee
     let (rt, addrs) = start_workers(&dir, 1, &fingerprint);
     let addr: std::net::SocketAddr = addrs[0].parse().unwrap();
     rt.block_on(async {
-        let ep = transport::client().unwrap();
-        let conn = transport::connect(&ep, addr, &JoinToken::new(TOKEN).unwrap()).await.unwrap();
+        let ep = transport::client(&creds(TOKEN)).unwrap();
+        let conn = transport::connect(&ep, addr, &creds(TOKEN)).await.unwrap();
         let ask = |bytes: Vec<u8>| {
             let conn = conn.clone();
             async move {

@@ -74,6 +74,11 @@ pub trait ExpertDispatch: Send + Sync {
         None
     }
 
+    /// Links to workers and their counters, when the experts are on a cluster.
+    fn cluster(&self) -> Option<crate::remote::ClusterTelemetry> {
+        None
+    }
+
     /// Which experts of `layer` are in RAM now (`None`: the dispatcher keeps them all there).
     fn resident(&self, _layer: usize) -> Option<Vec<bool>> {
         None

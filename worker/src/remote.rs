@@ -5,99 +5,270 @@
 //! which is therefore the single box's bits whatever the placement (DESIGN.md §1).
 //!
 //! Failure: a worker that does not answer in time, or whose connection is gone, is marked down
-//! and its selections go to each expert's next holder in the placement, until every selection is
-//! served or an expert has no reachable holder left (an error naming the layer, the expert and
-//! the workers tried — never an answer from a different model). A down worker is retried after a
-//! backoff (1 s, doubling to 30 s) and re-admitted when it answers the join-token handshake.
+//! and its selections go to each expert's next holder in the placement; when every holder has
+//! failed, to any other worker that said (in its status) it loads unassigned experts from its own
+//! disk; until every selection is served or an expert has nobody left (an error naming the layer,
+//! the expert and the workers tried — never an answer from a different model). A down worker is
+//! retried after a backoff (1 s, doubling to 30 s) and re-admitted when its credentials check out.
 //!
-//! Must never: use a worker the placement does not name for an expert, or add a reply that is
-//! not the answer to the request sent (id, layer and size are checked).
+//! Telemetry: per worker, round trips, bytes each way, selections served, errors and a histogram
+//! of request round-trip times; overall, tokens (rows through the first MoE layer) and the time the
+//! forward pass waited on the network (`ClusterTelemetry`).
+//!
+//! Must never: send an expert to a worker the placement does not name for it unless that worker
+//! said it loads unassigned experts; add a reply that is not the answer to the request sent (id,
+//! layer and size are checked).
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use serde::Serialize;
 
 use crate::dispatch::{DispatchError, ExpertDispatch, MoeBatch, ELSEWHERE};
 use crate::placement::Placement;
-use crate::transport::{self, JoinToken, TransportError};
+use crate::server::WorkerStatus;
+use crate::transport::{self, Credentials, TransportError};
 use crate::wire::{self, Frame};
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
-const RECONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+/// Upper bounds (seconds) of the round-trip histogram's buckets; the last bucket is +Inf.
+pub const RTT_BUCKETS: &[f64] = &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
+/// Bounds on waiting for workers.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// For a worker's answer to one layer's request.
+    pub answer: Duration,
+    /// For a connection and its credential check (at start and on re-admission).
+    pub connect: Duration,
+}
+
+#[derive(Default, Clone)]
+struct LinkCounters {
+    requests: u64,
+    selections: u64,
+    bytes_sent: u64,
+    bytes_received: u64,
+    errors: u64,
+    rtt_buckets: [u64; RTT_BUCKETS.len() + 1],
+    rtt_sum: f64,
+}
 
 struct Link {
     addr: SocketAddr,
     conn: Option<quinn::Connection>,
     /// Down until this time, with the backoff that set it.
     down: Option<(Instant, Duration)>,
+    status: Option<WorkerStatus>,
+    counters: LinkCounters,
+}
+
+/// One worker as the coordinator sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerLink {
+    pub name: String,
+    pub addr: String,
+    pub up: bool,
+    /// QUIC's smoothed path RTT estimate (the network alone), when connected.
+    pub path_rtt_ms: Option<f64>,
+    /// (layer, expert) pairs the placement lists it for, and those it is first choice for.
+    pub placed_experts: usize,
+    pub first_choice_experts: usize,
+    pub requests: u64,
+    pub selections: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub errors: u64,
+    /// Request round trips (network and the worker's compute) per `RTT_BUCKETS` bucket (not
+    /// cumulative; the last is +Inf), and their sum.
+    pub rtt_buckets: Vec<u64>,
+    pub rtt_sum_s: f64,
+    /// What the worker last said about itself.
+    pub status: Option<WorkerStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterTelemetry {
+    pub workers: Vec<WorkerLink>,
+    /// Rows that went through the first MoE layer: tokens prefilled or decoded.
+    pub tokens: u64,
+    pub round_trips: u64,
+    pub network_wait_s: f64,
+    pub failovers: u64,
+    pub placement_epoch: u64,
+}
+
+type Links = Arc<Mutex<HashMap<String, Link>>>;
+
+fn lock(links: &Links) -> MutexGuard<'_, HashMap<String, Link>> {
+    links.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 pub struct RemoteExperts {
     rt: tokio::runtime::Runtime,
     endpoint: quinn::Endpoint,
-    token: JoinToken,
-    links: Mutex<HashMap<String, Link>>,
+    creds: Credentials,
+    links: Links,
     placement: Placement,
+    first_moe_layer: usize,
     model: u64,
-    next_id: AtomicU64,
-    timeout: Duration,
-    /// Selections served by a later holder than the placement's first (telemetry).
+    next_id: Arc<AtomicU64>,
+    timeouts: Timeouts,
+    /// Selections served by another than the placement's first holder.
     pub failovers: AtomicU64,
+    tokens: AtomicU64,
+    wait_ns: AtomicU64,
 }
 
 impl RemoteExperts {
-    /// Connects to the workers the placement names (proving the join token). A worker that cannot
-    /// be reached now starts down (its experts' other holders serve); a refused token is an error.
-    pub fn connect(placement: Placement, model: u64, token: &JoinToken, timeout: Duration) -> Result<Self, TransportError> {
+    /// Connects to the workers the placement names, all at once (each bounded by the connect
+    /// timeout), and asks each for its status. A worker that cannot be reached now starts down
+    /// (its experts' other holders serve); refused credentials are an error.
+    pub fn connect(placement: Placement, model: u64, creds: &Credentials, timeouts: Timeouts) -> Result<Self, TransportError> {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("remote-experts").enable_all().build().map_err(|e| TransportError::Tls(e.to_string()))?;
-        let endpoint = rt.block_on(async { transport::client() })?;
-        let mut links = HashMap::new();
-        let mut reachable = 0;
-        let mut errors = Vec::new();
+        let endpoint = rt.block_on(async { transport::client(creds) })?;
+        let mut addrs = Vec::new();
         for w in &placement.workers {
             let addr: SocketAddr = w.addr.parse().map_err(|e| TransportError::Connect { addr: ([0, 0, 0, 0], 0).into(), reason: format!("worker {} address {:?}: {e}", w.name, w.addr) })?;
-            let conn = match rt.block_on(async { tokio::time::timeout(timeout.min(Duration::from_secs(10)), transport::connect(&endpoint, addr, token)).await }) {
-                Ok(Ok(c)) => {
-                    reachable += 1;
-                    Some(c)
-                }
-                Ok(Err(TransportError::Refused)) => return Err(TransportError::Refused),
-                Ok(Err(e)) => {
-                    errors.push(format!("{}: {e}", w.addr));
-                    None
-                }
-                Err(_) => {
-                    errors.push(format!("{}: timed out", w.addr));
-                    None
+            addrs.push((w.name.clone(), addr));
+        }
+        let next_id = Arc::new(AtomicU64::new(1));
+        let attempts = rt.block_on(async {
+            let handles: Vec<_> = addrs.iter().map(|(_, addr)| tokio::spawn(Self::dial(endpoint.clone(), *addr, creds.clone(), timeouts.connect, model, placement.epoch, next_id.clone()))).collect();
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.await.unwrap_or_else(|e| Err(TransportError::Tls(e.to_string()))));
+            }
+            out
+        });
+        let mut links = HashMap::new();
+        let mut errors = Vec::new();
+        for ((name, addr), attempt) in addrs.iter().zip(attempts) {
+            let (conn, status) = match attempt {
+                Ok((c, s)) => (Some(c), s),
+                Err(TransportError::Refused) => return Err(TransportError::Refused),
+                Err(e @ TransportError::Handshake { .. }) => return Err(e),
+                Err(e) => {
+                    errors.push(e.to_string());
+                    (None, None)
                 }
             };
             let down = conn.is_none().then(|| (Instant::now() + BACKOFF_START, BACKOFF_START));
-            links.insert(w.name.clone(), Link { addr, conn, down });
+            links.insert(name.clone(), Link { addr: *addr, conn, down, status, counters: LinkCounters::default() });
         }
-        if reachable == 0 {
-            let first = links.values().next().map_or(([0, 0, 0, 0], 0).into(), |l: &Link| l.addr);
-            return Err(TransportError::Connect { addr: first, reason: format!("no worker can be reached: {}", errors.join("; ")) });
+        if links.values().all(|l| l.conn.is_none()) {
+            return Err(TransportError::NoWorkers(errors.join("; ")));
         }
-        Ok(RemoteExperts { rt, endpoint, token: token.clone(), links: Mutex::new(links), placement, model, next_id: AtomicU64::new(1), timeout, failovers: AtomicU64::new(0) })
+        for e in errors {
+            tracing::warn!("starting without a worker (its experts' other holders serve): {e}");
+        }
+        let links: Links = Arc::new(Mutex::new(links));
+        rt.spawn(Self::refresh_statuses(links.clone(), model, placement.epoch, next_id.clone(), timeouts.answer));
+        let first_moe_layer = placement.layers.iter().map(|l| l.layer).min().unwrap_or(0);
+        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, first_moe_layer, model, next_id, timeouts, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+    }
+
+    /// A connection with its credentials checked, and the worker's status (if it answers).
+    async fn dial(ep: quinn::Endpoint, addr: SocketAddr, creds: Credentials, within: Duration, model: u64, epoch: u64, ids: Arc<AtomicU64>) -> Result<(quinn::Connection, Option<WorkerStatus>), TransportError> {
+        let conn = tokio::time::timeout(within, transport::connect(&ep, addr, &creds)).await.map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
+        let status = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await;
+        Ok((conn, status))
+    }
+
+    async fn ask_status(conn: &quinn::Connection, model: u64, epoch: u64, id: u64, within: Duration) -> Option<WorkerStatus> {
+        match Self::ask(conn, wire::encode_status_request(id, model, epoch), within).await {
+            Ok((Frame::StatusReply { request_id, json }, _)) if request_id == id => match serde_json::from_str(&json) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(peer = %conn.remote_address(), "unreadable status: {e}");
+                    None
+                }
+            },
+            _ => None,
+        }
+    }
+
+    /// Every few seconds, what each connected worker says about itself (the dashboard's view).
+    async fn refresh_statuses(links: Links, model: u64, epoch: u64, ids: Arc<AtomicU64>, within: Duration) {
+        loop {
+            tokio::time::sleep(STATUS_EVERY).await;
+            let conns: Vec<(String, quinn::Connection)> = lock(&links).iter().filter_map(|(n, l)| l.conn.clone().filter(|_| l.down.is_none()).map(|c| (n.clone(), c))).collect();
+            for (name, conn) in conns {
+                if let Some(s) = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await {
+                    if let Some(l) = lock(&links).get_mut(&name) {
+                        l.status = Some(s);
+                    }
+                }
+            }
+        }
     }
 
     /// Workers currently marked down.
     pub fn down_workers(&self) -> Vec<String> {
-        let links = self.links.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v: Vec<String> = links.iter().filter(|(_, l)| l.down.is_some()).map(|(n, _)| n.clone()).collect();
+        let mut v: Vec<String> = lock(&self.links).iter().filter(|(_, l)| l.down.is_some()).map(|(n, _)| n.clone()).collect();
         v.sort();
         v
+    }
+
+    /// Links, counters and statuses, in the placement's worker order.
+    pub fn telemetry_snapshot(&self) -> ClusterTelemetry {
+        let links = lock(&self.links);
+        let mut placed: HashMap<&str, (usize, usize)> = HashMap::new();
+        for l in &self.placement.layers {
+            for holders in &l.replicas {
+                for (i, h) in holders.iter().enumerate() {
+                    let p = placed.entry(h.as_str()).or_default();
+                    p.0 += 1;
+                    p.1 += usize::from(i == 0);
+                }
+            }
+        }
+        let workers = self
+            .placement
+            .workers
+            .iter()
+            .filter_map(|w| {
+                let l = links.get(&w.name)?;
+                let c = &l.counters;
+                let (placed_experts, first_choice_experts) = placed.get(w.name.as_str()).copied().unwrap_or_default();
+                Some(WorkerLink {
+                    name: w.name.clone(),
+                    addr: w.addr.clone(),
+                    up: l.down.is_none() && l.conn.as_ref().is_some_and(|c| c.close_reason().is_none()),
+                    path_rtt_ms: l.conn.as_ref().filter(|_| l.down.is_none()).map(|c| c.rtt().as_secs_f64() * 1e3),
+                    placed_experts,
+                    first_choice_experts,
+                    requests: c.requests,
+                    selections: c.selections,
+                    bytes_sent: c.bytes_sent,
+                    bytes_received: c.bytes_received,
+                    errors: c.errors,
+                    rtt_buckets: c.rtt_buckets.to_vec(),
+                    rtt_sum_s: c.rtt_sum,
+                    status: l.status.clone(),
+                })
+            })
+            .collect::<Vec<_>>();
+        ClusterTelemetry {
+            round_trips: workers.iter().map(|w| w.requests).sum(),
+            workers,
+            tokens: self.tokens.load(Ordering::Relaxed),
+            network_wait_s: self.wait_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            failovers: self.failovers.load(Ordering::Relaxed),
+            placement_epoch: self.placement.epoch,
+        }
     }
 
     /// A live connection to `name`, reconnecting a down worker whose backoff has passed.
     fn connection(&self, name: &str) -> Option<quinn::Connection> {
         let addr = {
-            let links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+            let links = lock(&self.links);
             let l = links.get(name)?;
             match (&l.conn, l.down) {
                 (Some(c), None) if c.close_reason().is_none() => return Some(c.clone()),
@@ -105,17 +276,18 @@ impl RemoteExperts {
                 _ => l.addr,
             }
         };
-        let fresh = self.rt.block_on(async { tokio::time::timeout(RECONNECT_TIMEOUT, transport::connect(&self.endpoint, addr, &self.token)).await });
-        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = self.rt.block_on(Self::dial(self.endpoint.clone(), addr, self.creds.clone(), self.timeouts.connect, self.model, self.placement.epoch, self.next_id.clone()));
+        let mut links = lock(&self.links);
         let l = links.get_mut(name)?;
         match fresh {
-            Ok(Ok(c)) => {
+            Ok((c, status)) => {
                 tracing::info!(worker = name, "worker re-admitted");
                 l.conn = Some(c.clone());
                 l.down = None;
+                l.status = status.or(l.status.take());
                 Some(c)
             }
-            _ => {
+            Err(_) => {
                 let backoff = l.down.map_or(BACKOFF_START, |(_, b)| (b * 2).min(BACKOFF_MAX));
                 l.conn = None;
                 l.down = Some((Instant::now() + backoff, backoff));
@@ -125,7 +297,7 @@ impl RemoteExperts {
     }
 
     fn mark_down(&self, name: &str) {
-        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = lock(&self.links);
         if let Some(l) = links.get_mut(name) {
             if l.down.is_none() {
                 tracing::warn!(worker = name, "worker marked down");
@@ -138,15 +310,42 @@ impl RemoteExperts {
         }
     }
 
-    async fn ask(conn: &quinn::Connection, frame: Bytes, timeout: Duration) -> Result<Frame, String> {
+    /// Workers that are not `holders` but said they load unassigned experts, in name order.
+    fn volunteers(&self, holders: &[String]) -> Vec<String> {
+        let links = lock(&self.links);
+        let mut v: Vec<String> = links.iter().filter(|(n, l)| !holders.contains(n) && l.status.as_ref().is_some_and(|s| s.loads_unassigned)).map(|(n, _)| n.clone()).collect();
+        v.sort();
+        v
+    }
+
+    /// One request and its answer on a fresh stream; the answer's size comes back for telemetry.
+    async fn ask(conn: &quinn::Connection, frame: Bytes, timeout: Duration) -> Result<(Frame, usize), String> {
         let work = async {
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
             send.write_all(&frame).await.map_err(|e| e.to_string())?;
             send.finish().map_err(|e| e.to_string())?;
             let bytes = recv.read_to_end(wire::HEADER_LEN + wire::MAX_PAYLOAD as usize).await.map_err(|e| e.to_string())?;
-            wire::decode(Bytes::from(bytes)).map_err(|e| e.to_string())
+            let n = bytes.len();
+            wire::decode(Bytes::from(bytes)).map(|f| (f, n)).map_err(|e| e.to_string())
         };
         tokio::time::timeout(timeout, work).await.map_err(|_| format!("no answer within {timeout:?}"))?
+    }
+
+    fn count(&self, name: &str, sent: usize, received: usize, selections: usize, took: Duration, ok: bool) {
+        if let Some(l) = lock(&self.links).get_mut(name) {
+            let c = &mut l.counters;
+            c.requests += 1;
+            c.bytes_sent += sent as u64;
+            c.bytes_received += received as u64;
+            if ok {
+                c.selections += selections as u64;
+            } else {
+                c.errors += 1;
+            }
+            let s = took.as_secs_f64();
+            c.rtt_buckets[RTT_BUCKETS.iter().position(|b| s <= *b).unwrap_or(RTT_BUCKETS.len())] += 1;
+            c.rtt_sum += s;
+        }
     }
 }
 
@@ -164,7 +363,7 @@ impl ExpertDispatch for RemoteExperts {
             }
         }
         for (name, list) in per_worker {
-            let Some(conn) = self.links.lock().unwrap_or_else(|e| e.into_inner()).get(&name).and_then(|l| l.conn.clone().filter(|_| l.down.is_none())) else { continue };
+            let Some(conn) = lock(&self.links).get(&name).and_then(|l| l.conn.clone().filter(|_| l.down.is_none())) else { continue };
             let frame = wire::encode_hint(self.model, self.placement.epoch, layer as u32, 1, &list);
             self.rt.spawn(async move {
                 if let Ok((mut send, _recv)) = conn.open_bi().await {
@@ -175,50 +374,65 @@ impl ExpertDispatch for RemoteExperts {
         }
     }
 
+    fn cluster(&self) -> Option<ClusterTelemetry> {
+        Some(self.telemetry_snapshot())
+    }
+
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
         let layer = batch.layer;
+        if layer == self.first_moe_layer {
+            self.tokens.fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
+        }
         let rows_bytes: Bytes = batch.rows.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         let slots = batch.experts.len();
-        // Per slot, the holders not yet tried; a slot is served once its answer is added.
+        // Per slot, the workers already tried; a slot is served once its answer is added.
         let mut tried: Vec<HashSet<String>> = vec![HashSet::new(); slots];
         let mut pending: Vec<usize> = (0..slots).collect();
         let mut round = 0;
         while !pending.is_empty() {
             round += 1;
-            // Each pending slot to its first holder that is up and not yet tried.
+            // Each pending slot to its first holder that is up and not yet tried; when none is
+            // left, to a volunteer that loads it from its own disk.
             let mut per_worker: HashMap<String, Vec<usize>> = HashMap::new();
             let mut conns: HashMap<String, quinn::Connection> = HashMap::new();
             for &slot in &pending {
                 let e = batch.experts[slot];
                 let holders = self.placement.holders(layer, e as usize).ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
-                let pick = holders.iter().find(|h| {
-                    if tried[slot].contains(*h) {
+                let mut usable = |h: &String, tried: &mut HashSet<String>| {
+                    if tried.contains(h) {
                         return false;
                     }
-                    if let Some(c) = conns.get(*h) {
+                    if let Some(c) = conns.get(h) {
                         return c.close_reason().is_none();
                     }
                     match self.connection(h) {
                         Some(c) => {
-                            conns.insert((*h).clone(), c);
+                            conns.insert(h.clone(), c);
                             true
                         }
                         None => {
-                            tried[slot].insert((*h).clone());
+                            tried.insert(h.clone());
                             false
                         }
                     }
-                });
+                };
+                let mut pick = holders.iter().find(|h| usable(h, &mut tried[slot])).cloned();
+                if pick.is_none() {
+                    pick = self.volunteers(holders).into_iter().find(|h| usable(h, &mut tried[slot]));
+                }
                 let Some(h) = pick else {
                     let mut names: Vec<&String> = tried[slot].iter().collect();
                     names.sort();
-                    return Err(DispatchError::Remote(format!("layer {layer} expert {e}: no holder can be reached (tried {})", names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "))));
+                    return Err(DispatchError::Remote(format!(
+                        "layer {layer} expert {e}: no worker can serve it (tried {}; no other reachable worker loads it from its own disk)",
+                        names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                    )));
                 };
-                if h != &holders[0] && round == 1 {
-                    // Served by a later holder because an earlier one is down.
+                if h != holders[0] && round == 1 {
+                    // Served by another than the first holder because that one is down.
                     self.failovers.fetch_add(1, Ordering::Relaxed);
                 }
-                per_worker.entry(h.clone()).or_default().push(slot);
+                per_worker.entry(h).or_default().push(slot);
             }
             let requests: Vec<(String, u64, Vec<usize>, Bytes)> = per_worker
                 .into_iter()
@@ -232,28 +446,34 @@ impl ExpertDispatch for RemoteExperts {
                     (name, id, mine, req.encode())
                 })
                 .collect();
+            let waited = Instant::now();
             let answers = self.rt.block_on(async {
                 let mut handles = Vec::with_capacity(requests.len());
                 for (name, _, _, frame) in &requests {
                     let conn = conns.get(name).cloned();
-                    let (timeout, frame) = (self.timeout, frame.clone());
+                    let (timeout, frame) = (self.timeouts.answer, frame.clone());
                     handles.push(tokio::spawn(async move {
-                        match conn {
+                        let t0 = Instant::now();
+                        let r = match conn {
                             Some(c) => Self::ask(&c, frame, timeout).await,
                             None => Err("not connected".into()),
-                        }
+                        };
+                        (r, t0.elapsed())
                     }));
                 }
                 let mut out = Vec::with_capacity(handles.len());
                 for h in handles {
-                    out.push(h.await.map_err(|e| e.to_string()).and_then(|r| r));
+                    out.push(h.await.unwrap_or_else(|e| (Err(e.to_string()), Duration::ZERO)));
                 }
                 out
             });
+            self.wait_ns.fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let mut failed = Vec::new();
-            for ((name, id, mine, _), answer) in requests.into_iter().zip(answers) {
-                match answer {
+            for ((name, id, mine, frame), (answer, took)) in requests.into_iter().zip(answers) {
+                let received = answer.as_ref().map_or(0, |a| a.1);
+                match answer.map(|a| a.0) {
                     Ok(Frame::Response(r)) if r.request_id == id && r.layer as usize == layer && r.sums.len() == acc.len() => {
+                        self.count(&name, frame.len(), received, mine.len(), took, true);
                         for (a, s) in acc.iter_mut().zip(&r.sums) {
                             *a = a.checked_add(*s).ok_or_else(|| DispatchError::Remote(format!("fixed-point overflow adding worker {name}'s sums")))?;
                         }
@@ -261,11 +481,13 @@ impl ExpertDispatch for RemoteExperts {
                     // A worker that answers with an error is up but cannot serve this: the next
                     // holder tries (it stays up); one that does not answer is marked down.
                     Ok(Frame::Error { code, message, .. }) => {
+                        self.count(&name, frame.len(), received, mine.len(), took, false);
                         tracing::warn!(worker = %name, ?code, "{message}");
                         failed.push((name, mine, false));
                     }
                     Ok(other) => return Err(DispatchError::Remote(format!("worker {name} answered request {id} with {other:?}"))),
                     Err(e) => {
+                        self.count(&name, frame.len(), received, mine.len(), took, false);
                         tracing::warn!(worker = %name, "{e}");
                         failed.push((name, mine, true));
                     }

@@ -1,19 +1,22 @@
 //! A worker node's QUIC service (`shimmer worker`): authenticates each coordinator's connection
 //! (the join token, `transport.rs`), then answers every stream's request frame with the partial
 //! sums of the selections it was given, computed by its own expert dispatcher (its store), and
-//! takes prefetch hints. A bad frame gets an error frame on its stream; the connection and
-//! everyone else's streams go on.
+//! takes prefetch hints, and answers status questions (what it is, what it holds, whether it
+//! loads experts it was not assigned). A bad frame gets an error frame on its stream; the
+//! connection and everyone else's streams go on.
 //!
 //! Must never: compute for another model or placement epoch, or let one stream's failure end
-//! the process.
+//! the process; serve an unassigned expert when told to serve its assignment only.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
 
-use crate::dispatch::{ExpertDispatch, MoeBatch};
-use crate::transport::{self, JoinToken};
+use crate::dispatch::{ExpertDispatch, MoeBatch, ELSEWHERE};
+use crate::transport::{self, Credentials};
 use crate::wire::{self, ErrorCode, Frame, Header, HEADER_LEN};
 
 pub struct WorkerState {
@@ -21,11 +24,57 @@ pub struct WorkerState {
     /// 64-bit identity of the model served (`model_id`).
     pub model: u64,
     pub epoch: AtomicU64,
-    pub token: JoinToken,
+    pub creds: Credentials,
     pub hidden: usize,
     pub requests: AtomicU64,
+    /// The worker's name in the placement ("" without one).
+    pub name: String,
+    /// The (layer, expert) pairs the placement gives this worker (`None`: no placement).
+    pub assigned: Option<HashSet<(u32, u32)>>,
+    /// Refuse selections outside `assigned` (a node whose disk or RAM is meant for its slice only).
+    pub assigned_only: bool,
 }
 
+impl WorkerState {
+    pub fn new(dispatch: Arc<dyn ExpertDispatch>, model: u64, epoch: u64, creds: Credentials, hidden: usize) -> Self {
+        WorkerState { dispatch, model, epoch: AtomicU64::new(epoch), creds, hidden, requests: AtomicU64::new(0), name: String::new(), assigned: None, assigned_only: false }
+    }
+
+    pub fn status(&self) -> WorkerStatus {
+        let t = self.dispatch.telemetry();
+        WorkerStatus {
+            name: self.name.clone(),
+            epoch: self.epoch.load(Ordering::SeqCst),
+            assigned_experts: self.assigned.as_ref().map_or(0, HashSet::len),
+            loads_unassigned: !self.assigned_only,
+            budget_bytes: t.as_ref().map_or(0, |t| t.budget_bytes),
+            expert_bytes: t.as_ref().map_or(0, |t| t.expert_bytes),
+            capacity_experts: t.as_ref().map_or(0, |t| t.capacity_experts),
+            resident_experts: t.as_ref().map_or(0, |t| t.resident_experts),
+            requests: self.requests.load(Ordering::Relaxed),
+            disk_reads: t.as_ref().map_or(0, |t| t.reads),
+        }
+    }
+}
+
+/// What a worker says about itself (the status reply's JSON).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct WorkerStatus {
+    pub name: String,
+    pub epoch: u64,
+    /// Experts the placement gives it.
+    pub assigned_experts: usize,
+    /// Whether it loads, from its own disk, experts the placement gives others (failover).
+    pub loads_unassigned: bool,
+    /// RAM for experts, one expert's bytes, and how many fit.
+    pub budget_bytes: u64,
+    pub expert_bytes: u64,
+    pub capacity_experts: u64,
+    /// Experts in RAM now.
+    pub resident_experts: usize,
+    pub requests: u64,
+    pub disk_reads: u64,
+}
 /// The 64-bit model identity frames carry.
 pub fn model_id(fingerprint: &str) -> u64 {
     shimmer_common::expert_blob::checksum(fingerprint.as_bytes())
@@ -37,7 +86,7 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<WorkerState>) {
         let state = state.clone();
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else { return };
-            if let Err(e) = transport::authenticate(&conn, &state.token).await {
+            if let Err(e) = transport::authenticate(&conn, &state.creds).await {
                 tracing::warn!(peer = %conn.remote_address(), "refused: {e}");
                 return;
             }
@@ -84,6 +133,11 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
             if req.hidden as usize != state.hidden {
                 return Some(wire::encode_error(req.request_id, ErrorCode::Malformed, &format!("hidden size {} is not the model's {}", req.hidden, state.hidden)));
             }
+            if let (true, Some(mine)) = (state.assigned_only, &state.assigned) {
+                if let Some((e, _)) = req.selections.iter().find(|(e, _)| *e != ELSEWHERE && !mine.contains(&(req.layer, *e))) {
+                    return Some(wire::encode_error(req.request_id, ErrorCode::Unavailable, &format!("worker {} serves only its assigned experts; layer {} expert {e} is not one", state.name, req.layer)));
+                }
+            }
             state.requests.fetch_add(1, Ordering::Relaxed);
             let id = req.request_id;
             let st = state.clone();
@@ -106,6 +160,11 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
             state.dispatch.prefetch(layer as usize, &experts);
             None
         }
+        Frame::Status { request_id } => {
+            let json = serde_json::to_string(&state.status()).unwrap_or_default();
+            Some(wire::encode_status_reply(request_id, state.model, state.epoch.load(Ordering::SeqCst), &json).unwrap_or_else(|| wire::encode_error(request_id, ErrorCode::Internal, "status too large")))
+        }
+        Frame::StatusReply { request_id, .. } => Some(wire::encode_error(request_id, ErrorCode::Malformed, "a worker takes questions, not status replies")),
         Frame::Response(r) => Some(wire::encode_error(r.request_id, ErrorCode::Malformed, "a worker takes requests, not responses")),
         Frame::Error { request_id, .. } => Some(wire::encode_error(request_id, ErrorCode::Malformed, "a worker takes requests, not errors")),
     }

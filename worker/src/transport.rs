@@ -4,16 +4,22 @@
 //! the proof is bound to the session (RFC 5705/8446 exporters), so it cannot be replayed on another
 //! connection or relayed by a man in the middle, whose two sessions would have different secrets.
 //! With that proof, a node's certificate needs no CA: each presents a fresh self-signed one.
-//! (Operator-supplied mTLS certificates are the other way in; not built yet.)
 //!
-//! Must never: let a stream carry work before the connection's proof checked out, or compare
-//! proofs in variable time.
+//! The other way in is operator-supplied mutual TLS (`--tls-cert/--tls-key/--tls-ca`): both sides
+//! present a certificate chain that must verify against the operator's CA (a worker's for the IP
+//! address the coordinator dials), and the handshake itself refuses strangers. Given both, a
+//! connection must pass both.
+//!
+//! Must never: let a stream carry work before the connection's credentials checked out, or
+//! compare proofs in variable time.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 
 pub const ALPN: &[u8] = b"shimmer/1";
@@ -38,6 +44,68 @@ pub enum TransportError {
     Refused,
     #[error("authentication with {peer} failed: {reason}")]
     Handshake { peer: SocketAddr, reason: String },
+    #[error("{path}: {reason}")]
+    Certificate { path: String, reason: String },
+    #[error("no worker can be reached: {0}")]
+    NoWorkers(String),
+    #[error("a cluster link needs a join token (--join-token or SHIMMER_JOIN_TOKEN) or operator certificates (--tls-cert, --tls-key and --tls-ca)")]
+    NoCredentials,
+}
+
+/// The operator's mTLS material: this node's chain and key, and the CA both sides verify with.
+pub struct OperatorCerts {
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    roots: Arc<rustls::RootCertStore>,
+}
+
+impl OperatorCerts {
+    /// Reads PEM files: the certificate chain (leaf first), its private key, and the CA
+    /// certificate(s).
+    pub fn load(cert: &Path, key: &Path, ca: &Path) -> Result<Self, TransportError> {
+        let bad = |p: &Path, reason: String| TransportError::Certificate { path: p.display().to_string(), reason };
+        let read = |p: &Path| -> Result<Vec<u8>, TransportError> {
+            let meta = std::fs::metadata(p).map_err(|e| bad(p, e.to_string()))?;
+            if meta.len() > 1 << 20 {
+                return Err(bad(p, format!("{} bytes is not a PEM certificate or key (limit 1 MiB)", meta.len())));
+            }
+            std::fs::read(p).map_err(|e| bad(p, e.to_string()))
+        };
+        let pem_certs = |p: &Path| -> Result<Vec<CertificateDer<'static>>, TransportError> {
+            let certs = CertificateDer::pem_slice_iter(&read(p)?).collect::<Result<Vec<_>, _>>().map_err(|e| bad(p, format!("not PEM certificates: {e}")))?;
+            if certs.is_empty() {
+                return Err(bad(p, "no CERTIFICATE block".into()));
+            }
+            Ok(certs)
+        };
+        let chain = pem_certs(cert)?;
+        let key_der = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| bad(key, format!("no private key: {e}")))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in pem_certs(ca)? {
+            roots.add(c).map_err(|e| bad(ca, format!("not a usable CA certificate: {e}")))?;
+        }
+        Ok(OperatorCerts { chain, key: key_der, roots: Arc::new(roots) })
+    }
+}
+
+/// How this node proves itself and checks its peers: a join token, operator certificates, or both.
+#[derive(Clone)]
+pub struct Credentials {
+    pub token: Option<JoinToken>,
+    pub certs: Option<Arc<OperatorCerts>>,
+}
+
+impl Credentials {
+    pub fn new(token: Option<JoinToken>, certs: Option<OperatorCerts>) -> Result<Self, TransportError> {
+        if token.is_none() && certs.is_none() {
+            return Err(TransportError::NoCredentials);
+        }
+        Ok(Credentials { token, certs: certs.map(Arc::new) })
+    }
+
+    pub fn token(token: JoinToken) -> Self {
+        Credentials { token: Some(token), certs: None }
+    }
 }
 
 /// The cluster's shared secret.
@@ -83,33 +151,38 @@ fn transport_config() -> Arc<quinn::TransportConfig> {
     Arc::new(t)
 }
 
-/// A listening endpoint with a fresh self-signed identity.
-pub fn server(addr: SocketAddr) -> Result<quinn::Endpoint, TransportError> {
+/// A listening endpoint: with operator certificates, presenting them and requiring a client
+/// certificate from the same CA; otherwise with a fresh self-signed identity.
+pub fn server(addr: SocketAddr, creds: &Credentials) -> Result<quinn::Endpoint, TransportError> {
     let tls = |e: &dyn std::fmt::Display| TransportError::Tls(e.to_string());
-    let cert = rcgen::generate_simple_self_signed(vec!["shimmer".to_string()]).map_err(|e| tls(&e))?;
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der()));
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| tls(&e))?
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.cert.der().clone()], key)
-        .map_err(|e| tls(&e))?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider()).with_protocol_versions(&[&rustls::version::TLS13]).map_err(|e| tls(&e))?;
+    let mut cfg = match &creds.certs {
+        Some(op) => {
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(op.roots.clone(), provider()).build().map_err(|e| tls(&e))?;
+            builder.with_client_cert_verifier(verifier).with_single_cert(op.chain.clone(), op.key.clone_key()).map_err(|e| tls(&e))?
+        }
+        None => {
+            let cert = rcgen::generate_simple_self_signed(vec!["shimmer".to_string()]).map_err(|e| tls(&e))?;
+            let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der()));
+            builder.with_no_client_auth().with_single_cert(vec![cert.cert.der().clone()], key).map_err(|e| tls(&e))?
+        }
+    };
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(cfg).map_err(|e| tls(&e))?));
     server.transport_config(transport_config());
     quinn::Endpoint::server(server, addr).map_err(|source| TransportError::Bind { addr, source })
 }
 
-/// An endpoint that connects out (any local port).
-pub fn client() -> Result<quinn::Endpoint, TransportError> {
+/// An endpoint that connects out (any local port): with operator certificates, verifying the
+/// server's against the CA and presenting its own; otherwise trusting the join-token proof.
+pub fn client(creds: &Credentials) -> Result<quinn::Endpoint, TransportError> {
     let tls = |e: &dyn std::fmt::Display| TransportError::Tls(e.to_string());
     let provider = provider();
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| tls(&e))?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(TokenBound(provider)))
-        .with_no_client_auth();
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone()).with_protocol_versions(&[&rustls::version::TLS13]).map_err(|e| tls(&e))?;
+    let mut cfg = match &creds.certs {
+        Some(op) => builder.with_root_certificates(op.roots.clone()).with_client_auth_cert(op.chain.clone(), op.key.clone_key()).map_err(|e| tls(&e))?,
+        None => builder.dangerous().with_custom_certificate_verifier(Arc::new(TokenBound(provider))).with_no_client_auth(),
+    };
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(cfg).map_err(|e| tls(&e))?));
     client.transport_config(transport_config());
@@ -139,10 +212,13 @@ impl rustls::client::danger::ServerCertVerifier for TokenBound {
     }
 }
 
-/// Connects to a node and proves the token both ways; the connection is then ready for work.
-pub async fn connect(ep: &quinn::Endpoint, addr: SocketAddr, token: &JoinToken) -> Result<quinn::Connection, TransportError> {
+/// Connects to a node and checks its credentials both ways; the connection is then ready for work.
+pub async fn connect(ep: &quinn::Endpoint, addr: SocketAddr, creds: &Credentials) -> Result<quinn::Connection, TransportError> {
     let fail = |reason: String| TransportError::Connect { addr, reason };
-    let conn = ep.connect(addr, "shimmer").map_err(|e| fail(e.to_string()))?.await.map_err(|e| fail(e.to_string()))?;
+    // Operator certificates name a worker by the IP address it is dialled at.
+    let server_name = if creds.certs.is_some() { addr.ip().to_string() } else { "shimmer".to_string() };
+    let conn = ep.connect(addr, &server_name).map_err(|e| fail(e.to_string()))?.await.map_err(|e| fail(e.to_string()))?;
+    let Some(token) = &creds.token else { return Ok(conn) };
     let hs = |reason: String| TransportError::Handshake { peer: addr, reason };
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| hs(e.to_string()))?;
     send.write_all(&token.proof(&conn, b"client").map_err(hs)?).await.map_err(|e| hs(e.to_string()))?;
@@ -160,8 +236,9 @@ pub async fn connect(ep: &quinn::Endpoint, addr: SocketAddr, token: &JoinToken) 
 }
 
 /// Accepts a connection's proof stream and answers with ours; closes the connection when the
-/// client's proof fails.
-pub async fn authenticate(conn: &quinn::Connection, token: &JoinToken) -> Result<(), TransportError> {
+/// client's proof fails. (Operator certificates were checked by the handshake already.)
+pub async fn authenticate(conn: &quinn::Connection, creds: &Credentials) -> Result<(), TransportError> {
+    let Some(token) = &creds.token else { return Ok(()) };
     let peer = conn.remote_address();
     let hs = |reason: String| TransportError::Handshake { peer, reason };
     let accepted = tokio::time::timeout(Duration::from_secs(10), conn.accept_bi()).await.map_err(|_| hs("no proof within 10 s".into()))?;
@@ -181,9 +258,9 @@ mod tests {
     use super::*;
 
     async fn pair(server_token: &str, client_token: &str) -> (Result<(), TransportError>, Result<quinn::Connection, TransportError>) {
-        let srv = server(([127, 0, 0, 1], 0).into()).unwrap();
+        let srv = server(([127, 0, 0, 1], 0).into(), &Credentials::token(JoinToken::new(server_token).unwrap())).unwrap();
         let addr = srv.local_addr().unwrap();
-        let st = JoinToken::new(server_token).unwrap();
+        let st = Credentials::token(JoinToken::new(server_token).unwrap());
         let accept = tokio::spawn(async move {
             let conn = srv.accept().await.unwrap().await.unwrap();
             let r = authenticate(&conn, &st).await;
@@ -191,8 +268,9 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(200)).await;
             (r, srv)
         });
-        let cli = client().unwrap();
-        let c = connect(&cli, addr, &JoinToken::new(client_token).unwrap()).await;
+        let ct = Credentials::token(JoinToken::new(client_token).unwrap());
+        let cli = client(&ct).unwrap();
+        let c = connect(&cli, addr, &ct).await;
         let (s, _srv) = accept.await.unwrap();
         (s, c)
     }

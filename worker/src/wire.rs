@@ -10,7 +10,8 @@
 //! f32) pairs, expert `u32::MAX` for selections another node computes; response: `rows × hidden`
 //! i64 fixed-point partial sums (`kernels::fixed`, so partial sums from any nodes add up
 //! bit-identically in any order); hint: `rows × top_k` expert u32s; error: a u32 code and a UTF-8
-//! message.
+//! message; status: nothing (a question); status reply: the worker's status as UTF-8 JSON
+//! (`server::WorkerStatus`, at most `MAX_STATUS` bytes).
 //!
 //! Must never: trust a length it did not check against the limits, or allocate before checking.
 
@@ -24,6 +25,7 @@ pub const MAX_HIDDEN: u32 = 1 << 16;
 pub const MAX_TOP_K: u32 = 64;
 pub const MAX_PAYLOAD: u64 = 512 << 20;
 pub const MAX_ERROR_MESSAGE: usize = 4096;
+pub const MAX_STATUS: u64 = 1 << 20;
 /// A selection another node computes.
 pub const NOT_MINE: u32 = crate::dispatch::ELSEWHERE;
 
@@ -34,6 +36,8 @@ pub enum Kind {
     Response = 2,
     Hint = 3,
     Error = 4,
+    Status = 5,
+    StatusReply = 6,
 }
 
 /// Error codes a worker answers on a stream (the stream ends; the connection stays).
@@ -113,7 +117,9 @@ impl Header {
             Kind::Request => Some(rows * hidden * 4 + rows * k * 8),
             Kind::Response => Some(rows * hidden * 8),
             Kind::Hint => Some(rows * k * 4),
-            Kind::Error => None, // variable: checked on decode
+            Kind::Status => Some(0),
+            // Variable: checked against their own limits.
+            Kind::Error | Kind::StatusReply => None,
         }
     }
 
@@ -153,6 +159,8 @@ impl Header {
             2 => Kind::Response,
             3 => Kind::Hint,
             4 => Kind::Error,
+            5 => Kind::Status,
+            6 => Kind::StatusReply,
             k => return Err(FrameError::Kind(k)),
         };
         let h = Header {
@@ -173,6 +181,10 @@ impl Header {
         }
         match h.expected_payload() {
             Some(want) if want != h.payload_len => Err(FrameError::PayloadLength { got: h.payload_len, want }),
+            None if h.kind == Kind::StatusReply => match h.payload_len > MAX_STATUS {
+                true => Err(FrameError::Limit { what: "status payload", value: h.payload_len, limit: MAX_STATUS }),
+                false => Ok(h),
+            },
             None if h.payload_len < 4 || h.payload_len > 4 + MAX_ERROR_MESSAGE as u64 => Err(FrameError::Limit { what: "error payload", value: h.payload_len, limit: 4 + MAX_ERROR_MESSAGE as u64 }),
             _ => Ok(h),
         }
@@ -246,6 +258,25 @@ pub enum Frame {
     Response(Response),
     Hint { layer: u32, experts: Vec<u32> },
     Error { request_id: u64, code: Option<ErrorCode>, message: String },
+    Status { request_id: u64 },
+    StatusReply { request_id: u64, json: String },
+}
+
+pub fn encode_status_request(request_id: u64, model: u64, epoch: u64) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN);
+    Header { kind: Kind::Status, request_id, model, epoch, layer: 0, rows: 0, hidden: 0, top_k: 0, payload_len: 0 }.encode(&mut out);
+    out.freeze()
+}
+
+/// `json` longer than `MAX_STATUS` is the caller's bug; it is refused here rather than sent.
+pub fn encode_status_reply(request_id: u64, model: u64, epoch: u64, json: &str) -> Option<Bytes> {
+    if json.len() as u64 > MAX_STATUS {
+        return None;
+    }
+    let mut out = BytesMut::with_capacity(HEADER_LEN + json.len());
+    Header { kind: Kind::StatusReply, request_id, model, epoch, layer: 0, rows: 0, hidden: 0, top_k: 0, payload_len: json.len() as u64 }.encode(&mut out);
+    out.put_slice(json.as_bytes());
+    Some(out.freeze())
 }
 
 pub fn encode_hint(model: u64, epoch: u64, layer: u32, top_k: u32, experts: &[u32]) -> Bytes {
@@ -314,6 +345,8 @@ pub fn decode(frame: Bytes) -> Result<Frame, FrameError> {
             let message = std::str::from_utf8(p).map_err(|_| FrameError::Utf8)?.to_string();
             Frame::Error { request_id: h.request_id, code, message }
         }
+        Kind::Status => Frame::Status { request_id: h.request_id },
+        Kind::StatusReply => Frame::StatusReply { request_id: h.request_id, json: std::str::from_utf8(&payload).map_err(|_| FrameError::Utf8)?.to_string() },
     })
 }
 
@@ -336,6 +369,9 @@ mod tests {
         assert_eq!(decode(resp.encode(1, 2)).unwrap(), Frame::Response(resp));
         assert_eq!(decode(encode_hint(1, 2, 4, 2, &[3, 5, 7, 9])).unwrap(), Frame::Hint { layer: 4, experts: vec![3, 5, 7, 9] });
         assert_eq!(decode(encode_error(9, ErrorCode::Moved, "epoch 3 ≠ 4")).unwrap(), Frame::Error { request_id: 9, code: Some(ErrorCode::Moved), message: "epoch 3 ≠ 4".into() });
+        assert_eq!(decode(encode_status_request(5, 1, 2)).unwrap(), Frame::Status { request_id: 5 });
+        assert_eq!(decode(encode_status_reply(5, 1, 2, "{\"name\":\"w\"}").unwrap()).unwrap(), Frame::StatusReply { request_id: 5, json: "{\"name\":\"w\"}".into() });
+        assert!(encode_status_reply(5, 1, 2, &" ".repeat(MAX_STATUS as usize + 1)).is_none());
         // A long message is cut at a character boundary, within the limit.
         let long = "é".repeat(MAX_ERROR_MESSAGE);
         let Frame::Error { message, .. } = decode(encode_error(1, ErrorCode::Internal, &long)).unwrap() else { panic!() };

@@ -54,6 +54,10 @@ pub struct StoreOptions {
     pub io_depth: usize,
     /// Routing heat to learn pins from and to add this run's to.
     pub usage: Option<Usage>,
+    /// Experts to pin and read at start, per MoE layer in order of importance (a worker's
+    /// placement assignment); replaces the pins learned from `usage`. Capped so that top-k slots
+    /// per layer stay free for the experts it is asked for beyond these.
+    pub assigned: Option<Vec<Vec<u16>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -245,12 +249,13 @@ impl ExpertStore {
             });
         }
         let slots_per_layer = ((capacity / moe_layers as u64) as usize).min(spec.moe.num_experts);
-        let pins = match &opts.usage {
-            Some(u) => {
+        let pins = match (&opts.assigned, &opts.usage) {
+            (Some(a), _) => a.iter().map(|l| l.iter().copied().take(slots_per_layer.saturating_sub(top_k)).collect()).collect(),
+            (None, Some(u)) => {
                 let hottest = u.hottest(slots_per_layer / 2);
                 spec.layers.iter().zip(hottest).filter(|(k, _)| **k == LayerMlp::Moe).map(|(_, p)| p).collect()
             }
-            None => vec![Vec::new(); moe_layers],
+            (None, None) => vec![Vec::new(); moe_layers],
         };
         let pinned_experts = pins.iter().map(Vec::len).sum();
         let mut policy = LayerLru::new(moe_layers, slots_per_layer).with_pins(pins);
