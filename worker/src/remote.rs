@@ -178,6 +178,11 @@ impl RemoteExperts {
     async fn dial(ep: quinn::Endpoint, addr: SocketAddr, creds: Credentials, within: Duration, model: u64, epoch: u64, ids: Arc<AtomicU64>) -> Result<(quinn::Connection, Option<WorkerStatus>), TransportError> {
         let conn = tokio::time::timeout(within, transport::connect(&ep, addr, &creds)).await.map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
         let status = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await;
+        if let Some(reason) = conn.close_reason() {
+            // With certificates alone, a worker that refuses ours says so only now, after the
+            // client's side of the TLS 1.3 handshake finished.
+            return Err(TransportError::Handshake { peer: addr, reason: transport::describe_close(&reason) });
+        }
         Ok((conn, status))
     }
 
@@ -403,7 +408,11 @@ impl ExpertDispatch for RemoteExperts {
                         return false;
                     }
                     if let Some(c) = conns.get(h) {
-                        return c.close_reason().is_none();
+                        if c.close_reason().is_none() {
+                            return true;
+                        }
+                        tried.insert(h.clone());
+                        return false;
                     }
                     match self.connection(h) {
                         Some(c) => {

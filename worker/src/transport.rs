@@ -212,12 +212,30 @@ impl rustls::client::danger::ServerCertVerifier for TokenBound {
     }
 }
 
+/// Why a connection ended, in words: TLS alerts (QUIC crypto errors) named, the rest as quinn says.
+pub fn describe_close(e: &quinn::ConnectionError) -> String {
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c) if tls_alert(c.error_code) => format!("the peer refused our TLS credentials: {}", String::from_utf8_lossy(&c.reason)),
+        quinn::ConnectionError::TransportError(t) if tls_alert(t.code) => format!("we refused the peer's TLS credentials: {}", t.reason),
+        other => other.to_string(),
+    }
+}
+
+/// QUIC carries a TLS alert as a transport error code 0x100 + alert.
+fn tls_alert(code: quinn::TransportErrorCode) -> bool {
+    (0x100..0x200).contains(&u64::from(code))
+}
+
 /// Connects to a node and checks its credentials both ways; the connection is then ready for work.
 pub async fn connect(ep: &quinn::Endpoint, addr: SocketAddr, creds: &Credentials) -> Result<quinn::Connection, TransportError> {
     let fail = |reason: String| TransportError::Connect { addr, reason };
     // Operator certificates name a worker by the IP address it is dialled at.
     let server_name = if creds.certs.is_some() { addr.ip().to_string() } else { "shimmer".to_string() };
-    let conn = ep.connect(addr, &server_name).map_err(|e| fail(e.to_string()))?.await.map_err(|e| fail(e.to_string()))?;
+    let conn = ep.connect(addr, &server_name).map_err(|e| fail(e.to_string()))?.await.map_err(|e| match &e {
+        quinn::ConnectionError::ConnectionClosed(c) if tls_alert(c.error_code) => TransportError::Handshake { peer: addr, reason: describe_close(&e) },
+        quinn::ConnectionError::TransportError(t) if tls_alert(t.code) => TransportError::Handshake { peer: addr, reason: describe_close(&e) },
+        _ => fail(e.to_string()),
+    })?;
     let Some(token) = &creds.token else { return Ok(conn) };
     let hs = |reason: String| TransportError::Handshake { peer: addr, reason };
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| hs(e.to_string()))?;
