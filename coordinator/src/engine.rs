@@ -378,6 +378,11 @@ impl Engine {
         self.experts.resident(layer)
     }
 
+    /// Links to the workers and their counters, when the experts are on a cluster.
+    pub fn cluster_telemetry(&self) -> Option<shimmer_worker::remote::ClusterTelemetry> {
+        self.experts.cluster()
+    }
+
     /// The expert store's counters, when the experts are in one.
     pub fn store_telemetry(&self) -> Option<StoreTelemetry> {
         self.experts.telemetry()

@@ -116,6 +116,8 @@ pub struct RemoteExperts {
     creds: Credentials,
     links: Links,
     placement: Placement,
+    /// Per worker: (layer, expert) pairs the placement lists it for, and those it is first for.
+    placed: HashMap<String, (usize, usize)>,
     first_moe_layer: usize,
     model: u64,
     next_id: Arc<AtomicU64>,
@@ -171,7 +173,17 @@ impl RemoteExperts {
         let links: Links = Arc::new(Mutex::new(links));
         rt.spawn(Self::refresh_statuses(links.clone(), model, placement.epoch, next_id.clone(), timeouts.answer));
         let first_moe_layer = placement.layers.iter().map(|l| l.layer).min().unwrap_or(0);
-        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, first_moe_layer, model, next_id, timeouts, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+        let mut placed: HashMap<String, (usize, usize)> = HashMap::new();
+        for l in &placement.layers {
+            for holders in &l.replicas {
+                for (i, h) in holders.iter().enumerate() {
+                    let p = placed.entry(h.clone()).or_default();
+                    p.0 += 1;
+                    p.1 += usize::from(i == 0);
+                }
+            }
+        }
+        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, placed, first_moe_layer, model, next_id, timeouts, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
     }
 
     /// A connection with its credentials checked, and the worker's status (if it answers).
@@ -224,16 +236,6 @@ impl RemoteExperts {
     /// Links, counters and statuses, in the placement's worker order.
     pub fn telemetry_snapshot(&self) -> ClusterTelemetry {
         let links = lock(&self.links);
-        let mut placed: HashMap<&str, (usize, usize)> = HashMap::new();
-        for l in &self.placement.layers {
-            for holders in &l.replicas {
-                for (i, h) in holders.iter().enumerate() {
-                    let p = placed.entry(h.as_str()).or_default();
-                    p.0 += 1;
-                    p.1 += usize::from(i == 0);
-                }
-            }
-        }
         let workers = self
             .placement
             .workers
@@ -241,7 +243,7 @@ impl RemoteExperts {
             .filter_map(|w| {
                 let l = links.get(&w.name)?;
                 let c = &l.counters;
-                let (placed_experts, first_choice_experts) = placed.get(w.name.as_str()).copied().unwrap_or_default();
+                let (placed_experts, first_choice_experts) = self.placed.get(&w.name).copied().unwrap_or_default();
                 Some(WorkerLink {
                     name: w.name.clone(),
                     addr: w.addr.clone(),

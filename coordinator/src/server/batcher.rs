@@ -117,7 +117,8 @@ impl Batcher {
             .spawn(move || {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
-                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, pieces: None, metrics }.run()
+                let last_network_wait = engine.cluster_telemetry().map(|c| c.network_wait_s);
+                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, last_network_wait, pieces: None, metrics }.run()
             })
             .expect("cannot start the batcher thread");
         stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
@@ -188,6 +189,8 @@ struct Loop {
     expert_bytes: u64,
     /// The store's counters after the previous step (for per-step I/O wait and bytes).
     last_store: Option<shimmer_worker::store::StoreTelemetry>,
+    /// On a cluster, the network wait so far (its growth is a step's wait on workers).
+    last_network_wait: Option<f64>,
     /// Each token's text as it extends an output (built at the first constrained request).
     pieces: Option<Vec<Option<String>>>,
     metrics: Arc<super::metrics::Metrics>,
@@ -291,15 +294,23 @@ impl Loop {
         let mut routing = StepRouting::new(self.engine.spec.num_layers, &self.moe_layers, self.engine.spec.moe.num_experts);
         let result = self.engine.forward_batch_observed(&mut segments, &mut routing);
         drop(segments);
-        // What the store did during the step: its wait for reads, and bytes by tier.
+        // What the store (or the cluster) did during the step: its wait for reads (answers), and
+        // bytes by tier.
         let store = self.engine.store_telemetry();
-        let (io_wait, ram_bytes, disk_bytes) = match (&store, &self.last_store) {
-            (Some(now), Some(before)) => (
+        let network_wait = self.last_network_wait.map(|before| {
+            let now = self.engine.cluster_telemetry().map_or(before, |c| c.network_wait_s);
+            self.last_network_wait = Some(now);
+            (now - before).max(0.0)
+        });
+        let (io_wait, ram_bytes, disk_bytes, remote_bytes) = match (&store, &self.last_store, network_wait) {
+            (_, _, Some(wait)) => (std::time::Duration::from_secs_f64(wait), 0, 0, routing.distinct * self.expert_bytes),
+            (Some(now), Some(before), None) => (
                 std::time::Duration::from_secs_f64((now.io_wait_ms - before.io_wait_ms).max(0.0) / 1e3),
                 (now.ram_hits + now.in_flight_hits).saturating_sub(before.ram_hits + before.in_flight_hits) * self.expert_bytes,
                 now.bytes_read.saturating_sub(before.bytes_read),
+                0,
             ),
-            _ => (std::time::Duration::ZERO, routing.distinct * self.expert_bytes, 0),
+            _ => (std::time::Duration::ZERO, routing.distinct * self.expert_bytes, 0, 0),
         };
         self.last_store = store;
         for i in &which {
@@ -347,6 +358,7 @@ impl Loop {
             let mut dash = self.dash.lock().unwrap_or_else(|e| e.into_inner());
             dash.tiers.ram_bytes += ram_bytes;
             dash.tiers.disk_bytes += disk_bytes;
+            dash.tiers.remote_bytes += remote_bytes;
             dash.step(&routing, generated, Instant::now());
         }
         for (i, finish) in finished.into_iter().rev() {

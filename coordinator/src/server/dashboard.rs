@@ -1,7 +1,8 @@
 //! What the web dashboard shows, kept up to date by the batcher: live throughput, time to first
 //! token and the queue; the last finished turn's time by phase; the bytes experts were served
 //! from, by tier; and the Brain — every (MoE layer, expert) with its routing heat and whether
-//! the last step routed to it. `GET /api/dashboard` returns it as JSON, `GET
+//! the last step routed to it; on a cluster, the nodes (up or down, the experts each holds and
+//! serves, link RTTs, bytes per token). `GET /api/dashboard` returns it as JSON, `GET
 //! /api/dashboard/events` streams it (docs/api.md).
 //!
 //! Must never: slow the forward pass beyond counting (the observer only increments counters).
@@ -76,6 +77,8 @@ pub struct Snapshot {
     /// the store's resident set `ram`, the rest `disk`).
     pub tier: Vec<&'static str>,
     pub generated_tokens: u64,
+    /// The workers and the links to them, when the experts are on a cluster.
+    pub cluster: Option<shimmer_worker::remote::ClusterTelemetry>,
 }
 
 /// Throughput window.
@@ -122,8 +125,9 @@ impl Dashboard {
         }
     }
 
-    /// `resident(layer)`: which of the layer's experts are in RAM (`None`: all).
-    pub fn snapshot(&self, running: usize, waiting: usize, resident: &dyn Fn(usize) -> Option<Vec<bool>>) -> Snapshot {
+    /// `resident(layer)`: which of the layer's experts are in RAM (`None`: all, unless `cluster`
+    /// says they are on workers).
+    pub fn snapshot(&self, running: usize, waiting: usize, resident: &dyn Fn(usize) -> Option<Vec<bool>>, cluster: Option<shimmer_worker::remote::ClusterTelemetry>) -> Snapshot {
         let now = Instant::now();
         let tokens: u64 = self.recent.iter().filter(|(t, _)| now.duration_since(*t) <= WINDOW).map(|(_, n)| n).sum();
         let span = self.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1.0);
@@ -131,6 +135,7 @@ impl Dashboard {
         let mut tier = Vec::with_capacity(self.heat.len());
         for l in &self.moe_layers {
             match resident(*l) {
+                None if cluster.is_some() => tier.extend(std::iter::repeat_n("remote", self.experts)),
                 None => tier.extend(std::iter::repeat_n("ram", self.experts)),
                 Some(r) => tier.extend((0..self.experts).map(|e| if r.get(e).copied().unwrap_or(false) { "ram" } else { "disk" })),
             }
@@ -149,6 +154,7 @@ impl Dashboard {
             routed: self.routed.clone(),
             tier,
             generated_tokens: self.generated,
+            cluster,
         }
     }
 }

@@ -1,11 +1,15 @@
 //! `/metrics` in Prometheus' text format. Request series follow vLLM's names (with the
 //! `shimmer_` prefix) and buckets, so dashboards and autoscalers written for it carry over; the
-//! expert store's hits, misses and bytes are shimmer's own.
+//! expert store's hits, misses and bytes are shimmer's own, and so are the cluster's series
+//! (per worker: up, request round-trip histogram, path RTT, bytes each way, round trips,
+//! selections, errors, resident experts; overall: tokens through the MoE layers, network wait,
+//! failovers), written straight from the dispatcher's running totals.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use shimmer_worker::remote::{ClusterTelemetry, RTT_BUCKETS};
 use shimmer_worker::store::StoreTelemetry;
 
 use super::batcher::BatcherStats;
@@ -77,7 +81,7 @@ impl Metrics {
     }
 
     /// The text exposition, with the batcher's and the store's totals brought up to date.
-    pub fn render(&self, st: &BatcherStats, store: Option<&StoreTelemetry>) -> Result<String, prometheus::Error> {
+    pub fn render(&self, st: &BatcherStats, store: Option<&StoreTelemetry>, cluster: Option<&ClusterTelemetry>) -> Result<String, prometheus::Error> {
         self.running.set(st.running as i64);
         self.waiting.set(st.waiting as i64);
         {
@@ -100,6 +104,49 @@ impl Metrics {
         }
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
-        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+        let mut text = String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))?;
+        if let Some(c) = cluster {
+            render_cluster(&mut text, c);
+        }
+        Ok(text)
+    }
+}
+
+/// A label value in the text format: backslash, quote and newline escaped.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn render_cluster(out: &mut String, c: &ClusterTelemetry) {
+    use std::fmt::Write;
+    let mut family = |name: &str, kind: &str, help: &str, samples: &mut dyn Iterator<Item = (String, f64)>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, v) in samples {
+            let _ = writeln!(out, "{name}{labels} {v}");
+        }
+    };
+    let per_worker = |f: &dyn Fn(&shimmer_worker::remote::WorkerLink) -> f64| -> Vec<(String, f64)> { c.workers.iter().map(|w| (format!("{{worker=\"{}\"}}", label(&w.name)), f(w))).collect() };
+    family("shimmer_worker_up", "gauge", "Whether the coordinator has a live, authenticated connection to the worker", &mut per_worker(&|w| f64::from(u8::from(w.up))).into_iter());
+    family("shimmer_worker_path_rtt_seconds", "gauge", "QUIC's smoothed round-trip time estimate of the link (the network alone)", &mut c.workers.iter().filter_map(|w| w.path_rtt_ms.map(|ms| (format!("{{worker=\"{}\"}}", label(&w.name)), ms / 1e3))));
+    family("shimmer_network_round_trips_total", "counter", "Expert requests sent to the worker (one round trip each)", &mut per_worker(&|w| w.requests as f64).into_iter());
+    family("shimmer_network_bytes_sent_total", "counter", "Bytes of expert requests sent to the worker", &mut per_worker(&|w| w.bytes_sent as f64).into_iter());
+    family("shimmer_network_bytes_received_total", "counter", "Bytes of answers received from the worker", &mut per_worker(&|w| w.bytes_received as f64).into_iter());
+    family("shimmer_worker_selections_total", "counter", "Routed (token, expert) selections the worker computed", &mut per_worker(&|w| w.selections as f64).into_iter());
+    family("shimmer_worker_errors_total", "counter", "Requests the worker failed or did not answer in time", &mut per_worker(&|w| w.errors as f64).into_iter());
+    family("shimmer_worker_resident_experts", "gauge", "Experts in the worker's RAM, as it last said", &mut c.workers.iter().filter_map(|w| w.status.as_ref().map(|s| (format!("{{worker=\"{}\"}}", label(&w.name)), s.resident_experts as f64))));
+    family("shimmer_cluster_tokens_total", "counter", "Tokens (prefilled or decoded) whose MoE layers went to workers: divide the network series by it for per-token figures", &mut std::iter::once((String::new(), c.tokens as f64)));
+    family("shimmer_network_wait_seconds_total", "counter", "Time the forward pass waited for workers' answers", &mut std::iter::once((String::new(), c.network_wait_s)));
+    family("shimmer_expert_failovers_total", "counter", "Selections served by another worker than the placement's first holder", &mut std::iter::once((String::new(), c.failovers as f64)));
+    let name = "shimmer_worker_request_rtt_seconds";
+    let _ = writeln!(out, "# HELP {name} Round trip of one layer's expert request: network and the worker's compute\n# TYPE {name} histogram");
+    for w in &c.workers {
+        let l = label(&w.name);
+        let mut cumulative = 0u64;
+        for (i, n) in w.rtt_buckets.iter().enumerate() {
+            cumulative += n;
+            let le = RTT_BUCKETS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            let _ = writeln!(out, "{name}_bucket{{worker=\"{l}\",le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_sum{{worker=\"{l}\"}} {}\n{name}_count{{worker=\"{l}\"}} {cumulative}", w.rtt_sum_s);
     }
 }

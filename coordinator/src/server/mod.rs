@@ -85,7 +85,7 @@ fn snapshot(state: &AppState) -> dashboard::Snapshot {
     let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let engine = state.engine.clone();
     let dash = state.dashboard.lock().unwrap_or_else(|e| e.into_inner());
-    dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer))
+    dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer), engine.cluster_telemetry())
 }
 
 async fn dashboard_json(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -142,7 +142,8 @@ async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let store = state.engine.store_telemetry();
-    match state.metrics.render(&st, store.as_ref()) {
+    let cluster = state.engine.cluster_telemetry();
+    match state.metrics.render(&st, store.as_ref(), cluster.as_ref()) {
         Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text).into_response(),
         Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}")).kind("server_error").into_response(),
     }

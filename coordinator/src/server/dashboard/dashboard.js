@@ -189,6 +189,20 @@ function drawBrain(s) {
   }
 }
 
+// The cluster view: one row per worker (hidden on a single box).
+function renderCluster(c) {
+  const panel = $("cluster-panel");
+  panel.hidden = !c;
+  if (!c) return;
+  const tokens = Math.max(1, c.tokens);
+  const bytes = c.workers.reduce((s, w) => s + w.bytes_sent + w.bytes_received, 0);
+  $("cluster-facts").textContent = `per token: ${(c.round_trips / tokens).toFixed(1)} round trips, ${fmtBytes(bytes / tokens)}, ${((1000 * c.network_wait_s) / tokens).toFixed(2)} ms network wait · ${c.failovers} failovers · placement epoch ${c.placement_epoch}`;
+  const ms = (v) => (v == null ? "–" : v.toFixed(2) + " ms");
+  $("cluster").tBodies[0].innerHTML = c.workers
+    .map((w) => `<tr class="${w.up ? "up" : "down"}" data-worker="${escapeHtml(w.name)}"><td>${escapeHtml(w.name)}</td><td>${w.up ? "up" : "down"}</td><td>${w.placed_experts} (${w.first_choice_experts})</td><td>${w.status ? w.status.resident_experts : "–"}</td><td>${w.selections}</td><td>${ms(w.path_rtt_ms)}</td><td>${ms(w.requests ? (1000 * w.rtt_sum_s) / w.requests : null)}</td><td>${fmtBytes((w.bytes_sent + w.bytes_received) / tokens)}</td></tr>`)
+    .join("");
+}
+
 function render(s) {
   $("model").textContent = s.model;
   $("toks").textContent = s.tok_s.toFixed(1);
@@ -201,6 +215,7 @@ function render(s) {
     $("turn-facts").textContent = `${t.prompt_tokens} prompt + ${t.completion_tokens} generated tokens · TTFT ${t.ttft_ms.toFixed(0)} ms · ${t.decode_tok_s.toFixed(1)} tok/s decode`;
   }
   stackedBar($("tiers"), $("tiers-legend"), TIERS, s.tiers, fmtBytes);
+  renderCluster(s.cluster);
   drawBrain(s);
 }
 
