@@ -20,9 +20,9 @@ def shimmer_bin() -> str:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, verb: str = "run"):
         self.proc = subprocess.Popen(
-            [shimmer_bin(), "run", "--port", "0", *args],
+            [shimmer_bin(), verb, "--port", "0", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -9,7 +9,8 @@
 //! failed, to any other worker that said (in its status) it loads unassigned experts from its own
 //! disk; until every selection is served or an expert has nobody left (an error naming the layer,
 //! the expert and the workers tried — never an answer from a different model). A down worker is
-//! retried after a backoff (1 s, doubling to 30 s) and re-admitted when its credentials check out.
+//! redialled in the background after a backoff (1 s, doubling to 30 s) — the forward pass never
+//! waits on a reconnect — and re-admitted when its credentials check out.
 //!
 //! Telemetry: per worker, round trips, bytes each way, selections served, errors and a histogram
 //! of request round-trip times; overall, tokens (rows through the first MoE layer) and the time the
@@ -67,6 +68,7 @@ struct Link {
     down: Option<(Instant, Duration)>,
     status: Option<WorkerStatus>,
     counters: LinkCounters,
+    redialing: bool,
 }
 
 /// One worker as the coordinator sees it.
@@ -162,7 +164,7 @@ impl RemoteExperts {
                 }
             };
             let down = conn.is_none().then(|| (Instant::now() + BACKOFF_START, BACKOFF_START));
-            links.insert(name.clone(), Link { addr: *addr, conn, down, status, counters: LinkCounters::default() });
+            links.insert(name.clone(), Link { addr: *addr, conn, down, status, counters: LinkCounters::default(), redialing: false });
         }
         if links.values().all(|l| l.conn.is_none()) {
             return Err(TransportError::NoWorkers(errors.join("; ")));
@@ -272,35 +274,45 @@ impl RemoteExperts {
         }
     }
 
-    /// A live connection to `name`, reconnecting a down worker whose backoff has passed.
+    /// A live connection to `name`, or `None` while it is down. A closed connection, or a down
+    /// worker whose backoff has passed, is redialled in the background.
     fn connection(&self, name: &str) -> Option<quinn::Connection> {
-        let addr = {
-            let links = lock(&self.links);
-            let l = links.get(name)?;
-            match (&l.conn, l.down) {
-                (Some(c), None) if c.close_reason().is_none() => return Some(c.clone()),
-                (_, Some((until, _))) if Instant::now() < until => return None,
-                _ => l.addr,
-            }
-        };
-        let fresh = self.rt.block_on(Self::dial(self.endpoint.clone(), addr, self.creds.clone(), self.timeouts.connect, self.model, self.placement.epoch, self.next_id.clone()));
         let mut links = lock(&self.links);
         let l = links.get_mut(name)?;
-        match fresh {
-            Ok((c, status)) => {
-                tracing::info!(worker = name, "worker re-admitted");
-                l.conn = Some(c.clone());
-                l.down = None;
-                l.status = status.or(l.status.take());
-                Some(c)
-            }
-            Err(_) => {
-                let backoff = l.down.map_or(BACKOFF_START, |(_, b)| (b * 2).min(BACKOFF_MAX));
-                l.conn = None;
-                l.down = Some((Instant::now() + backoff, backoff));
-                None
-            }
+        match (&l.conn, l.down) {
+            (Some(c), None) if c.close_reason().is_none() => return Some(c.clone()),
+            (_, Some((until, _))) if Instant::now() < until => return None,
+            _ => {}
         }
+        if l.down.is_none() {
+            tracing::warn!(worker = name, "connection lost; worker marked down");
+            l.down = Some((Instant::now() + BACKOFF_START, BACKOFF_START));
+        }
+        if !l.redialing {
+            l.redialing = true;
+            let dial = Self::dial(self.endpoint.clone(), l.addr, self.creds.clone(), self.timeouts.connect, self.model, self.placement.epoch, self.next_id.clone());
+            let (links, name) = (self.links.clone(), name.to_string());
+            self.rt.spawn(async move {
+                let fresh = dial.await;
+                let mut links = lock(&links);
+                let Some(l) = links.get_mut(&name) else { return };
+                l.redialing = false;
+                match fresh {
+                    Ok((c, status)) => {
+                        tracing::info!(worker = %name, "worker re-admitted");
+                        l.conn = Some(c);
+                        l.down = None;
+                        l.status = status.or(l.status.take());
+                    }
+                    Err(_) => {
+                        let backoff = l.down.map_or(BACKOFF_START, |(_, b)| (b * 2).min(BACKOFF_MAX));
+                        l.conn = None;
+                        l.down = Some((Instant::now() + backoff, backoff));
+                    }
+                }
+            });
+        }
+        None
     }
 
     fn mark_down(&self, name: &str) {
