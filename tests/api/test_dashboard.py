@@ -64,7 +64,7 @@ class Page:
         raise AssertionError(f"timed out waiting for {expr}")
 
 
-async def drive(url: str, profile: str) -> tuple[dict, list]:
+async def drive(url: str, profile: str, shot: str = "dashboard.png", cluster_rows: int | None = None) -> tuple[dict, list]:
     proc = subprocess.Popen(
         [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1400,900", "about:blank"],
         stdout=subprocess.DEVNULL,
@@ -92,7 +92,11 @@ async def drive(url: str, profile: str) -> tuple[dict, list]:
             await page.until("(() => { const m = document.querySelectorAll('.msg.assistant'); return m.length > 0 && m[m.length - 1].dataset.done === '1'; })()", timeout=120)
             await page.until("parseFloat(document.getElementById('toks').textContent) > 0", timeout=30)
             await page.until("document.getElementById('breakdown').children.length === 6")
+            if cluster_rows is not None:
+                await page.until(f"!document.getElementById('cluster-panel').hidden && document.querySelectorAll('#cluster tbody tr').length === {cluster_rows}")
             facts = await page.eval("""({
+                cluster: [...document.querySelectorAll('#cluster tbody tr')].map((tr) => [...tr.children].map((td) => td.textContent)),
+                cluster_facts: document.getElementById('cluster-facts').textContent,
                 answer: [...document.querySelectorAll('.msg.assistant')].pop().textContent,
                 error: document.querySelectorAll('.msg.error').length,
                 toks: parseFloat(document.getElementById('toks').textContent),
@@ -100,9 +104,9 @@ async def drive(url: str, profile: str) -> tuple[dict, list]:
                 brain: document.getElementById('brain').width * document.getElementById('brain').height,
                 tiers: document.getElementById('tiers-legend').textContent,
             })""")
-            shot = await page.call("Page.captureScreenshot", format="png")
+            png = await page.call("Page.captureScreenshot", format="png")
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
+            (ARTIFACTS / shot).write_bytes(base64.b64decode(png["data"]))
             pump.cancel()
             return facts, page.errors
     finally:
