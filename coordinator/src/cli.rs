@@ -98,9 +98,13 @@ struct PlanArgs {
     /// RAM each worker gives its expert cache, in GB (default: enough for all of its experts).
     #[arg(long)]
     ram_gb_per_worker: Option<f64>,
-    /// Copies of each layer's hottest tenth of experts.
+    /// Copies of each of the hottest experts (see --replicate-fraction).
     #[arg(long, default_value_t = 1)]
     replicas: usize,
+    /// The fraction of each layer's experts, hottest first, that get --replicas copies (1: every
+    /// expert, so that any --replicas - 1 workers can fail).
+    #[arg(long, default_value_t = shimmer_worker::placement::HOT_FRACTION)]
+    replicate_fraction: f64,
     /// Routing heat (default: shimmer-usage.json beside the model, if there is one; else uniform).
     #[arg(long)]
     usage: Option<PathBuf>,
@@ -647,7 +651,7 @@ fn generate(a: GenerateArgs) -> Result<ExitCode> {
             "output_ids": gen.output_ids,
             "text": gen.text,
             "finish_reason": gen.finish_reason.as_str(),
-            "timings": {"load_ms": round2(engine.load_ms), "prefill_ms": round2(gen.prefill_ms), "decode_ms": round2(gen.decode_ms), "decode_tokens": gen.decode_tokens, "decode_tok_s": round2(decode_tok_s), "store": store_json(&engine)},
+            "timings": {"load_ms": round2(engine.load_ms), "prefill_ms": round2(gen.prefill_ms), "decode_ms": round2(gen.decode_ms), "decode_tokens": gen.decode_tokens, "decode_tok_s": round2(decode_tok_s), "store": store_json(&engine), "cluster": engine.cluster_telemetry()},
         });
         writeln!(stdout, "{out}")?;
     } else {
@@ -817,7 +821,7 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             }
         }
     }
-    let (placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
+    let (placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, replicate_fraction: a.replicate_fraction, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
     let text = serde_json::to_string_pretty(&placement)?;
     std::fs::write(&a.out, text + "\n").with_context(|| format!("cannot write {}", a.out.display()))?;
     // Per token: top-k selections in each MoE layer.

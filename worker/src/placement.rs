@@ -121,6 +121,9 @@ pub struct PlanInput<'a> {
     pub heat: &'a HashMap<(usize, usize), u64>,
     /// Copies of each of the hottest experts (1: no replication).
     pub replicas: usize,
+    /// The fraction of each layer's experts, hottest first, that get `replicas` copies (1: all,
+    /// so that any `replicas - 1` workers can fail).
+    pub replicate_fraction: f64,
     /// Selections per token per MoE layer.
     pub top_k: usize,
 }
@@ -140,12 +143,12 @@ pub struct WorkerForecast {
     pub experts_in_ram: usize,
 }
 
-/// Fraction of each layer's experts (the hottest) that get `replicas` copies.
-const HOT_FRACTION: f64 = 0.1;
+/// `shimmer plan`'s default `replicate_fraction`: the hottest tenth.
+pub const HOT_FRACTION: f64 = 0.1;
 
 /// Balances expected expert work across workers: experts in order of heat, each copy to the
 /// worker with the least expected work so far that does not hold it (ties: more RAM left). The
-/// hottest tenth of each layer gets `replicas` copies, whose work is shared among them; a worker's
+/// hottest `replicate_fraction` of each layer gets `replicas` copies, whose work is shared among them; a worker's
 /// hottest experts are the ones that fill its RAM budget (its store pins by the same heat).
 pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), String> {
     let n = input.workers.len();
@@ -154,6 +157,9 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
     }
     if input.replicas == 0 || input.replicas > n {
         return Err(format!("--replicas {} must be between 1 and the number of workers ({n})", input.replicas));
+    }
+    if !(input.replicate_fraction > 0.0 && input.replicate_fraction <= 1.0) {
+        return Err(format!("--replicate-fraction {} must be in (0, 1]", input.replicate_fraction));
     }
     let uniform = input.heat.is_empty();
     // Per layer, the probability that a token's selection lands on each expert.
@@ -177,7 +183,7 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
     for (li, &layer) in input.moe_layers.iter().enumerate() {
         let mut order: Vec<usize> = (0..input.experts).collect();
         order.sort_by(|a, b| share(layer, *b).total_cmp(&share(layer, *a)).then(a.cmp(b)));
-        let hot = ((input.experts as f64 * HOT_FRACTION).ceil() as usize).min(input.experts);
+        let hot = ((input.experts as f64 * input.replicate_fraction).ceil() as usize).min(input.experts);
         let mut replicas = vec![Vec::new(); input.experts];
         for (rank, &e) in order.iter().enumerate() {
             let copies = if rank < hot { input.replicas } else { 1 };
@@ -229,7 +235,7 @@ mod tests {
     fn uniform_heat_spreads_experts_evenly_and_validates() {
         let ws = workers(3, 1 << 30);
         let heat = HashMap::new();
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1, top_k: 2 }).unwrap();
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
         p.validate("m", &[1, 2, 3], 12).unwrap();
         assert!(f.iter().all(|w| w.experts_held == 12), "{f:?}");
         let works: Vec<f64> = f.iter().map(|w| w.selections_per_token).collect();
@@ -248,7 +254,7 @@ mod tests {
         for e in 1..10 {
             heat.insert((0, e), 70);
         }
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2, top_k: 2 }).unwrap();
+        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
         p.validate("m", &[0], 10).unwrap();
         assert_eq!(p.holders(0, 0).unwrap().len(), 2, "the hottest expert has two holders");
         assert_eq!(p.holders(0, 5).unwrap().len(), 1);
@@ -263,7 +269,7 @@ mod tests {
     fn bad_placements_are_refused_with_the_reason() {
         let ws = workers(2, 1 << 30);
         let heat = HashMap::new();
-        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, top_k: 2 }).unwrap();
+        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
         let cases: Vec<(Box<dyn Fn(&mut Placement)>, &str)> = vec![
             (Box::new(|p| p.model = "other".into()), "made for model"),
             (Box::new(|p| p.layers[0].replicas[1] = vec!["w9".into()]), "unknown worker"),
@@ -279,6 +285,10 @@ mod tests {
             let e = q.validate("m", &[0, 1], 4).unwrap_err();
             assert!(e.contains(needle), "{e}");
         }
-        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3, top_k: 2 }).is_err());
+        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3, replicate_fraction: HOT_FRACTION, top_k: 2 }).is_err());
+        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: 0.0, top_k: 2 }).is_err());
+        // Every expert replicated: any one worker can fail.
+        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: 1.0, top_k: 2 }).unwrap();
+        assert!(p.layers[0].replicas.iter().all(|r| r.len() == 2 && r[0] != r[1]));
     }
 }

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# A LAN of home machines on one box: one Linux network namespace per node (a coordinator `c` and
+# workers w1..w3), each joined to a bridge by a veth pair whose sending side `tc tbf` caps at
+# 1 Gbit/s. The kernel here has no netem, so latency and loss come from shimmer-udp-relay
+# processes in the coordinator's namespace, one on each coordinator→worker path: the placement
+# names the relays, which delay every datagram by DELAY_MS each way and drop LOSS of them; a
+# partition is a relay that drops everything (its partition file exists) or a veth taken down.
+# Everything is torn down on exit, however the script ends (trap).
+#
+#   scripts/lan.sh check   identical greedy tokens to the single box: over the LAN (1 ms, 0.5 %
+#                          loss), with worker 1 partitioned by its relay, with worker 2's link down
+#   scripts/lan.sh bench   decode tok/s and network cost per token for 1–3 workers at 0/1/5 ms
+#                          one way, and 8 concurrent streams (docs/benchmarks.md)
+#
+# Needs root (namespaces), SHIMMER_BIN and RELAY_BIN (the shimmer and shimmer-udp-relay
+# binaries), python3. MODEL (default: the bundled demo). Exits 77 with a message when the kernel
+# refuses network namespaces.
+set -euo pipefail
+
+MODE="${1:-check}"
+SHIMMER="${SHIMMER_BIN:?set SHIMMER_BIN to the shimmer binary}"
+RELAY="${RELAY_BIN:?set RELAY_BIN to the shimmer-udp-relay binary}"
+MODEL_ARGS=()
+[ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
+TOKEN="lan-test-cluster-join-token"
+ID="shm$$"                      # namespace and interface prefix, unique per run
+NET="10.199.0"
+WORK="$(mktemp -d)"
+PIDS=()
+
+cleanup() {
+  set +e
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$ID-"); do ip netns del "$ns"; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+if ! ip netns add "$ID-lan" 2>/dev/null; then
+  echo "SKIP: this kernel (or user) refuses network namespaces: \`ip netns add\` failed; run as root" >&2
+  exit 77
+fi
+ip -n "$ID-lan" link set lo up
+ip -n "$ID-lan" link add br0 type bridge
+ip -n "$ID-lan" link set br0 up
+
+# node NAME IP: a namespace with eth0 on the bridge, its sending capped at 1 Gbit/s.
+node() {
+  local ns="$ID-$1"
+  ip netns add "$ns"
+  ip -n "$ns" link set lo up
+  ip link add "$ID$1a" type veth peer name "$ID$1b"
+  ip link set "$ID$1a" netns "$ns"
+  ip -n "$ns" link set "$ID$1a" name eth0
+  ip link set "$ID$1b" netns "$ID-lan"
+  ip -n "$ID-lan" link set "$ID$1b" master br0 up
+  ip -n "$ns" addr add "$2/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  tc -n "$ns" qdisc add dev eth0 root tbf rate 1gbit burst 256kb latency 50ms
+}
+node c "$NET.1"
+for i in 1 2 3; do node "w$i" "$NET.1$i"; done
+
+# wait_for FILE TEXT: until a log says TEXT (60 s).
+wait_for() {
+  for _ in $(seq 600); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  echo "error: timed out waiting for '$2' in $1:" >&2; cat "$1" >&2; exit 1
+}
+
+# relays DELAY_MS LOSS: one relay per worker in the coordinator's namespace, $NET.1:710i → worker i.
+relays() {
+  for p in "${RELAY_PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  RELAY_PIDS=()
+  for i in 1 2 3; do
+    ip netns exec "$ID-c" "$RELAY" --listen "$NET.1:710$i" --to "$NET.1$i:7070" --delay-ms "$1" --loss "$2" --seed "$i" --partition-file "$WORK/partition-$i" 2>>"$WORK/relay-$i.log" &
+    RELAY_PIDS+=($!); PIDS+=($!)
+  done
+  sleep 0.2
+}
+
+# workers N PLACEMENT: the first N workers, each in its namespace, serving its slice.
+workers() {
+  for p in "${WORKER_PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  WORKER_PIDS=()
+  for i in $(seq "$1"); do
+    : > "$WORK/worker-$i.log"
+    ip netns exec "$ID-w$i" "$SHIMMER" worker "${MODEL_ARGS[@]}" --listen "$NET.1$i:7070" --join-token "$TOKEN" --placement "$2" --name "$NET.1:710$i" 2>"$WORK/worker-$i.log" &
+    WORKER_PIDS+=($!); PIDS+=($!)
+    wait_for "$WORK/worker-$i.log" "worker serving"
+  done
+}
+
+# plan N REPLICAS OUT: a placement over the first N relays (every expert REPLICAS times).
+plan() {
+  local addrs; addrs="$(seq -s, -f "$NET.1:710%g" 1 "$1")"
+  "$SHIMMER" plan "${MODEL_ARGS[@]}" --workers "$addrs" --replicas "$2" --replicate-fraction 1 --out "$3" >/dev/null 2>>"$WORK/plan.log"
+}
+
+PROMPT_IDS="1,5,9,2,7,3,8"
+ids() { python3 -c 'import json,sys; print(json.load(sys.stdin)["output_ids"])'; }
+
+generate_cluster() {
+  ip netns exec "$ID-c" "$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens "${1:-24}" --json \
+    --placement "$WORK/p.json" --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log"
+}
+
+if [ "$MODE" = check ]; then
+  want="$("$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens 24 --json 2>>"$WORK/single.log" | ids)"
+  relays 1 0.005
+  plan 3 2 "$WORK/p.json"
+  workers 3 "$WORK/p.json"
+  got="$(generate_cluster | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: over the LAN $got, single box $want" >&2; cat "$WORK"/*.log >&2; exit 1; }
+  echo "ok: 3 workers in namespaces, 1 Gbit/s, 1 ms one way, 0.5 % loss: the single box's tokens"
+  touch "$WORK/partition-1"
+  got="$(generate_cluster | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: worker 1 partitioned: $got, single box $want" >&2; exit 1; }
+  echo "ok: worker 1 partitioned (its relay drops everything): the same tokens from the replicas"
+  rm -f "$WORK/partition-1"
+  ip -n "$ID-w2" link set eth0 down
+  got="$(generate_cluster | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: worker 2's link down: $got, single box $want" >&2; exit 1; }
+  echo "ok: worker 2's veth down: the same tokens from the replicas"
+  ip -n "$ID-w2" link set eth0 up
+  exit 0
+fi
+
+if [ "$MODE" = bench ]; then
+  TOKENS="${TOKENS:-64}"
+  moe_layers="$("$SHIMMER" plan "${MODEL_ARGS[@]}" --workers 127.0.0.1:1 --out "$WORK/probe.json" --json 2>>"$WORK/plan.log" | python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["layers"]))' "$WORK/probe.json")"
+  single="$("$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens "$TOKENS" --json 2>>"$WORK/single.log")"
+  single_tok_s="$(echo "$single" | python3 -c 'import json,sys; print(json.load(sys.stdin)["timings"]["decode_tok_s"])')"
+  echo "single box: $single_tok_s tok/s decode; $moe_layers MoE layers"
+  echo "| workers | one-way delay | decode tok/s | network wait / step | floor (MoE layers × RTT) | wait ÷ floor | round trips / step | bytes / token | 8 streams, tok/s |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  for delay in 0 1 5; do
+    relays "$delay" 0
+    for n in 1 2 3; do
+      plan "$n" 1 "$WORK/p.json"
+      workers "$n" "$WORK/p.json"
+      out="$(generate_cluster "$TOKENS")"
+      # Eight concurrent streams through a coordinator in the same namespace.
+      : > "$WORK/coord.log"
+      ip netns exec "$ID-c" "$SHIMMER" coordinator "${MODEL_ARGS[@]}" --host 127.0.0.1 --port 0 --placement "$WORK/p.json" --join-token "$TOKEN" 2>"$WORK/coord.log" &
+      cpid=$!; PIDS+=($cpid)
+      wait_for "$WORK/coord.log" "http://"
+      url="$(grep -o 'http://[0-9.]*:[0-9]*' "$WORK/coord.log" | head -1)"
+      agg="$(ip netns exec "$ID-c" python3 - "$url" "$TOKENS" <<'PY'
+import json, sys, threading, time, urllib.request
+url, tokens = sys.argv[1], int(sys.argv[2])
+model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+done = []
+def one(i):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Verse {i}: and the LORD said"}], "max_tokens": tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+    done.append(json.load(urllib.request.urlopen(req, timeout=600))["usage"]["completion_tokens"])
+t0 = time.time()
+ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(f"{sum(done) / (time.time() - t0):.1f}")
+PY
+)"
+      kill "$cpid"; wait "$cpid" 2>/dev/null || true
+      echo "$out" | python3 -c '
+import json, sys
+o = json.load(sys.stdin); t = o["timings"]; c = t["cluster"]
+n, delay, moe, agg = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tok = max(1, c["tokens"])
+steps = t["decode_tokens"] + 1  # forward passes: the prompt in one, then one per decoded token
+wait_ms = 1e3 * c["network_wait_s"] / steps
+floor_ms = moe * 2 * delay
+ratio = f"{wait_ms / floor_ms:.2f}" if floor_ms else "–"
+b = sum(w["bytes_sent"] + w["bytes_received"] for w in c["workers"]) / tok
+print(f"| {n} | {delay:g} ms | {t[\"decode_tok_s\"]:.1f} | {wait_ms:.2f} ms | {floor_ms:.0f} ms | {ratio} | {c[\"round_trips\"] / steps:.1f} | {b / 1e3:.1f} KB | {agg} |")
+' "$n" "$delay" "$moe_layers" "$agg"
+    done
+  done
+  exit 0
+fi
+
+echo "usage: scripts/lan.sh check|bench" >&2
+exit 2

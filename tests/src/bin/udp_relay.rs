@@ -1,0 +1,161 @@
+//! A user-space UDP relay for the LAN tests and benchmarks: the kernel here has no `netem`, so
+//! latency and loss come from this process sitting on a path. It listens on one address and
+//! forwards every datagram to another (one upstream socket per client, so replies find their
+//! way back), delaying each by a fixed time in each direction and dropping a fraction of them
+//! (a seeded generator: runs repeat). While the partition file exists, it drops everything.
+//!
+//! `shimmer-udp-relay --listen ADDR --to ADDR [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
+//!
+//! Must never: reorder datagrams of one direction (the delay is constant, so a queue keeps order).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{SocketAddr, UdpSocket};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+struct Options {
+    listen: SocketAddr,
+    to: SocketAddr,
+    delay: Duration,
+    loss: f64,
+    seed: u64,
+    partition: Option<PathBuf>,
+}
+
+fn parse() -> Result<Options, String> {
+    let mut args = std::env::args().skip(1);
+    let (mut listen, mut to, mut delay, mut loss, mut seed, mut partition) = (None, None, 0.0f64, 0.0f64, 1u64, None);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--listen" => listen = Some(value()?.parse::<SocketAddr>().map_err(|e| format!("--listen: {e}"))?),
+            "--to" => to = Some(value()?.parse::<SocketAddr>().map_err(|e| format!("--to: {e}"))?),
+            "--delay-ms" => delay = value()?.parse().map_err(|e| format!("--delay-ms: {e}"))?,
+            "--loss" => loss = value()?.parse().map_err(|e| format!("--loss: {e}"))?,
+            "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--partition-file" => partition = Some(PathBuf::from(value()?)),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if !(0.0..=1.0).contains(&loss) || !(0.0..=10_000.0).contains(&delay) {
+        return Err("--loss must be in [0, 1] and --delay-ms in [0, 10000]".into());
+    }
+    Ok(Options { listen: listen.ok_or("--listen is required")?, to: to.ok_or("--to is required")?, delay: Duration::from_secs_f64(delay / 1e3), loss, seed, partition })
+}
+
+/// Datagrams waiting out their delay, in arrival order, for one outgoing socket.
+struct Delayed {
+    queue: Mutex<VecDeque<(Instant, Vec<u8>, SocketAddr)>>,
+    ready: Condvar,
+}
+
+impl Delayed {
+    fn start(out: UdpSocket) -> Arc<Self> {
+        let d = Arc::new(Delayed { queue: Mutex::new(VecDeque::new()), ready: Condvar::new() });
+        let me = d.clone();
+        std::thread::spawn(move || loop {
+            let (due, bytes, dest) = {
+                let mut q = me.queue.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(front) = q.pop_front() {
+                        break front;
+                    }
+                    q = me.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            let _ = out.send_to(&bytes, dest);
+        });
+        d
+    }
+
+    fn push(&self, due: Instant, bytes: Vec<u8>, dest: SocketAddr) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back((due, bytes, dest));
+        self.ready.notify_one();
+    }
+}
+
+/// Decides each datagram's fate: dropped by loss or partition, or sent after the delay.
+struct Path {
+    loss: f64,
+    delay: Duration,
+    rng: AtomicU64,
+    partitioned: Arc<AtomicBool>,
+}
+
+impl Path {
+    fn keep(&self) -> bool {
+        if self.partitioned.load(Ordering::Relaxed) {
+            return false;
+        }
+        if self.loss == 0.0 {
+            return true;
+        }
+        // xorshift64*: one shared, seeded stream.
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng.store(x, Ordering::Relaxed);
+        let r = (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
+        r >= self.loss
+    }
+}
+
+fn main() {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("shimmer-udp-relay: {e}");
+            std::process::exit(2);
+        }
+    };
+    let front = match UdpSocket::bind(o.listen) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("shimmer-udp-relay: cannot listen on {}: {e}", o.listen);
+            std::process::exit(1);
+        }
+    };
+    let partitioned = Arc::new(AtomicBool::new(false));
+    if let Some(p) = o.partition.clone() {
+        let flag = partitioned.clone();
+        std::thread::spawn(move || loop {
+            flag.store(p.exists(), Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(20));
+        });
+    }
+    let path = Arc::new(Path { loss: o.loss, delay: o.delay, rng: AtomicU64::new(o.seed.max(1)), partitioned });
+    let to_clients = Delayed::start(front.try_clone().expect("clone the listening socket"));
+    let mut upstreams: HashMap<SocketAddr, Arc<Delayed>> = HashMap::new();
+    eprintln!("shimmer-udp-relay: {} -> {} (delay {:?} each way, loss {})", o.listen, o.to, o.delay, o.loss);
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let Ok((n, client)) = front.recv_from(&mut buf) else { continue };
+        let arrived = Instant::now();
+        let upstream = upstreams.entry(client).or_insert_with(|| {
+            let bind: SocketAddr = if o.to.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+            let up = UdpSocket::bind(bind).expect("bind an upstream socket");
+            // Replies from the far side go back to this client, through the same delay and loss.
+            let (reader, back, path, to) = (up.try_clone().expect("clone the upstream socket"), to_clients.clone(), path.clone(), o.to);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let Ok((n, from)) = reader.recv_from(&mut buf) else { continue };
+                    if from == to && path.keep() {
+                        back.push(Instant::now() + path.delay, buf[..n].to_vec(), client);
+                    }
+                }
+            });
+            Delayed::start(up)
+        });
+        if path.keep() {
+            upstream.push(arrived + path.delay, buf[..n].to_vec(), o.to);
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! A LAN of home machines in Linux network namespaces (`scripts/lan.sh check`): coordinator and
+//! three workers each in its own namespace, veth pairs capped at 1 Gbit/s, 1 ms one way and 0.5 %
+//! loss from user-space UDP relays; the single box's tokens over the LAN, with one worker
+//! partitioned, and with another's link down. Skips (saying so) only where the kernel refuses
+//! network namespaces.
+
+#[test]
+fn a_lan_of_namespaces_gives_the_single_box_tokens_through_loss_and_partitions() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/lan.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("check")
+        .env("SHIMMER_BIN", shimmer_tests::shimmer_bin())
+        .env("RELAY_BIN", env!("CARGO_BIN_EXE_shimmer-udp-relay"))
+        .output()
+        .expect("run scripts/lan.sh");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if out.status.code() == Some(77) {
+        eprintln!("skipped: {stderr}");
+        return;
+    }
+    assert!(out.status.success(), "scripts/lan.sh check failed:\n{stdout}\n{stderr}");
+    for line in ["1 ms one way, 0.5 % loss: the single box's tokens", "worker 1 partitioned", "worker 2's veth down"] {
+        assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
+    }
+}
