@@ -771,17 +771,24 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The placement's worker this one is: the one whose address is `listen`, else the only one on
-/// its port when `listen` is a wildcard address.
+/// The placement's worker this one is: the one whose address is `listen`; else, listening on
+/// every interface, the only one on its port whose IP address is this machine's (one it can bind).
 fn worker_in_placement(p: &shimmer_worker::placement::Placement, listen: std::net::SocketAddr) -> Result<String> {
     if let Some(w) = p.workers.iter().find(|w| w.addr.parse::<std::net::SocketAddr>().ok() == Some(listen)) {
         return Ok(w.name.clone());
     }
-    let same_port: Vec<_> = p.workers.iter().filter(|w| w.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.port() == listen.port())).collect();
-    match same_port.as_slice() {
-        [one] if listen.ip().is_unspecified() => Ok(one.name.clone()),
-        [] => bail!("no worker listens on {listen}"),
-        _ => bail!("{} workers could be {listen}", same_port.len()),
+    if !listen.ip().is_unspecified() {
+        bail!("no worker of the placement has the address {listen}");
+    }
+    let mine: Vec<_> = p
+        .workers
+        .iter()
+        .filter(|w| w.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.port() == listen.port() && std::net::UdpSocket::bind((a.ip(), 0)).is_ok()))
+        .collect();
+    match mine.as_slice() {
+        [one] => Ok(one.name.clone()),
+        [] => bail!("no worker of the placement is on port {} at an address of this machine", listen.port()),
+        many => bail!("{} workers of the placement are on port {} at addresses of this machine ({})", many.len(), listen.port(), many.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ")),
     }
 }
 

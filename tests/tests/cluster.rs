@@ -215,6 +215,8 @@ fn a_coordinator_with_the_wrong_join_token_is_refused() {
 struct WorkerProcess {
     child: std::process::Child,
     addr: String,
+    /// The line after `worker serving`: what it holds.
+    holds: String,
 }
 
 impl Drop for WorkerProcess {
@@ -224,14 +226,20 @@ impl Drop for WorkerProcess {
     }
 }
 
-fn spawn_worker(model: &std::path::Path) -> WorkerProcess {
-    spawn_worker_with(model, &["--listen", "127.0.0.1:0", "--join-token", TOKEN])
+fn spawn_worker_on(model: Option<&std::path::Path>, listen: &str) -> WorkerProcess {
+    spawn_worker_args(model, &["--listen", listen, "--join-token", TOKEN])
 }
 
 fn spawn_worker_with(model: &std::path::Path, args: &[&str]) -> WorkerProcess {
+    spawn_worker_args(Some(model), args)
+}
+
+/// A `shimmer worker` of `model` (the demo when `None`).
+fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerProcess {
     use std::io::BufRead;
     let mut child = std::process::Command::new(shimmer_tests::shimmer_bin())
-        .args(["worker", "--model", model.to_str().unwrap()])
+        .arg("worker")
+        .args(model.map(|m| vec!["--model", m.to_str().unwrap()]).unwrap_or_default())
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -246,38 +254,62 @@ fn spawn_worker_with(model: &std::path::Path, args: &[&str]) -> WorkerProcess {
             }
         }
     };
+    let holds = lines.next().expect("the worker's holdings line").unwrap();
     // Keep reading stderr so the worker never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
-    WorkerProcess { child, addr }
+    WorkerProcess { child, addr, holds }
 }
 
 #[test]
-fn three_worker_processes_generate_the_single_box_tokens() {
-    let dir = fixture("qwen3_moe");
-    let d = dir.to_str().unwrap();
-    let workers: Vec<WorkerProcess> = (0..3).map(|_| spawn_worker(&dir)).collect();
-    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
-    let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-    let tmp = tempfile::tempdir().unwrap();
-    let placement = tmp.path().join("p.json");
-    let p = shimmer_tests::shimmer(&["plan", "--model", d, "--workers", &addrs.join(","), "--out", placement.to_str().unwrap()]);
-    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
-    let args = ["generate", "--model", d, "--prompt-ids", "1,5,9,2,7", "--max-tokens", "12", "--json"];
-    let single = shimmer_tests::shimmer(&args);
-    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
-    let mut cluster_args = args.to_vec();
-    cluster_args.extend(["--placement", placement.to_str().unwrap(), "--join-token", TOKEN]);
-    let cluster = shimmer_tests::shimmer(&cluster_args);
-    assert!(cluster.status.success(), "{}", String::from_utf8_lossy(&cluster.stderr));
+fn three_worker_processes_generate_the_single_box_tokens_under_three_placements() {
     let ids = |o: &std::process::Output| -> serde_json::Value { serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["output_ids"].clone() };
-    assert_eq!(ids(&cluster), ids(&single));
-    // A wrong token: refused with a clear error, no tokens.
-    let mut wrong = args.to_vec();
-    wrong.extend(["--placement", placement.to_str().unwrap(), "--join-token", "definitely-not-the-token"]);
-    shimmer_tests::assert_clean_failure(&shimmer_tests::shimmer(&wrong), &["join token"]);
-    // The workers gone: the run depends on them, and says which it cannot reach.
-    drop(workers);
-    shimmer_tests::assert_clean_failure(&shimmer_tests::shimmer(&cluster_args), &[addrs[0]]);
+    // Two fixtures (GQA, MLA) and the bundled demo (no --model).
+    for model in [Some(fixture("qwen3_moe")), Some(fixture("deepseek_v3")), None] {
+        let m: Vec<&str> = model.as_ref().map(|d| vec!["--model", d.to_str().unwrap()]).unwrap_or_default();
+        let workers: Vec<WorkerProcess> = (2..5).map(|i| spawn_worker_on(model.as_deref(), &format!("127.0.0.{i}:0"))).collect();
+        let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+        let tmp = tempfile::tempdir().unwrap();
+        let planned = tmp.path().join("planned.json");
+        let p = shimmer_tests::shimmer(&[&["plan"][..], &m, &["--workers", &addrs.join(","), "--out", planned.to_str().unwrap()]].concat());
+        assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+        let base = Placement::read(&planned).unwrap();
+        let n = base.layers[0].replicas.len();
+        let reassigned = |name: &str, owner: &dyn Fn(usize, usize) -> usize| {
+            let mut q = base.clone();
+            for l in &mut q.layers {
+                let layer = l.layer;
+                l.replicas = (0..n).map(|e| vec![addrs[owner(layer, e)].clone()]).collect();
+            }
+            let path = tmp.path().join(name);
+            std::fs::write(&path, serde_json::to_string(&q).unwrap()).unwrap();
+            path
+        };
+        let placements = [
+            planned.clone(),
+            // Neighbouring experts on different workers, shifted per layer.
+            reassigned("round-robin.json", &|l, e| (e + l) % 3),
+            // Each layer on two workers only, a different pair per layer.
+            reassigned("pairs.json", &|l, e| (l + usize::from(e >= n / 2)) % 3),
+        ];
+        let args: Vec<&str> = [&["generate"][..], &m, &["--prompt-ids", "1,5,9,2,7", "--max-tokens", "12", "--json"]].concat();
+        let single = shimmer_tests::shimmer(&args);
+        assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+        for placement in &placements {
+            let cluster = shimmer_tests::shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN]].concat());
+            assert!(cluster.status.success(), "{}", String::from_utf8_lossy(&cluster.stderr));
+            assert_eq!(ids(&cluster), ids(&single), "{model:?} under {}", placement.display());
+        }
+        if model != Some(fixture("qwen3_moe")) {
+            continue;
+        }
+        // A wrong token: refused with a clear error, no tokens.
+        let wrong = shimmer_tests::shimmer(&[&args[..], &["--placement", planned.to_str().unwrap(), "--join-token", "definitely-not-the-token"]].concat());
+        shimmer_tests::assert_clean_failure(&wrong, &["join token"]);
+        // The workers gone: the run depends on them, and says which it cannot reach.
+        drop(workers);
+        let gone = shimmer_tests::shimmer(&[&args[..], &["--placement", planned.to_str().unwrap(), "--join-token", TOKEN, "--connect-timeout-s", "0.5"]].concat());
+        shimmer_tests::assert_clean_failure(&gone, &[&addrs[0]]);
+    }
 }
 
 #[test]
@@ -377,4 +409,29 @@ fn operator_certificates_from_the_cluster_ca_work_and_strangers_are_refused_both
     shimmer_tests::assert_clean_failure(&with(s, &ca), &["certificate"]);
     // ... and a coordinator that trusts another CA refuses the worker.
     shimmer_tests::assert_clean_failure(&with(c, &other_ca), &["certificate"]);
+}
+
+#[test]
+fn a_worker_finds_itself_in_the_placement_and_says_what_it_holds() {
+    let dir = fixture("qwen3_moe");
+    let d = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_udp_port();
+    // One worker at this machine's address, one at an address this machine does not have.
+    let (here, elsewhere) = (format!("127.0.0.1:{port}"), format!("192.0.2.1:{port}"));
+    let placement = tmp.path().join("p.json");
+    let p = shimmer_tests::shimmer(&["plan", "--model", d, "--workers", &format!("{here},{elsewhere}"), "--out", placement.to_str().unwrap()]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let spec = ModelSpec::from_dir(&dir).unwrap();
+    let p = Placement::read(&placement).unwrap();
+    let mine = p.layers.iter().flat_map(|l| &l.replicas).filter(|h| h.contains(&here)).count();
+    let w = spawn_worker_with(&dir, &["--listen", &format!("0.0.0.0:{port}"), "--join-token", TOKEN, "--placement", placement.to_str().unwrap()]);
+    assert!(w.holds.contains(&format!("worker {here}: {mine} experts assigned")), "{}", w.holds);
+    assert!(mine > 0 && mine < spec.moe.num_experts * p.layers.len());
+    drop(w);
+    // Not in the placement, or a name it does not have: refused with the reason.
+    let wrong = shimmer_tests::shimmer(&["worker", "--model", d, "--listen", "127.0.0.1:1", "--join-token", TOKEN, "--placement", placement.to_str().unwrap()]);
+    shimmer_tests::assert_clean_failure(&wrong, &["no worker of the placement has the address 127.0.0.1:1", "--name"]);
+    let unknown = shimmer_tests::shimmer(&["worker", "--model", d, "--listen", "127.0.0.1:0", "--join-token", TOKEN, "--placement", placement.to_str().unwrap(), "--name", "w9"]);
+    shimmer_tests::assert_clean_failure(&unknown, &["--name w9", "no such worker"]);
 }
