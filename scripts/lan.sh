@@ -70,7 +70,7 @@ wait_for() {
 
 # relays DELAY_MS LOSS: one relay per worker in the coordinator's namespace, $NET.1:710i → worker i.
 relays() {
-  for p in "${RELAY_PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  for p in "${RELAY_PIDS[@]:-}"; do [ -n "$p" ] && { kill "$p"; wait "$p"; } 2>/dev/null || true; done
   RELAY_PIDS=()
   for i in 1 2 3; do
     ip netns exec "$ID-c" "$RELAY" --listen "$NET.1:710$i" --to "$NET.1$i:7070" --delay-ms "$1" --loss "$2" --seed "$i" --partition-file "$WORK/partition-$i" 2>>"$WORK/relay-$i.log" &
@@ -79,21 +79,26 @@ relays() {
   sleep 0.2
 }
 
-# workers N PLACEMENT: the first N workers, each in its namespace, serving its slice.
+# workers N PLACEMENT [direct]: the first N workers, each in its namespace, serving its slice
+# (named by its relay's address, or by its own with `direct`).
 workers() {
-  for p in "${WORKER_PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  for p in "${WORKER_PIDS[@]:-}"; do [ -n "$p" ] && { kill "$p"; wait "$p"; } 2>/dev/null || true; done
   WORKER_PIDS=()
   for i in $(seq "$1"); do
     : > "$WORK/worker-$i.log"
-    ip netns exec "$ID-w$i" "$SHIMMER" worker "${MODEL_ARGS[@]}" --listen "$NET.1$i:7070" --join-token "$TOKEN" --placement "$2" --name "$NET.1:710$i" 2>"$WORK/worker-$i.log" &
+    local name="$NET.1:710$i"
+    [ "${3:-}" = direct ] && name="$NET.1$i:7070"
+    ip netns exec "$ID-w$i" "$SHIMMER" worker "${MODEL_ARGS[@]}" --listen "$NET.1$i:7070" --join-token "$TOKEN" --placement "$2" --name "$name" 2>"$WORK/worker-$i.log" &
     WORKER_PIDS+=($!); PIDS+=($!)
     wait_for "$WORK/worker-$i.log" "worker serving"
   done
 }
 
-# plan N REPLICAS OUT: a placement over the first N relays (every expert REPLICAS times).
+# plan N REPLICAS OUT [direct]: a placement over the first N relays (or workers, with `direct`),
+# every expert REPLICAS times.
 plan() {
   local addrs; addrs="$(seq -s, -f "$NET.1:710%g" 1 "$1")"
+  [ "${4:-}" = direct ] && addrs="$(seq -s, -f "$NET.1%g:7070" 1 "$1")"
   "$SHIMMER" plan "${MODEL_ARGS[@]}" --workers "$addrs" --replicas "$2" --replicate-fraction 1 --out "$3" >/dev/null 2>>"$WORK/plan.log"
 }
 
@@ -134,11 +139,11 @@ if [ "$MODE" = bench ]; then
   echo "single box: $single_tok_s tok/s decode; $moe_layers MoE layers"
   echo "| workers | one-way delay | decode tok/s | network wait / step | floor (MoE layers × RTT) | wait ÷ floor | round trips / step | bytes / token | 8 streams, tok/s |"
   echo "|---|---|---|---|---|---|---|---|---|"
-  for delay in 0 1 5; do
-    relays "$delay" 0
+  for delay in direct 0 1 5; do
+    [ "$delay" = direct ] || relays "$delay" 0
     for n in 1 2 3; do
-      plan "$n" 1 "$WORK/p.json"
-      workers "$n" "$WORK/p.json"
+      plan "$n" 1 "$WORK/p.json" "$delay"
+      workers "$n" "$WORK/p.json" "$delay"
       out="$(generate_cluster "$TOKENS")"
       # Eight concurrent streams through a coordinator in the same namespace.
       : > "$WORK/coord.log"
@@ -165,14 +170,18 @@ PY
       echo "$out" | python3 -c '
 import json, sys
 o = json.load(sys.stdin); t = o["timings"]; c = t["cluster"]
-n, delay, moe, agg = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+n, moe, agg = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4]
+direct = sys.argv[2] == "direct"
+delay = 0.0 if direct else float(sys.argv[2])
 tok = max(1, c["tokens"])
 steps = t["decode_tokens"] + 1  # forward passes: the prompt in one, then one per decoded token
 wait_ms = 1e3 * c["network_wait_s"] / steps
 floor_ms = moe * 2 * delay
 ratio = f"{wait_ms / floor_ms:.2f}" if floor_ms else "–"
 b = sum(w["bytes_sent"] + w["bytes_received"] for w in c["workers"]) / tok
-print(f"| {n} | {delay:g} ms | {t[\"decode_tok_s\"]:.1f} | {wait_ms:.2f} ms | {floor_ms:.0f} ms | {ratio} | {c[\"round_trips\"] / steps:.1f} | {b / 1e3:.1f} KB | {agg} |")
+tok_s, trips = t["decode_tok_s"], c["round_trips"] / steps
+where = "none (no relay)" if direct else f"{delay:g} ms"
+print(f"| {n} | {where} | {tok_s:.1f} | {wait_ms:.2f} ms | {floor_ms:.0f} ms | {ratio} | {trips:.1f} | {b / 1e3:.1f} KB | {agg} |")
 ' "$n" "$delay" "$moe_layers" "$agg"
     done
   done

@@ -4,7 +4,9 @@
 //! little-endian bytes (`bytes::Bytes`, so a payload is sliced, never copied, on the way in).
 //!
 //! Header: magic `SHMR`, version (1), kind, request id, model fingerprint (64-bit), placement
-//! epoch, layer, rows, hidden, top-k, dtype, payload length.
+//! epoch, layer, rows, hidden, top-k, payload length, dtype (of the payload's tensor: f32
+//! activations in a request, i64 fixed-point sums in a response, none otherwise — one per kind
+//! today; the field is what lets a later version send, say, bf16 activations).
 //!
 //! Payloads — request: `rows × hidden` f32 activations, then `rows × top_k` (expert u32, weight
 //! f32) pairs, expert `u32::MAX` for selections another node computes; response: `rows × hidden`
@@ -68,6 +70,27 @@ impl ErrorCode {
     }
 }
 
+/// The payload tensor's element type (header offset 56).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Dtype {
+    None = 0,
+    F32 = 1,
+    /// `kernels::fixed` accumulator units.
+    I64Fixed = 2,
+}
+
+impl Kind {
+    /// The one dtype each kind carries in this version.
+    pub fn dtype(self) -> Dtype {
+        match self {
+            Kind::Request => Dtype::F32,
+            Kind::Response => Dtype::I64Fixed,
+            _ => Dtype::None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
     pub kind: Kind,
@@ -91,6 +114,8 @@ pub enum FrameError {
     Version(u16),
     #[error("unknown frame kind {0}")]
     Kind(u16),
+    #[error("dtype {got} is not what a {kind:?} frame carries ({want:?})")]
+    Dtype { kind: Kind, got: u16, want: Dtype },
     #[error("{what} = {value} is over the limit {limit}")]
     Limit { what: &'static str, value: u64, limit: u64 },
     #[error("payload is {got} bytes, the header implies {want}")]
@@ -136,7 +161,8 @@ impl Header {
         out.put_u32_le(self.hidden);
         out.put_u32_le(self.top_k);
         out.put_u64_le(self.payload_len);
-        out.put_bytes(0, HEADER_LEN - 56);
+        out.put_u16_le(self.kind.dtype() as u16);
+        out.put_bytes(0, HEADER_LEN - 58);
     }
 
     /// Reads and checks a header (limits included; the payload length is checked against the
@@ -174,6 +200,10 @@ impl Header {
             top_k: b.get_u32_le(),
             payload_len: b.get_u64_le(),
         };
+        let dtype = b.get_u16_le();
+        if dtype != kind.dtype() as u16 {
+            return Err(FrameError::Dtype { kind, got: dtype, want: kind.dtype() });
+        }
         for (what, value, limit) in [("rows", h.rows as u64, MAX_ROWS as u64), ("hidden", h.hidden as u64, MAX_HIDDEN as u64), ("top_k", h.top_k as u64, MAX_TOP_K as u64), ("payload", h.payload_len, MAX_PAYLOAD)] {
             if value > limit {
                 return Err(FrameError::Limit { what, value, limit });
@@ -391,6 +421,10 @@ mod tests {
         let mut b = good.to_vec();
         b[6] = 77;
         assert_eq!(decode(Bytes::from(b)), Err(FrameError::Kind(77)));
+        // Activations of a dtype this version does not send (bf16 = 3, say).
+        let mut b = good.to_vec();
+        b[56] = 3;
+        assert_eq!(decode(Bytes::from(b)), Err(FrameError::Dtype { kind: Kind::Request, got: 3, want: Dtype::F32 }));
         // rows = 2^31: refused by the limit, not by trying to allocate.
         let mut b = good.to_vec();
         b[36..40].copy_from_slice(&(1u32 << 31).to_le_bytes());
