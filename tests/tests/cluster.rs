@@ -1,7 +1,10 @@
-//! The data plane over real QUIC and TLS (in-process workers on 127.0.0.1 for now; separate
-//! processes come with `shimmer worker`): a coordinator whose experts live on three workers gives
-//! the single box's logits bit for bit, under placements that spread each layer's experts over the
-//! workers differently; a coordinator with the wrong join token is refused.
+//! The data plane over real QUIC and TLS: in-process workers (for logits bit for bit and failure
+//! injection) and `shimmer worker` processes on 127.0.0.x (for tokens): a coordinator whose
+//! experts live on three workers gives the single box's results under placements that spread each
+//! layer's experts differently; failover to replicas and to workers that load experts from their
+//! own disk; errors naming the expert when nobody can serve it; join-token and operator-mTLS
+//! refusals; garbage frames from a raw QUIC client. (The API-level cluster tests with SIGKILL are
+//! in tests/api/test_cluster.py; the namespace LAN in lan.rs.)
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -304,4 +304,27 @@ mod tests {
         assert!(matches!(c, Err(TransportError::Refused)), "{:?}", c.err());
         assert!(matches!(JoinToken::new("short"), Err(TransportError::WeakToken)));
     }
+
+    /// The reverse direction: a "worker" that accepts anyone and answers with a proof it cannot
+    /// compute (it lacks the token) is refused by the coordinator.
+    #[tokio::test]
+    async fn a_coordinator_refuses_a_worker_that_cannot_prove_the_token() {
+        let creds = Credentials::token(JoinToken::new("the-cluster-secret-1").unwrap());
+        let srv = server(([127, 0, 0, 1], 0).into(), &creds).unwrap();
+        let addr = srv.local_addr().unwrap();
+        let impostor = tokio::spawn(async move {
+            let conn = srv.accept().await.unwrap().await.unwrap();
+            let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+            let _ = recv.read_to_end(PROOF_LEN).await;
+            send.write_all(&[0x5a; PROOF_LEN]).await.unwrap();
+            send.finish().unwrap();
+            conn.closed().await
+        });
+        let cli = client(&creds).unwrap();
+        let c = connect(&cli, addr, &creds).await;
+        assert!(matches!(c, Err(TransportError::Refused)), "{:?}", c.err());
+        // The coordinator closed the connection with the authentication code.
+        let closed = impostor.await.unwrap();
+        assert!(matches!(closed, quinn::ConnectionError::ApplicationClosed(ref a) if a.error_code == CLOSE_AUTH_FAILED.into()), "{closed:?}");
+    }
 }
