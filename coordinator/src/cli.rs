@@ -234,6 +234,10 @@ struct StoreArgs {
     /// Seconds to wait for a worker's connection (at start, and when retrying a down one).
     #[arg(long, default_value_t = 3.0)]
     connect_timeout_s: f64,
+    /// This node is also the placement's worker NAME: its experts are computed here (from this
+    /// machine's disk, under the store flags) instead of over the network.
+    #[arg(long, value_name = "NAME", requires = "placement")]
+    hold: Option<String>,
 }
 
 /// How cluster nodes know each other (docs/cluster.md): a join token, operator certificates, or both.
@@ -543,7 +547,16 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
             let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
             placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
             let model = shimmer_worker::server::model_id(fingerprint);
-            let remote = shimmer_worker::remote::RemoteExperts::connect(placement, model, &creds, timeouts).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            let local = match &store.hold {
+                Some(name) => {
+                    let slice = placement.slice(name, &moe).map_err(|e| crate::engine::EngineError::Input(format!("--hold {name}: {e}")))?;
+                    let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options().map_err(|e| crate::engine::EngineError::Input(e.to_string()))? };
+                    let (_, _, experts) = Engine::open_expert_store(dir, &opts)?;
+                    Some((name.clone(), Box::new(experts) as Box<dyn shimmer_worker::ExpertDispatch>))
+                }
+                None => None,
+            };
+            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, model, &creds, timeouts, local).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
             Ok(Box::new(remote))
         })
         .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
@@ -703,8 +716,7 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
     };
     let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
     let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
-    // This worker's slice of the placement: its name, and per MoE layer its experts (first-choice
-    // ones before replicas, so a tight RAM budget pins the ones it serves first).
+    // This worker's slice of the placement: its name, what it holds, what it pins.
     let placement = a.placement.as_ref().map(|p| Placement::read(p)).transpose()?;
     let slice = match (&a.placement, &placement) {
         (Some(path), Some(p)) => {
@@ -712,28 +724,12 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
                 Some(n) => p.workers.iter().find(|w| &w.name == n).map(|w| w.name.clone()).with_context(|| format!("--name {n}: {} has no such worker", path.display()))?,
                 None => worker_in_placement(p, addr).with_context(|| format!("{}: say which worker this is with --name", path.display()))?,
             };
-            let mut assigned = std::collections::HashSet::new();
-            let mut per_layer = Vec::new();
-            for &l in &moe {
-                let lp = p.layers.iter().find(|x| x.layer == l).with_context(|| format!("{}: no layer {l}", path.display()))?;
-                let mut first: Vec<u16> = Vec::new();
-                let mut later: Vec<u16> = Vec::new();
-                for (e, holders) in lp.replicas.iter().enumerate() {
-                    match holders.iter().position(|h| *h == name) {
-                        Some(0) => first.push(e as u16),
-                        Some(_) => later.push(e as u16),
-                        None => continue,
-                    }
-                    assigned.insert((l as u32, e as u32));
-                }
-                first.extend(later);
-                per_layer.push(first);
-            }
-            Some((name, p.epoch, assigned, per_layer))
+            let slice = p.slice(&name, &moe).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            Some((name, p.epoch, slice))
         }
         _ => None,
     };
-    let opts = ExpertOptions { ram, direct_io: a.direct_io, assigned: slice.as_ref().map(|s| s.3.clone()), ..ExpertOptions::default() };
+    let opts = ExpertOptions { ram, direct_io: a.direct_io, assigned: slice.as_ref().map(|s| s.2.pins.clone()), ..ExpertOptions::default() };
     let (spec, fingerprint, store) = Engine::open_expert_store(&dir, &opts).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
     if let (Some(path), Some(p)) = (&a.placement, &placement) {
         p.validate(&fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -744,9 +740,9 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
         let endpoint = shimmer_worker::transport::server(addr, &creds)?;
         let local = endpoint.local_addr()?;
         let mut state = shimmer_worker::server::WorkerState::new(std::sync::Arc::new(store), shimmer_worker::server::model_id(&fingerprint), epoch, creds, spec.hidden_size);
-        if let Some((name, _, assigned, _)) = slice {
+        if let Some((name, _, slice)) = slice {
             state.name = name;
-            state.assigned = Some(assigned);
+            state.assigned = Some(slice.assigned);
             state.assigned_only = a.assigned_only;
         }
         let status = state.status();

@@ -438,3 +438,30 @@ fn a_worker_finds_itself_in_the_placement_and_says_what_it_holds() {
     let unknown = shimmer_tests::shimmer(&["worker", "--model", d, "--listen", "127.0.0.1:0", "--join-token", TOKEN, "--placement", placement.to_str().unwrap(), "--name", "w9"]);
     shimmer_tests::assert_clean_failure(&unknown, &["--name w9", "no such worker"]);
 }
+
+#[test]
+fn a_coordinator_that_holds_a_workers_share_itself_gives_the_single_box_tokens() {
+    let dir = fixture("qwen3_moe");
+    let d = dir.to_str().unwrap();
+    let workers: Vec<WorkerProcess> = (2..4).map(|i| spawn_worker_on(Some(&dir), &format!("127.0.0.{i}:0"))).collect();
+    // The third worker is this node: nothing listens at its address.
+    let me = format!("127.0.0.1:{}", free_udp_port());
+    let names = [workers[0].addr.clone(), workers[1].addr.clone(), me.clone()];
+    let tmp = tempfile::tempdir().unwrap();
+    let placement = tmp.path().join("p.json");
+    let p = shimmer_tests::shimmer(&["plan", "--model", d, "--workers", &names.join(","), "--out", placement.to_str().unwrap()]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let args = ["generate", "--model", d, "--prompt-ids", "2,7,1,8,2,8", "--max-tokens", "10", "--json"];
+    let single = shimmer_tests::shimmer(&args);
+    let both = shimmer_tests::shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", &me, "--connect-timeout-s", "0.5"]].concat());
+    assert!(both.status.success(), "{}", String::from_utf8_lossy(&both.stderr));
+    let json = |o: &std::process::Output| serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap();
+    assert_eq!(json(&both)["output_ids"], json(&single)["output_ids"]);
+    let links = json(&both)["timings"]["cluster"]["workers"].as_array().unwrap().clone();
+    for l in &links {
+        assert!(l["selections"].as_u64().unwrap() > 0 && l["up"] == true, "every holder served, this node included: {l}");
+    }
+    // Holding a worker the placement does not have is refused by name.
+    let bad = shimmer_tests::shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", "w9"]].concat());
+    shimmer_tests::assert_clean_failure(&bad, &["w9"]);
+}

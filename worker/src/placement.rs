@@ -108,6 +108,39 @@ impl Placement {
     pub fn holders(&self, layer: usize, expert: usize) -> Option<&[String]> {
         self.layers.iter().find(|l| l.layer == layer)?.replicas.get(expert).map(Vec::as_slice)
     }
+
+    /// What worker `name` holds: every (layer, expert) it is listed for, and per MoE layer (in
+    /// `moe_layers` order) its experts to pin, first-choice ones before replicas — so a tight RAM
+    /// budget keeps the ones it serves first.
+    pub fn slice(&self, name: &str, moe_layers: &[usize]) -> Result<Slice, String> {
+        if !self.workers.iter().any(|w| w.name == name) {
+            return Err(format!("the placement has no worker named {name:?}"));
+        }
+        let mut assigned = std::collections::HashSet::new();
+        let mut pins = Vec::with_capacity(moe_layers.len());
+        for &l in moe_layers {
+            let lp = self.layers.iter().find(|x| x.layer == l).ok_or_else(|| format!("the placement has no layer {l}"))?;
+            let (mut first, mut later) = (Vec::new(), Vec::new());
+            for (e, holders) in lp.replicas.iter().enumerate() {
+                match holders.iter().position(|h| h == name) {
+                    Some(0) => first.push(e as u16),
+                    Some(_) => later.push(e as u16),
+                    None => continue,
+                }
+                assigned.insert((l as u32, e as u32));
+            }
+            first.extend(later);
+            pins.push(first);
+        }
+        Ok(Slice { assigned, pins })
+    }
+}
+
+/// One worker's part of a placement (`Placement::slice`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slice {
+    pub assigned: std::collections::HashSet<(u32, u32)>,
+    pub pins: Vec<Vec<u16>>,
 }
 
 /// What the planner is given.

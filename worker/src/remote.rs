@@ -12,6 +12,10 @@
 //! redialled in the background after a backoff (1 s, doubling to 30 s) — the forward pass never
 //! waits on a reconnect — and re-admitted when its credentials check out.
 //!
+//! A node can be both: with a local holder (`connect_with`), the experts the placement gives one
+//! named worker are computed in this process — while the requests to the others are in flight —
+//! and that worker is never dialled.
+//!
 //! Telemetry: per worker, round trips, bytes each way, selections served, errors and a histogram
 //! of request round-trip times; overall, tokens (rows through the first MoE layer) and the time the
 //! forward pass waited on the network (`ClusterTelemetry`).
@@ -69,6 +73,8 @@ struct Link {
     status: Option<WorkerStatus>,
     counters: LinkCounters,
     redialing: bool,
+    /// Served in this process (`connect_with`'s local holder): never dialled, always up.
+    local: bool,
 }
 
 /// One worker as the coordinator sees it.
@@ -124,6 +130,8 @@ pub struct RemoteExperts {
     model: u64,
     next_id: Arc<AtomicU64>,
     timeouts: Timeouts,
+    /// The placement worker this process is, and its experts.
+    local: Option<(String, Box<dyn ExpertDispatch>)>,
     /// Selections served by another than the placement's first holder.
     pub failovers: AtomicU64,
     tokens: AtomicU64,
@@ -135,10 +143,22 @@ impl RemoteExperts {
     /// timeout), and asks each for its status. A worker that cannot be reached now starts down
     /// (its experts' other holders serve); refused credentials are an error.
     pub fn connect(placement: Placement, model: u64, creds: &Credentials, timeouts: Timeouts) -> Result<Self, TransportError> {
+        Self::connect_with(placement, model, creds, timeouts, None)
+    }
+
+    /// `connect`, with this process holding the experts of the placement's worker `local.0`
+    /// itself (computed by `local.1`; that worker is not dialled).
+    pub fn connect_with(placement: Placement, model: u64, creds: &Credentials, timeouts: Timeouts, local: Option<(String, Box<dyn ExpertDispatch>)>) -> Result<Self, TransportError> {
+        if let Some((name, _)) = &local {
+            if !placement.workers.iter().any(|w| &w.name == name) {
+                return Err(TransportError::NoWorkers(format!("this node is to hold worker {name}'s experts, but the placement has no such worker")));
+            }
+        }
+        let local_name = local.as_ref().map(|l| l.0.clone());
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("remote-experts").enable_all().build().map_err(|e| TransportError::Tls(e.to_string()))?;
         let endpoint = rt.block_on(async { transport::client(creds) })?;
         let mut addrs = Vec::new();
-        for w in &placement.workers {
+        for w in placement.workers.iter().filter(|w| Some(&w.name) != local_name.as_ref()) {
             let addr: SocketAddr = w.addr.parse().map_err(|e| TransportError::Connect { addr: ([0, 0, 0, 0], 0).into(), reason: format!("worker {} address {:?}: {e}", w.name, w.addr) })?;
             addrs.push((w.name.clone(), addr));
         }
@@ -164,13 +184,17 @@ impl RemoteExperts {
                 }
             };
             let down = conn.is_none().then(|| (Instant::now() + BACKOFF_START, BACKOFF_START));
-            links.insert(name.clone(), Link { addr: *addr, conn, down, status, counters: LinkCounters::default(), redialing: false });
+            links.insert(name.clone(), Link { addr: *addr, conn, down, status, counters: LinkCounters::default(), redialing: false, local: false });
         }
-        if links.values().all(|l| l.conn.is_none()) {
+        if links.values().all(|l| l.conn.is_none()) && local.is_none() {
             return Err(TransportError::NoWorkers(errors.join("; ")));
         }
         for e in errors {
             tracing::warn!("starting without a worker (its experts' other holders serve): {e}");
+        }
+        if let Some(name) = &local_name {
+            let status = WorkerStatus { name: name.clone(), epoch: placement.epoch, loads_unassigned: true, ..WorkerStatus::default() };
+            links.insert(name.clone(), Link { addr: ([127, 0, 0, 1], 0).into(), conn: None, down: None, status: Some(status), counters: LinkCounters::default(), redialing: false, local: true });
         }
         let links: Links = Arc::new(Mutex::new(links));
         rt.spawn(Self::refresh_statuses(links.clone(), model, placement.epoch, next_id.clone(), timeouts.answer));
@@ -185,7 +209,7 @@ impl RemoteExperts {
                 }
             }
         }
-        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, placed, first_moe_layer, model, next_id, timeouts, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, placed, first_moe_layer, model, next_id, timeouts, local, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
     }
 
     /// A connection with its credentials checked, and the worker's status (if it answers).
@@ -218,6 +242,7 @@ impl RemoteExperts {
         loop {
             tokio::time::sleep(STATUS_EVERY).await;
             let conns: Vec<(String, quinn::Connection)> = lock(&links).iter().filter_map(|(n, l)| l.conn.clone().filter(|_| l.down.is_none()).map(|c| (n.clone(), c))).collect();
+            // (The local holder has no connection: its status is what it was given.)
             for (name, conn) in conns {
                 if let Some(s) = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await {
                     if let Some(l) = lock(&links).get_mut(&name) {
@@ -249,7 +274,7 @@ impl RemoteExperts {
                 Some(WorkerLink {
                     name: w.name.clone(),
                     addr: w.addr.clone(),
-                    up: l.down.is_none() && l.conn.as_ref().is_some_and(|c| c.close_reason().is_none()),
+                    up: l.local || (l.down.is_none() && l.conn.as_ref().is_some_and(|c| c.close_reason().is_none())),
                     path_rtt_ms: l.conn.as_ref().filter(|_| l.down.is_none()).map(|c| c.rtt().as_secs_f64() * 1e3),
                     placed_experts,
                     first_choice_experts,
@@ -382,6 +407,10 @@ impl ExpertDispatch for RemoteExperts {
             }
         }
         for (name, list) in per_worker {
+            if let Some((_, local)) = self.local.as_ref().filter(|(n, _)| *n == name) {
+                local.prefetch(layer, &list);
+                continue;
+            }
             let Some(conn) = lock(&self.links).get(&name).and_then(|l| l.conn.clone().filter(|_| l.down.is_none())) else { continue };
             let frame = wire::encode_hint(self.model, self.placement.epoch, layer as u32, 1, &list);
             self.rt.spawn(async move {
@@ -395,6 +424,10 @@ impl ExpertDispatch for RemoteExperts {
 
     fn cluster(&self) -> Option<ClusterTelemetry> {
         Some(self.telemetry_snapshot())
+    }
+
+    fn end_turn(&self) -> Result<(), String> {
+        self.local.as_ref().map_or(Ok(()), |(_, local)| local.end_turn())
     }
 
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
@@ -417,9 +450,13 @@ impl ExpertDispatch for RemoteExperts {
             for &slot in &pending {
                 let e = batch.experts[slot];
                 let holders = self.placement.holders(layer, e as usize).ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
+                let local_name = self.local.as_ref().map(|l| &l.0);
                 let mut usable = |h: &String, tried: &mut HashSet<String>| {
                     if tried.contains(h) {
                         return false;
+                    }
+                    if Some(h) == local_name {
+                        return true;
                     }
                     if let Some(c) = conns.get(h) {
                         if c.close_reason().is_none() {
@@ -457,6 +494,7 @@ impl ExpertDispatch for RemoteExperts {
                 }
                 per_worker.entry(h).or_default().push(slot);
             }
+            let mine_here = self.local.as_ref().and_then(|(name, _)| per_worker.remove(name));
             let requests: Vec<(String, u64, Vec<usize>, Bytes)> = per_worker
                 .into_iter()
                 .map(|(name, mine)| {
@@ -469,21 +507,48 @@ impl ExpertDispatch for RemoteExperts {
                     (name, id, mine, req.encode())
                 })
                 .collect();
-            let waited = Instant::now();
-            let answers = self.rt.block_on(async {
-                let mut handles = Vec::with_capacity(requests.len());
-                for (name, _, _, frame) in &requests {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|(name, _, _, frame)| {
                     let conn = conns.get(name).cloned();
                     let (timeout, frame) = (self.timeouts.answer, frame.clone());
-                    handles.push(tokio::spawn(async move {
+                    self.rt.spawn(async move {
                         let t0 = Instant::now();
                         let r = match conn {
                             Some(c) => Self::ask(&c, frame, timeout).await,
                             None => Err("not connected".into()),
                         };
                         (r, t0.elapsed())
-                    }));
+                    })
+                })
+                .collect();
+            let mut failed = Vec::new();
+            // This node's own selections, computed while the others' are in flight.
+            if let (Some((name, local)), Some(mine)) = (&self.local, mine_here) {
+                let t0 = Instant::now();
+                let mut experts = vec![ELSEWHERE; slots];
+                let mut weights = vec![0.0f32; slots];
+                for &s in &mine {
+                    experts[s] = batch.experts[s];
+                    weights[s] = batch.weights[s];
                 }
+                let mut sums = vec![0i64; acc.len()];
+                match local.dispatch(&MoeBatch { experts: &experts, weights: &weights, ..*batch }, &mut sums) {
+                    Ok(()) => {
+                        self.count(name, 0, 0, mine.len(), t0.elapsed(), true);
+                        for (a, s) in acc.iter_mut().zip(&sums) {
+                            *a = a.checked_add(*s).ok_or_else(|| DispatchError::Remote(format!("fixed-point overflow adding this node's sums (worker {name})")))?;
+                        }
+                    }
+                    Err(e) => {
+                        self.count(name, 0, 0, mine.len(), t0.elapsed(), false);
+                        tracing::warn!(worker = %name, "this node cannot serve its own experts: {e}");
+                        failed.push((name.clone(), mine, false));
+                    }
+                }
+            }
+            let waited = Instant::now();
+            let answers = self.rt.block_on(async {
                 let mut out = Vec::with_capacity(handles.len());
                 for h in handles {
                     out.push(h.await.unwrap_or_else(|e| (Err(e.to_string()), Duration::ZERO)));
@@ -491,7 +556,6 @@ impl ExpertDispatch for RemoteExperts {
                 out
             });
             self.wait_ns.fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            let mut failed = Vec::new();
             for ((name, id, mine, frame), (answer, took)) in requests.into_iter().zip(answers) {
                 let received = answer.as_ref().map_or(0, |a| a.1);
                 match answer.map(|a| a.0) {
