@@ -52,7 +52,7 @@ fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerp
     let mut state = WorkerState::new(experts, model_id(fingerprint), 1, creds(TOKEN), spec.hidden_size);
     if let Some((p, name, only)) = slice {
         state.name = name.to_string();
-        state.assigned = Some(p.layers.iter().flat_map(|l| l.replicas.iter().enumerate().filter(|(_, h)| h.iter().any(|x| x == name)).map(move |(e, _)| (l.layer as u32, e as u32))).collect());
+        state.assigned = Some(p.slice(name, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>()).unwrap().assigned);
         state.assigned_only = only;
     }
     let state = Arc::new(state);

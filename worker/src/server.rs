@@ -1,5 +1,5 @@
 //! A worker node's QUIC service (`shimmer worker`): authenticates each coordinator's connection
-//! (the join token, `transport.rs`), then answers every stream's request frame with the partial
+//! (the join token and/or operator certificates, `transport.rs`), then answers every stream's request frame with the partial
 //! sums of the selections it was given, computed by its own expert dispatcher (its store), and
 //! takes prefetch hints, and answers status questions (what it is, what it holds, whether it
 //! loads experts it was not assigned). A bad frame gets an error frame on its stream; the
