@@ -279,6 +279,20 @@ mod tests {
     }
 
     #[test]
+    fn a_workers_slice_lists_its_first_choice_experts_before_its_replicas() {
+        let ws = workers(2, 1 << 30);
+        let owner = |e: usize| if e % 2 == 0 { vec!["w0".to_string(), "w1".to_string()] } else { vec!["w1".to_string()] };
+        let p = Placement { format: FORMAT.into(), version: VERSION, model: "m".into(), epoch: 3, workers: ws, layers: vec![LayerPlacement { layer: 4, replicas: (0..4).map(owner).collect() }] };
+        let w1 = p.slice("w1", &[4]).unwrap();
+        assert_eq!(w1.pins, vec![vec![1, 3, 0, 2]], "first choice (1, 3), then replicas (0, 2)");
+        assert_eq!(w1.assigned.len(), 4);
+        let w0 = p.slice("w0", &[4]).unwrap();
+        assert_eq!((w0.pins.clone(), w0.assigned.contains(&(4, 2)), w0.assigned.contains(&(4, 1))), (vec![vec![0, 2]], true, false));
+        assert!(p.slice("w7", &[4]).unwrap_err().contains("no worker named"));
+        assert!(p.slice("w0", &[5]).unwrap_err().contains("no layer 5"));
+    }
+
+    #[test]
     fn hot_experts_are_replicated_and_work_is_balanced_by_heat() {
         let ws = workers(3, 5 << 20);
         // Layer 0: expert 0 takes half the selections, the rest share the other half.
