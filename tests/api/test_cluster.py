@@ -4,7 +4,8 @@ client.
 
 - Two copies of every expert: a worker killed with SIGKILL mid-stream changes no token; restarted,
   it is re-admitted and serves again (seen on /metrics).
-- One copy, workers that serve only their slice: a dead worker's expert is a clear error naming it.
+- One copy: a worker killed, its experts are read by the survivor from its own disk (the same
+  tokens); with workers that serve only their slice, a clear error naming the expert instead.
 - The cluster series on /metrics are scraped by a real Prometheus server and queried back.
 - The dashboard's cluster view lists the workers (headless Chromium; test_dashboard.py's driver).
 """
@@ -140,15 +141,22 @@ def test_a_worker_killed_mid_stream_changes_no_token_and_is_readmitted_when_back
     assert metric(coord, "shimmer_worker_selections_total", addrs[0]) > served
 
 
-def test_with_one_copy_and_workers_serving_only_their_slice_a_dead_workers_expert_is_a_clear_error(server):
+@pytest.mark.parametrize("assigned_only", [False, True])
+def test_with_one_copy_a_dead_workers_experts_come_from_the_survivors_disk_or_are_a_clear_error(server, assigned_only):
     tmp = Path(tempfile.mkdtemp())
     addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3)]
     p = placement(tmp, addrs, copies=1)
-    workers = [Worker(a, "--placement", str(p), "--assigned-only") for a in addrs]
+    workers = [Worker(a, "--placement", str(p), *(["--assigned-only"] if assigned_only else [])) for a in addrs]
     coord = Server("--host", "127.0.0.1", "--placement", str(p), "--join-token", TOKEN, "--worker-timeout-s", "2", "--connect-timeout-s", "1", verb="coordinator")
     try:
-        assert greedy(client(coord)) == greedy(client(server))
+        want = greedy(client(server))
+        assert greedy(client(coord)) == want
         workers[1].kill9()
+        if not assigned_only:
+            # The survivor loads the dead worker's experts from its own disk: the same tokens.
+            assert greedy(client(coord)) == want
+            assert metric(coord, "shimmer_worker_selections_total", addrs[0]) > 0
+            return
         with pytest.raises(openai.APIStatusError) as e:
             greedy(client(coord))
         message = str(e.value)
