@@ -192,29 +192,36 @@ pub(crate) fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<V
     Ok(users)
 }
 
+/// Below this many multiply-adds a batch's experts run on the calling thread (~50 µs of work at
+/// this machine's single-thread rate, about what waking the pool costs).
+const SERIAL_MACS: usize = 1 << 20;
+
 /// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
-/// Experts run in parallel; their outputs are added afterwards as fixed-point integers, so the
-/// order — and which dispatcher or node computed which expert — cannot change a bit.
+/// Their outputs are added afterwards as fixed-point integers, so the order — and which thread,
+/// dispatcher or node computed which expert — cannot change a bit.
 pub(crate) fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
     let (h, layer) = (batch.hidden, batch.layer);
-    // Experts are spread over the threads; each runs its rows as one batched product on its
-    // thread (weights read once per group of rows), unless it is the only expert.
-    let parallel_inside = work.len() == 1;
-    let outputs: Vec<Vec<(usize, Vec<f32>)>> = work
-        .par_iter()
-        .map_init(FfnScratch::default, |scratch, (expert, rows)| {
-            let mut xs = Vec::with_capacity(rows.len() * h);
-            for &(row, _) in rows.iter() {
-                xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
-            }
-            let mut ys = vec![0.0f32; rows.len() * h];
-            expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
-            rows.iter()
-                .zip(ys.chunks_exact(h))
-                .map(|(&(row, w), y)| (row, y.iter().map(|v| v * w).collect::<Vec<f32>>()))
-                .collect()
-        })
-        .collect();
+    // Small work (a decode step of a small model) runs on this thread: waking the pool's threads
+    // costs more than it saves. Otherwise experts are spread over the threads, each running its
+    // rows as one batched product (weights read once per group of rows), or, a lone expert, its
+    // product's rows over the threads. Every way computes each row alike: the same bits.
+    let macs: usize = work.iter().map(|(e, rows)| 3 * h * e.intermediate() * rows.len()).sum();
+    let parallel_inside = work.len() == 1 && macs >= SERIAL_MACS;
+    let one = |scratch: &mut FfnScratch, (expert, rows): &(&Expert, &[(usize, f32)])| -> Vec<(usize, Vec<f32>)> {
+        let mut xs = Vec::with_capacity(rows.len() * h);
+        for &(row, _) in rows.iter() {
+            xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
+        }
+        let mut ys = vec![0.0f32; rows.len() * h];
+        expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
+        rows.iter().zip(ys.chunks_exact(h)).map(|(&(row, w), y)| (row, y.iter().map(|v| v * w).collect::<Vec<f32>>())).collect()
+    };
+    let outputs: Vec<Vec<(usize, Vec<f32>)>> = if macs < SERIAL_MACS {
+        let mut scratch = FfnScratch::default();
+        work.iter().map(|w| one(&mut scratch, w)).collect()
+    } else {
+        work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect()
+    };
     for (row, y) in outputs.iter().flatten() {
         fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
     }

@@ -374,7 +374,10 @@ impl Inner {
                 let mut q = lock(&self.queues);
                 q.running_prefetch -= 1;
                 q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
-                self.work.notify_all();
+                // A queued prefetch may have been waiting for this reader's prefetch slot.
+                if !q.prefetch.is_empty() {
+                    self.work.notify_one();
+                }
             }
             {
                 let mut st = lock(&self.state);
@@ -521,9 +524,14 @@ impl ExpertDispatch for ExpertStore {
             // Demand first; a queued prefetch this batch now needs is promoted to demand.
             let mut q = lock(&inner.queues);
             let pendings: Vec<&Arc<Pending>> = waiting.iter().map(|(_, p)| p).collect();
+            let before = q.demand.len();
             q.promote(&pendings);
             q.demand.extend(jobs);
-            inner.work.notify_all();
+            // One reader per new read: waking all of them on every layer of every token (most
+            // find nothing to do) costs more than the experts' compute on a small machine.
+            for _ in before..q.demand.len() {
+                inner.work.notify_one();
+            }
         }
         // Compute what is ready while the rest is read; then each read expert as it arrives.
         loop {
@@ -583,9 +591,11 @@ impl ExpertDispatch for ExpertStore {
                 }
             }
             q.hinted_outstanding += jobs.len();
+            for _ in 0..jobs.len() {
+                inner.work.notify_one();
+            }
             q.prefetch.extend(jobs);
         }
-        inner.work.notify_all();
     }
 
     fn end_turn(&self) -> Result<(), String> {
