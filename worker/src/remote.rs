@@ -225,7 +225,7 @@ impl RemoteExperts {
     }
 
     async fn ask_status(conn: &quinn::Connection, model: u64, epoch: u64, id: u64, within: Duration) -> Option<WorkerStatus> {
-        match Self::ask(conn, wire::encode_status_request(id, model, epoch), within).await {
+        match Self::ask(conn, wire::encode_status_request(id, model, epoch), within, wire::HEADER_LEN + wire::MAX_STATUS as usize).await {
             Ok((Frame::StatusReply { request_id, json }, _)) if request_id == id => match serde_json::from_str(&json) {
                 Ok(s) => Some(s),
                 Err(e) => {
@@ -362,13 +362,15 @@ impl RemoteExperts {
         v
     }
 
-    /// One request and its answer on a fresh stream; the answer's size comes back for telemetry.
-    async fn ask(conn: &quinn::Connection, frame: Bytes, timeout: Duration) -> Result<(Frame, usize), String> {
+    /// One request and its answer (at most `max_answer` bytes: what the question can need, so a
+    /// worker cannot make the coordinator buffer more) on a fresh stream; the answer's size comes
+    /// back for telemetry.
+    async fn ask(conn: &quinn::Connection, frame: Bytes, timeout: Duration, max_answer: usize) -> Result<(Frame, usize), String> {
         let work = async {
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
             send.write_all(&frame).await.map_err(|e| e.to_string())?;
             send.finish().map_err(|e| e.to_string())?;
-            let bytes = recv.read_to_end(wire::HEADER_LEN + wire::MAX_PAYLOAD as usize).await.map_err(|e| e.to_string())?;
+            let bytes = recv.read_to_end(max_answer).await.map_err(|e| e.to_string())?;
             let n = bytes.len();
             wire::decode(Bytes::from(bytes)).map(|f| (f, n)).map_err(|e| e.to_string())
         };
@@ -507,6 +509,8 @@ impl ExpertDispatch for RemoteExperts {
                     (name, id, mine, req.encode())
                 })
                 .collect();
+            // A response is the sums, or an error frame.
+            let max_answer = wire::HEADER_LEN + (acc.len() * 8).max(4 + wire::MAX_ERROR_MESSAGE);
             let handles: Vec<_> = requests
                 .iter()
                 .map(|(name, _, _, frame)| {
@@ -515,7 +519,7 @@ impl ExpertDispatch for RemoteExperts {
                     self.rt.spawn(async move {
                         let t0 = Instant::now();
                         let r = match conn {
-                            Some(c) => Self::ask(&c, frame, timeout).await,
+                            Some(c) => Self::ask(&c, frame, timeout, max_answer).await,
                             None => Err("not connected".into()),
                         };
                         (r, t0.elapsed())
