@@ -6,6 +6,10 @@ use shimmer_worker::wire::{self, Frame};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(frame) = wire::decode(bytes::Bytes::copy_from_slice(data)) else { return };
+    if let Frame::StatusReply { json, .. } = &frame {
+        // A worker's status as the coordinator reads it: parsed or refused, never a panic.
+        let _ = serde_json::from_str::<shimmer_worker::server::WorkerStatus>(json);
+    }
     let again = match &frame {
         Frame::Request(r) => r.encode(),
         Frame::Response(r) => r.encode(0, 0),

@@ -2,11 +2,14 @@
 //!
 //! Owns: expert weights and their SwiGLU FFN, and the `ExpertDispatch` contract through which the
 //! coordinator's dense forward hands each MoE layer's rows and (expert, weight) selections to
-//! whoever holds the experts. This crate implements the in-process dispatcher; the tiered store
-//! (RAM/NVMe), prefetch and the QUIC server build on the same contract.
+//! whoever holds the experts. Three dispatchers implement it: in-process (everything in RAM), the
+//! tiered store (RAM/NVMe, prefetch), and `remote` (experts on workers over QUIC, whose service is
+//! `server` over the same store); `wire`, `transport` and `placement` are the data plane's
+//! frames, links and expert-to-worker map.
 //!
 //! Must never: route (the selections arrive decided), skip, substitute or re-weight an expert,
-//! or know a model family: tensor names come from the spec's templates.
+//! answer for an expert no node could compute (an error instead), or know a model family: tensor
+//! names come from the spec's templates.
 
 pub mod container;
 pub mod convert;

@@ -101,7 +101,15 @@ impl Placement {
             return Err(LoadError::malformed(path, format!("{len} bytes; a placement file is at most {MAX_FILE_BYTES}")));
         }
         let bytes = std::fs::read(path).map_err(|e| LoadError::io(path, e))?;
-        serde_json::from_slice(&bytes).map_err(|e| LoadError::malformed(path, format!("not a placement file: {e}")))
+        Self::parse(&bytes).map_err(|e| LoadError::malformed(path, e))
+    }
+
+    /// A placement file's bytes (at most `MAX_FILE_BYTES`).
+    pub fn parse(bytes: &[u8]) -> Result<Placement, String> {
+        if bytes.len() as u64 > MAX_FILE_BYTES {
+            return Err(format!("{} bytes; a placement file is at most {MAX_FILE_BYTES}", bytes.len()));
+        }
+        serde_json::from_slice(bytes).map_err(|e| format!("not a placement file: {e}"))
     }
 
     /// The holders of `(layer, expert)`, in order.
