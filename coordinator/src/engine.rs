@@ -378,6 +378,11 @@ impl Engine {
         self.experts.resident(layer)
     }
 
+    /// On a cluster, which worker first serves each expert of `layer`.
+    pub fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {
+        self.experts.first_holders(layer)
+    }
+
     /// Links to the workers and their counters, when the experts are on a cluster.
     pub fn cluster_telemetry(&self) -> Option<shimmer_worker::remote::ClusterTelemetry> {
         self.experts.cluster()

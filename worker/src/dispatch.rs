@@ -79,6 +79,12 @@ pub trait ExpertDispatch: Send + Sync {
         None
     }
 
+    /// On a cluster, which worker first serves each expert of `layer` (an index into
+    /// `cluster().workers`).
+    fn first_holders(&self, _layer: usize) -> Option<Vec<u16>> {
+        None
+    }
+
     /// Which experts of `layer` are in RAM now (`None`: the dispatcher keeps them all there).
     fn resident(&self, _layer: usize) -> Option<Vec<bool>> {
         None

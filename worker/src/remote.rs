@@ -428,6 +428,11 @@ impl ExpertDispatch for RemoteExperts {
         Some(self.telemetry_snapshot())
     }
 
+    fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {
+        let l = self.placement.layers.iter().find(|l| l.layer == layer)?;
+        Some(l.replicas.iter().map(|h| h.first().and_then(|n| self.placement.workers.iter().position(|w| &w.name == n)).map_or(u16::MAX, |i| i as u16)).collect())
+    }
+
     fn end_turn(&self) -> Result<(), String> {
         self.local.as_ref().map_or(Ok(()), |(_, local)| local.end_turn())
     }

@@ -79,6 +79,9 @@ pub struct Snapshot {
     pub generated_tokens: u64,
     /// The workers and the links to them, when the experts are on a cluster.
     pub cluster: Option<shimmer_worker::remote::ClusterTelemetry>,
+    /// On a cluster, per (row, expert): the worker that first serves it (an index into
+    /// `cluster.workers`); empty on a single box.
+    pub node: Vec<u16>,
 }
 
 /// Throughput window.
@@ -127,7 +130,7 @@ impl Dashboard {
 
     /// `resident(layer)`: which of the layer's experts are in RAM (`None`: all, unless `cluster`
     /// says they are on workers).
-    pub fn snapshot(&self, running: usize, waiting: usize, resident: &dyn Fn(usize) -> Option<Vec<bool>>, cluster: Option<shimmer_worker::remote::ClusterTelemetry>) -> Snapshot {
+    pub fn snapshot(&self, running: usize, waiting: usize, resident: &dyn Fn(usize) -> Option<Vec<bool>>, cluster: Option<shimmer_worker::remote::ClusterTelemetry>, first_holders: &dyn Fn(usize) -> Option<Vec<u16>>) -> Snapshot {
         let now = Instant::now();
         let tokens: u64 = self.recent.iter().filter(|(t, _)| now.duration_since(*t) <= WINDOW).map(|(_, n)| n).sum();
         let span = self.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1.0);
@@ -154,6 +157,10 @@ impl Dashboard {
             routed: self.routed.clone(),
             tier,
             generated_tokens: self.generated,
+            node: match &cluster {
+                Some(_) => self.moe_layers.iter().flat_map(|l| first_holders(*l).unwrap_or_else(|| vec![u16::MAX; self.experts]).into_iter().chain(std::iter::repeat(u16::MAX)).take(self.experts)).collect(),
+                None => Vec::new(),
+            },
             cluster,
         }
     }

@@ -136,6 +136,7 @@ fn render_cluster(out: &mut String, c: &ClusterTelemetry) {
     family("shimmer_worker_resident_experts", "gauge", "Experts in the worker's RAM, as it last said", &mut c.workers.iter().filter_map(|w| w.status.as_ref().map(|s| (format!("{{worker=\"{}\"}}", label(&w.name)), s.resident_experts as f64))));
     family("shimmer_cluster_tokens_total", "counter", "Tokens (prefilled or decoded) whose MoE layers went to workers: divide the network series by it for per-token figures", &mut std::iter::once((String::new(), c.tokens as f64)));
     family("shimmer_network_wait_seconds_total", "counter", "Time the forward pass waited for workers' answers", &mut std::iter::once((String::new(), c.network_wait_s)));
+    family("shimmer_placement_epoch", "gauge", "The epoch of the placement the coordinator routes by", &mut std::iter::once((String::new(), c.placement_epoch as f64)));
     family("shimmer_expert_failovers_total", "counter", "Selections served by another worker than the placement's first holder", &mut std::iter::once((String::new(), c.failovers as f64)));
     let name = "shimmer_worker_request_rtt_seconds";
     let _ = writeln!(out, "# HELP {name} Round trip of one layer's expert request: network and the worker's compute\n# TYPE {name} histogram");

@@ -154,6 +154,9 @@ const TIERS = [
   ["disk_bytes", "disk", "#ff9e64"],
   ["remote_bytes", "remote", "#9ece6a"],
 ];
+// On a cluster the Brain colours each expert by the worker that first serves it (the cluster
+// table's swatches match).
+const NODE_RGB = [[122, 162, 247], [158, 206, 106], [255, 158, 100], [187, 154, 247], [42, 195, 222], [247, 118, 142], [224, 175, 104], [115, 218, 202]];
 const TIER_RGB = { vram: [187, 154, 247], ram: [42, 195, 222], disk: [255, 158, 100], remote: [158, 206, 106] };
 
 function fmtBytes(n) {
@@ -181,7 +184,7 @@ function drawBrain(s) {
   for (let r = 0; r < rows; r++) {
     for (let e = 0; e < cols; e++) {
       const i = r * cols + e;
-      const [cr, cg, cb] = TIER_RGB[s.tier[i]] || TIER_RGB.ram;
+      const [cr, cg, cb] = s.node.length ? NODE_RGB[s.node[i] % NODE_RGB.length] || TIER_RGB.remote : TIER_RGB[s.tier[i]] || TIER_RGB.ram;
       const b = 0.12 + 0.88 * Math.sqrt(s.heat[i] || 0);
       g.fillStyle = s.routed[i] ? "#ffffff" : `rgb(${Math.round(cr * b)},${Math.round(cg * b)},${Math.round(cb * b)})`;
       g.fillRect(e * cell, r * cell, cell - 1, cell - 1);
@@ -199,7 +202,7 @@ function renderCluster(c) {
   $("cluster-facts").textContent = `per token: ${(c.round_trips / tokens).toFixed(1)} round trips, ${fmtBytes(bytes / tokens)}, ${((1000 * c.network_wait_s) / tokens).toFixed(2)} ms network wait · ${c.failovers} failovers · placement epoch ${c.placement_epoch}`;
   const ms = (v) => (v == null ? "–" : v.toFixed(2) + " ms");
   $("cluster").tBodies[0].innerHTML = c.workers
-    .map((w) => `<tr class="${w.up ? "up" : "down"}" data-worker="${escapeHtml(w.name)}"><td>${escapeHtml(w.name)}</td><td>${w.up ? "up" : "down"}</td><td>${w.placed_experts} (${w.first_choice_experts})</td><td>${w.status ? w.status.resident_experts : "–"}</td><td>${w.selections}</td><td>${ms(w.path_rtt_ms)}</td><td>${ms(w.requests ? (1000 * w.rtt_sum_s) / w.requests : null)}</td><td>${fmtBytes((w.bytes_sent + w.bytes_received) / tokens)}</td></tr>`)
+    .map((w, i) => `<tr class="${w.up ? "up" : "down"}" data-worker="${escapeHtml(w.name)}"><td><i class="swatch" style="background:rgb(${NODE_RGB[i % NODE_RGB.length].join(",")})"></i>${escapeHtml(w.name)}</td><td>${w.up ? "up" : "down"}</td><td>${w.placed_experts} (${w.first_choice_experts})</td><td>${w.status ? w.status.resident_experts : "–"}</td><td>${w.selections}</td><td>${ms(w.path_rtt_ms)}</td><td>${ms(w.requests ? (1000 * w.rtt_sum_s) / w.requests : null)}</td><td>${fmtBytes((w.bytes_sent + w.bytes_received) / tokens)}</td></tr>`)
     .join("");
 }
 
