@@ -305,6 +305,16 @@ fn three_worker_processes_generate_the_single_box_tokens_under_three_placements(
         if model != Some(fixture("qwen3_moe")) {
             continue;
         }
+        // Two coordinators at once share the pool (one connection each per worker).
+        let both = [0, 1].map(|_| {
+            let a: Vec<String> = [&args[..], &["--placement", placements[1].to_str().unwrap(), "--join-token", TOKEN]].concat().iter().map(|s| s.to_string()).collect();
+            std::thread::spawn(move || shimmer_tests::shimmer(&a.iter().map(String::as_str).collect::<Vec<_>>()))
+        });
+        for h in both {
+            let o = h.join().unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            assert_eq!(ids(&o), ids(&single), "two coordinators on one pool");
+        }
         // A wrong token: refused with a clear error, no tokens.
         let wrong = shimmer_tests::shimmer(&[&args[..], &["--placement", planned.to_str().unwrap(), "--join-token", "definitely-not-the-token"]].concat());
         shimmer_tests::assert_clean_failure(&wrong, &["join token"]);
