@@ -69,8 +69,8 @@ struct WorkerArgs {
     /// start (within --ram-gb); others it is asked for are read from its own disk on demand.
     #[arg(long, value_name = "FILE")]
     placement: Option<PathBuf>,
-    /// This worker's name in the placement (default: the worker whose address is --listen, or
-    /// the only one with --listen's port).
+    /// This worker's name in the placement (default: the worker whose address is --listen; with
+    /// --listen on 0.0.0.0, the only one on its port at an address of this machine).
     #[arg(long, requires = "placement")]
     name: Option<String>,
     /// Serve only the experts the placement assigns this worker (refuse failover for others).

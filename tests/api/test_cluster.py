@@ -216,7 +216,7 @@ def test_the_dashboard_shows_the_cluster_view(replicated):
 
     coord, _, addrs = replicated
     assert CHROMIUM, "chromium is not installed (scripts/test installs Debian's chromium package)"
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         facts, errors = asyncio.run(drive(coord.url + "/", profile, shot="dashboard-cluster.png", cluster_rows=len(addrs)))
     assert errors == [], errors
     assert facts["error"] == 0 and len(facts["answer"].strip()) > 0, facts
