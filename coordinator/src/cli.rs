@@ -890,7 +890,7 @@ fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
     if let Some(url) = &a.url {
-        for (set, flag) in [(a.session.is_some(), "--session"), (a.trace.is_some(), "--trace"), (a.store.ram_gb.is_some() || a.store.direct_io, "the expert-store flags")] {
+        for (set, flag) in [(a.session.is_some(), "--session"), (a.trace.is_some(), "--trace"), (a.store.ram_gb.is_some() || a.store.direct_io, "the expert-store flags"), (a.store.placement.is_some(), "--placement")] {
             if set {
                 bail!("{flag} applies to a local model, not to --url");
             }

@@ -222,6 +222,7 @@ def test_the_dashboard_shows_the_cluster_view(replicated):
     assert facts["error"] == 0 and len(facts["answer"].strip()) > 0, facts
     assert [row[0] for row in facts["cluster"]] == addrs, facts["cluster"]
     assert "round trips" in facts["cluster_facts"], facts
+    assert "network wait" in facts["breakdown"] and "I/O wait" not in facts["breakdown"], facts["breakdown"]
     # The Brain colours each expert by the worker that first serves it: every worker appears.
     snap = httpx.get(coord.url + "/api/dashboard").json()
     assert len(snap["node"]) == len(snap["moe_layers"]) * snap["experts"], snap["node"]

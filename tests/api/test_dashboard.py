@@ -100,6 +100,7 @@ async def drive(url: str, profile: str, shot: str = "dashboard.png", cluster_row
             facts = await page.eval("""({
                 cluster: [...document.querySelectorAll('#cluster tbody tr')].map((tr) => [...tr.children].map((td) => td.textContent)),
                 cluster_facts: document.getElementById('cluster-facts').textContent,
+                breakdown: document.getElementById('breakdown-legend').textContent,
                 answer: [...document.querySelectorAll('.msg.assistant')].pop().textContent,
                 error: document.querySelectorAll('.msg.error').length,
                 toks: parseFloat(document.getElementById('toks').textContent),

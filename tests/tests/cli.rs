@@ -324,3 +324,27 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     let reps = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070", "--replicas", "2", "--out", out.to_str().unwrap()]);
     assert_clean_failure(&reps, &["replicas"]);
 }
+
+#[test]
+fn cluster_flags_in_the_wrong_place_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.json");
+    let m = shimmer_tests::fixture("qwen3_moe");
+    let m = m.to_str().unwrap();
+    assert!(shimmer(&["plan", "--model", m, "--workers", "127.0.0.2:7070", "--out", out.to_str().unwrap()]).status.success());
+    let p = out.to_str().unwrap();
+    // Credentials without a cluster, a placement for a remote chat, a coordinator without one.
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--join-token", "a-long-enough-join-token"]), &["--placement"]);
+    assert_clean_failure(&shimmer(&["chat", "--url", "http://127.0.0.1:1", "--placement", p]), &["--placement", "--url"]);
+    assert_clean_failure(&shimmer(&["coordinator", "--model", m]), &["--placement"]);
+    // A cluster without credentials, a short token, bad timeouts, an unknown worker to hold.
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p]), &["join token", "--tls-cert"]);
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "short"]), &["at least 16"]);
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--worker-timeout-s", "0"]), &["--worker-timeout-s"]);
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--hold", "nobody"]), &["nobody"]);
+    // Operator certificates that are not PEM.
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let j = junk.to_str().unwrap();
+    assert_clean_failure(&shimmer(&["worker", "--model", m, "--listen", "127.0.0.1:0", "--tls-cert", j, "--tls-key", j, "--tls-ca", j]), &["junk.pem"]);
+}

@@ -214,7 +214,9 @@ function render(s) {
   $("waiting").textContent = s.waiting;
   if (s.last_turn) {
     const t = s.last_turn;
-    stackedBar($("breakdown"), $("breakdown-legend"), PHASES, t.breakdown, (v) => v.toFixed(1) + " ms");
+    // On a cluster the experts' wait is for the workers' answers.
+    const phases = s.cluster ? PHASES.map((p) => (p[0] === "expert_io_wait_ms" ? [p[0], "network wait", p[2]] : p)) : PHASES;
+    stackedBar($("breakdown"), $("breakdown-legend"), phases, t.breakdown, (v) => v.toFixed(1) + " ms");
     $("turn-facts").textContent = `${t.prompt_tokens} prompt + ${t.completion_tokens} generated tokens · TTFT ${t.ttft_ms.toFixed(0)} ms · ${t.decode_tok_s.toFixed(1)} tok/s decode`;
   }
   stackedBar($("tiers"), $("tiers-legend"), TIERS, s.tiers, fmtBytes);
