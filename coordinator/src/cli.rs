@@ -111,6 +111,10 @@ struct PlanArgs {
     /// Where to write the placement file.
     #[arg(long)]
     out: PathBuf,
+    /// The placement's epoch (default: one more than --out's, when it is a placement of this
+    /// model; else 1).
+    #[arg(long)]
+    epoch: Option<u64>,
     /// Print the forecast as JSON.
     #[arg(long)]
     json: bool,
@@ -557,6 +561,13 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
                 None => None,
             };
             let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, model, &creds, timeouts, local).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            // When workers move to a newer placement, the file is read again.
+            let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
+            let remote = remote.with_reload(Box::new(move || {
+                let p = shimmer_worker::placement::Placement::read(&file).map_err(|e| e.to_string())?;
+                p.validate(&fingerprint, &moe, experts).map_err(|e| format!("{}: {e}", file.display()))?;
+                Ok(p)
+            }));
             Ok(Box::new(remote))
         })
         .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
@@ -824,7 +835,13 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             }
         }
     }
-    let (placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, replicate_fraction: a.replicate_fraction, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
+    let (mut placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, replicate_fraction: a.replicate_fraction, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
+    // A new plan over an old one for the same model is its successor: the next epoch, which
+    // running coordinators adopt when their workers move to it.
+    placement.epoch = match a.epoch {
+        Some(e) => e,
+        None => placement::Placement::read(&a.out).ok().filter(|old| old.model == fingerprint).map_or(1, |old| old.epoch + 1),
+    };
     let text = serde_json::to_string_pretty(&placement)?;
     std::fs::write(&a.out, text + "\n").with_context(|| format!("cannot write {}", a.out.display()))?;
     // Per token: top-k selections in each MoE layer.

@@ -8,6 +8,7 @@ client.
   tokens); with workers that serve only their slice, a clear error naming the expert instead.
 - The cluster series on /metrics are scraped by a real Prometheus server and queried back.
 - The dashboard's cluster view lists the workers (headless Chromium; test_dashboard.py's driver).
+- Workers restarted on a re-planned placement (the next epoch): the coordinator adopts it.
 """
 import json
 import shutil
@@ -70,8 +71,9 @@ class Worker:
 
 
 def placement(tmp: Path, addrs: list[str], copies: int) -> Path:
-    """`shimmer plan`'s file for the demo over `addrs`, with every expert on `copies` workers."""
-    out = tmp / f"placement-{copies}.json"
+    """`shimmer plan`'s file for the demo over `addrs`, with every expert on `copies` workers
+    (planned over an earlier one, the next epoch)."""
+    out = tmp / "placement.json"
     r = subprocess.run([shimmer_bin(), "plan", "--workers", ",".join(addrs), "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
@@ -160,6 +162,7 @@ def test_with_one_copy_a_dead_workers_experts_come_from_the_survivors_disk_or_ar
         with pytest.raises(openai.APIStatusError) as e:
             greedy(client(coord))
         message = str(e.value)
+        assert e.value.status_code == 503, e.value
         assert "expert" in message and "no worker can serve it" in message and addrs[1] in message, message
         # The coordinator itself stays up and says what is wrong on the next request too.
         with pytest.raises(openai.APIStatusError):
@@ -228,3 +231,27 @@ def test_the_dashboard_shows_the_cluster_view(replicated):
     assert len(snap["node"]) == len(snap["moe_layers"]) * snap["experts"], snap["node"]
     assert set(snap["node"]) == set(range(len(addrs))), set(snap["node"])
     assert metric(coord, "shimmer_placement_epoch") == 1
+
+
+def test_a_new_placement_is_adopted_when_the_workers_move_to_it(server):
+    tmp = Path(tempfile.mkdtemp())
+    addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3)]
+    p = placement(tmp, addrs, copies=1)
+    workers = [Worker(a, "--placement", str(p)) for a in addrs]
+    coord = Server("--host", "127.0.0.1", "--placement", str(p), "--join-token", TOKEN, "--worker-timeout-s", "2", "--connect-timeout-s", "1", verb="coordinator")
+    try:
+        want = greedy(client(server))
+        assert greedy(client(coord)) == want and metric(coord, "shimmer_placement_epoch") == 1
+        # Re-planned over the same file (epoch 2, now every expert on both), the workers restarted on it.
+        placement(tmp, addrs, copies=2)
+        assert json.loads(p.read_text())["epoch"] == 2
+        for w in workers:
+            w.stop()
+            w.start()
+        assert greedy(client(coord)) == want
+        assert metric(coord, "shimmer_placement_epoch") == 2
+    finally:
+        coord.stop()
+        for w in workers:
+            w.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

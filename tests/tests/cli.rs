@@ -319,6 +319,16 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     p.validate(&fingerprint, &moe, spec.moe.num_experts).unwrap();
     let total: f64 = report["workers"].as_array().unwrap().iter().map(|w| w["selections_per_token"].as_f64().unwrap()).sum();
     assert!((total - report["selections_per_token"].as_f64().unwrap()).abs() < 1e-6, "every selection is served somewhere: {report}");
+    assert_eq!(p.epoch, 1);
+    // Planned again over it: the next epoch; or the one asked for.
+    let again = |extra: &[&str]| {
+        let o = shimmer(&[&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.3:7070", "--out", out.to_str().unwrap()][..], extra].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        shimmer_worker::placement::Placement::read(&out).unwrap().epoch
+    };
+    assert_eq!(again(&[]), 2);
+    assert_eq!(again(&["--epoch", "7"]), 7);
+    assert_eq!(again(&[]), 8);
     let dup = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.2:7070", "--out", out.to_str().unwrap()]);
     assert_clean_failure(&dup, &["listed twice"]);
     let reps = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070", "--replicas", "2", "--out", out.to_str().unwrap()]);

@@ -40,11 +40,12 @@ fn start_workers(dir: &std::path::Path, n: usize, fingerprint: &str) -> (tokio::
 }
 
 fn start_worker(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr) -> (quinn::Endpoint, String) {
-    start_worker_for(rt, dir, fingerprint, at, None)
+    let (ep, addr, _) = start_worker_for(rt, dir, fingerprint, at, None);
+    (ep, addr)
 }
 
 /// A worker that knows its slice of `placement` (`name`), serving only it when `assigned_only`.
-fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr, slice: Option<(&Placement, &str, bool)>) -> (quinn::Endpoint, String) {
+fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr, slice: Option<(&Placement, &str, bool)>) -> (quinn::Endpoint, String, Arc<WorkerState>) {
     let spec = ModelSpec::from_dir(dir).unwrap();
     let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
     let ep = rt.block_on(async { transport::server(at, &creds(TOKEN)) }).unwrap();
@@ -56,8 +57,8 @@ fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerp
         state.assigned_only = only;
     }
     let state = Arc::new(state);
-    rt.spawn(serve(ep.clone(), state));
-    (ep, addr)
+    rt.spawn(serve(ep.clone(), state.clone()));
+    (ep, addr, state)
 }
 
 /// Lets the test keep a handle on the dispatcher the engine owns.
@@ -140,7 +141,7 @@ fn with_one_copy_a_dead_workers_experts_come_from_another_workers_disk_or_are_an
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let addrs: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", free_udp_port())).collect();
         let p = placement(&fingerprint, &spec, &addrs, |_, e| e % 2);
-        let workers: Vec<(quinn::Endpoint, String)> = addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
+        let workers: Vec<(quinn::Endpoint, String, Arc<WorkerState>)> = addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
         let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap();
         let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
         workers[1].0.close(0u32.into(), b"killed");
@@ -474,4 +475,40 @@ fn a_coordinator_that_holds_a_workers_share_itself_gives_the_single_box_tokens()
     // Holding a worker the placement does not have is refused by name.
     let bad = shimmer_tests::shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", "w9"]].concat());
     shimmer_tests::assert_clean_failure(&bad, &["w9"]);
+}
+
+#[test]
+fn workers_on_a_newer_placement_make_the_coordinator_adopt_it_with_the_same_logits() {
+    let dir = fixture("qwen3_moe");
+    let single = Engine::load(&dir).unwrap();
+    let (spec, fingerprint) = (single.spec.clone(), single.fingerprint.clone());
+    let ids = [3u32, 1, 4, 1, 5, 9];
+    let want = single.logits_all(&ids).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let workers: Vec<_> = (0..3).map(|_| start_worker_for(&rt, &dir, &fingerprint, ([127, 0, 0, 1], 0).into(), None)).collect();
+    let addrs: Vec<String> = workers.iter().map(|w| w.1.clone()).collect();
+    let first = placement(&fingerprint, &spec, &addrs, |_, e| e % 3);
+    let mut second = placement(&fingerprint, &spec, &addrs, |l, e| (e + l + 1) % 3);
+    second.epoch = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("placement.json");
+    std::fs::write(&file, serde_json::to_string(&first).unwrap()).unwrap();
+    let f = file.clone();
+    let remote = Arc::new(RemoteExperts::connect(first, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap().with_reload(Box::new(move || Placement::read(&f).map_err(|e| e.to_string()))));
+    let r2 = remote.clone();
+    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
+    assert_eq!(bits(&engine.logits_all(&ids).unwrap()), bits(&want));
+    // The operator moves the cluster to epoch 2: the file, then the workers.
+    std::fs::write(&file, serde_json::to_string(&second).unwrap()).unwrap();
+    for w in &workers {
+        w.2.epoch.store(2, std::sync::atomic::Ordering::SeqCst);
+    }
+    assert_eq!(bits(&engine.logits_all(&ids).unwrap()), bits(&want), "under the adopted placement");
+    assert_eq!(remote.telemetry_snapshot().placement_epoch, 2);
+    // Workers ahead of every placement at hand: `Moved` is then an error like any other.
+    for w in &workers {
+        w.2.epoch.store(3, std::sync::atomic::Ordering::SeqCst);
+    }
+    let e = engine.logits_all(&ids).unwrap_err().to_string();
+    assert!(e.contains("no worker can serve it"), "{e}");
 }

@@ -16,6 +16,11 @@
 //! named worker are computed in this process — while the requests to the others are in flight —
 //! and that worker is never dialled.
 //!
+//! A new placement: a worker that answers `Moved` serves another epoch; the coordinator asks its
+//! reload hook (the placement file again; Raft later) for a newer placement, adopts it — dialling
+//! any new workers — and sends the rows again under it. Without a newer one, `Moved` is an error
+//! like any other and the next holder serves.
+//!
 //! Telemetry: per worker, round trips, bytes each way, selections served, errors and a histogram
 //! of request round-trip times; overall, tokens (rows through the first MoE layer) and the time the
 //! forward pass waited on the network (`ClusterTelemetry`).
@@ -37,7 +42,7 @@ use crate::dispatch::{DispatchError, ExpertDispatch, MoeBatch, ELSEWHERE};
 use crate::placement::Placement;
 use crate::server::WorkerStatus;
 use crate::transport::{self, Credentials, TransportError};
-use crate::wire::{self, Frame};
+use crate::wire::{self, ErrorCode, Frame};
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -114,6 +119,32 @@ pub struct ClusterTelemetry {
 
 type Links = Arc<Mutex<HashMap<String, Link>>>;
 
+/// Where a newer placement comes from when a worker says the coordinator's is stale.
+pub type Reload = Box<dyn Fn() -> Result<Placement, String> + Send + Sync>;
+
+/// The placement the coordinator routes by, with what is derived from it.
+struct Routing {
+    placement: Placement,
+    /// Per worker: (layer, expert) pairs the placement lists it for, and those it is first for.
+    placed: HashMap<String, (usize, usize)>,
+}
+
+impl Routing {
+    fn new(placement: Placement) -> Arc<Self> {
+        let mut placed: HashMap<String, (usize, usize)> = HashMap::new();
+        for l in &placement.layers {
+            for holders in &l.replicas {
+                for (i, h) in holders.iter().enumerate() {
+                    let p = placed.entry(h.clone()).or_default();
+                    p.0 += 1;
+                    p.1 += usize::from(i == 0);
+                }
+            }
+        }
+        Arc::new(Routing { placement, placed })
+    }
+}
+
 fn lock(links: &Links) -> MutexGuard<'_, HashMap<String, Link>> {
     links.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -123,9 +154,8 @@ pub struct RemoteExperts {
     endpoint: quinn::Endpoint,
     creds: Credentials,
     links: Links,
-    placement: Placement,
-    /// Per worker: (layer, expert) pairs the placement lists it for, and those it is first for.
-    placed: HashMap<String, (usize, usize)>,
+    routing: std::sync::RwLock<Arc<Routing>>,
+    reload: Option<Reload>,
     first_moe_layer: usize,
     model: u64,
     next_id: Arc<AtomicU64>,
@@ -199,17 +229,63 @@ impl RemoteExperts {
         let links: Links = Arc::new(Mutex::new(links));
         rt.spawn(Self::refresh_statuses(links.clone(), model, placement.epoch, next_id.clone(), timeouts.answer));
         let first_moe_layer = placement.layers.iter().map(|l| l.layer).min().unwrap_or(0);
-        let mut placed: HashMap<String, (usize, usize)> = HashMap::new();
-        for l in &placement.layers {
-            for holders in &l.replicas {
-                for (i, h) in holders.iter().enumerate() {
-                    let p = placed.entry(h.clone()).or_default();
-                    p.0 += 1;
-                    p.1 += usize::from(i == 0);
-                }
+        let routing = std::sync::RwLock::new(Routing::new(placement));
+        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, routing, reload: None, first_moe_layer, model, next_id, timeouts, local, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+    }
+
+    /// Where to look for a newer placement when a worker answers `Moved`.
+    pub fn with_reload(mut self, reload: Reload) -> Self {
+        self.reload = Some(reload);
+        self
+    }
+
+    fn routing(&self) -> Arc<Routing> {
+        self.routing.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Routes by `placement` from now on: it must be newer than the current one and name this
+    /// node's own worker if it holds one. Workers it adds are dialled now (in parallel, each
+    /// bounded by the connect timeout; one that cannot be reached starts down).
+    pub fn set_placement(&self, placement: Placement) -> Result<(), String> {
+        let current = self.routing().placement.epoch;
+        if placement.epoch <= current {
+            return Err(format!("placement epoch {} is not newer than {current}", placement.epoch));
+        }
+        if let Some((name, _)) = &self.local {
+            if !placement.workers.iter().any(|w| &w.name == name) {
+                return Err(format!("the new placement drops this node's own worker {name}"));
             }
         }
-        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, placement, placed, first_moe_layer, model, next_id, timeouts, local, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+        let known: HashSet<String> = lock(&self.links).keys().cloned().collect();
+        let mut fresh = Vec::new();
+        for w in placement.workers.iter().filter(|w| !known.contains(&w.name)) {
+            fresh.push((w.name.clone(), w.addr.parse::<SocketAddr>().map_err(|e| format!("worker {} address {:?}: {e}", w.name, w.addr))?));
+        }
+        let attempts = self.rt.block_on(async {
+            let handles: Vec<_> = fresh.iter().map(|(_, addr)| tokio::spawn(Self::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.timeouts.connect, self.model, placement.epoch, self.next_id.clone()))).collect();
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())));
+            }
+            out
+        });
+        {
+            let mut links = lock(&self.links);
+            for ((name, addr), attempt) in fresh.into_iter().zip(attempts) {
+                let (conn, status) = match attempt {
+                    Ok((c, s)) => (Some(c), s),
+                    Err(e) => {
+                        tracing::warn!(worker = %name, "a worker of the new placement cannot be reached: {e}");
+                        (None, None)
+                    }
+                };
+                let down = conn.is_none().then(|| (Instant::now() + BACKOFF_START, BACKOFF_START));
+                links.insert(name, Link { addr, conn, down, status, counters: LinkCounters::default(), redialing: false, local: false });
+            }
+        }
+        tracing::info!(from = current, to = placement.epoch, "routing by a new placement");
+        *self.routing.write().unwrap_or_else(|e| e.into_inner()) = Routing::new(placement);
+        Ok(())
     }
 
     /// A connection with its credentials checked, and the worker's status (if it answers).
@@ -262,15 +338,16 @@ impl RemoteExperts {
 
     /// Links, counters and statuses, in the placement's worker order.
     pub fn telemetry_snapshot(&self) -> ClusterTelemetry {
+        let routing = self.routing();
         let links = lock(&self.links);
-        let workers = self
+        let workers = routing
             .placement
             .workers
             .iter()
             .filter_map(|w| {
                 let l = links.get(&w.name)?;
                 let c = &l.counters;
-                let (placed_experts, first_choice_experts) = self.placed.get(&w.name).copied().unwrap_or_default();
+                let (placed_experts, first_choice_experts) = routing.placed.get(&w.name).copied().unwrap_or_default();
                 Some(WorkerLink {
                     name: w.name.clone(),
                     addr: w.addr.clone(),
@@ -295,7 +372,7 @@ impl RemoteExperts {
             tokens: self.tokens.load(Ordering::Relaxed),
             network_wait_s: self.wait_ns.load(Ordering::Relaxed) as f64 / 1e9,
             failovers: self.failovers.load(Ordering::Relaxed),
-            placement_epoch: self.placement.epoch,
+            placement_epoch: routing.placement.epoch,
         }
     }
 
@@ -315,7 +392,7 @@ impl RemoteExperts {
         }
         if !l.redialing {
             l.redialing = true;
-            let dial = Self::dial(self.endpoint.clone(), l.addr, self.creds.clone(), self.timeouts.connect, self.model, self.placement.epoch, self.next_id.clone());
+            let dial = Self::dial(self.endpoint.clone(), l.addr, self.creds.clone(), self.timeouts.connect, self.model, self.routing().placement.epoch, self.next_id.clone());
             let (links, name) = (self.links.clone(), name.to_string());
             self.rt.spawn(async move {
                 let fresh = dial.await;
@@ -352,6 +429,39 @@ impl RemoteExperts {
                 c.close(0u32.into(), b"marked down");
             }
         }
+    }
+
+    /// Dials, now and in parallel, those of `names` without a live connection (ignoring their
+    /// backoff; bounded by the connect timeout); whether any came back.
+    fn redial_now(&self, names: &[String]) -> bool {
+        let targets: Vec<(String, SocketAddr)> = {
+            let links = lock(&self.links);
+            names.iter().filter_map(|n| links.get(n).filter(|l| !l.local && l.conn.as_ref().map_or(true, |c| c.close_reason().is_some() || l.down.is_some())).map(|l| (n.clone(), l.addr))).collect()
+        };
+        if targets.is_empty() {
+            return false;
+        }
+        let epoch = self.routing().placement.epoch;
+        let attempts = self.rt.block_on(async {
+            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(Self::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.timeouts.connect, self.model, epoch, self.next_id.clone()))).collect();
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.await.ok().and_then(Result::ok));
+            }
+            out
+        });
+        let mut links = lock(&self.links);
+        let mut any = false;
+        for ((name, _), attempt) in targets.into_iter().zip(attempts) {
+            if let (Some(l), Some((c, status))) = (links.get_mut(&name), attempt) {
+                tracing::info!(worker = %name, "worker re-admitted");
+                l.conn = Some(c);
+                l.down = None;
+                l.status = status.or(l.status.take());
+                any = true;
+            }
+        }
+        any
     }
 
     /// Workers that are not `holders` but said they load unassigned experts, in name order.
@@ -402,9 +512,10 @@ impl ExpertDispatch for RemoteExperts {
 
     /// One-way hints: each worker hears the predicted experts it holds first.
     fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let routing = self.routing();
         let mut per_worker: HashMap<String, Vec<u32>> = HashMap::new();
         for &e in experts {
-            if let Some(h) = self.placement.holders(layer, e as usize).and_then(|h| h.first()) {
+            if let Some(h) = routing.placement.holders(layer, e as usize).and_then(|h| h.first()) {
                 per_worker.entry(h.clone()).or_default().push(e);
             }
         }
@@ -414,7 +525,7 @@ impl ExpertDispatch for RemoteExperts {
                 continue;
             }
             let Some(conn) = lock(&self.links).get(&name).and_then(|l| l.conn.clone().filter(|_| l.down.is_none())) else { continue };
-            let frame = wire::encode_hint(self.model, self.placement.epoch, layer as u32, 1, &list);
+            let frame = wire::encode_hint(self.model, routing.placement.epoch, layer as u32, 1, &list);
             self.rt.spawn(async move {
                 if let Ok((mut send, _recv)) = conn.open_bi().await {
                     let _ = send.write_all(&frame).await;
@@ -429,8 +540,9 @@ impl ExpertDispatch for RemoteExperts {
     }
 
     fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {
-        let l = self.placement.layers.iter().find(|l| l.layer == layer)?;
-        Some(l.replicas.iter().map(|h| h.first().and_then(|n| self.placement.workers.iter().position(|w| &w.name == n)).map_or(u16::MAX, |i| i as u16)).collect())
+        let p = &self.routing().placement;
+        let l = p.layers.iter().find(|l| l.layer == layer)?;
+        Some(l.replicas.iter().map(|h| h.first().and_then(|n| p.workers.iter().position(|w| &w.name == n)).map_or(u16::MAX, |i| i as u16)).collect())
     }
 
     fn end_turn(&self) -> Result<(), String> {
@@ -448,15 +560,18 @@ impl ExpertDispatch for RemoteExperts {
         let mut tried: Vec<HashSet<String>> = vec![HashSet::new(); slots];
         let mut pending: Vec<usize> = (0..slots).collect();
         let mut round = 0;
+        let mut routing = self.routing();
+        let (mut reloaded, mut redialed) = (false, false);
         while !pending.is_empty() {
             round += 1;
             // Each pending slot to its first holder that is up and not yet tried; when none is
             // left, to a volunteer that loads it from its own disk.
             let mut per_worker: HashMap<String, Vec<usize>> = HashMap::new();
             let mut conns: HashMap<String, quinn::Connection> = HashMap::new();
+            let mut stranded = None;
             for &slot in &pending {
                 let e = batch.experts[slot];
-                let holders = self.placement.holders(layer, e as usize).ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
+                let holders = routing.placement.holders(layer, e as usize).ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
                 let local_name = self.local.as_ref().map(|l| &l.0);
                 let mut usable = |h: &String, tried: &mut HashSet<String>| {
                     if tried.contains(h) {
@@ -488,18 +603,33 @@ impl ExpertDispatch for RemoteExperts {
                     pick = self.volunteers(holders).into_iter().find(|h| usable(h, &mut tried[slot]));
                 }
                 let Some(h) = pick else {
-                    let mut names: Vec<&String> = tried[slot].iter().collect();
-                    names.sort();
-                    return Err(DispatchError::Remote(format!(
-                        "layer {layer} expert {e}: no worker can serve it (tried {}; no other reachable worker loads it from its own disk)",
-                        names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
-                    )));
+                    stranded = Some(slot);
+                    break;
                 };
                 if h != holders[0] && round == 1 {
                     // Served by another than the first holder because that one is down.
                     self.failovers.fetch_add(1, Ordering::Relaxed);
                 }
                 per_worker.entry(h).or_default().push(slot);
+            }
+            if let Some(slot) = stranded {
+                // Nobody left for this selection. Before failing the request, once, dial again
+                // now every worker that could serve it (a restarted worker is back within a
+                // connect timeout, not after its backoff).
+                let e = batch.experts[slot];
+                let holders = routing.placement.holders(layer, e as usize).unwrap_or_default();
+                let candidates: Vec<String> = holders.iter().cloned().chain(self.volunteers(holders)).chain(lock(&self.links).keys().filter(|n| !holders.contains(n)).cloned()).collect();
+                if !redialed && self.redial_now(&candidates) {
+                    redialed = true;
+                    tried.iter_mut().for_each(HashSet::clear);
+                    continue;
+                }
+                let mut names: Vec<&String> = tried[slot].iter().collect();
+                names.sort();
+                return Err(DispatchError::Remote(format!(
+                    "layer {layer} expert {e}: no worker can serve it (tried {}; no other reachable worker loads it from its own disk)",
+                    names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                )));
             }
             let mine_here = self.local.as_ref().and_then(|(name, _)| per_worker.remove(name));
             let requests: Vec<(String, u64, Vec<usize>, Bytes)> = per_worker
@@ -510,7 +640,7 @@ impl ExpertDispatch for RemoteExperts {
                     for &s in &mine {
                         selections[s] = (batch.experts[s], batch.weights[s]);
                     }
-                    let req = wire::Request { request_id: id, model: self.model, epoch: self.placement.epoch, layer: layer as u32, hidden: batch.hidden as u32, top_k: batch.top_k as u32, rows: rows_bytes.clone(), selections };
+                    let req = wire::Request { request_id: id, model: self.model, epoch: routing.placement.epoch, layer: layer as u32, hidden: batch.hidden as u32, top_k: batch.top_k as u32, rows: rows_bytes.clone(), selections };
                     (name, id, mine, req.encode())
                 })
                 .collect();
@@ -532,6 +662,7 @@ impl ExpertDispatch for RemoteExperts {
                 })
                 .collect();
             let mut failed = Vec::new();
+            let mut moved = false;
             // This node's own selections, computed while the others' are in flight.
             if let (Some((name, local)), Some(mine)) = (&self.local, mine_here) {
                 let t0 = Instant::now();
@@ -578,6 +709,7 @@ impl ExpertDispatch for RemoteExperts {
                     // holder tries (it stays up); one that does not answer is marked down.
                     Ok(Frame::Error { code, message, .. }) => {
                         self.count(&name, frame.len(), received, mine.len(), took, false);
+                        moved |= code == Some(ErrorCode::Moved);
                         tracing::warn!(worker = %name, ?code, "{message}");
                         failed.push((name, mine, false));
                     }
@@ -590,6 +722,29 @@ impl ExpertDispatch for RemoteExperts {
                 }
             }
             pending.clear();
+            // A worker on a newer placement: adopt it (once per layer) and send everything left
+            // again under it, every worker a candidate again.
+            if moved && !reloaded {
+                if let Some(reload) = &self.reload {
+                    reloaded = true;
+                    match reload().and_then(|p| self.set_placement(p)) {
+                        Ok(()) => {
+                            routing = self.routing();
+                            let mut again = Vec::new();
+                            for (name, mine, down) in failed.drain(..) {
+                                if down {
+                                    self.mark_down(&name);
+                                }
+                                again.extend(mine);
+                            }
+                            tried.iter_mut().for_each(HashSet::clear);
+                            pending.extend(again);
+                            continue;
+                        }
+                        Err(e) => tracing::warn!("a worker serves another placement epoch, and no newer placement is at hand: {e}"),
+                    }
+                }
+            }
             for (name, mine, down) in failed {
                 if down {
                     self.mark_down(&name);

@@ -228,9 +228,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                     text.push_str(&t)
                 }
                 Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => break (finish, completion_tokens, stop_sequence),
-                Some(Event::Error(e)) => {
+                Some(Event::Error { fault, message }) => {
                     state.metrics.request_finished(t0.elapsed(), false);
-                    return Err(ApiError::bad_request(e));
+                    return Err(ApiError::from_fault(fault, message));
                 }
                 None => return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the request was dropped (server shutting down)")),
             }
@@ -307,7 +307,7 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                     let _ = out.send(named("message_stop", json!({ "type": "message_stop" })));
                     return;
                 }
-                Some(Event::Error(e)) => {
+                Some(Event::Error { message: e, .. }) => {
                     metrics.request_finished(t0.elapsed(), false);
                     let _ = out.send(named("error", json!({ "type": "error", "error": { "type": "api_error", "message": e } })));
                     return;

@@ -60,7 +60,18 @@ pub enum Event {
     Text { text: String, logprobs: Vec<TokenLogprob> },
     /// `stop_sequence`: the stop string that ended the answer, if one did.
     Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize, stop_sequence: Option<String> },
-    Error(String),
+    Error { fault: Fault, message: String },
+}
+
+/// Whose the failure is: it decides the HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The request cannot be served as asked (400).
+    Request,
+    /// The model cannot be computed now: an expert no worker can serve (503).
+    Unavailable,
+    /// Anything else that went wrong here (500).
+    Internal,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -247,7 +258,7 @@ impl Loop {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics.queued(job.submitted.elapsed());
             if let Err(e) = self.engine.check_prompt(&job.prompt).and_then(|_| job.opts.sampling.validate().map_err(crate::engine::EngineError::Input)) {
-                let _ = job.events.send(Event::Error(e.to_string()));
+                let _ = job.events.send(Event::Error { fault: Fault::Request, message: e.to_string() });
                 continue;
             }
             let sampler = Sampler::new(job.opts.sampling.clone());
@@ -322,7 +333,7 @@ impl Loop {
                 // A forward error (an unreachable expert) fails every request in this step.
                 for i in which.iter().rev() {
                     let seq = self.active.remove(*i);
-                    let _ = seq.job.events.send(Event::Error(e.to_string()));
+                    let _ = seq.job.events.send(Event::Error { fault: Fault::Unavailable, message: e.to_string() });
                 }
                 return;
             }
@@ -442,7 +453,7 @@ impl Loop {
                 }
             }
             if !any {
-                let _ = seq.job.events.send(Event::Error("constrained decoding reached a point no token of this model's vocabulary can continue".into()));
+                let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message: "constrained decoding reached a point no token of this model's vocabulary can continue".into() });
                 return Some(FinishReason::Cancelled);
             }
         }
@@ -461,7 +472,7 @@ impl Loop {
         let text = match engine.tokenizer.decode(&seq.output, true) {
             Ok(t) => t,
             Err(e) => {
-                let _ = seq.job.events.send(Event::Error(e.to_string()));
+                let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message: e.to_string() });
                 return Some(FinishReason::Cancelled);
             }
         };

@@ -26,6 +26,16 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
+    /// A generation that failed, with the status its cause calls for.
+    pub fn from_fault(fault: super::batcher::Fault, message: impl Into<String>) -> Self {
+        use super::batcher::Fault;
+        match fault {
+            Fault::Request => Self::bad_request(message),
+            Fault::Unavailable => Self::new(StatusCode::SERVICE_UNAVAILABLE, message).kind("server_error"),
+            Fault::Internal => Self::new(StatusCode::INTERNAL_SERVER_ERROR, message).kind("server_error"),
+        }
+    }
+
     /// A 400 about one parameter.
     pub fn param(name: &str, message: impl Into<String>) -> Self {
         ApiError { param: Some(name.to_string()), ..Self::bad_request(message) }

@@ -576,9 +576,9 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                     lps.extend(logprobs);
                 }
                 Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
-                Some(Event::Error(e)) => {
+                Some(Event::Error { fault, message }) => {
                     state.metrics.request_finished(t0.elapsed(), false);
-                    return Err(ApiError::bad_request(e));
+                    return Err(ApiError::from_fault(fault, message));
                 }
                 None => {
                     state.metrics.request_finished(t0.elapsed(), false);
@@ -666,7 +666,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                     }
                     break;
                 }
-                Some(Event::Error(e)) => {
+                Some(Event::Error { message: e, .. }) => {
                     metrics.request_finished(t0.elapsed(), false);
                     let _ = out.send(SseEvent::default().data(json!({ "error": { "message": e, "type": "server_error", "param": null, "code": null } }).to_string()));
                     break;
