@@ -119,6 +119,32 @@ pub struct ClusterTelemetry {
 
 type Links = Arc<Mutex<HashMap<String, Link>>>;
 
+/// What dialling a worker takes; `dial_all` is the one place workers are dialled together.
+struct Dialer {
+    endpoint: quinn::Endpoint,
+    creds: Credentials,
+    within: Duration,
+    model: u64,
+    ids: Arc<AtomicU64>,
+}
+
+type Dialled = Result<(quinn::Connection, Option<WorkerStatus>), TransportError>;
+
+impl Dialer {
+    /// Dials every `(name, addr)` in parallel, each bounded by the connect timeout; the results
+    /// in the same order.
+    fn dial_all(&self, rt: &tokio::runtime::Runtime, targets: &[(String, SocketAddr)], epoch: u64) -> Vec<Dialled> {
+        rt.block_on(async {
+            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(RemoteExperts::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.within, self.model, epoch, self.ids.clone()))).collect();
+            let mut out = Vec::with_capacity(handles.len());
+            for h in handles {
+                out.push(h.await.unwrap_or_else(|e| Err(TransportError::Tls(e.to_string()))));
+            }
+            out
+        })
+    }
+}
+
 /// Where a newer placement comes from when a worker says the coordinator's is stale.
 pub type Reload = Box<dyn Fn() -> Result<Placement, String> + Send + Sync>;
 
@@ -193,14 +219,8 @@ impl RemoteExperts {
             addrs.push((w.name.clone(), addr));
         }
         let next_id = Arc::new(AtomicU64::new(1));
-        let attempts = rt.block_on(async {
-            let handles: Vec<_> = addrs.iter().map(|(_, addr)| tokio::spawn(Self::dial(endpoint.clone(), *addr, creds.clone(), timeouts.connect, model, placement.epoch, next_id.clone()))).collect();
-            let mut out = Vec::new();
-            for h in handles {
-                out.push(h.await.unwrap_or_else(|e| Err(TransportError::Tls(e.to_string()))));
-            }
-            out
-        });
+        let dialer = Dialer { endpoint: endpoint.clone(), creds: creds.clone(), within: timeouts.connect, model, ids: next_id.clone() };
+        let attempts = dialer.dial_all(&rt, &addrs, placement.epoch);
         let mut links = HashMap::new();
         let mut errors = Vec::new();
         for ((name, addr), attempt) in addrs.iter().zip(attempts) {
@@ -261,14 +281,7 @@ impl RemoteExperts {
         for w in placement.workers.iter().filter(|w| !known.contains(&w.name)) {
             fresh.push((w.name.clone(), w.addr.parse::<SocketAddr>().map_err(|e| format!("worker {} address {:?}: {e}", w.name, w.addr))?));
         }
-        let attempts = self.rt.block_on(async {
-            let handles: Vec<_> = fresh.iter().map(|(_, addr)| tokio::spawn(Self::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.timeouts.connect, self.model, placement.epoch, self.next_id.clone()))).collect();
-            let mut out = Vec::new();
-            for h in handles {
-                out.push(h.await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())));
-            }
-            out
-        });
+        let attempts = self.dialer().dial_all(&self.rt, &fresh, placement.epoch);
         {
             let mut links = lock(&self.links);
             for ((name, addr), attempt) in fresh.into_iter().zip(attempts) {
@@ -286,6 +299,10 @@ impl RemoteExperts {
         tracing::info!(from = current, to = placement.epoch, "routing by a new placement");
         *self.routing.write().unwrap_or_else(|e| e.into_inner()) = Routing::new(placement);
         Ok(())
+    }
+
+    fn dialer(&self) -> Dialer {
+        Dialer { endpoint: self.endpoint.clone(), creds: self.creds.clone(), within: self.timeouts.connect, model: self.model, ids: self.next_id.clone() }
     }
 
     /// A connection with its credentials checked, and the worker's status (if it answers).
@@ -441,19 +458,11 @@ impl RemoteExperts {
         if targets.is_empty() {
             return false;
         }
-        let epoch = self.routing().placement.epoch;
-        let attempts = self.rt.block_on(async {
-            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(Self::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.timeouts.connect, self.model, epoch, self.next_id.clone()))).collect();
-            let mut out = Vec::new();
-            for h in handles {
-                out.push(h.await.ok().and_then(Result::ok));
-            }
-            out
-        });
+        let attempts = self.dialer().dial_all(&self.rt, &targets, self.routing().placement.epoch);
         let mut links = lock(&self.links);
         let mut any = false;
         for ((name, _), attempt) in targets.into_iter().zip(attempts) {
-            if let (Some(l), Some((c, status))) = (links.get_mut(&name), attempt) {
+            if let (Some(l), Ok((c, status))) = (links.get_mut(&name), attempt) {
                 tracing::info!(worker = %name, "worker re-admitted");
                 l.conn = Some(c);
                 l.down = None;
