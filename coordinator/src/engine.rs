@@ -378,6 +378,11 @@ impl Engine {
         self.experts.resident(layer)
     }
 
+    /// On a cluster, the time the forward pass has waited for workers so far.
+    pub fn network_wait(&self) -> Option<std::time::Duration> {
+        self.experts.network_wait()
+    }
+
     /// On a cluster, which worker first serves each expert of `layer`.
     pub fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {
         self.experts.first_holders(layer)

@@ -79,6 +79,12 @@ pub trait ExpertDispatch: Send + Sync {
         None
     }
 
+    /// On a cluster, the time the forward pass has waited for workers' answers so far (cheap: the
+    /// batcher reads it every step).
+    fn network_wait(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// On a cluster, which worker first serves each expert of `layer` (an index into
     /// `cluster().workers`).
     fn first_holders(&self, _layer: usize) -> Option<Vec<u16>> {

@@ -119,7 +119,8 @@ pub struct ClusterTelemetry {
 
 type Links = Arc<Mutex<HashMap<String, Link>>>;
 
-/// What dialling a worker takes; `dial_all` is the one place workers are dialled together.
+/// What dialling a worker takes: every dial goes through `Dialer::dial`.
+#[derive(Clone)]
 struct Dialer {
     endpoint: quinn::Endpoint,
     creds: Credentials,
@@ -131,11 +132,24 @@ struct Dialer {
 type Dialled = Result<(quinn::Connection, Option<WorkerStatus>), TransportError>;
 
 impl Dialer {
+    /// A connection with its credentials checked, and the worker's status (if it answers).
+    async fn dial(self, addr: SocketAddr, epoch: u64) -> Dialled {
+        let within = self.within;
+        let conn = tokio::time::timeout(within, transport::connect(&self.endpoint, addr, &self.creds)).await.map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
+        let status = RemoteExperts::ask_status(&conn, self.model, epoch, self.ids.fetch_add(1, Ordering::Relaxed), within).await;
+        if let Some(reason) = conn.close_reason() {
+            // With certificates alone, a worker that refuses ours says so only now, after the
+            // client's side of the TLS 1.3 handshake finished.
+            return Err(TransportError::Handshake { peer: addr, reason: transport::describe_close(&reason) });
+        }
+        Ok((conn, status))
+    }
+
     /// Dials every `(name, addr)` in parallel, each bounded by the connect timeout; the results
     /// in the same order.
     fn dial_all(&self, rt: &tokio::runtime::Runtime, targets: &[(String, SocketAddr)], epoch: u64) -> Vec<Dialled> {
         rt.block_on(async {
-            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(RemoteExperts::dial(self.endpoint.clone(), *addr, self.creds.clone(), self.within, self.model, epoch, self.ids.clone()))).collect();
+            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(self.clone().dial(*addr, epoch))).collect();
             let mut out = Vec::with_capacity(handles.len());
             for h in handles {
                 out.push(h.await.unwrap_or_else(|e| Err(TransportError::Tls(e.to_string()))));
@@ -305,18 +319,6 @@ impl RemoteExperts {
         Dialer { endpoint: self.endpoint.clone(), creds: self.creds.clone(), within: self.timeouts.connect, model: self.model, ids: self.next_id.clone() }
     }
 
-    /// A connection with its credentials checked, and the worker's status (if it answers).
-    async fn dial(ep: quinn::Endpoint, addr: SocketAddr, creds: Credentials, within: Duration, model: u64, epoch: u64, ids: Arc<AtomicU64>) -> Result<(quinn::Connection, Option<WorkerStatus>), TransportError> {
-        let conn = tokio::time::timeout(within, transport::connect(&ep, addr, &creds)).await.map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
-        let status = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await;
-        if let Some(reason) = conn.close_reason() {
-            // With certificates alone, a worker that refuses ours says so only now, after the
-            // client's side of the TLS 1.3 handshake finished.
-            return Err(TransportError::Handshake { peer: addr, reason: transport::describe_close(&reason) });
-        }
-        Ok((conn, status))
-    }
-
     async fn ask_status(conn: &quinn::Connection, model: u64, epoch: u64, id: u64, within: Duration) -> Option<WorkerStatus> {
         match Self::ask(conn, wire::encode_status_request(id, model, epoch), within, wire::HEADER_LEN + wire::MAX_STATUS as usize).await {
             Ok((Frame::StatusReply { request_id, json }, _)) if request_id == id => match serde_json::from_str(&json) {
@@ -409,7 +411,7 @@ impl RemoteExperts {
         }
         if !l.redialing {
             l.redialing = true;
-            let dial = Self::dial(self.endpoint.clone(), l.addr, self.creds.clone(), self.timeouts.connect, self.model, self.routing().placement.epoch, self.next_id.clone());
+            let dial = self.dialer().dial(l.addr, self.routing().placement.epoch);
             let (links, name) = (self.links.clone(), name.to_string());
             self.rt.spawn(async move {
                 let fresh = dial.await;
@@ -546,6 +548,10 @@ impl ExpertDispatch for RemoteExperts {
 
     fn cluster(&self) -> Option<ClusterTelemetry> {
         Some(self.telemetry_snapshot())
+    }
+
+    fn network_wait(&self) -> Option<Duration> {
+        Some(Duration::from_nanos(self.wait_ns.load(Ordering::Relaxed)))
     }
 
     fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {

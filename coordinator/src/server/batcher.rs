@@ -128,7 +128,7 @@ impl Batcher {
             .spawn(move || {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
-                let last_network_wait = engine.cluster_telemetry().map(|c| c.network_wait_s);
+                let last_network_wait = engine.network_wait();
                 Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, last_network_wait, pieces: None, metrics }.run()
             })
             .expect("cannot start the batcher thread");
@@ -201,7 +201,7 @@ struct Loop {
     /// The store's counters after the previous step (for per-step I/O wait and bytes).
     last_store: Option<shimmer_worker::store::StoreTelemetry>,
     /// On a cluster, the network wait so far (its growth is a step's wait on workers).
-    last_network_wait: Option<f64>,
+    last_network_wait: Option<std::time::Duration>,
     /// Each token's text as it extends an output (built at the first constrained request).
     pieces: Option<Vec<Option<String>>>,
     metrics: Arc<super::metrics::Metrics>,
@@ -309,12 +309,12 @@ impl Loop {
         // bytes by tier.
         let store = self.engine.store_telemetry();
         let network_wait = self.last_network_wait.map(|before| {
-            let now = self.engine.cluster_telemetry().map_or(before, |c| c.network_wait_s);
+            let now = self.engine.network_wait().unwrap_or(before);
             self.last_network_wait = Some(now);
-            (now - before).max(0.0)
+            now.saturating_sub(before)
         });
         let (io_wait, ram_bytes, disk_bytes, remote_bytes) = match (&store, &self.last_store, network_wait) {
-            (_, _, Some(wait)) => (std::time::Duration::from_secs_f64(wait), 0, 0, routing.distinct * self.expert_bytes),
+            (_, _, Some(wait)) => (wait, 0, 0, routing.distinct * self.expert_bytes),
             (Some(now), Some(before), None) => (
                 std::time::Duration::from_secs_f64((now.io_wait_ms - before.io_wait_ms).max(0.0) / 1e3),
                 (now.ram_hits + now.in_flight_hits).saturating_sub(before.ram_hits + before.in_flight_hits) * self.expert_bytes,
