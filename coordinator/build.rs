@@ -19,14 +19,10 @@ fn main() {
         }
     }
     files.sort();
-    // FNV-1a over names and contents: a change to any byte gives a new cache directory.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            hash ^= *b as u64;
-            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
+    // xxh3 (shimmer's one checksum) over names and contents: a change to any byte gives a new
+    // cache directory.
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut feed = |bytes: &[u8]| hasher.update(bytes);
     let mut src = String::from("pub const DEMO_FILES: &[(&str, &[u8])] = &[\n");
     for (name, path) in &files {
         let bytes = std::fs::read(path).expect("read demo model file");
@@ -37,7 +33,7 @@ fn main() {
         writeln!(src, "    ({name:?}, include_bytes!({:?})),", canonical.display().to_string()).unwrap();
     }
     src.push_str("];\n");
-    writeln!(src, "pub const DEMO_HASH: &str = \"{hash:016x}\";").unwrap();
+    writeln!(src, "pub const DEMO_HASH: &str = \"{:016x}\";", hasher.digest()).unwrap();
     let out = Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("demo_files.rs");
     std::fs::write(out, src).expect("write demo_files.rs");
 }

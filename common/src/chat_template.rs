@@ -67,10 +67,18 @@ impl ChatConfig {
                             out.template = Some(s.to_string());
                             out.template_path = Some(tc_path.clone());
                         }
-                        None => return Err(LoadError::Field { path: tc_path, field: "chat_template".into(), problem: "a list without a `default` template".into() }),
+                        None => {
+                            return Err(LoadError::Field {
+                                path: tc_path,
+                                field: "chat_template".into(),
+                                problem: "a list without a `default` template".into(),
+                            })
+                        }
                     }
                 }
-                Some(other) => return Err(LoadError::Field { path: tc_path, field: "chat_template".into(), problem: format!("expected a string or a list, got {other}") }),
+                Some(other) => {
+                    return Err(LoadError::Field { path: tc_path, field: "chat_template".into(), problem: format!("expected a string or a list, got {other}") })
+                }
             }
         }
         let jinja_path = dir.join("chat_template.jinja");
@@ -88,11 +96,8 @@ impl ChatConfig {
             let Value::Object(map) = &value else {
                 return Err(LoadError::malformed(&gc_path, "not a JSON object"));
             };
-            out.generation_eos_ids = Obj(map).ids("eos_token_id").map_err(|e| LoadError::Field {
-                path: gc_path.clone(),
-                field: e.field,
-                problem: e.problem,
-            })?;
+            out.generation_eos_ids =
+                Obj(map).ids("eos_token_id").map_err(|e| LoadError::Field { path: gc_path.clone(), field: e.field, problem: e.problem })?;
         }
         Ok(out)
     }
@@ -161,9 +166,7 @@ fn render_with<M: serde::Serialize>(
     // A template is code from the checkpoint: bound the work one render may do.
     env.set_fuel(Some(50_000_000));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> {
-        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
     env.add_function("strftime_now", |fmt: String| -> Result<JValue, JinjaError> {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
         strftime_utc(&fmt, secs).map(JValue::from).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e))
@@ -184,8 +187,7 @@ fn tojson_filter(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JVal
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
-    let mut json = serde_json::to_value(&value)
-        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut json = serde_json::to_value(&value).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     if sort_keys == Some(true) {
         sort_json_keys(&mut json);
     }

@@ -72,30 +72,15 @@ impl TensorView<'_> {
     /// The elements widened to f32 (exact for every supported dtype).
     pub fn to_f32(&self) -> Vec<f32> {
         match self.dtype {
-            DType::F32 => self
-                .bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            DType::Bf16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
-            DType::F16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
+            DType::F32 => self.bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            DType::Bf16 => self.bytes.chunks_exact(2).map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()).collect(),
+            DType::F16 => self.bytes.chunks_exact(2).map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()).collect(),
         }
     }
 
     /// The raw 16-bit words of a bf16/f16 tensor (little-endian), for kernels that widen on the fly.
     pub fn to_u16(&self) -> Vec<u16> {
-        self.bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect()
+        self.bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
     }
 }
 
@@ -125,11 +110,7 @@ impl Checkpoint {
         } else {
             (list_safetensors(dir)?, None)
         };
-        let mut ckpt = Checkpoint {
-            dir: dir.to_path_buf(),
-            shards: Vec::new(),
-            tensors: HashMap::new(),
-        };
+        let mut ckpt = Checkpoint { dir: dir.to_path_buf(), shards: Vec::new(), tensors: HashMap::new() };
         for name in files {
             ckpt.add_shard(dir.join(name))?;
         }
@@ -158,11 +139,7 @@ impl Checkpoint {
         let shard = self.shards.len();
         for (name, mut entry) in entries {
             if self.tensors.contains_key(&name) {
-                return Err(LoadError::Tensor {
-                    path: path.clone(),
-                    tensor: name,
-                    problem: "appears in more than one shard".into(),
-                });
+                return Err(LoadError::Tensor { path: path.clone(), tensor: name, problem: "appears in more than one shard".into() });
             }
             entry.shard = shard;
             self.tensors.insert(name, entry);
@@ -212,11 +189,11 @@ impl Checkpoint {
         Ok(RawTensor { dtype: entry.dtype, shape: &entry.shape, bytes: &shard.mmap[entry.start..entry.end], file: &shard.path })
     }
 
-    /// Identity of config + weights: FNV-1a over `config_bytes` and each shard's name, length and
+    /// Identity of config + weights: xxh3 over `config_bytes` and each shard's name, length and
     /// safetensors header (which lists every tensor's name, dtype, shape and offsets). Cheap to
     /// compute, and different whenever the files are not the same model.
     pub fn fingerprint(&self, config_bytes: &[u8]) -> String {
-        let mut h = Fnv::new();
+        let mut h = crate::checksum::Hasher::new();
         h.feed(config_bytes);
         for shard in &self.shards {
             h.feed(shard.path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
@@ -224,18 +201,14 @@ impl Checkpoint {
             let n = shard.mmap.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize);
             h.feed(shard.mmap.get(8..8 + n).unwrap_or_default());
         }
-        format!("{:016x}", h.0)
+        format!("{:016x}", h.finish())
     }
 
     /// The tensor `name`, which must have exactly `shape` and a float dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<TensorView<'_>, LoadError> {
         let entry = self.entry(name)?;
         let shard = &self.shards[entry.shard];
-        let err = |problem: String| LoadError::Tensor {
-            path: shard.path.clone(),
-            tensor: name.to_string(),
-            problem,
-        };
+        let err = |problem: String| LoadError::Tensor { path: shard.path.clone(), tensor: name.to_string(), problem };
         let dtype = match entry.dtype {
             StDtype::F32 => DType::F32,
             StDtype::BF16 => DType::Bf16,
@@ -246,11 +219,7 @@ impl Checkpoint {
         if entry.shape != shape {
             return Err(err(format!("shape {:?} but the model config needs {:?}", entry.shape, shape)));
         }
-        Ok(TensorView {
-            dtype,
-            shape: &entry.shape,
-            bytes: &shard.mmap[entry.start..entry.end],
-        })
+        Ok(TensorView { dtype, shape: &entry.shape, bytes: &shard.mmap[entry.start..entry.end] })
     }
 }
 
@@ -276,27 +245,6 @@ impl TensorEntry {
     }
 }
 
-/// 64-bit FNV-1a.
-pub struct Fnv(pub u64);
-
-impl Fnv {
-    pub fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    pub fn feed(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= *b as u64;
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 fn list_safetensors(dir: &Path) -> Result<Vec<String>, LoadError> {
     let entries = std::fs::read_dir(dir).map_err(|e| LoadError::io(dir, e))?;
     let mut names = Vec::new();
@@ -314,8 +262,11 @@ fn list_safetensors(dir: &Path) -> Result<Vec<String>, LoadError> {
     Ok(names)
 }
 
+/// An index's shard files (in first-seen order) and its (tensor, file) pairs.
+type IndexMap = (Vec<String>, Vec<(String, String)>);
+
 /// The index's distinct shard files (in first-seen order) and its tensor → file map.
-fn read_index(path: &Path) -> Result<(Vec<String>, Vec<(String, String)>), LoadError> {
+fn read_index(path: &Path) -> Result<IndexMap, LoadError> {
     let value = read_json_file(path, MAX_INDEX_BYTES)?;
     let Some(Value::Object(map)) = value.get("weight_map") else {
         return Err(LoadError::malformed(path, "no `weight_map` object"));

@@ -18,7 +18,11 @@ const SECTION_ALIGN: usize = 64;
 #[derive(Debug, Clone, PartialEq)]
 pub enum StoredMatrix {
     /// bf16 bit patterns, row-major.
-    Bf16 { rows: usize, cols: usize, words: Vec<u16> },
+    Bf16 {
+        rows: usize,
+        cols: usize,
+        words: Vec<u16>,
+    },
     Quant(QuantMatrix),
 }
 
@@ -81,12 +85,19 @@ pub fn encode(scheme: QuantScheme, hidden: usize, intermediate: usize, gate: &[f
 }
 
 pub fn checksum(blob: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(blob)
+    crate::checksum::xxh3(blob)
 }
 
 /// Reads `[gate, up, down]` back from a blob, checking its length and (when given) its checksum;
 /// `what` names the blob in errors (file, layer, expert).
-pub fn decode(blob: &[u8], scheme: QuantScheme, hidden: usize, intermediate: usize, expected_checksum: Option<u64>, what: &str) -> Result<[StoredMatrix; 3], LoadError> {
+pub fn decode(
+    blob: &[u8],
+    scheme: QuantScheme,
+    hidden: usize,
+    intermediate: usize,
+    expected_checksum: Option<u64>,
+    what: &str,
+) -> Result<[StoredMatrix; 3], LoadError> {
     let (sections, total) = layout(scheme, hidden, intermediate);
     if blob.len() != total {
         return Err(LoadError::malformed(what, format!("blob is {} bytes, its layout needs {total} (truncated or from another format)", blob.len())));
@@ -104,9 +115,15 @@ pub fn decode(blob: &[u8], scheme: QuantScheme, hidden: usize, intermediate: usi
         let (d, s) = (sections[2 * m], sections[2 * m + 1]);
         let (data, scales) = (&blob[d.0..d.0 + d.1], &blob[s.0..s.0 + s.1]);
         let matrix = match scheme {
-            QuantScheme::Bf16 => StoredMatrix::Bf16 { rows: *rows, cols: *cols, words: data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() },
-            QuantScheme::Int8PerRow => StoredMatrix::Quant(QuantMatrix::Int8 { rows: *rows, cols: *cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) }),
-            QuantScheme::Int4 { group } => StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales: f32s(scales) }),
+            QuantScheme::Bf16 => {
+                StoredMatrix::Bf16 { rows: *rows, cols: *cols, words: data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() }
+            }
+            QuantScheme::Int8PerRow => {
+                StoredMatrix::Quant(QuantMatrix::Int8 { rows: *rows, cols: *cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) })
+            }
+            QuantScheme::Int4 { group } => {
+                StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales: f32s(scales) })
+            }
             QuantScheme::Mxfp4 => StoredMatrix::Quant(QuantMatrix::Mxfp4 { rows: *rows, cols: *cols, packed: data.to_vec(), scales: scales.to_vec() }),
         };
         if let StoredMatrix::Quant(q) = &matrix {
@@ -136,7 +153,14 @@ mod tests {
     fn every_format_round_trips_through_an_aligned_blob() {
         let (h, i) = (96, 40); // awkward: 40 is not a multiple of 32
         let (g, u, d) = (values(i * h, 1), values(i * h, 2), values(h * i, 3));
-        for scheme in [QuantScheme::Bf16, QuantScheme::Int8PerRow, QuantScheme::Int4 { group: 32 }, QuantScheme::Int4 { group: 64 }, QuantScheme::Int4 { group: 128 }, QuantScheme::Mxfp4] {
+        for scheme in [
+            QuantScheme::Bf16,
+            QuantScheme::Int8PerRow,
+            QuantScheme::Int4 { group: 32 },
+            QuantScheme::Int4 { group: 64 },
+            QuantScheme::Int4 { group: 128 },
+            QuantScheme::Mxfp4,
+        ] {
             let blob = encode(scheme, h, i, &g, &u, &d);
             assert_eq!(blob.len() % BLOB_ALIGN, 0, "{scheme:?}");
             let (sections, _) = layout(scheme, h, i);
@@ -165,7 +189,8 @@ mod tests {
         let (h, i) = (64, 32);
         let blob = encode(QuantScheme::Int4 { group: 32 }, h, i, &values(i * h, 1), &values(i * h, 2), &values(h * i, 3));
         let sum = checksum(&blob);
-        let e = decode(&blob[..blob.len() - 1], QuantScheme::Int4 { group: 32 }, h, i, Some(sum), "experts.safetensors layer 3 expert 7").unwrap_err().to_string();
+        let e =
+            decode(&blob[..blob.len() - 1], QuantScheme::Int4 { group: 32 }, h, i, Some(sum), "experts.safetensors layer 3 expert 7").unwrap_err().to_string();
         assert!(e.contains("layer 3 expert 7") && e.contains("truncated"), "{e}");
         let mut bad = blob.clone();
         bad[100] ^= 1;

@@ -12,10 +12,7 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn new(field: &str, problem: impl Into<String>) -> Self {
-        FieldError {
-            field: field.to_string(),
-            problem: problem.into(),
-        }
+        FieldError { field: field.to_string(), problem: problem.into() }
     }
 }
 
@@ -43,8 +40,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn usize(&self, key: &str) -> FieldResult<usize> {
-        self.usize_opt(key)?
-            .ok_or_else(|| FieldError::new(key, "missing"))
+        self.usize_opt(key)?.ok_or_else(|| FieldError::new(key, "missing"))
     }
 
     pub fn positive(&self, key: &str) -> FieldResult<usize> {
@@ -58,11 +54,7 @@ impl<'a> Obj<'a> {
     pub fn f64_opt(&self, key: &str) -> FieldResult<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .filter(|x| x.is_finite())
-                .map(Some)
-                .ok_or_else(|| FieldError::new(key, format!("expected a finite number, got {v}"))),
+            Some(v) => v.as_f64().filter(|x| x.is_finite()).map(Some).ok_or_else(|| FieldError::new(key, format!("expected a finite number, got {v}"))),
         }
     }
 
@@ -97,14 +89,9 @@ impl<'a> Obj<'a> {
     pub fn usize_list_or_empty(&self, key: &str) -> FieldResult<Vec<usize>> {
         match self.get(key) {
             None => Ok(Vec::new()),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| FieldError::new(key, format!("expected integers, got {v}")))
-                })
-                .collect(),
+            Some(Value::Array(items)) => {
+                items.iter().map(|v| v.as_u64().map(|n| n as usize).ok_or_else(|| FieldError::new(key, format!("expected integers, got {v}")))).collect()
+            }
             Some(v) => Err(FieldError::new(key, format!("expected a list, got {v}"))),
         }
     }
@@ -112,10 +99,7 @@ impl<'a> Obj<'a> {
     /// An id or a list of ids (`eos_token_id` is either on the hub).
     pub fn ids(&self, key: &str) -> FieldResult<Vec<u32>> {
         let one = |v: &Value| {
-            v.as_u64()
-                .filter(|n| *n <= u32::MAX as u64)
-                .map(|n| n as u32)
-                .ok_or_else(|| FieldError::new(key, format!("expected a token id, got {v}")))
+            v.as_u64().filter(|n| *n <= u32::MAX as u64).map(|n| n as u32).ok_or_else(|| FieldError::new(key, format!("expected a token id, got {v}")))
         };
         match self.get(key) {
             None => Ok(Vec::new()),

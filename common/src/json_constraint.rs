@@ -51,12 +51,25 @@ enum Node {
     Any,
     /// Properties in the schema's order, each written as `"name":` then its value; optional ones
     /// may be left out.
-    Object { keys: Vec<String>, values: Vec<NodeId>, required: Vec<bool> },
+    Object {
+        keys: Vec<String>,
+        values: Vec<NodeId>,
+        required: Vec<bool>,
+    },
     /// Any keys, any values.
     FreeObject,
-    Array { items: NodeId, min: usize, max: usize },
-    String { min: usize, max: usize },
-    Number { integer: bool },
+    Array {
+        items: NodeId,
+        min: usize,
+        max: usize,
+    },
+    String {
+        min: usize,
+        max: usize,
+    },
+    Number {
+        integer: bool,
+    },
     /// Alternatives as canonical JSON text (`enum`, `const`, true/false/null).
     Literals(Vec<String>),
     /// Alternatives that start with different characters.
@@ -166,7 +179,24 @@ impl Schema {
             _ => return Err(err(at, "a schema must be an object or `true`")),
         };
         const KNOWN: &[&str] = &[
-            "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "title", "description", "default", "examples", "$schema",
+            "type",
+            "properties",
+            "required",
+            "additionalProperties",
+            "items",
+            "minItems",
+            "maxItems",
+            "minLength",
+            "maxLength",
+            "enum",
+            "const",
+            "anyOf",
+            "oneOf",
+            "title",
+            "description",
+            "default",
+            "examples",
+            "$schema",
         ];
         if let Some(k) = obj.keys().find(|k| !KNOWN.contains(&k.as_str())) {
             return Err(err(at, format!("`{k}` is not supported by constrained decoding")));
@@ -200,7 +230,9 @@ impl Schema {
         let types: Vec<&str> = match obj.get("type") {
             None => return Ok(if obj.contains_key("properties") { self.object(obj, at, depth)? } else { ANY }),
             Some(Value::String(t)) => vec![t.as_str()],
-            Some(Value::Array(ts)) => ts.iter().map(|t| t.as_str().ok_or_else(|| err(at, "`type` must be a string or a list of strings"))).collect::<Result<_, _>>()?,
+            Some(Value::Array(ts)) => {
+                ts.iter().map(|t| t.as_str().ok_or_else(|| err(at, "`type` must be a string or a list of strings"))).collect::<Result<_, _>>()?
+            }
             Some(_) => return Err(err(at, "`type` must be a string or a list of strings")),
         };
         let mut ids = Vec::new();
@@ -212,14 +244,16 @@ impl Schema {
                         None => ANY,
                         Some(i) => self.node(i, &format!("{at}/items"), depth + 1)?,
                     };
-                    let (min, max) = (usize_of("minItems")?.unwrap_or(0), usize_of("maxItems")?.unwrap_or(DEFAULT_MAX_ITEMS.max(usize_of("minItems")?.unwrap_or(0))));
+                    let (min, max) =
+                        (usize_of("minItems")?.unwrap_or(0), usize_of("maxItems")?.unwrap_or(DEFAULT_MAX_ITEMS.max(usize_of("minItems")?.unwrap_or(0))));
                     if min > max {
                         return Err(err(at, "minItems > maxItems"));
                     }
                     self.push(Node::Array { items, min, max }, at)?
                 }
                 "string" => {
-                    let (min, max) = (usize_of("minLength")?.unwrap_or(0), usize_of("maxLength")?.unwrap_or(DEFAULT_MAX_STRING.max(usize_of("minLength")?.unwrap_or(0))));
+                    let (min, max) =
+                        (usize_of("minLength")?.unwrap_or(0), usize_of("maxLength")?.unwrap_or(DEFAULT_MAX_STRING.max(usize_of("minLength")?.unwrap_or(0))));
                     if min > max {
                         return Err(err(at, "minLength > maxLength"));
                     }
@@ -252,7 +286,9 @@ impl Schema {
         let Value::Object(props) = props else { return Err(err(at, "`properties` must be an object")) };
         match obj.get("additionalProperties") {
             None | Some(Value::Bool(false)) => {}
-            Some(_) => return Err(err(at, "only `additionalProperties: false` is supported with `properties` (the output holds exactly the listed properties)")),
+            Some(_) => {
+                return Err(err(at, "only `additionalProperties: false` is supported with `properties` (the output holds exactly the listed properties)"))
+            }
         }
         let mut required_names = Vec::new();
         if let Some(r) = obj.get("required") {
@@ -333,18 +369,56 @@ enum Frame {
     /// A schema object. `prop`: the first property that may still come; `opened` once `{` is
     /// read; `first` until a property is written; `after_value` between a value and `,`/`}`;
     /// otherwise `key_pos` characters of a key are read, `alive[i]` for the keys still matching.
-    Object { node: NodeId, prop: usize, opened: bool, first: bool, after_value: bool, key_pos: usize, alive: Vec<bool> },
+    Object {
+        node: NodeId,
+        prop: usize,
+        opened: bool,
+        first: bool,
+        after_value: bool,
+        key_pos: usize,
+        alive: Vec<bool>,
+    },
     /// A free object: `{`, then `"key":value` pairs.
-    FreeObject { opened: bool, count: usize, stage: FreeStage },
-    Array { opened: bool, items: NodeId, min: usize, max: usize, count: usize, after_value: bool },
+    FreeObject {
+        opened: bool,
+        count: usize,
+        stage: FreeStage,
+    },
+    Array {
+        opened: bool,
+        items: NodeId,
+        min: usize,
+        max: usize,
+        count: usize,
+        after_value: bool,
+    },
     /// A string; `opened` once its quote is read.
-    Str { opened: bool, len: usize, min: usize, max: usize, escape: Escape },
-    Num { integer: bool, part: NumPart, digits: usize },
+    Str {
+        opened: bool,
+        len: usize,
+        min: usize,
+        max: usize,
+        escape: Escape,
+    },
+    Num {
+        integer: bool,
+        part: NumPart,
+        digits: usize,
+    },
     /// Literal alternatives, `pos` characters in; `alive[i]`: alternative i still matches.
-    Lit { node: NodeId, pos: usize, alive: Vec<bool> },
+    Lit {
+        node: NodeId,
+        pos: usize,
+        alive: Vec<bool>,
+    },
     /// A tagged value: reading the prefixes (`chosen: None`, `pos` bytes in), or, once one is
     /// whole and its value read, `pos` bytes of its suffix.
-    Tagged { node: NodeId, pos: usize, alive: Vec<bool>, chosen: Option<usize> },
+    Tagged {
+        node: NodeId,
+        pos: usize,
+        alive: Vec<bool>,
+        chosen: Option<usize>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -449,14 +523,18 @@ impl Matcher {
                 Frame::Tagged { node, pos, alive, chosen } => match &self.schema.nodes[*node] {
                     Node::Tagged(alts) => match chosen {
                         Some(i) => alts[*i].2[*pos..].chars().count(),
-                        None => (0..alts.len()).filter(|i| alive[*i]).map(|i| alts[i].0[*pos..].chars().count() + ml[alts[i].1] + alts[i].2.chars().count()).min().unwrap_or(0),
+                        None => (0..alts.len())
+                            .filter(|i| alive[*i])
+                            .map(|i| alts[i].0[*pos..].chars().count() + ml[alts[i].1] + alts[i].2.chars().count())
+                            .min()
+                            .unwrap_or(0),
                     },
                     _ => 0,
                 },
                 Frame::FreeObject { opened: false, .. } => 2,
                 Frame::FreeObject { count, stage, .. } => match stage {
                     FreeStage::Key if *count == 0 => 1,
-                    FreeStage::Key => 5, // `"":0}`
+                    FreeStage::Key => 5,   // `"":0}`
                     FreeStage::Colon => 3, // `:0}` (the key's string counts itself)
                     FreeStage::AfterValue => 1,
                 },
@@ -714,15 +792,21 @@ impl Matcher {
         match &self.schema.nodes[node] {
             Node::Any => match c {
                 '{' if self.stack.len() < MAX_STACK => Some(Frame::FreeObject { opened: false, count: 0, stage: FreeStage::Key }),
-                '[' if self.stack.len() < MAX_STACK => Some(Frame::Array { opened: false, items: ANY, min: 0, max: DEFAULT_MAX_ITEMS, count: 0, after_value: false }),
+                '[' if self.stack.len() < MAX_STACK => {
+                    Some(Frame::Array { opened: false, items: ANY, min: 0, max: DEFAULT_MAX_ITEMS, count: 0, after_value: false })
+                }
                 '"' => Some(Frame::Str { opened: false, len: 0, min: 0, max: DEFAULT_MAX_STRING, escape: Escape::None }),
                 '-' | '0'..='9' => Some(Frame::Num { integer: false, part: NumPart::Start, digits: 0 }),
                 't' | 'f' | 'n' => self.start(ANY_LITERALS, c),
                 _ => None,
             },
-            Node::Object { .. } => (c == '{').then_some(Frame::Object { node, prop: 0, opened: false, first: true, after_value: false, key_pos: 0, alive: Vec::new() }),
+            Node::Object { .. } => {
+                (c == '{').then_some(Frame::Object { node, prop: 0, opened: false, first: true, after_value: false, key_pos: 0, alive: Vec::new() })
+            }
             Node::FreeObject => (c == '{').then_some(Frame::FreeObject { opened: false, count: 0, stage: FreeStage::Key }),
-            Node::Array { items, min, max } => (c == '[').then_some(Frame::Array { opened: false, items: *items, min: *min, max: *max, count: 0, after_value: false }),
+            Node::Array { items, min, max } => {
+                (c == '[').then_some(Frame::Array { opened: false, items: *items, min: *min, max: *max, count: 0, after_value: false })
+            }
             Node::String { min, max } => (c == '"').then_some(Frame::Str { opened: false, len: 0, min: *min, max: *max, escape: Escape::None }),
             Node::Number { integer } => matches!(c, '-' | '0'..='9').then_some(Frame::Num { integer: *integer, part: NumPart::Start, digits: 0 }),
             Node::Literals(ls) => {
@@ -859,7 +943,8 @@ mod tests {
             }
             ("string", Value::String(x)) => {
                 let n = x.chars().count();
-                n >= s.get("minLength").and_then(Value::as_u64).unwrap_or(0) as usize && n <= s.get("maxLength").and_then(Value::as_u64).map_or(usize::MAX, |m| m as usize)
+                n >= s.get("minLength").and_then(Value::as_u64).unwrap_or(0) as usize
+                    && n <= s.get("maxLength").and_then(Value::as_u64).map_or(usize::MAX, |m| m as usize)
             }
             ("number", Value::Number(_)) => true,
             ("integer", Value::Number(n)) => n.is_i64() || n.is_u64(),
@@ -965,7 +1050,16 @@ mod tests {
         assert!(m.accepts(r#"{"name":"Moses","age":120,"tags":["a","bc"],"ok":true}"#));
         let mut done = m.clone();
         assert!(done.feed(r#"{"name":"Moses","age":120,"tags":[],"ok":false}"#) && done.can_end() && done.is_finished());
-        for bad in [r#"{"age":1"#, r#"{"name":"Moses","age":1.5"#, r#"{"name":"abcdefghijklmn"#, r#"{ "name""#, r#"{"name":"a","age":01"#, r#"{"name":"a","age":1,"tags":["a","b","c","d""#, "[", r#"{"name":"a\q"#] {
+        for bad in [
+            r#"{"age":1"#,
+            r#"{"name":"Moses","age":1.5"#,
+            r#"{"name":"abcdefghijklmn"#,
+            r#"{ "name""#,
+            r#"{"name":"a","age":01"#,
+            r#"{"name":"a","age":1,"tags":["a","b","c","d""#,
+            "[",
+            r#"{"name":"a\q"#,
+        ] {
             assert!(!m.accepts(bad), "accepted {bad}");
         }
         let mut n = matcher(json!({"type": "number"}));

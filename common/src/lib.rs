@@ -10,16 +10,17 @@
 
 pub mod chat_template;
 pub mod checkpoint;
+pub mod checksum;
 pub mod error;
 pub mod expert_blob;
-pub mod json_constraint;
 pub mod json;
+pub mod json_constraint;
 pub mod quant;
 pub mod spec;
 pub mod tokenizer;
 pub mod trace;
 
-pub use checkpoint::{Checkpoint, DType, Fnv, RawTensor, TensorView};
-pub use safetensors::tensor::Dtype as StDtype;
+pub use checkpoint::{Checkpoint, DType, RawTensor, TensorView};
 pub use error::LoadError;
-pub use spec::{ModelSpec, Family};
+pub use safetensors::tensor::Dtype as StDtype;
+pub use spec::{Family, ModelSpec};

@@ -52,10 +52,26 @@ impl QuantScheme {
 /// A quantised `rows × cols` matrix.
 #[derive(Debug, Clone, PartialEq)]
 pub enum QuantMatrix {
-    Int8 { rows: usize, cols: usize, q: Vec<i8>, scales: Vec<f32> },
-    Int4 { rows: usize, cols: usize, group: usize, packed: Vec<u8>, scales: Vec<f32> },
+    Int8 {
+        rows: usize,
+        cols: usize,
+        q: Vec<i8>,
+        scales: Vec<f32>,
+    },
+    Int4 {
+        rows: usize,
+        cols: usize,
+        group: usize,
+        packed: Vec<u8>,
+        scales: Vec<f32>,
+    },
     /// `scales` are e8m0 bytes, one per 32 values of a row.
-    Mxfp4 { rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8> },
+    Mxfp4 {
+        rows: usize,
+        cols: usize,
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+    },
 }
 
 impl QuantMatrix {
@@ -93,7 +109,7 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
                 let c = g * group + i;
                 let nib = (q + 8) as u8;
                 let byte = &mut packed[r * bpr + c / 2];
-                *byte |= if c % 2 == 0 { nib } else { nib << 4 };
+                *byte |= if c.is_multiple_of(2) { nib } else { nib << 4 };
             }
         }
     }
@@ -136,7 +152,7 @@ pub fn quantize_mxfp4(w: &[f32], rows: usize, cols: usize) -> QuantMatrix {
                 }
                 let nib = best as u8 | if x.is_sign_negative() && best != 0 { 8 } else { 0 };
                 let c = g * MXFP4_GROUP + i;
-                packed[r * bpr + c / 2] |= if c % 2 == 0 { nib } else { nib << 4 };
+                packed[r * bpr + c / 2] |= if c.is_multiple_of(2) { nib } else { nib << 4 };
             }
         }
     }
@@ -179,7 +195,9 @@ pub fn validate(m: &QuantMatrix, what: &str) -> Result<(), LoadError> {
     let ok = match m {
         QuantMatrix::Int8 { rows, cols, q, scales } => q.len() == rows * cols && scales.len() == *rows,
         QuantMatrix::Int4 { rows, cols, group, packed, scales } => {
-            matches!(*group, 32 | 64 | 128) && packed.len() == rows * QuantMatrix::bytes_per_row_int4(*cols) && scales.len() == rows * QuantMatrix::groups_per_row(*cols, *group)
+            matches!(*group, 32 | 64 | 128)
+                && packed.len() == rows * QuantMatrix::bytes_per_row_int4(*cols)
+                && scales.len() == rows * QuantMatrix::groups_per_row(*cols, *group)
         }
         QuantMatrix::Mxfp4 { rows, cols, packed, scales } => {
             packed.len() == rows * QuantMatrix::bytes_per_row_int4(*cols) && scales.len() == rows * QuantMatrix::groups_per_row(*cols, MXFP4_GROUP)

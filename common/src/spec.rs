@@ -38,31 +38,11 @@ struct FamilyEntry {
 }
 
 const FAMILIES: &[FamilyEntry] = &[
-    FamilyEntry {
-        architecture: "OlmoeForCausalLM",
-        model_types: &["olmoe"],
-        parse: families::olmoe,
-    },
-    FamilyEntry {
-        architecture: "Qwen3MoeForCausalLM",
-        model_types: &["qwen3_moe"],
-        parse: families::qwen3_moe,
-    },
-    FamilyEntry {
-        architecture: "MixtralForCausalLM",
-        model_types: &["mixtral"],
-        parse: families::mixtral,
-    },
-    FamilyEntry {
-        architecture: "DeepseekV3ForCausalLM",
-        model_types: &["deepseek_v3", "kimi_k2"],
-        parse: families::deepseek_v3,
-    },
-    FamilyEntry {
-        architecture: "Glm4MoeForCausalLM",
-        model_types: &["glm4_moe"],
-        parse: families::glm4_moe,
-    },
+    FamilyEntry { architecture: "OlmoeForCausalLM", model_types: &["olmoe"], parse: families::olmoe },
+    FamilyEntry { architecture: "Qwen3MoeForCausalLM", model_types: &["qwen3_moe"], parse: families::qwen3_moe },
+    FamilyEntry { architecture: "MixtralForCausalLM", model_types: &["mixtral"], parse: families::mixtral },
+    FamilyEntry { architecture: "DeepseekV3ForCausalLM", model_types: &["deepseek_v3", "kimi_k2"], parse: families::deepseek_v3 },
+    FamilyEntry { architecture: "Glm4MoeForCausalLM", model_types: &["glm4_moe"], parse: families::glm4_moe },
 ];
 
 /// Where the per-head query/key RMSNorm sits, if the family has one.
@@ -78,7 +58,9 @@ pub enum QkNorm {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// YaRN as transformers computes it (`_compute_yarn_parameters`).
     Yarn {
         factor: f64,
@@ -204,18 +186,12 @@ impl ExpertNames {
     }
     /// `[gate, up, down]` weight names of one expert.
     pub fn expert(&self, layer: usize, expert: usize) -> [String; 3] {
-        [
-            fill(self.gate, layer, expert),
-            fill(self.up, layer, expert),
-            fill(self.down, layer, expert),
-        ]
+        [fill(self.gate, layer, expert), fill(self.up, layer, expert), fill(self.down, layer, expert)]
     }
 }
 
 fn fill(template: &str, layer: usize, expert: usize) -> String {
-    template
-        .replace("{L}", &layer.to_string())
-        .replace("{E}", &expert.to_string())
+    template.replace("{L}", &layer.to_string()).replace("{E}", &expert.to_string())
 }
 
 /// Floating-point storage types a checkpoint may declare.
@@ -277,11 +253,7 @@ impl ModelSpec {
             return Err(LoadError::malformed(path, "config is not a JSON object"));
         };
         let obj = Obj(map);
-        let field_err = |e: FieldError| LoadError::Field {
-            path: path.to_path_buf(),
-            field: e.field,
-            problem: e.problem,
-        };
+        let field_err = |e: FieldError| LoadError::Field { path: path.to_path_buf(), field: e.field, problem: e.problem };
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
@@ -295,23 +267,17 @@ impl ModelSpec {
 
     /// Invariants shared by every family; a parser may not hand out a spec that breaks them.
     fn check(&self) -> FieldResult<()> {
-        if self.num_heads % self.num_kv_heads != 0 {
-            return Err(FieldError::new(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads = {}",
-                    self.num_kv_heads, self.num_heads
-                ),
-            ));
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(FieldError::new("num_key_value_heads", format!("{} does not divide num_attention_heads = {}", self.num_kv_heads, self.num_heads)));
         }
-        if self.attention.rotary_dim % 2 != 0 || self.attention.rotary_dim > self.head_dim {
+        if !self.attention.rotary_dim.is_multiple_of(2) || self.attention.rotary_dim > self.head_dim {
             return Err(FieldError::new(
                 "head_dim",
                 format!("the rotary part ({} of {}) must be even and fit the head", self.attention.rotary_dim, self.head_dim),
             ));
         }
         if let RouterScoring::SigmoidGrouped { n_group, topk_group, .. } = self.moe.scoring {
-            if n_group == 0 || self.moe.num_experts % n_group != 0 || self.moe.num_experts / n_group < 2 {
+            if n_group == 0 || !self.moe.num_experts.is_multiple_of(n_group) || self.moe.num_experts / n_group < 2 {
                 return Err(FieldError::new("n_group", format!("{n_group} groups must divide the {} experts into groups of at least 2", self.moe.num_experts)));
             }
             if topk_group == 0 || topk_group > n_group {
@@ -322,10 +288,7 @@ impl ModelSpec {
             }
         }
         if self.moe.top_k > self.moe.num_experts {
-            return Err(FieldError::new(
-                "num_experts_per_tok",
-                format!("{} is more than the {} experts", self.moe.top_k, self.moe.num_experts),
-            ));
+            return Err(FieldError::new("num_experts_per_tok", format!("{} is more than the {} experts", self.moe.top_k, self.moe.num_experts)));
         }
         if self.layers.len() != self.num_layers || self.attention.sliding_window.len() != self.num_layers {
             return Err(FieldError::new("num_hidden_layers", "per-layer tables disagree with the layer count"));
@@ -338,18 +301,8 @@ impl ModelSpec {
 }
 
 fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError> {
-    let supported = || {
-        FAMILIES
-            .iter()
-            .map(|f| f.architecture)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let field = |field: &str, problem: String| LoadError::Field {
-        path: path.to_path_buf(),
-        field: field.into(),
-        problem,
-    };
+    let supported = || FAMILIES.iter().map(|f| f.architecture).collect::<Vec<_>>().join(", ");
+    let field = |field: &str, problem: String| LoadError::Field { path: path.to_path_buf(), field: field.into(), problem };
     let architecture = match obj.get("architectures") {
         None => None,
         Some(Value::Array(list)) => match list.first() {
@@ -358,27 +311,21 @@ fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError
         },
         Some(v) => return Err(field("architectures", format!("expected a list, got {v}"))),
     };
-    let model_type = obj
-        .str_opt("model_type")
-        .map_err(|e| field(&e.field, e.problem))?;
+    let model_type = obj.str_opt("model_type").map_err(|e| field(&e.field, e.problem))?;
     let entry = match (architecture, model_type) {
-        (Some(arch), _) => FAMILIES.iter().find(|f| f.architecture == arch).ok_or_else(|| {
-            LoadError::Unsupported {
-                path: path.to_path_buf(),
-                found: arch.to_string(),
-                supported: supported(),
-            }
+        (Some(arch), _) => FAMILIES.iter().find(|f| f.architecture == arch).ok_or_else(|| LoadError::Unsupported {
+            path: path.to_path_buf(),
+            field: "architectures",
+            found: arch.to_string(),
+            supported: supported(),
         })?,
-        (None, Some(mt)) => FAMILIES.iter().find(|f| f.model_types.contains(&mt)).ok_or_else(|| {
-            LoadError::Unsupported {
-                path: path.to_path_buf(),
-                found: mt.to_string(),
-                supported: supported(),
-            }
+        (None, Some(mt)) => FAMILIES.iter().find(|f| f.model_types.contains(&mt)).ok_or_else(|| LoadError::Unsupported {
+            path: path.to_path_buf(),
+            field: "model_type",
+            found: mt.to_string(),
+            supported: supported(),
         })?,
-        (None, None) => {
-            return Err(field("architectures", "missing (and no `model_type` either)".into()))
-        }
+        (None, None) => return Err(field("architectures", "missing (and no `model_type` either)".into())),
     };
     if let Some(mt) = model_type {
         if !entry.model_types.contains(&mt) {
@@ -395,10 +342,7 @@ fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError
 pub fn read_json_file(path: &Path, limit: u64) -> Result<Value, LoadError> {
     let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
     if meta.len() > limit {
-        return Err(LoadError::malformed(
-            path,
-            format!("{} bytes is over the {} byte limit for this file", meta.len(), limit),
-        ));
+        return Err(LoadError::malformed(path, format!("{} bytes is over the {} byte limit for this file", meta.len(), limit)));
     }
     let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| LoadError::malformed(path, format!("not valid JSON: {e}")))
@@ -441,10 +385,7 @@ pub(crate) fn build(
 ) -> FieldResult<ModelSpec> {
     let hidden_size = obj.positive("hidden_size")?;
     let num_heads = obj.positive("num_attention_heads")?;
-    let num_kv_heads = obj
-        .usize_opt("num_key_value_heads")?
-        .or(d.num_kv_heads)
-        .unwrap_or(num_heads);
+    let num_kv_heads = obj.usize_opt("num_key_value_heads")?.or(d.num_kv_heads).unwrap_or(num_heads);
     if num_kv_heads == 0 {
         return Err(FieldError::new("num_key_value_heads", "must be greater than zero"));
     }
@@ -596,10 +537,7 @@ pub(crate) fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec>
             }
         }
         other => {
-            return Err(FieldError::new(
-                &format!("{field}.rope_type"),
-                format!("unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"),
-            ))
+            return Err(FieldError::new(&format!("{field}.rope_type"), format!("unsupported rope type `{other}` (supported: default, linear, llama3, yarn)")))
         }
     };
     Ok(RopeSpec { theta, scaling })

@@ -21,8 +21,7 @@ impl Tokenizer {
             return Err(LoadError::malformed(&path, format!("{} bytes is over the {MAX_TOKENIZER_BYTES} byte limit", meta.len())));
         }
         let bytes = std::fs::read(&path).map_err(|e| LoadError::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| LoadError::malformed(&path, format!("does not parse as a tokenizer: {e}")))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| LoadError::malformed(&path, format!("does not parse as a tokenizer: {e}")))?;
         Ok(Tokenizer { inner, path })
     }
 
@@ -33,17 +32,12 @@ impl Tokenizer {
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS etc.),
     /// which a rendered chat template must not get a second time.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, LoadError> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| LoadError::malformed(&self.path, format!("cannot encode text: {e}")))?;
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| LoadError::malformed(&self.path, format!("cannot encode text: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, LoadError> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| LoadError::malformed(&self.path, format!("cannot decode ids: {e}")))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| LoadError::malformed(&self.path, format!("cannot decode ids: {e}")))
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

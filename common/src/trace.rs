@@ -161,9 +161,8 @@ mod tests {
         let path = dir.path().join("t");
         let header = TraceHeader { layers: vec![1, 2], experts: 8, top_k: 2 };
         let mut w = TraceWriter::create(&path, header.clone()).unwrap();
-        let recs: Vec<TokenRecord> = (0..5u16)
-            .map(|t| TokenRecord { selected: vec![vec![t, t + 1], vec![7, t]], predicted: vec![vec![t + 2, 0], vec![]] })
-            .collect();
+        let recs: Vec<TokenRecord> =
+            (0..5u16).map(|t| TokenRecord { selected: vec![vec![t, t + 1], vec![7, t]], predicted: vec![vec![t + 2, 0], vec![]] }).collect();
         for r in &recs {
             w.append(r).unwrap();
         }

@@ -295,7 +295,15 @@ impl StoreArgs {
             (Some(p), false) => UsageFile::File(p.clone()),
             (None, false) => UsageFile::BesideModel,
         };
-        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth: self.io_depth, usage, assigned: None })
+        Ok(ExpertOptions {
+            ram,
+            direct_io: self.direct_io,
+            mirror: self.mirror.clone(),
+            prefetch: !self.no_prefetch,
+            io_depth: self.io_depth,
+            usage,
+            assigned: None,
+        })
     }
 }
 
@@ -546,7 +554,10 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
             }
             Ok(std::time::Duration::from_secs_f64(v))
         };
-        let timeouts = shimmer_worker::remote::Timeouts { answer: secs("--worker-timeout-s", store.worker_timeout_s)?, connect: secs("--connect-timeout-s", store.connect_timeout_s)? };
+        let timeouts = shimmer_worker::remote::Timeouts {
+            answer: secs("--worker-timeout-s", store.worker_timeout_s)?,
+            connect: secs("--connect-timeout-s", store.connect_timeout_s)?,
+        };
         let engine = Engine::open_with_experts(dir, |spec, fingerprint| {
             let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
             placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
@@ -560,7 +571,8 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
                 }
                 None => None,
             };
-            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, model, &creds, timeouts, local).map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, model, &creds, timeouts, local)
+                .map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
             // When workers move to a newer placement, the file is read again.
             let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
             let remote = remote.with_reload(Box::new(move || {
@@ -704,7 +716,11 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
     engine.finish_trace()?;
     let mut stdout = std::io::stdout().lock();
     if a.json {
-        writeln!(stdout, "{}", json!({"argmax": s.argmax, "logprobs": s.logprobs, "timings": {"load_ms": round2(engine.load_ms), "store": store_json(&engine)}}))?;
+        writeln!(
+            stdout,
+            "{}",
+            json!({"argmax": s.argmax, "logprobs": s.logprobs, "timings": {"load_ms": round2(engine.load_ms), "store": store_json(&engine)}})
+        )?;
     } else {
         writeln!(stdout, "pos\tid\targmax\tlogprob(next)")?;
         for (i, id) in a.ids.iter().enumerate() {
@@ -732,7 +748,12 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
     let slice = match (&a.placement, &placement) {
         (Some(path), Some(p)) => {
             let name = match &a.name {
-                Some(n) => p.workers.iter().find(|w| &w.name == n).map(|w| w.name.clone()).with_context(|| format!("--name {n}: {} has no such worker", path.display()))?,
+                Some(n) => p
+                    .workers
+                    .iter()
+                    .find(|w| &w.name == n)
+                    .map(|w| w.name.clone())
+                    .with_context(|| format!("--name {n}: {} has no such worker", path.display()))?,
                 None => worker_in_placement(p, addr).with_context(|| format!("{}: say which worker this is with --name", path.display()))?,
             };
             let slice = p.slice(&name, &moe).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -750,7 +771,13 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
     rt.block_on(async move {
         let endpoint = shimmer_worker::transport::server(addr, &creds)?;
         let local = endpoint.local_addr()?;
-        let mut state = shimmer_worker::server::WorkerState::new(std::sync::Arc::new(store), shimmer_worker::server::model_id(&fingerprint), epoch, creds, spec.hidden_size);
+        let mut state = shimmer_worker::server::WorkerState::new(
+            std::sync::Arc::new(store),
+            shimmer_worker::server::model_id(&fingerprint),
+            epoch,
+            creds,
+            spec.hidden_size,
+        );
         if let Some((name, _, slice)) = slice {
             state.name = name;
             state.assigned = Some(slice.assigned);
@@ -795,7 +822,12 @@ fn worker_in_placement(p: &shimmer_worker::placement::Placement, listen: std::ne
     match mine.as_slice() {
         [one] => Ok(one.name.clone()),
         [] => bail!("no worker of the placement is on port {} at an address of this machine", listen.port()),
-        many => bail!("{} workers of the placement are on port {} at addresses of this machine ({})", many.len(), listen.port(), many.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ")),
+        many => bail!(
+            "{} workers of the placement are on port {} at addresses of this machine ({})",
+            many.len(),
+            listen.port(),
+            many.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ")
+        ),
     }
 }
 
@@ -835,7 +867,18 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             }
         }
     }
-    let (mut placement, forecast) = placement::plan(&PlanInput { model: &fingerprint, moe_layers: &moe_layers, experts, expert_bytes, workers: &workers, heat: &heat, replicas: a.replicas, replicate_fraction: a.replicate_fraction, top_k: spec.moe.top_k }).map_err(|e| anyhow::anyhow!(e))?;
+    let (mut placement, forecast) = placement::plan(&PlanInput {
+        model: &fingerprint,
+        moe_layers: &moe_layers,
+        experts,
+        expert_bytes,
+        workers: &workers,
+        heat: &heat,
+        replicas: a.replicas,
+        replicate_fraction: a.replicate_fraction,
+        top_k: spec.moe.top_k,
+    })
+    .map_err(|e| anyhow::anyhow!(e))?;
     // A new plan over an old one for the same model is its successor: the next epoch, which
     // running coordinators adopt when their workers move to it.
     placement.epoch = match a.epoch {
@@ -853,7 +896,13 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
             .collect();
         println!("{}", serde_json::json!({ "out": a.out, "heat": usage_path, "selections_per_token": per_token, "workers": rows }));
     } else {
-        println!("placement for {} over {} workers → {} ({})", dir.display(), workers.len(), a.out.display(), if usage_path.is_some() { "routing heat from the usage file" } else { "uniform heat: no usage file" });
+        println!(
+            "placement for {} over {} workers → {} ({})",
+            dir.display(),
+            workers.len(),
+            a.out.display(),
+            if usage_path.is_some() { "routing heat from the usage file" } else { "uniform heat: no usage file" }
+        );
         println!("{:24} {:>8} {:>8} {:>16} {:>14} {:>18}", "worker", "experts", "in RAM", "selections/token", "MB/token", "round trips/token");
         for f in &forecast {
             println!(
@@ -886,7 +935,9 @@ fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     let model_id = match (&a.served_model_name, &a.model) {
         (Some(n), _) => n.clone(),
         (None, None) => "shimmer-demo".into(),
-        (None, Some(_)) => std::fs::canonicalize(&dir).ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into()),
+        (None, Some(_)) => {
+            std::fs::canonicalize(&dir).ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
+        }
     };
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
@@ -900,19 +951,35 @@ fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     };
     crate::server::serve(
         engine,
-        crate::server::ServerConfig { host, port: a.port, api_keys, max_queue: a.max_queue, max_batch: a.max_batch.max(1), kv_budget_bytes: (a.kv_gb * 1e9) as usize, max_body_bytes: 4 << 20, model_id, expert_bytes },
+        crate::server::ServerConfig {
+            host,
+            port: a.port,
+            api_keys,
+            max_queue: a.max_queue,
+            max_batch: a.max_batch.max(1),
+            kv_budget_bytes: (a.kv_gb * 1e9) as usize,
+            max_body_bytes: 4 << 20,
+            model_id,
+            expert_bytes,
+        },
     )?;
     Ok(ExitCode::SUCCESS)
 }
 
 fn chat(a: ChatArgs) -> Result<ExitCode> {
     if let Some(url) = &a.url {
-        for (set, flag) in [(a.session.is_some(), "--session"), (a.trace.is_some(), "--trace"), (a.store.ram_gb.is_some() || a.store.direct_io, "the expert-store flags"), (a.store.placement.is_some(), "--placement")] {
+        for (set, flag) in [
+            (a.session.is_some(), "--session"),
+            (a.trace.is_some(), "--trace"),
+            (a.store.ram_gb.is_some() || a.store.direct_io, "the expert-store flags"),
+            (a.store.placement.is_some(), "--placement"),
+        ] {
             if set {
                 bail!("{flag} applies to a local model, not to --url");
             }
         }
-        let api_key = a.api_key.clone().or_else(|| std::env::var("SHIMMER_API_KEY").ok()).or_else(|| std::env::var("OPENAI_API_KEY").ok()).filter(|k| !k.is_empty());
+        let api_key =
+            a.api_key.clone().or_else(|| std::env::var("SHIMMER_API_KEY").ok()).or_else(|| std::env::var("OPENAI_API_KEY").ok()).filter(|k| !k.is_empty());
         let p = a.sampling.params(0.7, 0.9);
         crate::remote_chat::RemoteChat {
             url: url.clone(),
@@ -1112,7 +1179,12 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
 
 fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
-    let schemes = a.quant.iter().filter(|q| q.as_str() != "none").map(|q| shimmer_common::quant::QuantScheme::parse(q).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let schemes = a
+        .quant
+        .iter()
+        .filter(|q| q.as_str() != "none")
+        .map(|q| shimmer_common::quant::QuantScheme::parse(q).map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
     let reference = load(&dir)?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
     if a.chunk < 2 || a.chunk > reference.spec.max_position_embeddings {
@@ -1150,9 +1222,19 @@ fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     if a.json {
         writeln!(stdout, "{}", json!({"tokens": ids.len(), "formats": rows}))?;
     } else {
-        writeln!(stdout, "{} tokens; formats: experts quantised in memory, dense as stored; candidates: as loaded\nformat\tmean KL (nats)\ttop-1 agreement", ids.len())?;
+        writeln!(
+            stdout,
+            "{} tokens; formats: experts quantised in memory, dense as stored; candidates: as loaded\nformat\tmean KL (nats)\ttop-1 agreement",
+            ids.len()
+        )?;
         for r in &rows {
-            writeln!(stdout, "{}\t{:.5}\t{:.4}", r["quant"].as_str().unwrap_or(""), r["mean_kl_nats"].as_f64().unwrap_or(0.0), r["top1_agreement"].as_f64().unwrap_or(0.0))?;
+            writeln!(
+                stdout,
+                "{}\t{:.5}\t{:.4}",
+                r["quant"].as_str().unwrap_or(""),
+                r["mean_kl_nats"].as_f64().unwrap_or(0.0),
+                r["top1_agreement"].as_f64().unwrap_or(0.0)
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1165,10 +1247,14 @@ fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         row.iter().map(|x| (*x as f64 - m).exp()).sum::<f64>().ln() + m
     };
     let (lp, lq) = (lse(p_logits), lse(q_logits));
-    p_logits.iter().zip(q_logits).map(|(a, b)| {
-        let lpa = *a as f64 - lp;
-        lpa.exp() * (lpa - (*b as f64 - lq))
-    }).sum()
+    p_logits
+        .iter()
+        .zip(q_logits)
+        .map(|(a, b)| {
+            let lpa = *a as f64 - lp;
+            lpa.exp() * (lpa - (*b as f64 - lq))
+        })
+        .sum()
 }
 
 fn convert(a: ConvertArgs) -> Result<ExitCode> {
@@ -1221,23 +1307,66 @@ fn bench(a: BenchArgs) -> Result<ExitCode> {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
         None => None,
     };
-    let r = crate::bench::run(&dir, &a.store.options()?, &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload })?;
+    let r = crate::bench::run(
+        &dir,
+        &a.store.options()?,
+        &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload },
+    )?;
     let mut out = std::io::stdout().lock();
     if a.json {
         writeln!(out, "{}", serde_json::to_string(&r)?)?;
         return Ok(ExitCode::SUCCESS);
     }
-    writeln!(out, "machine  {} cores, {} threads, {} kernels, memory {:.1} GB/s (copy)", r.machine.cores, r.machine.threads, r.machine.isa, r.machine.memory_gb_s)?;
+    writeln!(
+        out,
+        "machine  {} cores, {} threads, {} kernels, memory {:.1} GB/s (copy)",
+        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.memory_gb_s
+    )?;
     writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
     writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;
-    writeln!(out, "decode   {} tokens  {:.1} ms  {:.2} tok/s  (TTFT {:.1} ms, peak RSS {:.0} MB)", r.gen_tokens, r.decode_ms, r.decode_tok_s, r.ttft_ms, r.peak_rss_bytes.unwrap_or(0) as f64 / 1e6)?;
-    writeln!(out, "roofline {:.1} MB read per token → {:.1} tok/s at the measured bandwidth; decode reached {:.3} of it", r.active_bytes_per_token as f64 / 1e6, r.roofline_tok_s, r.fraction_of_roofline)?;
+    writeln!(
+        out,
+        "decode   {} tokens  {:.1} ms  {:.2} tok/s  (TTFT {:.1} ms, peak RSS {:.0} MB)",
+        r.gen_tokens,
+        r.decode_ms,
+        r.decode_tok_s,
+        r.ttft_ms,
+        r.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
+    )?;
+    writeln!(
+        out,
+        "roofline {:.1} MB read per token → {:.1} tok/s at the measured bandwidth; decode reached {:.3} of it",
+        r.active_bytes_per_token as f64 / 1e6,
+        r.roofline_tok_s,
+        r.fraction_of_roofline
+    )?;
     if let Some(t) = &r.store {
-        writeln!(out, "store    {:.4} GB budget, {} experts ({} per layer, {} pinned), decode hit rate {:.3}", t.budget_bytes as f64 / 1e9, t.capacity_experts, t.slots_per_layer, t.pinned_experts, r.decode_hit_rate)?;
-        writeln!(out, "reads    {:.2} MB per decoded token; decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used", r.decode_read_bytes_per_token / 1e6, r.decode_io_wait_fraction * 100.0, t.prefetch_issued, t.prefetch_useful)?;
+        writeln!(
+            out,
+            "store    {:.4} GB budget, {} experts ({} per layer, {} pinned), decode hit rate {:.3}",
+            t.budget_bytes as f64 / 1e9,
+            t.capacity_experts,
+            t.slots_per_layer,
+            t.pinned_experts,
+            r.decode_hit_rate
+        )?;
+        writeln!(
+            out,
+            "reads    {:.2} MB per decoded token; decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used",
+            r.decode_read_bytes_per_token / 1e6,
+            r.decode_io_wait_fraction * 100.0,
+            t.prefetch_issued,
+            t.prefetch_useful
+        )?;
     }
     if let Some(d) = r.disk_gb_s_at_depth {
-        writeln!(out, "disk     {:.2} GB/s with {} reads in flight, {:.2} GB/s one at a time (O_DIRECT, whole blobs)", d, r.io_depth, r.disk_gb_s_depth1.unwrap_or(0.0))?;
+        writeln!(
+            out,
+            "disk     {:.2} GB/s with {} reads in flight, {:.2} GB/s one at a time (O_DIRECT, whole blobs)",
+            d,
+            r.io_depth,
+            r.disk_gb_s_depth1.unwrap_or(0.0)
+        )?;
     }
     if let (Some(limit), Some(frac)) = (r.disk_limit_tok_s, r.fraction_of_disk_limit) {
         writeln!(out, "limit    {:.2} tok/s if decode only waited for the disk; achieved {:.3} of it", limit, frac)?;

@@ -91,6 +91,8 @@ pub struct Generation {
     pub decode_ms: f64,
     /// Tokens produced by decode steps (the first token comes from prefill).
     pub decode_tokens: usize,
+    /// Prompt positions taken from the session's cache instead of computed again.
+    pub reused_tokens: usize,
 }
 
 pub struct Score {
@@ -143,7 +145,15 @@ pub struct ExpertOptions {
 
 impl Default for ExpertOptions {
     fn default() -> Self {
-        ExpertOptions { ram: None, direct_io: false, mirror: None, prefetch: true, io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH, usage: UsageFile::BesideModel, assigned: None }
+        ExpertOptions {
+            ram: None,
+            direct_io: false,
+            mirror: None,
+            prefetch: true,
+            io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH,
+            usage: UsageFile::BesideModel,
+            assigned: None,
+        }
     }
 }
 
@@ -216,7 +226,11 @@ impl Engine {
         Ok(())
     }
 
-    fn load_with(dir: &Path, scheme: shimmer_common::quant::QuantScheme, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
+    fn load_with(
+        dir: &Path,
+        scheme: shimmer_common::quant::QuantScheme,
+        place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>,
+    ) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         Self::check_dir(dir)?;
         let spec = ModelSpec::from_dir(dir)?;
@@ -269,7 +283,13 @@ impl Engine {
             let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
             let decoder = load_dense(&ckpt, &spec)?;
             let source = Source::checkpoint(std::sync::Arc::new(ckpt), &spec);
-            let total: u64 = std::fs::read_dir(dir).map_err(|e| LoadError::io(dir, e))?.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors")).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum();
+            let total: u64 = std::fs::read_dir(dir)
+                .map_err(|e| LoadError::io(dir, e))?
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum();
             let dense_bytes = total.saturating_sub(all_experts * source.expert_bytes());
             (source, decoder, fingerprint, dense_bytes)
         };
@@ -294,8 +314,12 @@ impl Engine {
             }
             None => None,
         };
-        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() })
-            .map_err(|e| EngineError::Input(e.to_string()))?;
+        let store = ExpertStore::open(
+            source,
+            &spec,
+            StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() },
+        )
+        .map_err(|e| EngineError::Input(e.to_string()))?;
         tracing::info!(budget_bytes, all_bytes, dense_bytes, "expert store open");
         let mut engine = Self::assemble(dir, spec, decoder, Box::new(store), fingerprint, t0)?;
         engine.dense_bytes = Some(dense_bytes);
@@ -334,11 +358,23 @@ impl Engine {
                 Some(Usage::open(&p, &fingerprint, &shape)?)
             }
         };
-        let store = ExpertStore::open(source, &spec, StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() }).map_err(|e| EngineError::Input(e.to_string()))?;
+        let store = ExpertStore::open(
+            source,
+            &spec,
+            StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() },
+        )
+        .map_err(|e| EngineError::Input(e.to_string()))?;
         Ok((spec, fingerprint, store))
     }
 
-    fn assemble(dir: &Path, spec: ModelSpec, decoder: Decoder, experts: Box<dyn ExpertDispatch>, fingerprint: String, t0: Instant) -> Result<Self, EngineError> {
+    fn assemble(
+        dir: &Path,
+        spec: ModelSpec,
+        decoder: Decoder,
+        experts: Box<dyn ExpertDispatch>,
+        fingerprint: String,
+        t0: Instant,
+    ) -> Result<Self, EngineError> {
         let tokenizer = Tokenizer::from_dir(dir)?;
         let chat = ChatConfig::from_dir(dir)?;
         let mut eos_ids = spec.eos_token_ids.clone();
@@ -358,7 +394,19 @@ impl Engine {
             .thread_name(|i| format!("compute-{i}"))
             .build()
             .map_err(|e| EngineError::Input(format!("cannot start the compute threads: {e}")))?;
-        Ok(Engine { spec, tokenizer, chat, decoder, experts, eos_ids, load_ms: t0.elapsed().as_secs_f64() * 1e3, fingerprint, trace: std::sync::Mutex::new(None), dense_bytes: None, pool })
+        Ok(Engine {
+            spec,
+            tokenizer,
+            chat,
+            decoder,
+            experts,
+            eos_ids,
+            load_ms: t0.elapsed().as_secs_f64() * 1e3,
+            fingerprint,
+            trace: std::sync::Mutex::new(None),
+            dense_bytes: None,
+            pool,
+        })
     }
 
     /// Weight bytes one decoded token reads: the dense part, plus top-k routed experts per MoE
@@ -591,7 +639,7 @@ impl Engine {
         if !rest.is_empty() && finish != FinishReason::Cancelled {
             on_text(rest);
         }
-        Ok(Generation { output_ids: output, text: stream.text, finish_reason: finish, prefill_ms, decode_ms, decode_tokens })
+        Ok(Generation { output_ids: output, text: stream.text, finish_reason: finish, prefill_ms, decode_ms, decode_tokens, reused_tokens: common })
     }
 }
 
@@ -625,7 +673,9 @@ impl TextStream {
     pub(crate) fn push(&mut self, decoded: &str) -> (&str, bool) {
         self.latest = decoded.to_string();
         let before = self.text.len();
-        if let Some((cut, stop)) = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, _)| *at) {
+        if let Some((cut, stop)) =
+            self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| decoded.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, _)| *at)
+        {
             if cut >= before && decoded.is_char_boundary(before) {
                 self.text.push_str(&decoded[before..cut]);
             }

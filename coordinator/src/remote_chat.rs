@@ -48,7 +48,8 @@ fn agent() -> ureq::Agent {
 
 /// The message of an error response (OpenAI's or Anthropic's shape), or its raw text.
 fn error_text(status: u16, body: &str) -> String {
-    let msg = serde_json::from_str::<Value>(body).ok().and_then(|v| v["error"]["message"].as_str().map(str::to_string)).unwrap_or_else(|| body.trim().to_string());
+    let msg =
+        serde_json::from_str::<Value>(body).ok().and_then(|v| v["error"]["message"].as_str().map(str::to_string)).unwrap_or_else(|| body.trim().to_string());
     format!("the server answered {status}: {msg}")
 }
 

@@ -79,10 +79,15 @@ impl RoutingAnalysis {
                     let s: u64 = if from_top { sorted[..n].iter().sum() } else { sorted[e - n..].iter().sum() };
                     s as f64 / total as f64
                 };
-                let entropy = -t.counts.iter().filter(|c| **c > 0).map(|c| {
-                    let p = *c as f64 / total as f64;
-                    p * p.log2()
-                }).sum::<f64>();
+                let entropy = -t
+                    .counts
+                    .iter()
+                    .filter(|c| **c > 0)
+                    .map(|c| {
+                        let p = *c as f64 / total as f64;
+                        p * p.log2()
+                    })
+                    .sum::<f64>();
                 LayerReport {
                     layer,
                     selections: total,

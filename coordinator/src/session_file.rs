@@ -6,7 +6,7 @@
 //! "SHMSESS\0"                  8-byte magic
 //! u32 header_len, header JSON  {version, model_fingerprint, layers, k_width, v_width, cached, history, messages}
 //! per layer: cached × k_width f32, then cached × v_width f32
-//! u64 FNV-1a of everything above
+//! u64 xxh3 of everything above (`shimmer_common::checksum`)
 //! ```
 //! Saving writes a temporary file beside the target, syncs it and renames it over the target, so a
 //! crash leaves the old session or the new one, never a mix. Loading checks magic, version,
@@ -17,13 +17,13 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use shimmer_common::chat_template::Message;
-use shimmer_common::checkpoint::Fnv;
 use shimmer_common::LoadError;
 
 use crate::engine::{Engine, Session};
 
 const MAGIC: &[u8; 8] = b"SHMSESS\0";
-pub const VERSION: u32 = 1;
+/// 2: the checksum is xxh3 (1 used FNV-1a).
+pub const VERSION: u32 = 2;
 const MAX_HEADER: usize = 64 << 20;
 
 /// Session files fail like every other file shimmer reads: the path and the problem.
@@ -76,9 +76,8 @@ pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], me
             buf.extend_from_slice(&x.to_le_bytes());
         }
     }
-    let mut h = Fnv::new();
-    h.feed(&buf);
-    buf.extend_from_slice(&h.0.to_le_bytes());
+    let sum = shimmer_common::checksum::xxh3(&buf);
+    buf.extend_from_slice(&sum.to_le_bytes());
 
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     let io = |p: &Path| {
@@ -112,9 +111,7 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
         return Err(invalid(path, "not a shimmer session file"));
     }
     let (body, sum) = bytes.split_at(bytes.len() - 8);
-    let mut h = Fnv::new();
-    h.feed(body);
-    if h.0.to_le_bytes() != sum {
+    if shimmer_common::checksum::xxh3(body).to_le_bytes() != sum {
         return Err(invalid(path, "checksum mismatch: the file is damaged or was cut short"));
     }
     let n = u32::from_le_bytes(body[8..12].try_into().unwrap_or_default()) as usize;
@@ -126,10 +123,7 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
         return Err(invalid(path, format!("format version {} (this shimmer reads version {VERSION})", header.version)));
     }
     if header.model_fingerprint != engine.fingerprint {
-        return Err(invalid(
-            path,
-            format!("saved for another model (fingerprint {}, this model is {})", header.model_fingerprint, engine.fingerprint),
-        ));
+        return Err(invalid(path, format!("saved for another model (fingerprint {}, this model is {})", header.model_fingerprint, engine.fingerprint)));
     }
     let session = engine.new_session();
     let (k_width, v_width) = session.cache.widths();

@@ -6,7 +6,9 @@ use std::sync::OnceLock;
 
 fn spec() -> &'static shimmer_common::ModelSpec {
     static SPEC: OnceLock<shimmer_common::ModelSpec> = OnceLock::new();
-    SPEC.get_or_init(|| shimmer_common::ModelSpec::from_dir(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/olmoe"))).expect("fixture config"))
+    SPEC.get_or_init(|| {
+        shimmer_common::ModelSpec::from_dir(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/olmoe"))).expect("fixture config")
+    })
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -5,7 +5,14 @@ use shimmer_common::quant::QuantScheme;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&sel, blob)) = data.split_first() else { return };
-    let scheme = [QuantScheme::Bf16, QuantScheme::Int8PerRow, QuantScheme::Int4 { group: 32 }, QuantScheme::Int4 { group: 64 }, QuantScheme::Int4 { group: 128 }, QuantScheme::Mxfp4][sel as usize % 6];
+    let scheme = [
+        QuantScheme::Bf16,
+        QuantScheme::Int8PerRow,
+        QuantScheme::Int4 { group: 32 },
+        QuantScheme::Int4 { group: 64 },
+        QuantScheme::Int4 { group: 128 },
+        QuantScheme::Mxfp4,
+    ][sel as usize % 6];
     let (h, i) = (8 + (sel as usize >> 3) % 8 * 8, 8);
     let _ = shimmer_common::expert_blob::decode(blob, scheme, h, i, None, "fuzz");
     let (_, len) = shimmer_common::expert_blob::layout(scheme, h, i);

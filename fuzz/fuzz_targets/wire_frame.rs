@@ -24,7 +24,9 @@ fuzz_target!(|data: &[u8]| {
     };
     let back = wire::decode(again).expect("a re-encoded frame decodes");
     match (&frame, &back) {
-        (Frame::Request(a), Frame::Request(b)) => assert!(a.rows == b.rows && a.selections.iter().zip(&b.selections).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits())),
+        (Frame::Request(a), Frame::Request(b)) => {
+            assert!(a.rows == b.rows && a.selections.iter().zip(&b.selections).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits()))
+        }
         (Frame::Response(a), Frame::Response(b)) => assert_eq!(a.sums, b.sums),
         (a, b) if !matches!(a, Frame::Request(_)) => assert_eq!(a, b),
         _ => panic!("kind changed"),

@@ -159,7 +159,17 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
 /// scaled; each result is the probability-weighted sum of latents (`out`, vectors × rank), which
 /// the caller maps to the head's value with W_UV. Full keys and values are never formed.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_latent_rows(q_lat: &[f32], q_rot: &[f32], (rank, rope): (usize, usize), heads: usize, first: usize, latents: &[f32], rots: &[f32], scale: f32, out: &mut [f32]) {
+pub fn attend_latent_rows(
+    q_lat: &[f32],
+    q_rot: &[f32],
+    (rank, rope): (usize, usize),
+    heads: usize,
+    first: usize,
+    latents: &[f32],
+    rots: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
     let vectors = q_lat.len() / rank.max(1);
     let mut v0 = 0;
     while v0 < vectors {
@@ -270,7 +280,8 @@ mod tests {
         for v in 0..n * heads {
             let row = v / heads;
             let q: Vec<f32> = q_lat[v * rank..(v + 1) * rank].iter().chain(&q_rot[v * rope..(v + 1) * rope]).copied().collect();
-            let keys: Vec<Vec<f32>> = (0..=row).map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
+            let keys: Vec<Vec<f32>> =
+                (0..=row).map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
             let ks: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
             let vs: Vec<&[f32]> = (0..=row).map(|j| &lat[j * rank..(j + 1) * rank]).collect();
             let want = reference::attend_head(&q, &ks, &vs, 0.3);
@@ -281,7 +292,17 @@ mod tests {
                 // The row alone (decode) gives the same bits as inside the prompt.
                 let mut one = vec![0.0; heads * rank];
                 let (a, b) = (v * rank, (v + heads) * rank);
-                attend_latent_rows(&q_lat[a..b], &q_rot[v * rope..(v + heads) * rope], (rank, rope), heads, row, &lat[..(row + 1) * rank], &rot[..(row + 1) * rope], 0.3, &mut one);
+                attend_latent_rows(
+                    &q_lat[a..b],
+                    &q_rot[v * rope..(v + heads) * rope],
+                    (rank, rope),
+                    heads,
+                    row,
+                    &lat[..(row + 1) * rank],
+                    &rot[..(row + 1) * rope],
+                    0.3,
+                    &mut one,
+                );
                 assert_eq!(bits(&one), bits(&out[a..b]), "row {row}");
             }
         }

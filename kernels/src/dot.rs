@@ -36,13 +36,29 @@ pub enum WeightRow<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
     F16(&'a [u16]),
-    Int8 { q: &'a [i8], scale: f32 },
+    Int8 {
+        q: &'a [i8],
+        scale: f32,
+    },
     /// `packed` holds `ceil(n/2)` bytes (low nibble first); `scales` one per `group` values.
-    Int4 { packed: &'a [u8], scales: &'a [f32], group: usize, n: usize },
+    Int4 {
+        packed: &'a [u8],
+        scales: &'a [f32],
+        group: usize,
+        n: usize,
+    },
     /// fp8-e4m3 bytes with one f32 scale per `group` columns (a block-scaled checkpoint's row).
-    Fp8 { q: &'a [u8], scales: &'a [f32], group: usize },
+    Fp8 {
+        q: &'a [u8],
+        scales: &'a [f32],
+        group: usize,
+    },
     /// MXFP4: e2m1 nibbles (low first, `ceil(n/2)` bytes) with one e8m0 scale per 32 values.
-    Mxfp4 { packed: &'a [u8], scales: &'a [u8], n: usize },
+    Mxfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+        n: usize,
+    },
 }
 
 impl WeightRow<'_> {
@@ -89,13 +105,13 @@ impl WeightRow<'_> {
             WeightRow::Int8 { q, scale } => q[i] as f32 * scale,
             WeightRow::Int4 { packed, scales, group, .. } => {
                 let byte = packed[i / 2];
-                let nib = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
                 (nib as i32 - 8) as f32 * scales[i / group]
             }
             WeightRow::Fp8 { q, scales, group } => quant::fp8_e4m3_to_f32(q[i]) * scales[i / group],
             WeightRow::Mxfp4 { packed, scales, .. } => {
                 let byte = packed[i / 2];
-                let nib = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
                 quant::E2M1[nib as usize] * quant::e8m0_to_f32(scales[i / quant::MXFP4_GROUP])
             }
         }
@@ -430,7 +446,10 @@ mod x86 {
     #[inline(always)]
     unsafe fn fp8x16(p: *const u8) -> __m512 {
         let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
-        let h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8), _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+        let h = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+        );
         let f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0));
         let nan = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(f), _mm512_set1_ps(480.0));
         _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(f32::NAN))
@@ -475,7 +494,10 @@ mod x86 {
             }
             WeightRow::Bf16(_) => {
                 let v = fields!(ws, WeightRow::Bf16(v) => v.as_ptr());
-                run!(|m, c| quad!(|j| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(v[m].add(c * LANES + j * 16) as *const __m256i)), 16))))
+                run!(|m, c| quad!(|j| _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(v[m].add(c * LANES + j * 16) as *const __m256i)),
+                    16
+                ))))
             }
             WeightRow::F16(_) => {
                 let v = fields!(ws, WeightRow::F16(v) => v.as_ptr());
@@ -492,7 +514,10 @@ mod x86 {
                 let lut = _mm512_setr_ps(-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
                 run!(|m, c| {
                     let parts = nibbles64(p[m].add(c * LANES / 2));
-                    quad!(|j| _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), lut), _mm512_set1_ps(*s[m].get_unchecked(grp.of(c * LANES + j * 16)))))
+                    quad!(|j| _mm512_mul_ps(
+                        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), lut),
+                        _mm512_set1_ps(*s[m].get_unchecked(grp.of(c * LANES + j * 16)))
+                    ))
                 })
             }
             WeightRow::Fp8 { group, .. } => {
@@ -519,6 +544,7 @@ mod x86 {
             for m in 0..M {
                 for k in 0..N {
                     let (wt, xt) = tail_chunk(ws[m], xs[k], full * LANES, n);
+                    #[allow(clippy::needless_range_loop)] // j also offsets the loads
                     for j in 0..4 {
                         acc[m][k][j] = _mm512_fmadd_ps(_mm512_loadu_ps(wt.as_ptr().add(j * 16)), _mm512_loadu_ps(xt.as_ptr().add(j * 16)), acc[m][k][j]);
                     }
@@ -603,7 +629,10 @@ mod x86 {
                 let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
                 let grp = Group::new(group);
                 let eight = _mm256_set1_epi32(8);
-                run!(|m, i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles8(p[m].add(i / 2)), eight)), _mm256_set1_ps(*s[m].get_unchecked(grp.of(i)))))
+                run!(|m, i| _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles8(p[m].add(i / 2)), eight)),
+                    _mm256_set1_ps(*s[m].get_unchecked(grp.of(i)))
+                ))
             }
             WeightRow::Fp8 { group, .. } => {
                 let (q, s) = (fields!(ws, WeightRow::Fp8 { q, .. } => q.as_ptr()), fields!(ws, WeightRow::Fp8 { scales, .. } => scales));
@@ -626,6 +655,7 @@ mod x86 {
             for m in 0..M {
                 for k in 0..N {
                     let (wt, xt) = tail_chunk(ws[m], xs[k], full * LANES, n);
+                    #[allow(clippy::needless_range_loop)] // j also offsets the loads
                     for j in 0..8 {
                         acc[m][k][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt.as_ptr().add(j * 8)), _mm256_loadu_ps(xt.as_ptr().add(j * 8)), acc[m][k][j]);
                     }
@@ -722,7 +752,11 @@ mod tests {
                     let [a, b] = dots_rows_with::<2, 2>(isa, [row, row], [&xs[1], &xs[2]]);
                     assert_eq!((bits(&a), bits(&b)), (bits(&want[1..3]), bits(&want[1..3])), "{name} n={n} {isa:?} two rows");
                     let [a, b] = dots_rows_with::<2, 1>(isa, [row, &formats[0].1], [&xs[3]]);
-                    assert_eq!((a[0].to_bits(), b[0].to_bits()), (want[3].to_bits(), dot_scalar(&formats[0].1, &xs[3]).to_bits()), "{name} n={n} {isa:?} rows of two formats");
+                    assert_eq!(
+                        (a[0].to_bits(), b[0].to_bits()),
+                        (want[3].to_bits(), dot_scalar(&formats[0].1, &xs[3]).to_bits()),
+                        "{name} n={n} {isa:?} rows of two formats"
+                    );
                 }
             }
         }
@@ -733,7 +767,10 @@ mod tests {
         #[cfg(target_arch = "aarch64")]
         assert!(Isa::all_available().contains(&Isa::Neon), "aarch64 always has Advanced SIMD");
         #[cfg(target_arch = "x86_64")]
-        assert_eq!(Isa::Avx2.available(), std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c"));
+        assert_eq!(
+            Isa::Avx2.available(),
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+        );
         assert!(Isa::all_available().contains(&isa()));
     }
 

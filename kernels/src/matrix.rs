@@ -22,14 +22,28 @@ pub enum WeightData {
     /// IEEE half bit patterns.
     F16(Vec<u16>),
     /// int8 per-row (`shimmer_common::quant`): `w = q · scales[row]`.
-    Int8 { q: Vec<i8>, scales: Vec<f32> },
+    Int8 {
+        q: Vec<i8>,
+        scales: Vec<f32>,
+    },
     /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes.
-    Int4 { packed: Vec<u8>, scales: Vec<f32>, group: usize },
+    Int4 {
+        packed: Vec<u8>,
+        scales: Vec<f32>,
+        group: usize,
+    },
     /// fp8-e4m3 with block scales (DeepSeek-V3's checkpoints): `w[r][c] = fp8(q) · scales[r /
     /// block][c / block]`, `scales` being `⌈rows/block⌉ × ⌈cols/block⌉`.
-    Fp8 { q: Vec<u8>, scales: Vec<f32>, block: usize },
+    Fp8 {
+        q: Vec<u8>,
+        scales: Vec<f32>,
+        block: usize,
+    },
     /// MXFP4 (`shimmer_common::quant`): e2m1 nibbles, one e8m0 scale per 32 values of a row.
-    Mxfp4 { packed: Vec<u8>, scales: Vec<u8> },
+    Mxfp4 {
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -326,7 +340,13 @@ mod tests {
                     "bf16" => Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) },
                     _ => Matrix { rows, cols, data: WeightData::F16(w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect()) },
                 };
-                let widened: Vec<f32> = (0..rows).flat_map(|r| { let mut o = vec![0.0; cols]; m.row_f32(r, &mut o); o }).collect();
+                let widened: Vec<f32> = (0..rows)
+                    .flat_map(|r| {
+                        let mut o = vec![0.0; cols];
+                        m.row_f32(r, &mut o);
+                        o
+                    })
+                    .collect();
                 let want = reference::matvec(&widened, rows, cols, &x);
                 let mut got = vec![0.0; rows];
                 m.matvec(&x, &mut got);
@@ -423,8 +443,14 @@ mod tests {
         for n in [1usize, 2, 3, 5] {
             let xs: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
             for (a, b) in [
-                (Matrix::from_quant(shimmer_common::quant::quantize_int4(wa, rows, cols, 32)), Matrix::from_quant(shimmer_common::quant::quantize_int4(wb, rows, cols, 32))),
-                (Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wa, rows, cols)), Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wb, rows, cols))),
+                (
+                    Matrix::from_quant(shimmer_common::quant::quantize_int4(wa, rows, cols, 32)),
+                    Matrix::from_quant(shimmer_common::quant::quantize_int4(wb, rows, cols, 32)),
+                ),
+                (
+                    Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wa, rows, cols)),
+                    Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wb, rows, cols)),
+                ),
                 (Matrix::from_f32(rows, cols, wa.to_vec()), Matrix::from_quant(shimmer_common::quant::quantize_int8(wb, rows, cols))),
             ] {
                 let (mut pa, mut pb, mut sa, mut sb) = (vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows]);

@@ -2,9 +2,7 @@
 //! fast kernels to these.
 
 pub fn matvec(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
-    (0..rows)
-        .map(|r| (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum::<f64>() as f32)
-        .collect()
+    (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum::<f64>() as f32).collect()
 }
 
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
@@ -26,13 +24,8 @@ pub fn silu(x: f32) -> f32 {
 
 /// Attention of one query head over `n` keys and values of one kv head.
 pub fn attend_head(q: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f32) -> Vec<f32> {
-    let scores: Vec<f32> = keys
-        .iter()
-        .map(|k| (q.iter().zip(k.iter()).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64) as f32)
-        .collect();
+    let scores: Vec<f32> = keys.iter().map(|k| (q.iter().zip(k.iter()).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64) as f32).collect();
     let p = softmax(&scores);
     let d = values.first().map_or(0, |v| v.len());
-    (0..d)
-        .map(|i| p.iter().zip(values).map(|(w, v)| *w as f64 * v[i] as f64).sum::<f64>() as f32)
-        .collect()
+    (0..d).map(|i| p.iter().zip(values).map(|(w, v)| *w as f64 * v[i] as f64).sum::<f64>() as f32).collect()
 }

@@ -43,7 +43,8 @@ fn one_tokens_kernels_allocate_nothing() {
         Matrix::from_quant(quantize_int8(&w, rows, cols)),
         Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
         Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
-        Matrix::from_fp8_blocks(rows, cols, (0..rows * cols).map(|i| (i % 120) as u8).collect(), vec![0.01; rows.div_ceil(128) * cols.div_ceil(128)], 128).unwrap(),
+        Matrix::from_fp8_blocks(rows, cols, (0..rows * cols).map(|i| (i % 120) as u8).collect(), vec![0.01; rows.div_ceil(128) * cols.div_ceil(128)], 128)
+            .unwrap(),
     ];
     let (mut out, mut out2) = (vec![0.0f32; rows], vec![0.0f32; rows]);
     // The shape of a GQA layer with 300 cached positions, and of an MLA layer's latent cache.

@@ -110,7 +110,7 @@ pub fn edit_safetensors_header(path: &Path, edit: impl FnOnce(&mut serde_json::M
     let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).expect("header json");
     edit(&mut header);
     let mut text = serde_json::to_string(&header).expect("serialise");
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();

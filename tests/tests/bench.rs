@@ -10,7 +10,20 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     let c = out.path().join("c");
     let o = shimmer(&["convert", "--from", fixture("qwen3_moe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = shimmer(&["bench", "--model", c.to_str().unwrap(), "--ram-gb", "0.00005", "--direct-io", "--prompt-tokens", "16", "--gen-tokens", "24", "--no-usage", "--json"]);
+    let o = shimmer(&[
+        "bench",
+        "--model",
+        c.to_str().unwrap(),
+        "--ram-gb",
+        "0.00005",
+        "--direct-io",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "24",
+        "--no-usage",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(r["prompt_tokens"], 16);
@@ -32,7 +45,22 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
         }
     }
     // --preload: every expert read before timing, so a generous budget serves the run from RAM.
-    let o = shimmer(&["bench", "--model", c.to_str().unwrap(), "--ram-gb", "1", "--preload", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens", "8", "--no-usage", "--json"]);
+    let o = shimmer(&[
+        "bench",
+        "--model",
+        c.to_str().unwrap(),
+        "--ram-gb",
+        "1",
+        "--preload",
+        "--threads",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "8",
+        "--no-usage",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(r["store"]["disk_misses"], 0, "{r}");

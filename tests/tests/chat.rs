@@ -4,6 +4,7 @@
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 
+use shimmer_common::chat_template::Message;
 use shimmer_tests::{fixture, shimmer, shimmer_bin};
 
 #[test]
@@ -33,8 +34,19 @@ fn chat_answers_like_generate_and_reset_clears_the_conversation() {
     assert!(turns[2].contains("(conversation cleared)"));
     // After /reset the same question gets the same answer as the first time.
     assert_eq!(turns[3].trim_end_matches('\n'), answer);
-    // The second turn saw the first: its prompt is the whole conversation.
-    assert_ne!(turns[1].trim_end_matches('\n'), "");
+    // The second turn saw the first: it is the model's greedy answer to the whole conversation
+    // (question, first answer, second question), not to the second question alone.
+    let engine = shimmer_coordinator::Engine::load(&dir).unwrap();
+    let opts =
+        shimmer_coordinator::engine::GenerateOptions { max_tokens: 16, sampling: shimmer_coordinator::sampling::SamplingParams::default(), stop: vec![] };
+    let answer_to = |messages: &[Message]| {
+        let ids = engine.encode_chat(messages).unwrap();
+        engine.generate(&mut engine.new_session(), &ids, &opts, |_| true).unwrap().text
+    };
+    let whole = answer_to(&[Message::new("user", "Who made the earth?"), Message::new("assistant", answer), Message::new("user", "And the sea?")]);
+    let alone = answer_to(&[Message::new("user", "And the sea?")]);
+    assert_eq!(turns[1].trim_end_matches('\n'), whole);
+    assert_ne!(whole, alone, "the fixture must answer the second question differently without the first (else this proves nothing)");
 }
 
 #[test]

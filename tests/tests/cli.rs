@@ -27,7 +27,8 @@ fn generate_json_reproduces_the_oracle_greedy_continuation() {
         let p = &o.prompts[1];
         let dir = fixture(name);
         let max = p.greedy.len().to_string();
-        let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&p.ids), "--max-tokens", &max, "--temperature", "0", "--json"]);
+        let out =
+            shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&p.ids), "--max-tokens", &max, "--temperature", "0", "--json"]);
         let v = json_stdout(&out);
         let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
         assert_eq!(keys, ["prompt_ids", "output_ids", "text", "finish_reason", "timings"]);
@@ -76,7 +77,24 @@ fn generate_streams_text_and_chat_wraps_the_prompt() {
 fn seeded_sampling_is_reproducible_and_stop_strings_cut_the_text() {
     let dir = fixture("olmoe");
     let run = |seed: &str| {
-        json_stdout(&shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "And God said", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", seed, "--json"]))
+        json_stdout(&shimmer(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "And God said",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.95",
+            "--top-k",
+            "40",
+            "--seed",
+            seed,
+            "--json",
+        ]))
     };
     let (a, b, c) = (run("7"), run("7"), run("8"));
     assert_eq!(a["output_ids"], b["output_ids"]);
@@ -87,7 +105,26 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut_the_text() {
     let chars: Vec<char> = text.chars().collect();
     let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
     let cut = text.find(&stop).unwrap();
-    let v = json_stdout(&shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "And God said", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", "7", "--stop", &stop, "--json"]));
+    let v = json_stdout(&shimmer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "And God said",
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+        "--stop",
+        &stop,
+        "--json",
+    ]));
     assert_eq!(v["text"].as_str().unwrap(), &text[..cut]);
     assert_eq!(v["finish_reason"], "stop");
 }
@@ -188,7 +225,10 @@ fn wrong_dtype_or_shape_for_the_spec_is_named() {
         let shape = h["model.layers.0.self_attn.k_proj.weight"]["shape"].as_array().unwrap().clone();
         h["model.layers.0.self_attn.k_proj.weight"]["shape"] = serde_json::json!([shape[1], shape[0]]);
     });
-    assert_clean_failure(&generate_on(d.path()), &["model.safetensors", "model.layers.0.self_attn.k_proj.weight", "shape [80, 40] but the model config needs [40, 80]"]);
+    assert_clean_failure(
+        &generate_on(d.path()),
+        &["model.safetensors", "model.layers.0.self_attn.k_proj.weight", "shape [80, 40] but the model config needs [40, 80]"],
+    );
 }
 
 #[test]
@@ -280,7 +320,18 @@ fn routing_reports_every_moe_layer() {
 #[test]
 fn quant_eval_measures_formats_against_the_checkpoint() {
     let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/README.md");
-    let v = json_stdout(&shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "bf16,int8,int4-g32,int4-g128", "--max-tokens", "512", "--json"]));
+    let v = json_stdout(&shimmer(&[
+        "quant-eval",
+        "--model",
+        fixture("olmoe").to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--quant",
+        "bf16,int8,int4-g32,int4-g128",
+        "--max-tokens",
+        "512",
+        "--json",
+    ]));
     let f = v["formats"].as_array().unwrap();
     let kl = |i: usize| f[i]["mean_kl_nats"].as_f64().unwrap();
     // "bf16" keeps the checkpoint's own weights: identical distributions.
@@ -297,8 +348,23 @@ fn quant_eval_measures_formats_against_the_checkpoint() {
     // A converted container measures exactly as the same format quantised in memory.
     let out = tempfile::tempdir().unwrap();
     let c = out.path().join("c");
-    assert!(shimmer(&["convert", "--from", fixture("olmoe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"]).status.success());
-    let w = json_stdout(&shimmer(&["quant-eval", "--model", fixture("olmoe").to_str().unwrap(), "--text", text.to_str().unwrap(), "--quant", "none", "--candidate", c.to_str().unwrap(), "--max-tokens", "512", "--json"]));
+    assert!(shimmer(&["convert", "--from", fixture("olmoe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"])
+        .status
+        .success());
+    let w = json_stdout(&shimmer(&[
+        "quant-eval",
+        "--model",
+        fixture("olmoe").to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--quant",
+        "none",
+        "--candidate",
+        c.to_str().unwrap(),
+        "--max-tokens",
+        "512",
+        "--json",
+    ]));
     assert_eq!(w["formats"][0]["mean_kl_nats"], f[2]["mean_kl_nats"], "{w} vs {v}");
     assert_eq!(w["formats"][0]["top1_agreement"], f[2]["top1_agreement"]);
 }
@@ -308,7 +374,20 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("placement.json");
     let fixture_dir = shimmer_tests::fixture("qwen3_moe");
-    let o = shimmer(&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.3:7070,127.0.0.4:7070", "--replicas", "2", "--ram-gb-per-worker", "0.001", "--json", "--out", out.to_str().unwrap()]);
+    let o = shimmer(&[
+        "plan",
+        "--model",
+        fixture_dir.to_str().unwrap(),
+        "--workers",
+        "127.0.0.2:7070,127.0.0.3:7070,127.0.0.4:7070",
+        "--replicas",
+        "2",
+        "--ram-gb-per-worker",
+        "0.001",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["workers"].as_array().unwrap().len(), 3);
@@ -322,7 +401,10 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     assert_eq!(p.epoch, 1);
     // Planned again over it: the next epoch; or the one asked for.
     let again = |extra: &[&str]| {
-        let o = shimmer(&[&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.3:7070", "--out", out.to_str().unwrap()][..], extra].concat());
+        let o = shimmer(
+            &[&["plan", "--model", fixture_dir.to_str().unwrap(), "--workers", "127.0.0.2:7070,127.0.0.3:7070", "--out", out.to_str().unwrap()][..], extra]
+                .concat(),
+        );
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         shimmer_worker::placement::Placement::read(&out).unwrap().epoch
     };
@@ -350,8 +432,14 @@ fn cluster_flags_in_the_wrong_place_are_refused_by_name() {
     // A cluster without credentials, a short token, bad timeouts, an unknown worker to hold.
     assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p]), &["join token", "--tls-cert"]);
     assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "short"]), &["at least 16"]);
-    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--worker-timeout-s", "0"]), &["--worker-timeout-s"]);
-    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--hold", "nobody"]), &["nobody"]);
+    assert_clean_failure(
+        &shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--worker-timeout-s", "0"]),
+        &["--worker-timeout-s"],
+    );
+    assert_clean_failure(
+        &shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--hold", "nobody"]),
+        &["nobody"],
+    );
     // Operator certificates that are not PEM.
     let junk = dir.path().join("junk.pem");
     std::fs::write(&junk, "not a certificate").unwrap();

@@ -45,7 +45,13 @@ fn start_worker(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint
 }
 
 /// A worker that knows its slice of `placement` (`name`), serving only it when `assigned_only`.
-fn start_worker_for(rt: &tokio::runtime::Runtime, dir: &std::path::Path, fingerprint: &str, at: std::net::SocketAddr, slice: Option<(&Placement, &str, bool)>) -> (quinn::Endpoint, String, Arc<WorkerState>) {
+fn start_worker_for(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    fingerprint: &str,
+    at: std::net::SocketAddr,
+    slice: Option<(&Placement, &str, bool)>,
+) -> (quinn::Endpoint, String, Arc<WorkerState>) {
     let spec = ModelSpec::from_dir(dir).unwrap();
     let experts: Arc<dyn ExpertDispatch> = Arc::new(InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap());
     let ep = rt.block_on(async { transport::server(at, &creds(TOKEN)) }).unwrap();
@@ -141,7 +147,8 @@ fn with_one_copy_a_dead_workers_experts_come_from_another_workers_disk_or_are_an
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let addrs: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", free_udp_port())).collect();
         let p = placement(&fingerprint, &spec, &addrs, |_, e| e % 2);
-        let workers: Vec<(quinn::Endpoint, String, Arc<WorkerState>)> = addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
+        let workers: Vec<(quinn::Endpoint, String, Arc<WorkerState>)> =
+            addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
         let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap();
         let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
         workers[1].0.close(0u32.into(), b"killed");
@@ -171,7 +178,10 @@ fn placement(fingerprint: &str, spec: &ModelSpec, addrs: &[String], owner: impl 
         workers: addrs.iter().map(|a| Worker { name: a.clone(), addr: a.clone(), ram_bytes: u64::MAX }).collect(),
         layers: moe
             .iter()
-            .map(|&l| shimmer_worker::placement::LayerPlacement { layer: l, replicas: (0..spec.moe.num_experts).map(|e| vec![addrs[owner(l, e)].clone()]).collect() })
+            .map(|&l| shimmer_worker::placement::LayerPlacement {
+                layer: l,
+                replicas: (0..spec.moe.num_experts).map(|e| vec![addrs[owner(l, e)].clone()]).collect(),
+            })
             .collect(),
     }
 }
@@ -188,7 +198,8 @@ fn three_workers_give_the_single_box_logits_under_every_placement() {
         let want = single.logits_all(&ids).unwrap();
         let (_rt, addrs) = start_workers(&dir, 3, &fingerprint);
         let n = spec.moe.num_experts;
-        let placements: Vec<(&str, Box<dyn Fn(usize, usize) -> usize>)> = vec![
+        type WorkerOf = Box<dyn Fn(usize, usize) -> usize>;
+        let placements: Vec<(&str, WorkerOf)> = vec![
             ("round robin", Box::new(|_, e| e % 3)),
             ("every layer differently", Box::new(|l, e| (e + l) % 3)),
             ("halves on two workers", Box::new(move |_, e| if e < n / 2 { 0 } else { 2 })),
@@ -308,7 +319,8 @@ fn three_worker_processes_generate_the_single_box_tokens_under_three_placements(
         }
         // Two coordinators at once share the pool (one connection each per worker).
         let both = [0, 1].map(|_| {
-            let a: Vec<String> = [&args[..], &["--placement", placements[1].to_str().unwrap(), "--join-token", TOKEN]].concat().iter().map(|s| s.to_string()).collect();
+            let a: Vec<String> =
+                [&args[..], &["--placement", placements[1].to_str().unwrap(), "--join-token", TOKEN]].concat().iter().map(|s| s.to_string()).collect();
             std::thread::spawn(move || shimmer_tests::shimmer(&a.iter().map(String::as_str).collect::<Vec<_>>()))
         });
         for h in both {
@@ -321,7 +333,8 @@ fn three_worker_processes_generate_the_single_box_tokens_under_three_placements(
         shimmer_tests::assert_clean_failure(&wrong, &["join token"]);
         // The workers gone: the run depends on them, and says which it cannot reach.
         drop(workers);
-        let gone = shimmer_tests::shimmer(&[&args[..], &["--placement", planned.to_str().unwrap(), "--join-token", TOKEN, "--connect-timeout-s", "0.5"]].concat());
+        let gone =
+            shimmer_tests::shimmer(&[&args[..], &["--placement", planned.to_str().unwrap(), "--join-token", TOKEN, "--connect-timeout-s", "0.5"]].concat());
         shimmer_tests::assert_clean_failure(&gone, &[&addrs[0]]);
     }
 }
@@ -352,7 +365,20 @@ fn garbage_wrong_model_and_stale_epoch_frames_get_error_codes_and_the_worker_kee
         };
         let hidden = spec.hidden_size as u32;
         let moe_layer = (0..spec.num_layers).find(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).unwrap() as u32;
-        let good = |model: u64, epoch: u64| wire::Request { request_id: 5, model, epoch, layer: moe_layer, hidden, top_k: 1, rows: bytes::Bytes::from(vec![0u8; hidden as usize * 4]), selections: vec![(0, 1.0)] }.encode().to_vec();
+        let good = |model: u64, epoch: u64| {
+            wire::Request {
+                request_id: 5,
+                model,
+                epoch,
+                layer: moe_layer,
+                hidden,
+                top_k: 1,
+                rows: bytes::Bytes::from(vec![0u8; hidden as usize * 4]),
+                selections: vec![(0, 1.0)],
+            }
+            .encode()
+            .to_vec()
+        };
         assert_eq!(code(ask(b"GET / HTTP/1.1\r\n\r\n and then some more bytes to fill a header".to_vec()).await), Some(ErrorCode::Malformed));
         let mut huge = good(model_id(&fingerprint), 1);
         huge[36..40].copy_from_slice(&u32::MAX.to_le_bytes());
@@ -446,7 +472,19 @@ fn a_worker_finds_itself_in_the_placement_and_says_what_it_holds() {
     // Not in the placement, or a name it does not have: refused with the reason.
     let wrong = shimmer_tests::shimmer(&["worker", "--model", d, "--listen", "127.0.0.1:1", "--join-token", TOKEN, "--placement", placement.to_str().unwrap()]);
     shimmer_tests::assert_clean_failure(&wrong, &["no worker of the placement has the address 127.0.0.1:1", "--name"]);
-    let unknown = shimmer_tests::shimmer(&["worker", "--model", d, "--listen", "127.0.0.1:0", "--join-token", TOKEN, "--placement", placement.to_str().unwrap(), "--name", "w9"]);
+    let unknown = shimmer_tests::shimmer(&[
+        "worker",
+        "--model",
+        d,
+        "--listen",
+        "127.0.0.1:0",
+        "--join-token",
+        TOKEN,
+        "--placement",
+        placement.to_str().unwrap(),
+        "--name",
+        "w9",
+    ]);
     shimmer_tests::assert_clean_failure(&unknown, &["--name w9", "no such worker"]);
 }
 
@@ -464,7 +502,9 @@ fn a_coordinator_that_holds_a_workers_share_itself_gives_the_single_box_tokens()
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     let args = ["generate", "--model", d, "--prompt-ids", "2,7,1,8,2,8", "--max-tokens", "10", "--json"];
     let single = shimmer_tests::shimmer(&args);
-    let both = shimmer_tests::shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", &me, "--connect-timeout-s", "0.5"]].concat());
+    let both = shimmer_tests::shimmer(
+        &[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", &me, "--connect-timeout-s", "0.5"]].concat(),
+    );
     assert!(both.status.success(), "{}", String::from_utf8_lossy(&both.stderr));
     let json = |o: &std::process::Output| serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap();
     assert_eq!(json(&both)["output_ids"], json(&single)["output_ids"]);
@@ -494,7 +534,11 @@ fn workers_on_a_newer_placement_make_the_coordinator_adopt_it_with_the_same_logi
     let file = tmp.path().join("placement.json");
     std::fs::write(&file, serde_json::to_string(&first).unwrap()).unwrap();
     let f = file.clone();
-    let remote = Arc::new(RemoteExperts::connect(first, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap().with_reload(Box::new(move || Placement::read(&f).map_err(|e| e.to_string()))));
+    let remote = Arc::new(
+        RemoteExperts::connect(first, model_id(&fingerprint), &creds(TOKEN), timeouts(5))
+            .unwrap()
+            .with_reload(Box::new(move || Placement::read(&f).map_err(|e| e.to_string()))),
+    );
     let r2 = remote.clone();
     let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
     assert_eq!(bits(&engine.logits_all(&ids).unwrap()), bits(&want));

@@ -6,9 +6,9 @@
 //! bf16 weights and differ only in summation order and libm; logits here reach larger magnitudes,
 //! so the bound is relative: |Δ| ≤ 2e-4 · max(1, |logit|) (measured worst: see the test's output).
 
+use serde::Deserialize;
 use shimmer_coordinator::engine::{Engine, GenerateOptions};
 use shimmer_coordinator::sampling::{argmax, SamplingParams};
-use serde::Deserialize;
 
 #[derive(Deserialize)]
 struct Prompt {

@@ -113,7 +113,13 @@ fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
     let engine = shimmer_coordinator::Engine::load(&dir).unwrap();
     assert_eq!(engine.logits_all(&[1, 2, 3, 4]).unwrap().len(), 4 * spec.vocab_size);
     let out4 = tempfile::tempdir().unwrap();
-    convert(&fixture("deepseek_v3_fp8"), out4.path(), ConvertOptions { expert_quant: quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 }, &mut |_| {}).unwrap();
+    convert(
+        &fixture("deepseek_v3_fp8"),
+        out4.path(),
+        ConvertOptions { expert_quant: quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 },
+        &mut |_| {},
+    )
+    .unwrap();
     let engine = shimmer_coordinator::Engine::load(out4.path()).unwrap();
     assert!(engine.logits_all(&[1, 2, 3, 4]).unwrap().iter().all(|x| x.is_finite()));
 }

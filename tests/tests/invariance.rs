@@ -45,15 +45,22 @@ fn a_chat_session_reuses_its_cache_without_changing_tokens() {
     let g1 = engine.generate(&mut warm, first, &opts, |_| true).unwrap();
     let mut second: Vec<u32> = first.iter().chain(&g1.output_ids).copied().collect();
     second.extend_from_slice(&o.prompts[1].ids);
+    // The first turn's prompt and its sampled tokens are held, except a last one that hit the
+    // length limit (sampled, never fed back).
     let held = warm.tokens.len();
+    let fed = g1.output_ids.len() - usize::from(g1.finish_reason == shimmer_coordinator::engine::FinishReason::Length);
+    assert_eq!(held, first.len() + fed, "the session holds the first turn");
     let g2_warm = engine.generate(&mut warm, &second, &opts, |_| true).unwrap();
     let g2_cold = engine.generate(&mut engine.new_session(), &second, &opts, |_| true).unwrap();
     assert_eq!(g2_warm.output_ids, g2_cold.output_ids);
-    assert!(held >= first.len(), "the first turn's positions stay cached");
+    assert_eq!(g2_warm.reused_tokens, held, "the second turn computes only what the first did not");
+    assert_eq!(g2_cold.reused_tokens, 0);
     // A prompt that diverges early truncates the cache to the shared prefix and still agrees.
     let other = &o.prompts[2].ids;
+    let shared = warm.tokens.iter().zip(other).take_while(|(a, b)| a == b).count().min(other.len() - 1);
     let g3_warm = engine.generate(&mut warm, other, &opts, |_| true).unwrap();
     let g3_cold = engine.generate(&mut engine.new_session(), other, &opts, |_| true).unwrap();
+    assert_eq!(g3_warm.reused_tokens, shared, "only the shared prefix is reused");
     assert_eq!(g3_warm.output_ids, g3_cold.output_ids);
 }
 
@@ -81,8 +88,8 @@ struct TwoNodes(shimmer_worker::InProcessExperts);
 impl shimmer_worker::ExpertDispatch for TwoNodes {
     fn dispatch(&self, batch: &shimmer_worker::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_worker::DispatchError> {
         let mut b = vec![0i64; acc.len()];
-        self.0.dispatch_owned(batch, &mut b, &|layer, e| (e as usize * 7 + layer) % 3 == 0)?;
-        self.0.dispatch_owned(batch, acc, &|layer, e| (e as usize * 7 + layer) % 3 != 0)?;
+        self.0.dispatch_owned(batch, &mut b, &|layer, e| (e as usize * 7 + layer).is_multiple_of(3))?;
+        self.0.dispatch_owned(batch, acc, &|layer, e| !(e as usize * 7 + layer).is_multiple_of(3))?;
         shimmer_kernels::fixed::merge(acc, &b);
         Ok(())
     }

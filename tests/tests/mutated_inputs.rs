@@ -43,31 +43,42 @@ fn odd_value(rng: &mut Rng) -> Value {
     }
 }
 
-/// Replaces, deletes or retypes one value somewhere in `v`.
-fn mutate_json(v: &mut Value, rng: &mut Rng) {
+/// Replaces, deletes or retypes one value somewhere in `v`; returns the keys on the way to it
+/// (outermost first), so a refusal can be checked to name what was damaged.
+fn mutate_json(v: &mut Value, rng: &mut Rng) -> Vec<String> {
     match v {
         Value::Object(map) if !map.is_empty() => {
             let keys: Vec<String> = map.keys().cloned().collect();
-            let key = &keys[rng.below(keys.len())];
+            let key = keys[rng.below(keys.len())].clone();
             match rng.below(4) {
                 0 => {
-                    map.remove(key);
+                    map.remove(&key);
+                    vec![key]
                 }
                 1 => {
                     map.insert(key.clone(), odd_value(rng));
+                    vec![key]
                 }
-                _ => mutate_json(map.get_mut(key).unwrap(), rng),
+                _ => {
+                    let mut path = vec![key.clone()];
+                    path.extend(mutate_json(map.get_mut(&key).unwrap(), rng));
+                    path
+                }
             }
         }
         Value::Array(items) if !items.is_empty() => {
             let i = rng.below(items.len());
             if rng.below(3) == 0 {
                 items.remove(i);
+                vec![]
             } else {
-                mutate_json(&mut items[i], rng);
+                mutate_json(&mut items[i], rng)
             }
         }
-        other => *other = odd_value(rng),
+        other => {
+            *other = odd_value(rng);
+            vec![]
+        }
     }
 }
 
@@ -75,19 +86,43 @@ fn no_panic<T>(what: &str, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| panic!("panicked on {what}"))
 }
 
+/// Whether a refusal names what was damaged: the file and a field, which is one of the mutated
+/// keys or, when a cross-field check caught the damage, a key of the config that no longer fits
+/// the mutated one.
+fn names_the_damage(message: &str, paths: &[Vec<String>], config: &Value) -> bool {
+    if !message.contains("config.json") {
+        return false;
+    }
+    // A mutated key named anywhere (`key`, or inside a dotted path like `rope_scaling.factor`).
+    let quoted = |k: &str| message.contains(&format!("`{k}`")) || message.contains(&format!(".{k}`")) || message.contains(&format!("`{k}."));
+    if paths.iter().flatten().any(|k| quoted(k)) {
+        return true;
+    }
+    // Otherwise a cross-field check: it names a field of the config.
+    let field = message.split("field `").nth(1).and_then(|rest| rest.split('`').next());
+    field.is_some_and(|f| config.get(f.split('.').next().unwrap_or(f)).is_some())
+}
+
 #[test]
-fn mutated_configs_never_panic() {
+fn mutated_configs_are_refused_by_name_or_parse() {
     let mut rng = Rng(0x5eed);
+    let (mut parsed, mut refused) = (0, 0);
     for name in FAMILIES {
         let original: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
         for i in 0..1500 {
             let mut v = original.clone();
-            for _ in 0..=rng.below(3) {
-                mutate_json(&mut v, &mut rng);
+            let paths: Vec<Vec<String>> = (0..=rng.below(3)).map(|_| mutate_json(&mut v, &mut rng)).collect();
+            match no_panic(&format!("{name} config mutation {i}: {v}"), || ModelSpec::from_json(&v, Path::new("config.json"))) {
+                Ok(_) => parsed += 1,
+                Err(e) => {
+                    let message = e.to_string();
+                    assert!(names_the_damage(&message, &paths, &original), "{name} config mutation {i} of {paths:?} refused without naming it: {message}");
+                    refused += 1;
+                }
             }
-            no_panic(&format!("{name} config mutation {i}: {v}"), || ModelSpec::from_json(&v, Path::new("config.json")).ok());
         }
     }
+    assert!(parsed > 1000 && refused > 1000, "parsed {parsed}, refused {refused}: the mutations should reach both outcomes");
 }
 
 #[test]
@@ -127,10 +162,12 @@ fn mutated_safetensors_headers_never_panic() {
                 let entry = h.as_object_mut().unwrap().remove(&victim).unwrap();
                 h[format!("{victim}.renamed")] = entry;
             }
-            _ => mutate_json(&mut h, &mut rng),
+            _ => {
+                mutate_json(&mut h, &mut rng);
+            }
         }
         let mut text = h.to_string();
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(' ');
         }
         let mut b = (text.len() as u64).to_le_bytes().to_vec();
@@ -145,50 +182,108 @@ fn mutated_safetensors_headers_never_panic() {
     assert!(loads > 20, "the structured mutations should often keep a valid header ({loads})");
 }
 
+/// A damaged config with the real weights: refused naming the key (or the tensor it no longer
+/// fits), or loaded. A config that parses to the same model answers with the same bits; one that
+/// parses to another model (another valid value of a key the model reads) runs that model or
+/// refuses the prompt, without panicking.
 #[test]
-fn mutated_configs_with_real_weights_fail_cleanly() {
+fn mutated_configs_with_real_weights_are_refused_by_name_or_answer_as_their_spec_says() {
     let mut rng = Rng(0xc0ffee);
+    let ids = [1u32, 2, 3];
+    let (mut identical, mut other_model, mut refused) = (0, 0, 0);
     for name in FAMILIES {
         let dir = copy_fixture(name);
         let original: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+        let reference = Engine::load(dir.path()).unwrap();
+        let reference_logits: Vec<u32> = reference.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
         for i in 0..60 {
             let mut v = original.clone();
-            mutate_json(&mut v, &mut rng);
+            let path = mutate_json(&mut v, &mut rng);
             std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
-            let loaded = no_panic(&format!("{name} load with config mutation {i}: {v}"), || Engine::load(dir.path()));
-            if let Ok(engine) = loaded {
-                // A config that still loads must still run (or refuse the prompt) without panicking.
-                no_panic(&format!("{name} run with config mutation {i}: {v}"), || engine.score(&[1, 2, 3]).ok());
+            let what = format!("{name} config mutation {i} of {path:?}: {v}");
+            match no_panic(&what, || Engine::load(dir.path())) {
+                Err(e) => {
+                    let message = e.to_string();
+                    assert!(
+                        names_the_damage(&message, std::slice::from_ref(&path), &original) || message.contains("tensor `"),
+                        "{what}: refused without naming it: {message}"
+                    );
+                    refused += 1;
+                }
+                Ok(engine) if engine.spec == reference.spec => {
+                    let logits: Vec<u32> = engine.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
+                    assert!(logits == reference_logits, "{what}: the same model must give the same logits");
+                    identical += 1;
+                }
+                Ok(engine) => {
+                    no_panic(&what, || engine.score(&ids).ok());
+                    other_model += 1;
+                }
             }
         }
     }
+    assert!(identical > 20 && other_model > 20 && refused > 20, "identical {identical}, another model {other_model}, refused {refused}");
 }
 
 #[test]
-fn mutated_tokenizers_never_panic() {
+fn mutated_tokenizers_are_refused_by_name_or_work() {
     let mut rng = Rng(0xbeef);
     let dir = copy_fixture("qwen3_moe");
     let original: Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe").join("tokenizer.json")).unwrap()).unwrap();
+    let (mut loaded, mut refused) = (0, 0);
     for i in 0..150 {
         let mut v = original.clone();
-        // Skip the big vocab map most of the time so mutations reach the pipeline settings.
-        mutate_json(&mut v, &mut rng);
+        let path = mutate_json(&mut v, &mut rng);
         std::fs::write(dir.path().join("tokenizer.json"), v.to_string()).unwrap();
-        no_panic(&format!("tokenizer mutation {i}"), || {
-            if let Ok(t) = shimmer_common::tokenizer::Tokenizer::from_dir(dir.path()) {
-                let ids = t.encode("In the beginning, ümlaut <|im_end|>", true).unwrap_or_default();
-                let _ = t.decode(&ids, true);
-                let _ = t.decode(&[0, 1, 99999], false);
+        no_panic(&format!("tokenizer mutation {i} of {path:?}"), || match shimmer_common::tokenizer::Tokenizer::from_dir(dir.path()) {
+            Ok(t) => {
+                // Encoding and decoding either work or fail naming the file; never panic.
+                for result in [t.encode("In the beginning, ümlaut <|im_end|>", true).map(|_| ()), t.decode(&[0, 1, 99999], false).map(|_| ())] {
+                    if let Err(e) = result {
+                        assert!(e.to_string().contains("tokenizer.json"), "tokenizer mutation {i}: {e}");
+                    }
+                }
+                loaded += 1;
+            }
+            Err(e) => {
+                assert!(e.to_string().contains("tokenizer.json"), "tokenizer mutation {i} of {path:?} refused without naming the file: {e}");
+                refused += 1;
             }
         });
     }
+    assert!(loaded > 20 && refused > 20, "loaded {loaded}, refused {refused}");
 }
 
+/// A damaged chat template renders, or is refused with an error that says where (the template's
+/// line) — never a panic.
 #[test]
-fn mutated_chat_templates_never_panic() {
+fn mutated_chat_templates_render_or_are_refused_saying_where() {
     let mut rng = Rng(0xabcdef);
     let msgs = [Message::new("system", "s"), Message::new("user", "hi"), Message::new("assistant", "yo")];
-    let pieces = ["{%", "%}", "{{", "}}", "{% for", "{% endfor %}", "loop.", "|tojson", "(", ")", "[", "]", "'", "\"", "messages", "{% break %}", "raise_exception(", ".strip()", "-", "~", "|"];
+    let pieces = [
+        "{%",
+        "%}",
+        "{{",
+        "}}",
+        "{% for",
+        "{% endfor %}",
+        "loop.",
+        "|tojson",
+        "(",
+        ")",
+        "[",
+        "]",
+        "'",
+        "\"",
+        "messages",
+        "{% break %}",
+        "raise_exception(",
+        ".strip()",
+        "-",
+        "~",
+        "|",
+    ];
+    let (mut rendered, mut refused) = (0, 0);
     for name in FAMILIES {
         let tpl = shimmer_common::chat_template::ChatConfig::from_dir(&fixture(name)).unwrap().template.unwrap();
         for i in 0..400 {
@@ -209,9 +304,16 @@ fn mutated_chat_templates_never_panic() {
                 }
             }
             let t: String = t.into_iter().collect();
-            no_panic(&format!("{name} template mutation {i}: {t}"), || render_template(&t, &msgs, true, Some("<s>"), None).ok());
+            match no_panic(&format!("{name} template mutation {i}: {t}"), || render_template(&t, &msgs, true, Some("<s>"), None)) {
+                Ok(_) => rendered += 1,
+                Err(e) => {
+                    assert!(e.line().is_some(), "{name} template mutation {i} refused without saying where: {e:#}\n{t}");
+                    refused += 1;
+                }
+            }
         }
     }
+    assert!(rendered > 200 && refused > 200, "rendered {rendered}, refused {refused}");
 }
 
 /// A container's manifest and a usage file, damaged one value at a time: each load ends in an
@@ -222,7 +324,10 @@ fn mutated_container_manifests_and_usage_files_fail_or_answer_identically() {
     let mut rng = Rng(0x3a11);
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("c");
-    let opts = shimmer_worker::convert::ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int8PerRow, dense_quant: shimmer_worker::convert::DenseQuant::Bf16 };
+    let opts = shimmer_worker::convert::ConvertOptions {
+        expert_quant: shimmer_common::quant::QuantScheme::Int8PerRow,
+        dense_quant: shimmer_worker::convert::DenseQuant::Bf16,
+    };
     shimmer_worker::convert::convert(&fixture("glm4_moe"), &dir, opts, &mut |_| {}).unwrap();
     let ids = [1u32, 5, 9, 13, 17];
     let usage = out.path().join("usage.json");

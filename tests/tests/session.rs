@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use shimmer_common::checkpoint::Fnv;
+use shimmer_common::checksum::xxh3;
 use shimmer_coordinator::engine::{Engine, GenerateOptions};
 use shimmer_coordinator::sampling::SamplingParams;
 use shimmer_tests::{assert_clean_failure, fixture, oracle, shimmer, shimmer_bin};
@@ -33,7 +33,18 @@ fn a_generate_conversation_split_across_processes_matches_one_process() {
         let tmp = tempfile::tempdir().unwrap();
         let file = tmp.path().join("conv.session");
         let run = |ids: &[u32]| {
-            shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(ids), "--max-tokens", "12", "--session", file.to_str().unwrap(), "--json"])
+            shimmer(&[
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt-ids",
+                &ids_arg(ids),
+                "--max-tokens",
+                "12",
+                "--session",
+                file.to_str().unwrap(),
+                "--json",
+            ])
         };
         let out1 = run(p1);
         assert!(out1.status.success(), "{}", String::from_utf8_lossy(&out1.stderr));
@@ -89,9 +100,8 @@ fn rewrite_header(path: &std::path::Path, edit: impl FnOnce(&mut serde_json::Val
     out.extend_from_slice(&(json.len() as u32).to_le_bytes());
     out.extend_from_slice(&json);
     out.extend_from_slice(&bytes[12 + n..bytes.len() - 8]);
-    let mut h = Fnv::new();
-    h.feed(&out);
-    out.extend_from_slice(&h.0.to_le_bytes());
+    let sum = xxh3(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
     std::fs::write(path, out).unwrap();
 }
 
@@ -100,7 +110,9 @@ fn foreign_damaged_or_mismatched_session_files_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("s");
     let model = fixture("qwen3_moe");
-    let gen = |model: &std::path::Path| shimmer(&["generate", "--model", model.to_str().unwrap(), "--prompt-ids", "5,6,7", "--max-tokens", "3", "--session", file.to_str().unwrap()]);
+    let gen = |model: &std::path::Path| {
+        shimmer(&["generate", "--model", model.to_str().unwrap(), "--prompt-ids", "5,6,7", "--max-tokens", "3", "--session", file.to_str().unwrap()])
+    };
     assert!(gen(&model).status.success());
     let good = std::fs::read(&file).unwrap();
 
@@ -135,7 +147,8 @@ fn an_mla_session_is_small() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("s");
     let dir = fixture("deepseek_v3");
-    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&[5; 40]), "--max-tokens", "10", "--session", file.to_str().unwrap()]);
+    let out =
+        shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&[5; 40]), "--max-tokens", "10", "--session", file.to_str().unwrap()]);
     assert!(out.status.success());
     let engine = Engine::load(&dir).unwrap();
     let shimmer_common::spec::AttentionKind::Mla(m) = &engine.spec.attention.kind else { panic!("MLA fixture") };
@@ -170,9 +183,8 @@ fn mutated_session_files_never_panic() {
             let at = (next() % b.len() as u64) as usize;
             b[at] = next() as u8;
         }
-        let mut h = Fnv::new();
-        h.feed(&b);
-        b.extend_from_slice(&h.0.to_le_bytes());
+        let sum = xxh3(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
         std::fs::write(&file, &b).unwrap();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shimmer_coordinator::session_file::load(&file, &engine).map(|_| ())));
         assert!(r.is_ok(), "panicked on mutation {i}");

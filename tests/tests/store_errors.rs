@@ -33,7 +33,8 @@ fn score(dir: &Path, extra: &[&str]) -> std::process::Output {
 
 /// Every file of a directory, by name, with its bytes.
 fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap()).map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())).collect();
+    let mut files: Vec<(String, Vec<u8>)> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap()).map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())).collect();
     files.sort();
     files
 }

@@ -18,10 +18,22 @@ fn traces_record_routing_without_changing_tokens() {
         let tmp = tempfile::tempdir().unwrap();
         let (gen_trace, score_trace) = (tmp.path().join("g"), tmp.path().join("s"));
         let plain = json(&shimmer(&["generate", "--model", model, "--prompt", "In the beginning God created", "--max-tokens", "20", "--json"]));
-        let traced = json(&shimmer(&["generate", "--model", model, "--prompt", "In the beginning God created", "--max-tokens", "20", "--json", "--trace", gen_trace.to_str().unwrap()]));
+        let traced = json(&shimmer(&[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "In the beginning God created",
+            "--max-tokens",
+            "20",
+            "--json",
+            "--trace",
+            gen_trace.to_str().unwrap(),
+        ]));
         assert_eq!(plain["output_ids"], traced["output_ids"], "{name}: tracing changed tokens");
 
-        let ids: Vec<u32> = traced["prompt_ids"].as_array().unwrap().iter().chain(traced["output_ids"].as_array().unwrap()).map(|v| v.as_u64().unwrap() as u32).collect();
+        let ids: Vec<u32> =
+            traced["prompt_ids"].as_array().unwrap().iter().chain(traced["output_ids"].as_array().unwrap()).map(|v| v.as_u64().unwrap() as u32).collect();
         let g = Trace::read(&gen_trace).unwrap();
         // Every fed position: the prompt, then each sampled token but the last.
         assert_eq!(g.tokens.len(), ids.len() - 1, "{name}");
@@ -48,7 +60,21 @@ fn trace_analysis_never_lets_a_demand_policy_beat_belady() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("t");
     let dir = fixture("qwen3_moe");
-    let out = shimmer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "And the LORD spake unto Moses, saying,", "--max-tokens", "120", "--temperature", "0.9", "--seed", "4", "--trace", file.to_str().unwrap()]);
+    let out = shimmer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "And the LORD spake unto Moses, saying,",
+        "--max-tokens",
+        "120",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "4",
+        "--trace",
+        file.to_str().unwrap(),
+    ]);
     assert!(out.status.success());
     for capacity in ["2", "8", "16", "32"] {
         let r = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", capacity, "--json"]));
@@ -65,7 +91,16 @@ fn trace_analysis_never_lets_a_demand_policy_beat_belady() {
 
     // --ram-gb with the model: the budget in experts of that model (f32 experts of 3 × 24 × 64).
     let eight = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "8", "--json"]));
-    let by_ram = json(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--ram-gb", &format!("{}", 8.5 * 3.0 * 24.0 * 64.0 * 4.0 / 1e9), "--model", dir.to_str().unwrap(), "--json"]));
+    let by_ram = json(&shimmer(&[
+        "trace",
+        "analyze",
+        file.to_str().unwrap(),
+        "--ram-gb",
+        &format!("{}", 8.5 * 3.0 * 24.0 * 64.0 * 4.0 / 1e9),
+        "--model",
+        dir.to_str().unwrap(),
+        "--json",
+    ]));
     assert_eq!(by_ram, eight);
 
     assert_clean_failure(&shimmer(&["trace", "analyze", file.to_str().unwrap(), "--capacity-experts", "1"]), &["less than one expert per MoE layer"]);

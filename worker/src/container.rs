@@ -20,10 +20,11 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use shimmer_common::checksum::Hasher;
 use shimmer_common::expert_blob;
 use shimmer_common::quant::QuantScheme;
 use shimmer_common::spec::LayerMlp;
-use shimmer_common::{Fnv, LoadError, ModelSpec};
+use shimmer_common::{LoadError, ModelSpec};
 
 pub const MANIFEST_FILE: &str = "shimmer-manifest.json";
 pub const EXPERTS_FILE: &str = "experts.safetensors";
@@ -123,17 +124,24 @@ impl Container {
         }
         let experts_path = dir.join(EXPERTS_FILE);
         if file_len != manifest.experts_file_bytes {
-            return Err(LoadError::malformed(&experts_path, format!("is {file_len} bytes, the manifest says {} (truncated or replaced)", manifest.experts_file_bytes)));
+            return Err(LoadError::malformed(
+                &experts_path,
+                format!("is {file_len} bytes, the manifest says {} (truncated or replaced)", manifest.experts_file_bytes),
+            ));
         }
         let mut locations: Vec<Vec<Option<BlobLocation>>> =
             spec.layers.iter().map(|k| if *k == LayerMlp::Moe { vec![None; spec.moe.num_experts] } else { Vec::new() }).collect();
         for b in &manifest.blobs {
             let what = format!("blob for layer {} expert {}", b.layer, b.expert);
-            let slot = locations.get_mut(b.layer).and_then(|l| l.get_mut(b.expert)).ok_or_else(|| bad(format!("{what}: no such MoE layer/expert in config.json")))?;
+            let slot =
+                locations.get_mut(b.layer).and_then(|l| l.get_mut(b.expert)).ok_or_else(|| bad(format!("{what}: no such MoE layer/expert in config.json")))?;
             if slot.is_some() {
                 return Err(bad(format!("{what} is listed twice")));
             }
-            if b.length != manifest.blob_bytes || b.offset % expert_blob::BLOB_ALIGN as u64 != 0 || b.offset.checked_add(b.length).is_none_or(|end| end > file_len) {
+            if b.length != manifest.blob_bytes
+                || b.offset % expert_blob::BLOB_ALIGN as u64 != 0
+                || b.offset.checked_add(b.length).is_none_or(|end| end > file_len)
+            {
                 return Err(bad(format!("{what}: offset {} / length {} is misaligned or outside {EXPERTS_FILE}", b.offset, b.length)));
             }
             let checksum = u64::from_str_radix(&b.xxh3, 16).map_err(|_| bad(format!("{what}: checksum `{}` is not hex", b.xxh3)))?;
@@ -180,12 +188,12 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
 }
 
 pub fn fingerprint_of(source: &str, expert_quant: &str, dense_quant: &str) -> String {
-    let mut h = Fnv::new();
+    let mut h = Hasher::new();
     for part in [FORMAT_NAME, source, expert_quant, dense_quant] {
         h.feed(part.as_bytes());
         h.feed(&[0]);
     }
-    format!("{:016x}", h.0)
+    format!("{:016x}", h.finish())
 }
 
 /// The experts file's safetensors header for `count` blobs of `blob_bytes` in (layer, expert)

@@ -67,7 +67,10 @@ pub struct ConvertOptions {
 /// What the caller hears while converting (for a progress bar).
 pub enum ConvertEvent<'a> {
     /// Total bytes to write, and how many of them an earlier, interrupted run already wrote.
-    Start { total_bytes: u64, done_bytes: u64 },
+    Start {
+        total_bytes: u64,
+        done_bytes: u64,
+    },
     Phase(&'a str),
     Advance(u64),
 }
@@ -233,7 +236,13 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         // could choose other experts.
         if is_matrix && float && dense_quant == DenseQuant::Int8 {
             plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
-            plans.push(DensePlan { name: format!("{name}{INT8_SCALE_SUFFIX}"), dtype: "F32", shape: vec![shape[0]], bytes: shape[0] as u64 * 4, kind: DenseKind::Int8Scales });
+            plans.push(DensePlan {
+                name: format!("{name}{INT8_SCALE_SUFFIX}"),
+                dtype: "F32",
+                shape: vec![shape[0]],
+                bytes: shape[0] as u64 * 4,
+                kind: DenseKind::Int8Scales,
+            });
         } else if raw.dtype == StDtype::F8_E4M3 || (raw.dtype == StDtype::F32 && is_matrix) {
             plans.push(DensePlan { name: name.to_string(), dtype: "BF16", shape, bytes: elems as u64 * 2, kind: DenseKind::ToBf16 });
         } else {
@@ -276,7 +285,9 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
     for p in plans {
         let bytes: Vec<u8> = match p.kind {
             DenseKind::Copy => ckpt.raw(&p.name)?.bytes.to_vec(),
-            DenseKind::ToBf16 => tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+            DenseKind::ToBf16 => {
+                tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect()
+            }
             DenseKind::Int8 => {
                 let w = tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?;
                 match quant::quantize_int8(&w, p.shape[0], p.shape[1]) {
@@ -290,7 +301,11 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
             DenseKind::Int8Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
         };
         if bytes.len() as u64 != p.bytes {
-            return Err(LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: p.name.clone(), problem: format!("produced {} bytes, planned {}", bytes.len(), p.bytes) });
+            return Err(LoadError::Tensor {
+                path: ckpt.dir().to_path_buf(),
+                tensor: p.name.clone(),
+                problem: format!("produced {} bytes, planned {}", bytes.len(), p.bytes),
+            });
         }
         out.write_all(&bytes).map_err(io(&tmp))?;
         progress(ConvertEvent::Advance(p.bytes));
@@ -326,22 +341,37 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
             }
             return Ok(ConvertReport { already_done: true, blobs: done.blobs.len(), ..Default::default() });
         }
-        return Err(LoadError::malformed(to, format!(
-            "already holds a finished conversion of another source or format ({} experts, {} dense, source {}); remove it or choose another --to",
-            done.expert_quant, done.dense_quant, done.source_fingerprint
-        )));
+        return Err(LoadError::malformed(
+            to,
+            format!(
+                "already holds a finished conversion of another source or format ({} experts, {} dense, source {}); remove it or choose another --to",
+                done.expert_quant, done.dense_quant, done.source_fingerprint
+            ),
+        ));
     }
     std::fs::create_dir_all(to).map_err(io(to))?;
     let journal_path = to.join(JOURNAL_FILE);
-    let fresh = Journal { source_fingerprint: source_fingerprint.clone(), expert_quant: expert_quant.clone(), dense_quant: dense_quant.into(), blob_bytes, dense_done: None, blobs_done: Vec::new() };
+    let fresh = Journal {
+        source_fingerprint: source_fingerprint.clone(),
+        expert_quant: expert_quant.clone(),
+        dense_quant: dense_quant.into(),
+        blob_bytes,
+        dense_done: None,
+        blobs_done: Vec::new(),
+    };
     let mut journal = if journal_path.exists() {
         let j: Journal = serde_json::from_slice(&std::fs::read(&journal_path).map_err(io(&journal_path))?)
             .map_err(|e| LoadError::malformed(&journal_path, format!("unreadable conversion journal ({e}); remove the directory and convert again")))?;
-        if (&j.source_fingerprint, &j.expert_quant, &j.dense_quant, j.blob_bytes) != (&fresh.source_fingerprint, &fresh.expert_quant, &fresh.dense_quant, fresh.blob_bytes) {
-            return Err(LoadError::malformed(to, format!(
-                "holds an interrupted conversion of another source or format ({} experts, {} dense); remove it or choose another --to",
-                j.expert_quant, j.dense_quant
-            )));
+        if (&j.source_fingerprint, &j.expert_quant, &j.dense_quant, j.blob_bytes)
+            != (&fresh.source_fingerprint, &fresh.expert_quant, &fresh.dense_quant, fresh.blob_bytes)
+        {
+            return Err(LoadError::malformed(
+                to,
+                format!(
+                    "holds an interrupted conversion of another source or format ({} experts, {} dense); remove it or choose another --to",
+                    j.expert_quant, j.dense_quant
+                ),
+            ));
         }
         j
     } else {
@@ -353,13 +383,8 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         fresh
     };
 
-    let keys: Vec<(usize, usize)> = spec
-        .layers
-        .iter()
-        .enumerate()
-        .filter(|(_, k)| **k == LayerMlp::Moe)
-        .flat_map(|(l, _)| (0..spec.moe.num_experts).map(move |e| (l, e)))
-        .collect();
+    let keys: Vec<(usize, usize)> =
+        spec.layers.iter().enumerate().filter(|(_, k)| **k == LayerMlp::Moe).flat_map(|(l, _)| (0..spec.moe.num_experts).map(move |e| (l, e))).collect();
     let plans = plan_dense(&ckpt, &spec, opts.dense_quant)?;
     let dense_total: u64 = plans.iter().map(|p| p.bytes).sum();
     let header = container::experts_header(&keys, blob_bytes);
@@ -439,7 +464,13 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         let entry = entry.map_err(io(from))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let meta = entry.metadata().map_err(io(&entry.path()))?;
-        if !meta.is_file() || name.starts_with('.') || name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == MANIFEST_FILE || meta.len() > MAX_AUX_BYTES {
+        if !meta.is_file()
+            || name.starts_with('.')
+            || name.ends_with(".safetensors")
+            || name == "model.safetensors.index.json"
+            || name == MANIFEST_FILE
+            || meta.len() > MAX_AUX_BYTES
+        {
             continue;
         }
         let bytes = std::fs::read(entry.path()).map_err(io(&entry.path()))?;
@@ -460,7 +491,13 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
             .iter()
             .zip(&journal.blobs_done)
             .enumerate()
-            .map(|(n, (&(layer, expert), sum))| BlobEntry { layer, expert, offset: header.len() as u64 + n as u64 * blob_bytes, length: blob_bytes, xxh3: sum.clone() })
+            .map(|(n, (&(layer, expert), sum))| BlobEntry {
+                layer,
+                expert,
+                offset: header.len() as u64 + n as u64 * blob_bytes,
+                length: blob_bytes,
+                xxh3: sum.clone(),
+            })
             .collect(),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| LoadError::malformed(to, e.to_string()))?;

@@ -9,8 +9,8 @@
 
 use rayon::prelude::*;
 use shimmer_common::quant::{self, QuantScheme};
-use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_common::spec::LayerMlp;
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_kernels::{fixed, FixedPointOverflow, Matrix};
 
 use crate::expert::{Expert, FfnScratch};
@@ -173,11 +173,7 @@ impl InProcessExperts {
     /// merged in any order, equal `dispatch` bit for bit (fixed-point accumulation).
     pub fn dispatch_owned(&self, batch: &MoeBatch<'_>, acc: &mut [i64], owns: &dyn Fn(usize, u32) -> bool) -> Result<(), DispatchError> {
         let layer = batch.layer;
-        let experts = self
-            .layers
-            .get(layer)
-            .and_then(Option::as_ref)
-            .ok_or(DispatchError::NotMoeLayer { layer })?;
+        let experts = self.layers.get(layer).and_then(Option::as_ref).ok_or(DispatchError::NotMoeLayer { layer })?;
         let users = expert_users(batch, experts.len())?;
         let work: Vec<(&Expert, &[(usize, f32)])> =
             users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).map(|(e, u)| (&experts[e], u.as_slice())).collect();

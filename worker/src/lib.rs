@@ -23,8 +23,8 @@ pub mod store;
 pub mod trace_analysis;
 pub mod transport;
 pub mod usage;
-pub mod wire;
 pub mod weights;
+pub mod wire;
 
 pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
 pub use expert::Expert;

@@ -232,7 +232,12 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
             for _ in 0..copies {
                 let pick = (0..n)
                     .filter(|w| !replicas[e].contains(w))
-                    .min_by(|a, b| work[*a].total_cmp(&work[*b]).then((input.workers[*b].ram_bytes.saturating_sub(used[*b])).cmp(&input.workers[*a].ram_bytes.saturating_sub(used[*a]))).then(a.cmp(b)))
+                    .min_by(|a, b| {
+                        work[*a]
+                            .total_cmp(&work[*b])
+                            .then((input.workers[*b].ram_bytes.saturating_sub(used[*b])).cmp(&input.workers[*a].ram_bytes.saturating_sub(used[*a])))
+                            .then(a.cmp(b))
+                    })
                     .ok_or("not enough workers for the replicas")?;
                 replicas[e].push(pick);
                 work[pick] += p / copies as f64;
@@ -276,7 +281,18 @@ mod tests {
     fn uniform_heat_spreads_experts_evenly_and_validates() {
         let ws = workers(3, 1 << 30);
         let heat = HashMap::new();
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[1, 2, 3], experts: 12, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 1, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
+        let (p, f) = plan(&PlanInput {
+            model: "m",
+            moe_layers: &[1, 2, 3],
+            experts: 12,
+            expert_bytes: 1 << 20,
+            workers: &ws,
+            heat: &heat,
+            replicas: 1,
+            replicate_fraction: HOT_FRACTION,
+            top_k: 2,
+        })
+        .unwrap();
         p.validate("m", &[1, 2, 3], 12).unwrap();
         assert!(f.iter().all(|w| w.experts_held == 12), "{f:?}");
         let works: Vec<f64> = f.iter().map(|w| w.selections_per_token).collect();
@@ -289,8 +305,15 @@ mod tests {
     #[test]
     fn a_workers_slice_lists_its_first_choice_experts_before_its_replicas() {
         let ws = workers(2, 1 << 30);
-        let owner = |e: usize| if e % 2 == 0 { vec!["w0".to_string(), "w1".to_string()] } else { vec!["w1".to_string()] };
-        let p = Placement { format: FORMAT.into(), version: VERSION, model: "m".into(), epoch: 3, workers: ws, layers: vec![LayerPlacement { layer: 4, replicas: (0..4).map(owner).collect() }] };
+        let owner = |e: usize| if e.is_multiple_of(2) { vec!["w0".to_string(), "w1".to_string()] } else { vec!["w1".to_string()] };
+        let p = Placement {
+            format: FORMAT.into(),
+            version: VERSION,
+            model: "m".into(),
+            epoch: 3,
+            workers: ws,
+            layers: vec![LayerPlacement { layer: 4, replicas: (0..4).map(owner).collect() }],
+        };
         let w1 = p.slice("w1", &[4]).unwrap();
         assert_eq!(w1.pins, vec![vec![1, 3, 0, 2]], "first choice (1, 3), then replicas (0, 2)");
         assert_eq!(w1.assigned.len(), 4);
@@ -309,7 +332,18 @@ mod tests {
         for e in 1..10 {
             heat.insert((0, e), 70);
         }
-        let (p, f) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 10, expert_bytes: 1 << 20, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
+        let (p, f) = plan(&PlanInput {
+            model: "m",
+            moe_layers: &[0],
+            experts: 10,
+            expert_bytes: 1 << 20,
+            workers: &ws,
+            heat: &heat,
+            replicas: 2,
+            replicate_fraction: HOT_FRACTION,
+            top_k: 2,
+        })
+        .unwrap();
         p.validate("m", &[0], 10).unwrap();
         assert_eq!(p.holders(0, 0).unwrap().len(), 2, "the hottest expert has two holders");
         assert_eq!(p.holders(0, 5).unwrap().len(), 1);
@@ -324,8 +358,20 @@ mod tests {
     fn bad_placements_are_refused_with_the_reason() {
         let ws = workers(2, 1 << 30);
         let heat = HashMap::new();
-        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0, 1], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: HOT_FRACTION, top_k: 2 }).unwrap();
-        let cases: Vec<(Box<dyn Fn(&mut Placement)>, &str)> = vec![
+        let (p, _) = plan(&PlanInput {
+            model: "m",
+            moe_layers: &[0, 1],
+            experts: 4,
+            expert_bytes: 1,
+            workers: &ws,
+            heat: &heat,
+            replicas: 2,
+            replicate_fraction: HOT_FRACTION,
+            top_k: 2,
+        })
+        .unwrap();
+        type Damage = Box<dyn Fn(&mut Placement)>;
+        let cases: Vec<(Damage, &str)> = vec![
             (Box::new(|p| p.model = "other".into()), "made for model"),
             (Box::new(|p| p.layers[0].replicas[1] = vec!["w9".into()]), "unknown worker"),
             (Box::new(|p| p.layers[0].replicas[1] = vec![]), "no worker"),
@@ -340,10 +386,43 @@ mod tests {
             let e = q.validate("m", &[0, 1], 4).unwrap_err();
             assert!(e.contains(needle), "{e}");
         }
-        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 3, replicate_fraction: HOT_FRACTION, top_k: 2 }).is_err());
-        assert!(plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: 0.0, top_k: 2 }).is_err());
+        assert!(plan(&PlanInput {
+            model: "m",
+            moe_layers: &[0],
+            experts: 4,
+            expert_bytes: 1,
+            workers: &ws,
+            heat: &heat,
+            replicas: 3,
+            replicate_fraction: HOT_FRACTION,
+            top_k: 2
+        })
+        .is_err());
+        assert!(plan(&PlanInput {
+            model: "m",
+            moe_layers: &[0],
+            experts: 4,
+            expert_bytes: 1,
+            workers: &ws,
+            heat: &heat,
+            replicas: 2,
+            replicate_fraction: 0.0,
+            top_k: 2
+        })
+        .is_err());
         // Every expert replicated: any one worker can fail.
-        let (p, _) = plan(&PlanInput { model: "m", moe_layers: &[0], experts: 4, expert_bytes: 1, workers: &ws, heat: &heat, replicas: 2, replicate_fraction: 1.0, top_k: 2 }).unwrap();
+        let (p, _) = plan(&PlanInput {
+            model: "m",
+            moe_layers: &[0],
+            experts: 4,
+            expert_bytes: 1,
+            workers: &ws,
+            heat: &heat,
+            replicas: 2,
+            replicate_fraction: 1.0,
+            top_k: 2,
+        })
+        .unwrap();
         assert!(p.layers[0].replicas.iter().all(|r| r.len() == 2 && r[0] != r[1]));
     }
 }

@@ -77,10 +77,13 @@ impl LayerLru {
 
     /// Pins the given experts per layer (at most the layer's slots).
     pub fn with_pins(mut self, pinned: Vec<Vec<u16>>) -> Self {
-        self.pinned = pinned.into_iter().map(|mut p| {
-            p.truncate(self.slots_per_layer);
-            p
-        }).collect();
+        self.pinned = pinned
+            .into_iter()
+            .map(|mut p| {
+                p.truncate(self.slots_per_layer);
+                p
+            })
+            .collect();
         self.label = format!("{}+pins", self.label);
         self
     }
@@ -249,7 +252,8 @@ impl CachePolicy for LayerLfu {
         }
         if self.resident[l].len() >= self.slots_per_layer {
             let counts = &self.counts;
-            let victim = self.resident[l].iter().enumerate().min_by_key(|(_, x)| counts.get(&(layer, **x)).copied().unwrap_or((0, 0))).map(|(i, _)| i).unwrap_or(0);
+            let victim =
+                self.resident[l].iter().enumerate().min_by_key(|(_, x)| counts.get(&(layer, **x)).copied().unwrap_or((0, 0))).map(|(i, _)| i).unwrap_or(0);
             self.resident[l].swap_remove(victim);
         }
         self.resident[l].push(e);
@@ -382,9 +386,14 @@ mod tests {
         assert_eq!(keys.len() - belady_hits(&keys, 3), 9);
         let mut lru = LayerLru::new(1, 3);
         assert_eq!(keys.len() - replay(&mut lru, &keys), 12); // LRU: 12 faults
-        // On any sequence, no policy beats Belady at the same capacity.
+                                                              // On any sequence, no policy beats Belady at the same capacity.
         let mut s = 7u64;
-        let keys: Vec<Key> = (0..3000).map(|_| { s = s.wrapping_mul(6364136223846793005).wrapping_add(1); ((s >> 60) as u16 % 3, ((s >> 40) % 16) as u16) }).collect();
+        let keys: Vec<Key> = (0..3000)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+                ((s >> 60) as u16 % 3, ((s >> 40) % 16) as u16)
+            })
+            .collect();
         let opt = belady_hits(&keys, 12);
         assert!(replay(&mut LayerLru::new(3, 4), &keys) <= opt);
         assert!(replay(&mut LayerLfu::new(3, 4), &keys) <= opt);

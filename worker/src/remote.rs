@@ -135,7 +135,9 @@ impl Dialer {
     /// A connection with its credentials checked, and the worker's status (if it answers).
     async fn dial(self, addr: SocketAddr, epoch: u64) -> Dialled {
         let within = self.within;
-        let conn = tokio::time::timeout(within, transport::connect(&self.endpoint, addr, &self.creds)).await.map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
+        let conn = tokio::time::timeout(within, transport::connect(&self.endpoint, addr, &self.creds))
+            .await
+            .map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
         let status = RemoteExperts::ask_status(&conn, self.model, epoch, self.ids.fetch_add(1, Ordering::Relaxed), within).await;
         if let Some(reason) = conn.close_reason() {
             // With certificates alone, a worker that refuses ours says so only now, after the
@@ -218,18 +220,32 @@ impl RemoteExperts {
 
     /// `connect`, with this process holding the experts of the placement's worker `local.0`
     /// itself (computed by `local.1`; that worker is not dialled).
-    pub fn connect_with(placement: Placement, model: u64, creds: &Credentials, timeouts: Timeouts, local: Option<(String, Box<dyn ExpertDispatch>)>) -> Result<Self, TransportError> {
+    pub fn connect_with(
+        placement: Placement,
+        model: u64,
+        creds: &Credentials,
+        timeouts: Timeouts,
+        local: Option<(String, Box<dyn ExpertDispatch>)>,
+    ) -> Result<Self, TransportError> {
         if let Some((name, _)) = &local {
             if !placement.workers.iter().any(|w| &w.name == name) {
                 return Err(TransportError::NoWorkers(format!("this node is to hold worker {name}'s experts, but the placement has no such worker")));
             }
         }
         let local_name = local.as_ref().map(|l| l.0.clone());
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("remote-experts").enable_all().build().map_err(|e| TransportError::Tls(e.to_string()))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("remote-experts")
+            .enable_all()
+            .build()
+            .map_err(|e| TransportError::Tls(e.to_string()))?;
         let endpoint = rt.block_on(async { transport::client(creds) })?;
         let mut addrs = Vec::new();
         for w in placement.workers.iter().filter(|w| Some(&w.name) != local_name.as_ref()) {
-            let addr: SocketAddr = w.addr.parse().map_err(|e| TransportError::Connect { addr: ([0, 0, 0, 0], 0).into(), reason: format!("worker {} address {:?}: {e}", w.name, w.addr) })?;
+            let addr: SocketAddr = w
+                .addr
+                .parse()
+                .map_err(|e| TransportError::Connect { addr: ([0, 0, 0, 0], 0).into(), reason: format!("worker {} address {:?}: {e}", w.name, w.addr) })?;
             addrs.push((w.name.clone(), addr));
         }
         let next_id = Arc::new(AtomicU64::new(1));
@@ -258,13 +274,39 @@ impl RemoteExperts {
         }
         if let Some(name) = &local_name {
             let status = WorkerStatus { name: name.clone(), epoch: placement.epoch, loads_unassigned: true, ..WorkerStatus::default() };
-            links.insert(name.clone(), Link { addr: ([127, 0, 0, 1], 0).into(), conn: None, down: None, status: Some(status), counters: LinkCounters::default(), redialing: false, local: true });
+            links.insert(
+                name.clone(),
+                Link {
+                    addr: ([127, 0, 0, 1], 0).into(),
+                    conn: None,
+                    down: None,
+                    status: Some(status),
+                    counters: LinkCounters::default(),
+                    redialing: false,
+                    local: true,
+                },
+            );
         }
         let links: Links = Arc::new(Mutex::new(links));
         rt.spawn(Self::refresh_statuses(links.clone(), model, placement.epoch, next_id.clone(), timeouts.answer));
         let first_moe_layer = placement.layers.iter().map(|l| l.layer).min().unwrap_or(0);
         let routing = std::sync::RwLock::new(Routing::new(placement));
-        Ok(RemoteExperts { rt, endpoint, creds: creds.clone(), links, routing, reload: None, first_moe_layer, model, next_id, timeouts, local, failovers: AtomicU64::new(0), tokens: AtomicU64::new(0), wait_ns: AtomicU64::new(0) })
+        Ok(RemoteExperts {
+            rt,
+            endpoint,
+            creds: creds.clone(),
+            links,
+            routing,
+            reload: None,
+            first_moe_layer,
+            model,
+            next_id,
+            timeouts,
+            local,
+            failovers: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+        })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
@@ -336,7 +378,8 @@ impl RemoteExperts {
     async fn refresh_statuses(links: Links, model: u64, epoch: u64, ids: Arc<AtomicU64>, within: Duration) {
         loop {
             tokio::time::sleep(STATUS_EVERY).await;
-            let conns: Vec<(String, quinn::Connection)> = lock(&links).iter().filter_map(|(n, l)| l.conn.clone().filter(|_| l.down.is_none()).map(|c| (n.clone(), c))).collect();
+            let conns: Vec<(String, quinn::Connection)> =
+                lock(&links).iter().filter_map(|(n, l)| l.conn.clone().filter(|_| l.down.is_none()).map(|c| (n.clone(), c))).collect();
             // (The local holder has no connection: its status is what it was given.)
             for (name, conn) in conns {
                 if let Some(s) = Self::ask_status(&conn, model, epoch, ids.fetch_add(1, Ordering::Relaxed), within).await {
@@ -455,7 +498,15 @@ impl RemoteExperts {
     fn redial_now(&self, names: &[String]) -> bool {
         let targets: Vec<(String, SocketAddr)> = {
             let links = lock(&self.links);
-            names.iter().filter_map(|n| links.get(n).filter(|l| !l.local && l.conn.as_ref().map_or(true, |c| c.close_reason().is_some() || l.down.is_some())).map(|l| (n.clone(), l.addr))).collect()
+            names
+                .iter()
+                .filter_map(|n| {
+                    links
+                        .get(n)
+                        .filter(|l| !l.local && l.conn.as_ref().is_none_or(|c| c.close_reason().is_some() || l.down.is_some()))
+                        .map(|l| (n.clone(), l.addr))
+                })
+                .collect()
         };
         if targets.is_empty() {
             return false;
@@ -478,7 +529,8 @@ impl RemoteExperts {
     /// Workers that are not `holders` but said they load unassigned experts, in name order.
     fn volunteers(&self, holders: &[String]) -> Vec<String> {
         let links = lock(&self.links);
-        let mut v: Vec<String> = links.iter().filter(|(n, l)| !holders.contains(n) && l.status.as_ref().is_some_and(|s| s.loads_unassigned)).map(|(n, _)| n.clone()).collect();
+        let mut v: Vec<String> =
+            links.iter().filter(|(n, l)| !holders.contains(n) && l.status.as_ref().is_some_and(|s| s.loads_unassigned)).map(|(n, _)| n.clone()).collect();
         v.sort();
         v
     }
@@ -586,7 +638,10 @@ impl ExpertDispatch for RemoteExperts {
             let mut stranded = None;
             for &slot in &pending {
                 let e = batch.experts[slot];
-                let holders = routing.placement.holders(layer, e as usize).ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
+                let holders = routing
+                    .placement
+                    .holders(layer, e as usize)
+                    .ok_or_else(|| DispatchError::Remote(format!("the placement has no holder for layer {layer} expert {e}")))?;
                 let local_name = self.local.as_ref().map(|l| &l.0);
                 let mut usable = |h: &String, tried: &mut HashSet<String>| {
                     if tried.contains(h) {
@@ -633,7 +688,8 @@ impl ExpertDispatch for RemoteExperts {
                 // connect timeout, not after its backoff).
                 let e = batch.experts[slot];
                 let holders = routing.placement.holders(layer, e as usize).unwrap_or_default();
-                let candidates: Vec<String> = holders.iter().cloned().chain(self.volunteers(holders)).chain(lock(&self.links).keys().filter(|n| !holders.contains(n)).cloned()).collect();
+                let candidates: Vec<String> =
+                    holders.iter().cloned().chain(self.volunteers(holders)).chain(lock(&self.links).keys().filter(|n| !holders.contains(n)).cloned()).collect();
                 if !redialed && self.redial_now(&candidates) {
                     redialed = true;
                     tried.iter_mut().for_each(HashSet::clear);
@@ -655,7 +711,16 @@ impl ExpertDispatch for RemoteExperts {
                     for &s in &mine {
                         selections[s] = (batch.experts[s], batch.weights[s]);
                     }
-                    let req = wire::Request { request_id: id, model: self.model, epoch: routing.placement.epoch, layer: layer as u32, hidden: batch.hidden as u32, top_k: batch.top_k as u32, rows: rows_bytes.clone(), selections };
+                    let req = wire::Request {
+                        request_id: id,
+                        model: self.model,
+                        epoch: routing.placement.epoch,
+                        layer: layer as u32,
+                        hidden: batch.hidden as u32,
+                        top_k: batch.top_k as u32,
+                        rows: rows_bytes.clone(),
+                        selections,
+                    };
                     (name, id, mine, req.encode())
                 })
                 .collect();
@@ -692,7 +757,9 @@ impl ExpertDispatch for RemoteExperts {
                     Ok(()) => {
                         self.count(name, 0, 0, mine.len(), t0.elapsed(), true);
                         for (a, s) in acc.iter_mut().zip(&sums) {
-                            *a = a.checked_add(*s).ok_or_else(|| DispatchError::Remote(format!("fixed-point overflow adding this node's sums (worker {name})")))?;
+                            *a = a
+                                .checked_add(*s)
+                                .ok_or_else(|| DispatchError::Remote(format!("fixed-point overflow adding this node's sums (worker {name})")))?;
                         }
                     }
                     Err(e) => {

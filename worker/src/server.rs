@@ -37,7 +37,17 @@ pub struct WorkerState {
 
 impl WorkerState {
     pub fn new(dispatch: Arc<dyn ExpertDispatch>, model: u64, epoch: u64, creds: Credentials, hidden: usize) -> Self {
-        WorkerState { dispatch, model, epoch: AtomicU64::new(epoch), creds, hidden, requests: AtomicU64::new(0), name: String::new(), assigned: None, assigned_only: false }
+        WorkerState {
+            dispatch,
+            model,
+            epoch: AtomicU64::new(epoch),
+            creds,
+            hidden,
+            requests: AtomicU64::new(0),
+            name: String::new(),
+            assigned: None,
+            assigned_only: false,
+        }
     }
 
     pub fn status(&self) -> WorkerStatus {
@@ -131,11 +141,19 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
                 return Some(wire::encode_error(req.request_id, ErrorCode::Moved, &format!("placement epoch {} is not this worker's {epoch}", req.epoch)));
             }
             if req.hidden as usize != state.hidden {
-                return Some(wire::encode_error(req.request_id, ErrorCode::Malformed, &format!("hidden size {} is not the model's {}", req.hidden, state.hidden)));
+                return Some(wire::encode_error(
+                    req.request_id,
+                    ErrorCode::Malformed,
+                    &format!("hidden size {} is not the model's {}", req.hidden, state.hidden),
+                ));
             }
             if let (true, Some(mine)) = (state.assigned_only, &state.assigned) {
                 if let Some((e, _)) = req.selections.iter().find(|(e, _)| *e != ELSEWHERE && !mine.contains(&(req.layer, *e))) {
-                    return Some(wire::encode_error(req.request_id, ErrorCode::Unavailable, &format!("worker {} serves only its assigned experts; layer {} expert {e} is not one", state.name, req.layer)));
+                    return Some(wire::encode_error(
+                        req.request_id,
+                        ErrorCode::Unavailable,
+                        &format!("worker {} serves only its assigned experts; layer {} expert {e} is not one", state.name, req.layer),
+                    ));
                 }
             }
             state.requests.fetch_add(1, Ordering::Relaxed);
@@ -145,7 +163,14 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
                 let rows = req.activations();
                 let experts: Vec<u32> = req.selections.iter().map(|s| s.0).collect();
                 let weights: Vec<f32> = req.selections.iter().map(|s| s.1).collect();
-                let batch = MoeBatch { layer: req.layer as usize, hidden: req.hidden as usize, rows: &rows, top_k: req.top_k as usize, experts: &experts, weights: &weights };
+                let batch = MoeBatch {
+                    layer: req.layer as usize,
+                    hidden: req.hidden as usize,
+                    rows: &rows,
+                    top_k: req.top_k as usize,
+                    experts: &experts,
+                    weights: &weights,
+                };
                 let mut acc = vec![0i64; rows.len()];
                 st.dispatch.dispatch(&batch, &mut acc).map(|_| wire::Response { request_id: req.request_id, layer: req.layer, hidden: req.hidden, sums: acc })
             })
@@ -162,7 +187,10 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
         }
         Frame::Status { request_id } => {
             let json = serde_json::to_string(&state.status()).unwrap_or_default();
-            Some(wire::encode_status_reply(request_id, state.model, state.epoch.load(Ordering::SeqCst), &json).unwrap_or_else(|| wire::encode_error(request_id, ErrorCode::Internal, "status too large")))
+            Some(
+                wire::encode_status_reply(request_id, state.model, state.epoch.load(Ordering::SeqCst), &json)
+                    .unwrap_or_else(|| wire::encode_error(request_id, ErrorCode::Internal, "status too large")),
+            )
         }
         Frame::StatusReply { request_id, .. } => Some(wire::encode_error(request_id, ErrorCode::Malformed, "a worker takes questions, not status replies")),
         Frame::Response(r) => Some(wire::encode_error(r.request_id, ErrorCode::Malformed, "a worker takes requests, not responses")),

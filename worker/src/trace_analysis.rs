@@ -105,11 +105,8 @@ pub fn analyze(trace: &Trace, capacity_experts: usize) -> TraceReport {
         replay(trace, &mut LayerLru::new(layers, slots).with_pins(pins.clone())),
         replay(trace, &mut LayerLru::new(layers, slots).with_pins(pins).with_prefetch(h.top_k as usize)),
     ];
-    let accesses: Vec<Key> = trace
-        .tokens
-        .iter()
-        .flat_map(|t| t.selected.iter().enumerate().flat_map(|(l, sel)| sel.iter().map(move |e| (l as u16, *e))))
-        .collect();
+    let accesses: Vec<Key> =
+        trace.tokens.iter().flat_map(|t| t.selected.iter().enumerate().flat_map(|(l, sel)| sel.iter().map(move |e| (l as u16, *e)))).collect();
     let flags = belady(&accesses, slots * layers);
     let (mut hits, mut total) = (vec![0u64; layers], vec![0u64; layers]);
     for (k, hit) in accesses.iter().zip(&flags) {
@@ -130,7 +127,11 @@ pub fn analyze(trace: &Trace, capacity_experts: usize) -> TraceReport {
             }
             counts.sort_unstable_by(|a, b| b.cmp(a));
             let all: u64 = counts.iter().sum();
-            if all == 0 { 0.0 } else { counts[..hottest].iter().sum::<u64>() as f64 / all as f64 }
+            if all == 0 {
+                0.0
+            } else {
+                counts[..hottest].iter().sum::<u64>() as f64 / all as f64
+            }
         })
         .collect();
     let next_layer_recall = (0..layers)
@@ -141,7 +142,11 @@ pub fn analyze(trace: &Trace, capacity_experts: usize) -> TraceReport {
                     hit += t.predicted[l - 1].iter().filter(|e| t.selected[l].contains(e)).count() as u64;
                     all += k as u64;
                 }
-                if all == 0 { 0.0 } else { hit as f64 / all as f64 }
+                if all == 0 {
+                    0.0
+                } else {
+                    hit as f64 / all as f64
+                }
             })
         })
         .collect();

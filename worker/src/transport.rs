@@ -198,13 +198,30 @@ pub fn client(creds: &Credentials) -> Result<quinn::Endpoint, TransportError> {
 struct TokenBound(Arc<rustls::crypto::CryptoProvider>);
 
 impl rustls::client::danger::ServerCertVerifier for TokenBound {
-    fn verify_server_cert(&self, _: &CertificateDer<'_>, _: &[CertificateDer<'_>], _: &ServerName<'_>, _: &[u8], _: UnixTime) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         Ok(rustls::client::danger::ServerCertVerified::assertion())
     }
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &rustls::DigitallySignedStruct) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
     }
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &rustls::DigitallySignedStruct) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
     }
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
@@ -215,7 +232,9 @@ impl rustls::client::danger::ServerCertVerifier for TokenBound {
 /// Why a connection ended, in words: TLS alerts (QUIC crypto errors) named, the rest as quinn says.
 pub fn describe_close(e: &quinn::ConnectionError) -> String {
     match e {
-        quinn::ConnectionError::ConnectionClosed(c) if tls_alert(c.error_code) => format!("the peer refused our TLS credentials: {}", String::from_utf8_lossy(&c.reason)),
+        quinn::ConnectionError::ConnectionClosed(c) if tls_alert(c.error_code) => {
+            format!("the peer refused our TLS credentials: {}", String::from_utf8_lossy(&c.reason))
+        }
         quinn::ConnectionError::TransportError(t) if tls_alert(t.code) => format!("we refused the peer's TLS credentials: {}", t.reason),
         other => other.to_string(),
     }

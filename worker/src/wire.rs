@@ -204,7 +204,12 @@ impl Header {
         if dtype != kind.dtype() as u16 {
             return Err(FrameError::Dtype { kind, got: dtype, want: kind.dtype() });
         }
-        for (what, value, limit) in [("rows", h.rows as u64, MAX_ROWS as u64), ("hidden", h.hidden as u64, MAX_HIDDEN as u64), ("top_k", h.top_k as u64, MAX_TOP_K as u64), ("payload", h.payload_len, MAX_PAYLOAD)] {
+        for (what, value, limit) in [
+            ("rows", h.rows as u64, MAX_ROWS as u64),
+            ("hidden", h.hidden as u64, MAX_HIDDEN as u64),
+            ("top_k", h.top_k as u64, MAX_TOP_K as u64),
+            ("payload", h.payload_len, MAX_PAYLOAD),
+        ] {
             if value > limit {
                 return Err(FrameError::Limit { what, value, limit });
             }
@@ -215,7 +220,9 @@ impl Header {
                 true => Err(FrameError::Limit { what: "status payload", value: h.payload_len, limit: MAX_STATUS }),
                 false => Ok(h),
             },
-            None if h.payload_len < 4 || h.payload_len > 4 + MAX_ERROR_MESSAGE as u64 => Err(FrameError::Limit { what: "error payload", value: h.payload_len, limit: 4 + MAX_ERROR_MESSAGE as u64 }),
+            None if h.payload_len < 4 || h.payload_len > 4 + MAX_ERROR_MESSAGE as u64 => {
+                Err(FrameError::Limit { what: "error payload", value: h.payload_len, limit: 4 + MAX_ERROR_MESSAGE as u64 })
+            }
             _ => Ok(h),
         }
     }
@@ -245,7 +252,18 @@ impl Request {
         let rows = self.row_count();
         let payload = self.rows.len() as u64 + self.selections.len() as u64 * 8;
         let mut out = BytesMut::with_capacity(HEADER_LEN + payload as usize);
-        Header { kind: Kind::Request, request_id: self.request_id, model: self.model, epoch: self.epoch, layer: self.layer, rows, hidden: self.hidden, top_k: self.top_k, payload_len: payload }.encode(&mut out);
+        Header {
+            kind: Kind::Request,
+            request_id: self.request_id,
+            model: self.model,
+            epoch: self.epoch,
+            layer: self.layer,
+            rows,
+            hidden: self.hidden,
+            top_k: self.top_k,
+            payload_len: payload,
+        }
+        .encode(&mut out);
         out.put_slice(&self.rows);
         for (e, w) in &self.selections {
             out.put_u32_le(*e);
@@ -273,7 +291,18 @@ impl Response {
     pub fn encode(&self, model: u64, epoch: u64) -> Bytes {
         let rows = (self.sums.len() / self.hidden.max(1) as usize) as u32;
         let mut out = BytesMut::with_capacity(HEADER_LEN + self.sums.len() * 8);
-        Header { kind: Kind::Response, request_id: self.request_id, model, epoch, layer: self.layer, rows, hidden: self.hidden, top_k: 0, payload_len: self.sums.len() as u64 * 8 }.encode(&mut out);
+        Header {
+            kind: Kind::Response,
+            request_id: self.request_id,
+            model,
+            epoch,
+            layer: self.layer,
+            rows,
+            hidden: self.hidden,
+            top_k: 0,
+            payload_len: self.sums.len() as u64 * 8,
+        }
+        .encode(&mut out);
         for v in &self.sums {
             out.put_i64_le(*v);
         }
@@ -351,7 +380,16 @@ pub fn decode(frame: Bytes) -> Result<Frame, FrameError> {
             while sel.has_remaining() {
                 selections.push((sel.get_u32_le(), sel.get_f32_le()));
             }
-            Frame::Request(Request { request_id: h.request_id, model: h.model, epoch: h.epoch, layer: h.layer, hidden: h.hidden, top_k: h.top_k, rows, selections })
+            Frame::Request(Request {
+                request_id: h.request_id,
+                model: h.model,
+                epoch: h.epoch,
+                layer: h.layer,
+                hidden: h.hidden,
+                top_k: h.top_k,
+                rows,
+                selections,
+            })
         }
         Kind::Response => {
             let mut p = &payload[..];
@@ -387,7 +425,16 @@ mod tests {
     fn request() -> Request {
         let (rows, hidden, k) = (3u32, 5u32, 2u32);
         let act: Vec<u8> = (0..rows * hidden).flat_map(|i| (i as f32 * 0.25 - 1.0).to_le_bytes()).collect();
-        Request { request_id: 7, model: 0xdead_beef, epoch: 3, layer: 11, hidden, top_k: k, rows: Bytes::from(act), selections: vec![(1, 0.5), (NOT_MINE, 0.5), (4, 0.25), (9, 0.75), (NOT_MINE, 1.0), (0, -0.0)] }
+        Request {
+            request_id: 7,
+            model: 0xdead_beef,
+            epoch: 3,
+            layer: 11,
+            hidden,
+            top_k: k,
+            rows: Bytes::from(act),
+            selections: vec![(1, 0.5), (NOT_MINE, 0.5), (4, 0.25), (9, 0.75), (NOT_MINE, 1.0), (0, -0.0)],
+        }
     }
 
     #[test]
@@ -398,9 +445,15 @@ mod tests {
         let resp = Response { request_id: 7, layer: 11, hidden: 5, sums: (0..15).map(|i| i * -123_456_789_012).collect() };
         assert_eq!(decode(resp.encode(1, 2)).unwrap(), Frame::Response(resp));
         assert_eq!(decode(encode_hint(1, 2, 4, 2, &[3, 5, 7, 9])).unwrap(), Frame::Hint { layer: 4, experts: vec![3, 5, 7, 9] });
-        assert_eq!(decode(encode_error(9, ErrorCode::Moved, "epoch 3 ≠ 4")).unwrap(), Frame::Error { request_id: 9, code: Some(ErrorCode::Moved), message: "epoch 3 ≠ 4".into() });
+        assert_eq!(
+            decode(encode_error(9, ErrorCode::Moved, "epoch 3 ≠ 4")).unwrap(),
+            Frame::Error { request_id: 9, code: Some(ErrorCode::Moved), message: "epoch 3 ≠ 4".into() }
+        );
         assert_eq!(decode(encode_status_request(5, 1, 2)).unwrap(), Frame::Status { request_id: 5 });
-        assert_eq!(decode(encode_status_reply(5, 1, 2, "{\"name\":\"w\"}").unwrap()).unwrap(), Frame::StatusReply { request_id: 5, json: "{\"name\":\"w\"}".into() });
+        assert_eq!(
+            decode(encode_status_reply(5, 1, 2, "{\"name\":\"w\"}").unwrap()).unwrap(),
+            Frame::StatusReply { request_id: 5, json: "{\"name\":\"w\"}".into() }
+        );
         assert!(encode_status_reply(5, 1, 2, &" ".repeat(MAX_STATUS as usize + 1)).is_none());
         // A long message is cut at a character boundary, within the limit.
         let long = "é".repeat(MAX_ERROR_MESSAGE);

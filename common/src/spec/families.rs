@@ -55,10 +55,13 @@ pub(super) fn olmoe(obj: &Obj) -> FieldResult<ModelSpec> {
         // transformers sizes k_norm by hidden/heads, so an explicit, different head_dim cannot load there.
         if let Some(hd) = obj.usize_opt("head_dim")? {
             if hd != sz.head_dim {
-                return Err(FieldError::new("head_dim", format!("{hd} differs from hidden_size / num_attention_heads = {}, which OLMoE requires", sz.head_dim)));
+                return Err(FieldError::new(
+                    "head_dim",
+                    format!("{hd} differs from hidden_size / num_attention_heads = {}, which OLMoE requires", sz.head_dim),
+                ));
             }
         }
-        let experts_key = if obj.get("num_experts").is_some() { "num_experts" } else { "num_local_experts" };
+        let experts_key = spelling(obj, "num_experts", "num_local_experts")?;
         let clip_qkv = match obj.f64_opt("clip_qkv")? {
             Some(c) if c <= 0.0 => return Err(FieldError::new("clip_qkv", "must be positive")),
             other => other.map(|c| c as f32),
@@ -81,7 +84,7 @@ pub(super) fn qwen3_moe(obj: &Obj) -> FieldResult<ModelSpec> {
     build(obj, &defaults, Family::Qwen3Moe, "Qwen3MoeForCausalLM", |sz| {
         let n = sz.num_layers;
         // transformers 5 writes `num_local_experts` (an alias); hub checkpoints write `num_experts`.
-        let experts_key = if obj.get("num_experts").is_some() { "num_experts" } else { "num_local_experts" };
+        let experts_key = spelling(obj, "num_experts", "num_local_experts")?;
         let step = obj.usize_opt("decoder_sparse_step")?.unwrap_or(1);
         if step == 0 {
             return Err(FieldError::new("decoder_sparse_step", "must be greater than zero"));
@@ -154,11 +157,21 @@ const GROUPED_SIGMOID_NAMES: ExpertNames = ExpertNames {
     down: "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
 };
 
+/// Which of a field's two spellings the config uses (the hub's, else transformers 5's alias); a
+/// config with neither is refused naming both.
+fn spelling(obj: &Obj, hub: &'static str, alias: &'static str) -> FieldResult<&'static str> {
+    match (obj.get(hub).is_some(), obj.get(alias).is_some()) {
+        (true, _) => Ok(hub),
+        (false, true) => Ok(alias),
+        (false, false) => Err(FieldError::new(hub, format!("missing (nor its alias `{alias}`)"))),
+    }
+}
+
 /// The sigmoid, group-limited, bias-corrected MoE of DeepSeek-V3 and GLM-4.5, with shared
 /// experts, after `first_k_dense_replace` dense layers.
 fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usize)) -> FieldResult<(Vec<LayerMlp>, MoeSpec)> {
     let (scaling_default, group_default, topk_group_default, first_dense_default) = defaults;
-    let experts_key = if obj.get("n_routed_experts").is_some() { "n_routed_experts" } else { "num_local_experts" };
+    let experts_key = spelling(obj, "n_routed_experts", "num_local_experts")?;
     let num_experts = obj.positive(experts_key)?;
     let expert_intermediate_size = obj.positive("moe_intermediate_size")?;
     let first_dense = obj.usize_opt("first_k_dense_replace")?.unwrap_or(first_dense_default);
@@ -186,7 +199,8 @@ fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usize)) -> Fie
 
 pub(super) fn deepseek_v3(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
-    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("qk_rope_head_dim"), num_kv_heads: None };
+    let defaults =
+        Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("qk_rope_head_dim"), num_kv_heads: None };
     build(obj, &defaults, Family::DeepseekV3, "DeepseekV3ForCausalLM", |sz| {
         let mla = MlaSpec {
             q_lora_rank: obj.usize_opt("q_lora_rank")?,

@@ -91,7 +91,11 @@ impl DenseMlp {
     }
 
     fn load(ckpt: &Checkpoint, spec: &ModelSpec, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
-        Ok(DenseMlp { gate: matrix(ckpt, spec, g, intermediate, hidden)?, up: matrix(ckpt, spec, u, intermediate, hidden)?, down: matrix(ckpt, spec, d, hidden, intermediate)? })
+        Ok(DenseMlp {
+            gate: matrix(ckpt, spec, g, intermediate, hidden)?,
+            up: matrix(ckpt, spec, u, intermediate, hidden)?,
+            down: matrix(ckpt, spec, d, hidden, intermediate)?,
+        })
     }
 
     /// `out = mlp(x)` for every row (each row's bits as if alone): gate and up in one pass.
@@ -305,7 +309,8 @@ impl Decoder {
                         (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?),
                         _ => None,
                     };
-                    let router = Router { weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
+                    let router =
+                        Router { weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
                     Mlp::Moe { router, shared }
                 }
             };
@@ -383,7 +388,12 @@ impl Decoder {
     /// for all of them, and attention reads each sequence's own cache. Every row is computed as
     /// it would be alone (DESIGN.md §1), so a sequence's logits do not depend on its batch-mates.
     /// Returns each segment's logits (`vocab` per returned row).
-    pub fn forward_segments(&self, segments: &mut [Segment<'_>], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver) -> Result<Vec<Vec<f32>>, ForwardError> {
+    pub fn forward_segments(
+        &self,
+        segments: &mut [Segment<'_>],
+        experts: &dyn ExpertDispatch,
+        observer: &mut dyn MoeObserver,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
         let s = &self.spec;
         let hd = s.hidden_size;
         let wants: Vec<Logits> = segments.iter().map(|seg| seg.want).collect();
@@ -502,7 +512,17 @@ impl Decoder {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn moe(&self, layer: usize, router: &Router, shared: Option<&DenseMlp>, x: &[f32], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver, out: &mut [f32], times: &mut PhaseTimes) -> Result<(), ForwardError> {
+    fn moe(
+        &self,
+        layer: usize,
+        router: &Router,
+        shared: Option<&DenseMlp>,
+        x: &[f32],
+        experts: &dyn ExpertDispatch,
+        observer: &mut dyn MoeObserver,
+        out: &mut [f32],
+        times: &mut PhaseTimes,
+    ) -> Result<(), ForwardError> {
         let s = &self.spec;
         let t_router = std::time::Instant::now();
         let (hd, k) = (s.hidden_size, s.moe.top_k);

@@ -143,7 +143,17 @@ impl Mla {
             seg.cache.append(l, &latents[r.start * rank..r.end * rank], &rots[r.start * rot..r.end * rot]);
             let (lat, rts) = seg.cache.layer(l, 0..seg.start + r.len());
             let (v0, v1) = (r.start * hs, r.end * hs);
-            attend_latent_rows(&q_lat[v0 * rank..v1 * rank], &q_rot[v0 * rot..v1 * rot], (rank, rot), hs, seg.start, lat, rts, spec.attention.scale, &mut o_lat[v0 * rank..v1 * rank]);
+            attend_latent_rows(
+                &q_lat[v0 * rank..v1 * rank],
+                &q_rot[v0 * rot..v1 * rot],
+                (rank, rot),
+                hs,
+                seg.start,
+                lat,
+                rts,
+                spec.attention.scale,
+                &mut o_lat[v0 * rank..v1 * rank],
+            );
         }
         let mut attn = vec![0.0f32; vectors * vd];
         for v in 0..vectors {

@@ -24,7 +24,8 @@ impl Rope {
             RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor: af, truncate, .. } => {
                 let dim = head_dim as f64;
                 let base = spec.theta;
-                let correction_dim = |rotations: f64| dim * (original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let correction_dim =
+                    |rotations: f64| dim * (original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
                 let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
                 if truncate {
                     low = low.floor();
@@ -51,6 +52,7 @@ impl Rope {
                 for f in inv_freq.iter_mut() {
                     let wavelen = 2.0 * std::f64::consts::PI / *f as f64;
                     let scaled = if wavelen > low_wavelen { *f as f64 / factor } else { *f as f64 };
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)] // transformers' own expression, NaN included
                     let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                     *f = if medium {
                         let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);

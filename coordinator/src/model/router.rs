@@ -37,16 +37,9 @@ impl Router {
                 // Each group is scored by the sum of its two best biased scores; only the best
                 // `topk_group` groups may contribute experts.
                 let size = e / n_group;
-                let group_scores: Vec<f32> = choice
-                    .chunks_exact(size)
-                    .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
-                    .collect();
+                let group_scores: Vec<f32> = choice.chunks_exact(size).map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum()).collect();
                 let groups = top_k(&group_scores, topk_group);
-                let masked: Vec<f32> = choice
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| if groups.contains(&(i / size)) { *c } else { f32::NEG_INFINITY })
-                    .collect();
+                let masked: Vec<f32> = choice.iter().enumerate().map(|(i, c)| if groups.contains(&(i / size)) { *c } else { f32::NEG_INFINITY }).collect();
                 let top = top_k(&masked, self.top_k);
                 let sum: f32 = top.iter().map(|&i| scores[i]).sum::<f32>() + 1e-20;
                 for &i in &top {

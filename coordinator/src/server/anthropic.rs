@@ -109,9 +109,16 @@ fn tools_of(p: &Params<'_>) -> Result<Option<Tools>, ApiError> {
             .enumerate()
             .map(|(i, t)| {
                 if t.get("type").and_then(Value::as_str).is_some_and(|k| k != "custom") {
-                    return Err(ApiError::param(&format!("tools.{i}"), format!("server tools ({}) are not supported; give `name`, `description` and `input_schema`", t["type"])));
+                    return Err(ApiError::param(
+                        &format!("tools.{i}"),
+                        format!("server tools ({}) are not supported; give `name`, `description` and `input_schema`", t["type"]),
+                    ));
                 }
-                Ok(ToolSpec { name: t.get("name").and_then(Value::as_str).unwrap_or("").into(), description: t.get("description").and_then(Value::as_str).unwrap_or("").into(), parameters: t.get("input_schema").cloned() })
+                Ok(ToolSpec {
+                    name: t.get("name").and_then(Value::as_str).unwrap_or("").into(),
+                    description: t.get("description").and_then(Value::as_str).unwrap_or("").into(),
+                    parameters: t.get("input_schema").cloned(),
+                })
             })
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(ApiError::param("tools", "`tools` must be a list")),
@@ -139,7 +146,9 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
             for (j, b) in blocks.iter().enumerate() {
                 match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => out.push_str(t),
-                    (Some(kind @ ("tool_use" | "tool_result")), _) => return Err(ApiError::param(&format!("{at}[{j}]"), format!("`{kind}` blocks are not supported yet (tool use is not implemented)"))),
+                    (Some(kind @ ("tool_use" | "tool_result")), _) => {
+                        return Err(ApiError::param(&format!("{at}[{j}]"), format!("`{kind}` blocks are not supported yet (tool use is not implemented)")))
+                    }
                     (kind, _) => return Err(ApiError::param(&format!("{at}[{j}]"), format!("only text blocks are supported, got type {kind:?}"))),
                 }
             }
@@ -190,7 +199,10 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     let tools = tools_of(&p)?;
     let stops: Vec<String> = match p.get("stop_sequences") {
         None => Vec::new(),
-        Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings"))).collect::<Result<_, _>>()?,
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings")))
+            .collect::<Result<_, _>>()?,
         Some(_) => return Err(ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings")),
     };
     let sampling = SamplingParams {
@@ -213,7 +225,19 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let input_tokens = prompt.len();
-    submit(&state, Job { prompt, opts: GenerateOptions { max_tokens, sampling, stop: stops }, presence_penalty: 0.0, frequency_penalty: 0.0, logprobs: None, constraint, events: tx, submitted: Instant::now() })?;
+    submit(
+        &state,
+        Job {
+            prompt,
+            opts: GenerateOptions { max_tokens, sampling, stop: stops },
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logprobs: None,
+            constraint,
+            events: tx,
+            submitted: Instant::now(),
+        },
+    )?;
     let id = format!("msg_{:016x}", rand_seed());
     let t0 = Instant::now();
 
@@ -255,7 +279,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         let start = json!({ "type": "message_start", "message": { "id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": { "input_tokens": input_tokens, "output_tokens": 0 } } });
         let _ = out.send(named("message_start", start));
         // With tools the answer is held until it is known whether it is a call.
-        let text_block = |out: &mpsc::UnboundedSender<SseEvent>| out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+        let text_block = |out: &mpsc::UnboundedSender<SseEvent>| {
+            out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })))
+        };
         if calling.is_none() {
             let _ = text_block(&out);
         }
@@ -275,7 +301,13 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                         held.push_str(&text);
                         continue;
                     }
-                    if out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text } }))).is_err() {
+                    if out
+                        .send(named(
+                            "content_block_delta",
+                            json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text } }),
+                        ))
+                        .is_err()
+                    {
                         return; // the client left: dropping `rx` cancels the generation
                     }
                 }
@@ -296,7 +328,10 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                         }
                         Some(None) => {
                             let _ = text_block(&out);
-                            let _ = out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": held } })));
+                            let _ = out.send(named(
+                                "content_block_delta",
+                                json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": held } }),
+                            ));
                             let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
                         }
                         None => {

@@ -19,11 +19,11 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
+use super::prefix_cache::PrefixCache;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
 use crate::model::{Logits, Segment};
 use crate::sampling::Sampler;
-use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
-use super::prefix_cache::PrefixCache;
 use shimmer_common::json_constraint::Matcher;
 
 /// Prompt tokens one step may prefill, across all sequences.
@@ -57,10 +57,21 @@ pub struct TokenLogprob {
 #[derive(Debug)]
 pub enum Event {
     /// Text that became final, and the tokens sampled since the last event.
-    Text { text: String, logprobs: Vec<TokenLogprob> },
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// `stop_sequence`: the stop string that ended the answer, if one did.
-    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize, stop_sequence: Option<String> },
-    Error { fault: Fault, message: String },
+    Done {
+        finish: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        stop_sequence: Option<String>,
+    },
+    Error {
+        fault: Fault,
+        message: String,
+    },
 }
 
 /// Whose the failure is: it decides the HTTP status.
@@ -118,7 +129,15 @@ pub struct Batcher {
 impl Batcher {
     /// `kv_budget_bytes`: KV kept from finished requests for prefix reuse (0: none);
     /// `expert_bytes`: one routed expert's bytes (for the bytes-served tiers).
-    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize, kv_budget_bytes: usize, dash: Arc<Mutex<Dashboard>>, expert_bytes: u64, metrics: Arc<super::metrics::Metrics>) -> Batcher {
+    pub fn start(
+        engine: Arc<Engine>,
+        max_batch: usize,
+        max_queue: usize,
+        kv_budget_bytes: usize,
+        dash: Arc<Mutex<Dashboard>>,
+        expert_bytes: u64,
+        metrics: Arc<super::metrics::Metrics>,
+    ) -> Batcher {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(Mutex::new(BatcherStats::default()));
@@ -129,7 +148,24 @@ impl Batcher {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
                 let last_network_wait = engine.network_wait();
-                Loop { engine, rx, queued: q, stats: st, max_batch: max_batch.max(1), waiting: VecDeque::new(), active: Vec::new(), prefix: PrefixCache::new(kv_budget_bytes), dash, moe_layers, expert_bytes, last_store, last_network_wait, pieces: None, metrics }.run()
+                Loop {
+                    engine,
+                    rx,
+                    queued: q,
+                    stats: st,
+                    max_batch: max_batch.max(1),
+                    waiting: VecDeque::new(),
+                    active: Vec::new(),
+                    prefix: PrefixCache::new(kv_budget_bytes),
+                    dash,
+                    moe_layers,
+                    expert_bytes,
+                    last_store,
+                    last_network_wait,
+                    pieces: None,
+                    metrics,
+                }
+                .run()
             })
             .expect("cannot start the batcher thread");
         stats.lock().unwrap_or_else(|e| e.into_inner()).kv_budget_bytes = kv_budget_bytes as u64;
@@ -228,10 +264,20 @@ impl Loop {
             }
             if shutdown {
                 for seq in self.active.drain(..) {
-                    let _ = seq.job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: seq.job.prompt.len(), completion_tokens: seq.output.len(), stop_sequence: None });
+                    let _ = seq.job.events.send(Event::Done {
+                        finish: FinishReason::Cancelled,
+                        prompt_tokens: seq.job.prompt.len(),
+                        completion_tokens: seq.output.len(),
+                        stop_sequence: None,
+                    });
                 }
                 for job in self.waiting.drain(..) {
-                    let _ = job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: job.prompt.len(), completion_tokens: 0, stop_sequence: None });
+                    let _ = job.events.send(Event::Done {
+                        finish: FinishReason::Cancelled,
+                        prompt_tokens: job.prompt.len(),
+                        completion_tokens: 0,
+                        stop_sequence: None,
+                    });
                 }
                 self.engine.end_turn();
                 break;
@@ -270,7 +316,20 @@ impl Loop {
             if matcher.is_some() && self.pieces.is_none() {
                 self.pieces = Some(token_pieces(&self.engine));
             }
-            self.active.push(Seq { session, fed, output: Vec::new(), sampler, text, counts: Default::default(), job, admitted: Instant::now(), first_token: None, last_token: None, breakdown: Breakdown::default(), matcher });
+            self.active.push(Seq {
+                session,
+                fed,
+                output: Vec::new(),
+                sampler,
+                text,
+                counts: Default::default(),
+                job,
+                admitted: Instant::now(),
+                first_token: None,
+                last_token: None,
+                breakdown: Breakdown::default(),
+                matcher,
+            });
         }
     }
 
@@ -453,7 +512,10 @@ impl Loop {
                 }
             }
             if !any {
-                let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message: "constrained decoding reached a point no token of this model's vocabulary can continue".into() });
+                let _ = seq.job.events.send(Event::Error {
+                    fault: Fault::Internal,
+                    message: "constrained decoding reached a point no token of this model's vocabulary can continue".into(),
+                });
                 return Some(FinishReason::Cancelled);
             }
         }

@@ -105,7 +105,18 @@ pub struct Dashboard {
 impl Dashboard {
     pub fn new(model: String, moe_layers: Vec<usize>, experts: usize) -> Self {
         let cells = moe_layers.len() * experts;
-        Dashboard { model, moe_layers, experts, heat: vec![0.0; cells], routed: vec![0; cells], recent: VecDeque::new(), ttft_ms: None, last_turn: None, tiers: Tiers::default(), generated: 0 }
+        Dashboard {
+            model,
+            moe_layers,
+            experts,
+            heat: vec![0.0; cells],
+            routed: vec![0; cells],
+            recent: VecDeque::new(),
+            ttft_ms: None,
+            last_turn: None,
+            tiers: Tiers::default(),
+            generated: 0,
+        }
     }
 
     /// Folds in one step: its routing, the tokens it generated.
@@ -130,7 +141,14 @@ impl Dashboard {
 
     /// `resident(layer)`: which of the layer's experts are in RAM (`None`: all, unless `cluster`
     /// says they are on workers).
-    pub fn snapshot(&self, running: usize, waiting: usize, resident: &dyn Fn(usize) -> Option<Vec<bool>>, cluster: Option<shimmer_worker::remote::ClusterTelemetry>, first_holders: &dyn Fn(usize) -> Option<Vec<u16>>) -> Snapshot {
+    pub fn snapshot(
+        &self,
+        running: usize,
+        waiting: usize,
+        resident: &dyn Fn(usize) -> Option<Vec<bool>>,
+        cluster: Option<shimmer_worker::remote::ClusterTelemetry>,
+        first_holders: &dyn Fn(usize) -> Option<Vec<u16>>,
+    ) -> Snapshot {
         let now = Instant::now();
         let tokens: u64 = self.recent.iter().filter(|(t, _)| now.duration_since(*t) <= WINDOW).map(|(_, n)| n).sum();
         let span = self.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1.0);
@@ -158,7 +176,13 @@ impl Dashboard {
             tier,
             generated_tokens: self.generated,
             node: match &cluster {
-                Some(_) => self.moe_layers.iter().flat_map(|l| first_holders(*l).unwrap_or_else(|| vec![u16::MAX; self.experts]).into_iter().chain(std::iter::repeat(u16::MAX)).take(self.experts)).collect(),
+                Some(_) => self
+                    .moe_layers
+                    .iter()
+                    .flat_map(|l| {
+                        first_holders(*l).unwrap_or_else(|| vec![u16::MAX; self.experts]).into_iter().chain(std::iter::repeat(u16::MAX)).take(self.experts)
+                    })
+                    .collect(),
                 None => Vec::new(),
             },
             cluster,

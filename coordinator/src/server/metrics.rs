@@ -3,18 +3,21 @@
 //! expert store's hits, misses and bytes are shimmer's own, and so are the cluster's series
 //! (per worker: up, request round-trip histogram, path RTT, bytes each way, round trips,
 //! selections, errors, resident experts; overall: tokens through the MoE layers, network wait,
-//! failovers), written straight from the dispatcher's running totals.
+//! failovers), collected from the dispatcher's running totals by a `Collector` at each scrape.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus::core::Desc;
+use prometheus::proto::{self, LabelPair, MetricType};
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
-use shimmer_worker::remote::{ClusterTelemetry, RTT_BUCKETS};
+use shimmer_worker::remote::{ClusterTelemetry, WorkerLink, RTT_BUCKETS};
 use shimmer_worker::store::StoreTelemetry;
 
 use super::batcher::BatcherStats;
 
-const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
+const TTFT_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
 const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
 
@@ -34,6 +37,7 @@ pub struct Metrics {
     kv_usage: prometheus::Gauge,
     prefix_hits: IntCounter,
     prefix_tokens: IntCounter,
+    cluster: ClusterCollector,
     /// Counter values already exported (counters only go up; the sources are running totals).
     seen: Mutex<[u64; 7]>,
 }
@@ -43,22 +47,65 @@ impl Metrics {
         let registry = Registry::new();
         let requests = IntCounterVec::new(Opts::new("shimmer_request_total", "Finished requests by outcome"), &["outcome"])?;
         let ttft = Histogram::with_opts(HistogramOpts::new("shimmer_time_to_first_token_seconds", "Time to first token").buckets(TTFT_BUCKETS.to_vec()))?;
-        let itl = Histogram::with_opts(HistogramOpts::new("shimmer_inter_token_latency_seconds", "Time between a request's consecutive generated tokens").buckets(ITL_BUCKETS.to_vec()))?;
-        let queue = Histogram::with_opts(HistogramOpts::new("shimmer_request_queue_time_seconds", "Time a request waited for a batch slot").buckets(E2E_BUCKETS.to_vec()))?;
+        let itl = Histogram::with_opts(
+            HistogramOpts::new("shimmer_inter_token_latency_seconds", "Time between a request's consecutive generated tokens").buckets(ITL_BUCKETS.to_vec()),
+        )?;
+        let queue = Histogram::with_opts(
+            HistogramOpts::new("shimmer_request_queue_time_seconds", "Time a request waited for a batch slot").buckets(E2E_BUCKETS.to_vec()),
+        )?;
         let e2e = Histogram::with_opts(HistogramOpts::new("shimmer_e2e_request_latency_seconds", "End-to-end request latency").buckets(E2E_BUCKETS.to_vec()))?;
         let running = IntGauge::new("shimmer_num_requests_running", "Requests in the running batch")?;
         let waiting = IntGauge::new("shimmer_num_requests_waiting", "Requests waiting for a batch slot")?;
         let prompt_tokens = IntCounter::new("shimmer_prompt_tokens_total", "Prompt tokens prefilled")?;
         let generation_tokens = IntCounter::new("shimmer_generation_tokens_total", "Tokens generated")?;
-        let expert_accesses = IntCounterVec::new(Opts::new("shimmer_expert_accesses_total", "Routed-expert accesses by where they were served from"), &["tier", "result"])?;
+        let expert_accesses =
+            IntCounterVec::new(Opts::new("shimmer_expert_accesses_total", "Routed-expert accesses by where they were served from"), &["tier", "result"])?;
         let expert_bytes_read = IntCounter::new("shimmer_expert_bytes_read_total", "Expert bytes read from storage")?;
-        let kv_usage = prometheus::Gauge::new("shimmer_kv_cache_usage_perc", "KV held (running requests and the prefix cache) as a fraction of the prefix cache's budget")?;
+        let kv_usage = prometheus::Gauge::new(
+            "shimmer_kv_cache_usage_perc",
+            "KV held (running requests and the prefix cache) as a fraction of the prefix cache's budget",
+        )?;
         let prefix_hits = IntCounter::new("shimmer_prefix_cache_hits_total", "Requests that started from a cached prefix")?;
         let prefix_tokens = IntCounter::new("shimmer_prefix_cache_reused_tokens_total", "Prompt tokens not prefilled thanks to a cached prefix")?;
-        for c in [Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>, Box::new(ttft.clone()), Box::new(itl.clone()), Box::new(queue.clone()), Box::new(e2e.clone()), Box::new(running.clone()), Box::new(waiting.clone()), Box::new(prompt_tokens.clone()), Box::new(generation_tokens.clone()), Box::new(expert_accesses.clone()), Box::new(expert_bytes_read.clone()), Box::new(kv_usage.clone()), Box::new(prefix_hits.clone()), Box::new(prefix_tokens.clone())] {
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(ttft.clone()),
+            Box::new(itl.clone()),
+            Box::new(queue.clone()),
+            Box::new(e2e.clone()),
+            Box::new(running.clone()),
+            Box::new(waiting.clone()),
+            Box::new(prompt_tokens.clone()),
+            Box::new(generation_tokens.clone()),
+            Box::new(expert_accesses.clone()),
+            Box::new(expert_bytes_read.clone()),
+            Box::new(kv_usage.clone()),
+            Box::new(prefix_hits.clone()),
+            Box::new(prefix_tokens.clone()),
+        ] {
             registry.register(c)?;
         }
-        Ok(Metrics { registry, requests, ttft, itl, queue, e2e, running, waiting, prompt_tokens, generation_tokens, expert_accesses, expert_bytes_read, kv_usage, prefix_hits, prefix_tokens, seen: Mutex::new([0; 7]) })
+        let cluster = ClusterCollector::new()?;
+        registry.register(Box::new(cluster.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            ttft,
+            itl,
+            queue,
+            e2e,
+            running,
+            waiting,
+            prompt_tokens,
+            generation_tokens,
+            expert_accesses,
+            expert_bytes_read,
+            kv_usage,
+            prefix_hits,
+            prefix_tokens,
+            cluster,
+            seen: Mutex::new([0; 7]),
+        })
     }
 
     /// How long a request waited before the batcher admitted it.
@@ -86,7 +133,15 @@ impl Metrics {
         self.waiting.set(st.waiting as i64);
         {
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let now = [st.prompt_tokens, st.generated_tokens, store.map_or(0, |s| s.ram_hits + s.in_flight_hits), store.map_or(0, |s| s.disk_misses), store.map_or(0, |s| s.bytes_read), st.prefix_hits, st.prefix_reused_tokens];
+            let now = [
+                st.prompt_tokens,
+                st.generated_tokens,
+                store.map_or(0, |s| s.ram_hits + s.in_flight_hits),
+                store.map_or(0, |s| s.disk_misses),
+                store.map_or(0, |s| s.bytes_read),
+                st.prefix_hits,
+                st.prefix_reused_tokens,
+            ];
             let bump = |i: usize, c: &IntCounter, seen: &mut [u64; 7]| {
                 if now[i] > seen[i] {
                     c.inc_by(now[i] - seen[i]);
@@ -102,52 +157,218 @@ impl Metrics {
             bump(6, &self.prefix_tokens, &mut seen);
             self.kv_usage.set(if st.kv_budget_bytes > 0 { st.kv_bytes as f64 / st.kv_budget_bytes as f64 } else { 0.0 });
         }
+        self.cluster.set(cluster);
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
-        let mut text = String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))?;
-        if let Some(c) = cluster {
-            render_cluster(&mut text, c);
-        }
-        Ok(text)
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
     }
 }
 
-/// A label value in the text format: backslash, quote and newline escaped.
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+/// The cluster's series, collected from the remote dispatcher's telemetry when Prometheus
+/// scrapes: a `prometheus` `Collector`, so the text encoder escapes, orders and types them like
+/// every other series.
+#[derive(Clone)]
+struct ClusterCollector {
+    descs: std::sync::Arc<Vec<Desc>>,
+    latest: std::sync::Arc<Mutex<Option<ClusterTelemetry>>>,
 }
 
-fn render_cluster(out: &mut String, c: &ClusterTelemetry) {
-    use std::fmt::Write;
-    let mut family = |name: &str, kind: &str, help: &str, samples: &mut dyn Iterator<Item = (String, f64)>| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, v) in samples {
-            let _ = writeln!(out, "{name}{labels} {v}");
+/// Name, help and type of every cluster series; each `per_worker` one has the label `worker`.
+const CLUSTER_SERIES: &[(&str, &str, MetricType, bool)] = &[
+    ("shimmer_worker_up", "Whether the coordinator has a live, authenticated connection to the worker", MetricType::GAUGE, true),
+    ("shimmer_worker_path_rtt_seconds", "QUIC's smoothed round-trip time estimate of the link (the network alone)", MetricType::GAUGE, true),
+    ("shimmer_network_round_trips_total", "Expert requests sent to the worker (one round trip each)", MetricType::COUNTER, true),
+    ("shimmer_network_bytes_sent_total", "Bytes of expert requests sent to the worker", MetricType::COUNTER, true),
+    ("shimmer_network_bytes_received_total", "Bytes of answers received from the worker", MetricType::COUNTER, true),
+    ("shimmer_worker_selections_total", "Routed (token, expert) selections the worker computed", MetricType::COUNTER, true),
+    ("shimmer_worker_errors_total", "Requests the worker failed or did not answer in time", MetricType::COUNTER, true),
+    ("shimmer_worker_resident_experts", "Experts in the worker's RAM, as it last said", MetricType::GAUGE, true),
+    ("shimmer_worker_request_rtt_seconds", "Round trip of one layer's expert request: network and the worker's compute", MetricType::HISTOGRAM, true),
+    (
+        "shimmer_cluster_tokens_total",
+        "Tokens (prefilled or decoded) whose MoE layers went to workers: divide the network series by it for per-token figures",
+        MetricType::COUNTER,
+        false,
+    ),
+    ("shimmer_network_wait_seconds_total", "Time the forward pass waited for workers' answers", MetricType::COUNTER, false),
+    ("shimmer_placement_epoch", "The epoch of the placement the coordinator routes by", MetricType::GAUGE, false),
+    ("shimmer_expert_failovers_total", "Selections served by another worker than the placement's first holder", MetricType::COUNTER, false),
+];
+
+impl ClusterCollector {
+    fn new() -> Result<Self, prometheus::Error> {
+        let descs = CLUSTER_SERIES
+            .iter()
+            .map(|(name, help, _, per_worker)| {
+                let labels = if *per_worker { vec!["worker".to_string()] } else { vec![] };
+                Desc::new(name.to_string(), help.to_string(), labels, Default::default())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ClusterCollector { descs: std::sync::Arc::new(descs), latest: Default::default() })
+    }
+
+    fn set(&self, telemetry: Option<&ClusterTelemetry>) {
+        *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = telemetry.cloned();
+    }
+}
+
+fn worker_label(name: &str) -> Vec<LabelPair> {
+    let mut pair = LabelPair::default();
+    pair.set_name("worker".to_string());
+    pair.set_value(name.to_string());
+    vec![pair]
+}
+
+fn sample(labels: Vec<LabelPair>, kind: MetricType, value: f64) -> proto::Metric {
+    let mut m = proto::Metric::default();
+    m.set_label(labels);
+    if kind == MetricType::COUNTER {
+        let mut c = proto::Counter::default();
+        c.set_value(value);
+        m.set_counter(c);
+    } else {
+        let mut g = proto::Gauge::default();
+        g.set_value(value);
+        m.set_gauge(g);
+    }
+    m
+}
+
+/// A worker's request round trips as a histogram: `RTT_BUCKETS` are the finite upper bounds and
+/// the telemetry's last bucket counts what exceeded them (the encoder writes `+Inf` from the count).
+fn rtt_histogram(w: &WorkerLink) -> proto::Metric {
+    let mut buckets = Vec::with_capacity(RTT_BUCKETS.len());
+    let mut cumulative = 0u64;
+    for (i, n) in w.rtt_buckets.iter().enumerate() {
+        cumulative += n;
+        if let Some(bound) = RTT_BUCKETS.get(i) {
+            let mut b = proto::Bucket::default();
+            b.set_upper_bound(*bound);
+            b.set_cumulative_count(cumulative);
+            buckets.push(b);
         }
-    };
-    let per_worker = |f: &dyn Fn(&shimmer_worker::remote::WorkerLink) -> f64| -> Vec<(String, f64)> { c.workers.iter().map(|w| (format!("{{worker=\"{}\"}}", label(&w.name)), f(w))).collect() };
-    family("shimmer_worker_up", "gauge", "Whether the coordinator has a live, authenticated connection to the worker", &mut per_worker(&|w| f64::from(u8::from(w.up))).into_iter());
-    family("shimmer_worker_path_rtt_seconds", "gauge", "QUIC's smoothed round-trip time estimate of the link (the network alone)", &mut c.workers.iter().filter_map(|w| w.path_rtt_ms.map(|ms| (format!("{{worker=\"{}\"}}", label(&w.name)), ms / 1e3))));
-    family("shimmer_network_round_trips_total", "counter", "Expert requests sent to the worker (one round trip each)", &mut per_worker(&|w| w.requests as f64).into_iter());
-    family("shimmer_network_bytes_sent_total", "counter", "Bytes of expert requests sent to the worker", &mut per_worker(&|w| w.bytes_sent as f64).into_iter());
-    family("shimmer_network_bytes_received_total", "counter", "Bytes of answers received from the worker", &mut per_worker(&|w| w.bytes_received as f64).into_iter());
-    family("shimmer_worker_selections_total", "counter", "Routed (token, expert) selections the worker computed", &mut per_worker(&|w| w.selections as f64).into_iter());
-    family("shimmer_worker_errors_total", "counter", "Requests the worker failed or did not answer in time", &mut per_worker(&|w| w.errors as f64).into_iter());
-    family("shimmer_worker_resident_experts", "gauge", "Experts in the worker's RAM, as it last said", &mut c.workers.iter().filter_map(|w| w.status.as_ref().map(|s| (format!("{{worker=\"{}\"}}", label(&w.name)), s.resident_experts as f64))));
-    family("shimmer_cluster_tokens_total", "counter", "Tokens (prefilled or decoded) whose MoE layers went to workers: divide the network series by it for per-token figures", &mut std::iter::once((String::new(), c.tokens as f64)));
-    family("shimmer_network_wait_seconds_total", "counter", "Time the forward pass waited for workers' answers", &mut std::iter::once((String::new(), c.network_wait_s)));
-    family("shimmer_placement_epoch", "gauge", "The epoch of the placement the coordinator routes by", &mut std::iter::once((String::new(), c.placement_epoch as f64)));
-    family("shimmer_expert_failovers_total", "counter", "Selections served by another worker than the placement's first holder", &mut std::iter::once((String::new(), c.failovers as f64)));
-    let name = "shimmer_worker_request_rtt_seconds";
-    let _ = writeln!(out, "# HELP {name} Round trip of one layer's expert request: network and the worker's compute\n# TYPE {name} histogram");
-    for w in &c.workers {
-        let l = label(&w.name);
-        let mut cumulative = 0u64;
-        for (i, n) in w.rtt_buckets.iter().enumerate() {
-            cumulative += n;
-            let le = RTT_BUCKETS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
-            let _ = writeln!(out, "{name}_bucket{{worker=\"{l}\",le=\"{le}\"}} {cumulative}");
+    }
+    let mut h = proto::Histogram::default();
+    h.set_bucket(buckets);
+    h.set_sample_count(cumulative);
+    h.set_sample_sum(w.rtt_sum_s);
+    let mut m = proto::Metric::default();
+    m.set_label(worker_label(&w.name));
+    m.set_histogram(h);
+    m
+}
+
+impl prometheus::core::Collector for ClusterCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<proto::MetricFamily> {
+        let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(c) = latest.as_ref() else { return Vec::new() };
+        let per_worker = |kind: MetricType, value: &dyn Fn(&WorkerLink) -> Option<f64>| -> Vec<proto::Metric> {
+            c.workers.iter().filter_map(|w| value(w).map(|v| sample(worker_label(&w.name), kind, v))).collect()
+        };
+        CLUSTER_SERIES
+            .iter()
+            .map(|(name, help, kind, _)| {
+                let kind = *kind;
+                let metrics = match *name {
+                    "shimmer_worker_up" => per_worker(kind, &|w| Some(f64::from(u8::from(w.up)))),
+                    "shimmer_worker_path_rtt_seconds" => per_worker(kind, &|w| w.path_rtt_ms.map(|ms| ms / 1e3)),
+                    "shimmer_network_round_trips_total" => per_worker(kind, &|w| Some(w.requests as f64)),
+                    "shimmer_network_bytes_sent_total" => per_worker(kind, &|w| Some(w.bytes_sent as f64)),
+                    "shimmer_network_bytes_received_total" => per_worker(kind, &|w| Some(w.bytes_received as f64)),
+                    "shimmer_worker_selections_total" => per_worker(kind, &|w| Some(w.selections as f64)),
+                    "shimmer_worker_errors_total" => per_worker(kind, &|w| Some(w.errors as f64)),
+                    "shimmer_worker_resident_experts" => per_worker(kind, &|w| w.status.as_ref().map(|s| s.resident_experts as f64)),
+                    "shimmer_worker_request_rtt_seconds" => c.workers.iter().map(rtt_histogram).collect(),
+                    "shimmer_cluster_tokens_total" => vec![sample(vec![], kind, c.tokens as f64)],
+                    "shimmer_network_wait_seconds_total" => vec![sample(vec![], kind, c.network_wait_s)],
+                    "shimmer_placement_epoch" => vec![sample(vec![], kind, c.placement_epoch as f64)],
+                    _ => vec![sample(vec![], kind, c.failovers as f64)],
+                };
+                let mut family = proto::MetricFamily::default();
+                family.set_name(name.to_string());
+                family.set_help(help.to_string());
+                family.set_field_type(kind);
+                family.set_metric(metrics);
+                family
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::batcher::BatcherStats;
+
+    fn link(name: &str, rtts: &[u64]) -> WorkerLink {
+        let mut rtt_buckets = vec![0; RTT_BUCKETS.len() + 1];
+        rtt_buckets[..rtts.len()].copy_from_slice(rtts);
+        WorkerLink {
+            name: name.into(),
+            addr: "127.0.0.2:7070".into(),
+            up: true,
+            path_rtt_ms: Some(0.5),
+            placed_experts: 3,
+            first_choice_experts: 2,
+            requests: 7,
+            selections: 11,
+            bytes_sent: 1000,
+            bytes_received: 2000,
+            errors: 1,
+            rtt_buckets,
+            rtt_sum_s: 0.25,
+            status: None,
         }
-        let _ = writeln!(out, "{name}_sum{{worker=\"{l}\"}} {}\n{name}_count{{worker=\"{l}\"}} {cumulative}", w.rtt_sum_s);
+    }
+
+    #[test]
+    fn the_cluster_series_are_exported_through_the_registry_with_escaped_labels_and_cumulative_buckets() {
+        let m = Metrics::new().unwrap();
+        let stats = BatcherStats::default();
+        let without = m.render(&stats, None, None).unwrap();
+        assert!(!without.contains("shimmer_worker_up"), "no cluster, no cluster series");
+        let mut slow = link("w\"2\\", &[]);
+        *slow.rtt_buckets.last_mut().unwrap() = 4; // beyond every finite bound
+        slow.up = false;
+        slow.path_rtt_ms = None;
+        let c = ClusterTelemetry {
+            workers: vec![link("w1", &[1, 2, 0, 3]), slow],
+            tokens: 42,
+            round_trips: 9,
+            network_wait_s: 1.5,
+            failovers: 2,
+            placement_epoch: 3,
+        };
+        let text = m.render(&stats, None, Some(&c)).unwrap();
+        for line in [
+            "# TYPE shimmer_worker_up gauge",
+            "shimmer_worker_up{worker=\"w1\"} 1",
+            "shimmer_worker_up{worker=\"w\\\"2\\\\\"} 0",
+            "shimmer_worker_path_rtt_seconds{worker=\"w1\"} 0.0005",
+            "# TYPE shimmer_network_round_trips_total counter",
+            "shimmer_network_bytes_received_total{worker=\"w1\"} 2000",
+            "shimmer_worker_errors_total{worker=\"w1\"} 1",
+            "# TYPE shimmer_worker_request_rtt_seconds histogram",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w1\",le=\"0.0001\"} 1",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w1\",le=\"0.00025\"} 3",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w1\",le=\"0.001\"} 6",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w1\",le=\"+Inf\"} 6",
+            "shimmer_worker_request_rtt_seconds_count{worker=\"w1\"} 6",
+            "shimmer_worker_request_rtt_seconds_sum{worker=\"w1\"} 0.25",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w\\\"2\\\\\",le=\"10\"} 0",
+            "shimmer_worker_request_rtt_seconds_bucket{worker=\"w\\\"2\\\\\",le=\"+Inf\"} 4",
+            "shimmer_cluster_tokens_total 42",
+            "shimmer_network_wait_seconds_total 1.5",
+            "shimmer_placement_epoch 3",
+            "shimmer_expert_failovers_total 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing `{line}` in:\n{text}");
+        }
+        assert!(!text.contains("shimmer_worker_path_rtt_seconds{worker=\"w\\\"2"), "a down link has no path RTT");
+        assert!(!text.contains("shimmer_worker_resident_experts"), "no status, no resident count");
     }
 }

@@ -157,9 +157,19 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
     let metrics = Arc::new(Metrics::new()?);
     let batcher = Batcher::start(engine.clone(), cfg.max_batch, cfg.max_queue, cfg.kv_budget_bytes, dash.clone(), cfg.expert_bytes, metrics.clone());
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let state = Arc::new(AppState { engine, batcher: batcher.clone(), api_keys: cfg.api_keys.clone(), model_id: cfg.model_id.clone(), created, metrics, dashboard: dash });
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
-    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("`{}:{}` is not a host:port to listen on", cfg.host, cfg.port))?;
+    let state = Arc::new(AppState {
+        engine,
+        batcher: batcher.clone(),
+        api_keys: cfg.api_keys.clone(),
+        model_id: cfg.model_id.clone(),
+        created,
+        metrics,
+        dashboard: dash,
+    });
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
+    let addr: SocketAddr =
+        format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("`{}:{}` is not a host:port to listen on", cfg.host, cfg.port))?;
     let b = batcher.clone();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;

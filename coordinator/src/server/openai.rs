@@ -22,11 +22,11 @@ use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job, SubmitError, TokenLogprob};
 use super::errors::ApiError;
+use super::tools::{Call, ToolChoice, ToolSpec, Tools};
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
 use shimmer_common::json_constraint::Schema;
-use super::tools::{Call, ToolChoice, ToolSpec, Tools};
 
 /// Most tokens one request may ask for when it does not say (and the context allows).
 const DEFAULT_MAX_TOKENS: usize = 256;
@@ -147,7 +147,22 @@ struct Common {
 }
 
 const COMMON_FIELDS: &[&str] = &[
-    "model", "stream", "stream_options", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user",
+    "model",
+    "stream",
+    "stream_options",
+    "response_format",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "user",
 ];
 
 const UNSUPPORTED: &[(&str, &str)] = &[
@@ -201,7 +216,9 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
         repetition_penalty: p.f32_in("repetition_penalty", 0.01, 100.0)?.unwrap_or(1.0),
         seed: match p.get("seed") {
             None => rand_seed(),
-            Some(v) => v.as_i64().map(|s| s as u64).or_else(|| v.as_u64()).ok_or_else(|| ApiError::param("seed", format!("`seed` must be an integer, got {v}")))?,
+            Some(v) => {
+                v.as_i64().map(|s| s as u64).or_else(|| v.as_u64()).ok_or_else(|| ApiError::param("seed", format!("`seed` must be an integer, got {v}")))?
+            }
         },
     };
     Ok(Common {
@@ -232,7 +249,9 @@ fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
             let Some(schema) = js.get("schema") else {
                 return Err(bad("`response_format.json_schema.schema` is required".into()));
             };
-            Schema::compile(schema).map(|s| Some(Arc::new(s))).map_err(|e| ApiError::param("response_format.json_schema.schema", format!("unsupported or invalid schema: {e}")).code("unsupported_schema"))
+            Schema::compile(schema)
+                .map(|s| Some(Arc::new(s)))
+                .map_err(|e| ApiError::param("response_format.json_schema.schema", format!("unsupported or invalid schema: {e}")).code("unsupported_schema"))
         }
         other => Err(bad(format!("`response_format.type` must be text, json_object or json_schema, got {other:?}"))),
     }
@@ -249,7 +268,11 @@ pub(crate) fn rand_seed() -> u64 {
 /// `max_tokens` (or its newer name), bounded by what the context has left after the prompt.
 fn max_tokens(p: &Params<'_>, names: &[&str], prompt_len: usize, context: usize) -> Result<usize, ApiError> {
     if prompt_len >= context {
-        return Err(ApiError::param("messages", format!("the prompt is {prompt_len} tokens, and this model's context is {context}: nothing is left to generate")).code("context_length_exceeded"));
+        return Err(ApiError::param(
+            "messages",
+            format!("the prompt is {prompt_len} tokens, and this model's context is {context}: nothing is left to generate"),
+        )
+        .code("context_length_exceeded"));
     }
     let left = context - prompt_len;
     let mut asked = None;
@@ -259,7 +282,10 @@ fn max_tokens(p: &Params<'_>, names: &[&str], prompt_len: usize, context: usize)
         }
     }
     match asked {
-        Some((n, v)) if v > left => Err(ApiError::param(n, format!("`{n}` = {v}, but the prompt ({prompt_len} tokens) leaves {left} of the model's {context}-token context")).code("context_length_exceeded")),
+        Some((n, v)) if v > left => {
+            Err(ApiError::param(n, format!("`{n}` = {v}, but the prompt ({prompt_len} tokens) leaves {left} of the model's {context}-token context"))
+                .code("context_length_exceeded"))
+        }
         Some((_, v)) => Ok(v),
         None => Ok(DEFAULT_MAX_TOKENS.min(left)),
     }
@@ -284,7 +310,9 @@ fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
             Some("developer") => "system",
-            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user, assistant or tool, got {other:?}"))),
+            other => {
+                return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user, assistant or tool, got {other:?}")))
+            }
         };
         let content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
@@ -293,13 +321,20 @@ fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
                 for (j, part) in parts.iter().enumerate() {
                     match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(t)) => text.push_str(t),
-                        (kind, _) => return Err(ApiError::param(&format!("{at}.content[{j}]"), format!("only text content parts are supported, got type {kind:?}"))),
+                        (kind, _) => {
+                            return Err(ApiError::param(&format!("{at}.content[{j}]"), format!("only text content parts are supported, got type {kind:?}")))
+                        }
                     }
                 }
                 text
             }
             None | Some(Value::Null) if role == "assistant" => String::new(),
-            other => return Err(ApiError::param(&format!("{at}.content"), format!("`{at}.content` must be a string or a list of text parts, got {}", other.map_or("nothing".to_string(), |v| v.to_string())))),
+            other => {
+                return Err(ApiError::param(
+                    &format!("{at}.content"),
+                    format!("`{at}.content` must be a string or a list of text parts, got {}", other.map_or("nothing".to_string(), |v| v.to_string())),
+                ))
+            }
         };
         let mut msg = json!({ "role": role, "content": content });
         if role == "assistant" {
@@ -311,17 +346,21 @@ fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
                         return Err(ApiError::param(&format!("{at}.tool_calls[{j}]"), "a tool call needs `function.name` and `function.arguments`"));
                     };
                     let arguments = match args {
-                        Value::String(s) => serde_json::from_str::<Value>(s).map_err(|e| ApiError::param(&format!("{at}.tool_calls[{j}].function.arguments"), format!("arguments are not JSON: {e}")))?,
+                        Value::String(s) => serde_json::from_str::<Value>(s)
+                            .map_err(|e| ApiError::param(&format!("{at}.tool_calls[{j}].function.arguments"), format!("arguments are not JSON: {e}")))?,
                         Value::Object(_) => args.clone(),
                         _ => return Err(ApiError::param(&format!("{at}.tool_calls[{j}].function.arguments"), "arguments must be a JSON object (or its text)")),
                     };
-                    parsed.push(json!({ "id": c.get("id").cloned().unwrap_or(Value::Null), "type": "function", "function": { "name": name, "arguments": arguments } }));
+                    parsed.push(
+                        json!({ "id": c.get("id").cloned().unwrap_or(Value::Null), "type": "function", "function": { "name": name, "arguments": arguments } }),
+                    );
                 }
                 msg["tool_calls"] = Value::Array(parsed);
             }
         }
         if role == "tool" {
-            msg["tool_call_id"] = m.get("tool_call_id").cloned().ok_or_else(|| ApiError::param(&format!("{at}.tool_call_id"), "a tool message needs `tool_call_id`"))?;
+            msg["tool_call_id"] =
+                m.get("tool_call_id").cloned().ok_or_else(|| ApiError::param(&format!("{at}.tool_call_id"), "a tool message needs `tool_call_id`"))?;
             if let Some(n) = m.get("name") {
                 msg["name"] = n.clone();
             }
@@ -339,7 +378,10 @@ fn tools_of(p: &Params<'_>) -> Result<Option<Tools>, ApiError> {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                let f = t.get("function").filter(|_| t.get("type").and_then(Value::as_str) == Some("function")).ok_or_else(|| ApiError::param(&format!("tools[{i}]"), "each tool must be {\"type\": \"function\", \"function\": {...}}"))?;
+                let f = t
+                    .get("function")
+                    .filter(|_| t.get("type").and_then(Value::as_str) == Some("function"))
+                    .ok_or_else(|| ApiError::param(&format!("tools[{i}]"), "each tool must be {\"type\": \"function\", \"function\": {...}}"))?;
                 Ok(ToolSpec {
                     name: f.get("name").and_then(Value::as_str).unwrap_or("").to_string(),
                     description: f.get("description").and_then(Value::as_str).unwrap_or("").to_string(),
@@ -414,7 +456,9 @@ pub(crate) fn authorize(headers: &HeaderMap, keys: &[String]) -> Result<(), ApiE
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
     let Some(given) = given else {
-        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "no API key given (send `Authorization: Bearer KEY`)").kind("authentication_error").code("invalid_api_key"));
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "no API key given (send `Authorization: Bearer KEY`)")
+            .kind("authentication_error")
+            .code("invalid_api_key"));
     };
     use subtle::ConstantTimeEq;
     // Every key is compared, each in constant time for its length.
@@ -456,7 +500,18 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
     let obj = parse_body(body)?;
     let p = Params(&obj);
     let mut known = COMMON_FIELDS.to_vec();
-    known.extend(["messages", "max_completion_tokens", "logprobs", "top_logprobs", "store", "metadata", "service_tier", "tools", "tool_choice", "parallel_tool_calls"]);
+    known.extend([
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "store",
+        "metadata",
+        "service_tier",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    ]);
     p.only(&known, UNSUPPORTED)?;
     let mut c = common(&p, &state)?;
     let msgs = messages(&p)?;
@@ -469,7 +524,10 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
     };
     if let Some(schema) = tools.as_ref().and_then(Tools::constraint) {
         if c.constraint.is_some() {
-            return Err(ApiError::param("response_format", "`response_format` cannot be combined with a required or named `tool_choice` (the answer is a tool call)"));
+            return Err(ApiError::param(
+                "response_format",
+                "`response_format` cannot be combined with a required or named `tool_choice` (the answer is a tool call)",
+            ));
         }
         c.constraint = Some(Arc::new(schema));
     }
@@ -498,7 +556,12 @@ async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Resul
     let vocab = state.engine.spec.vocab_size;
     let ids_of = |v: &Vec<Value>| -> Result<Vec<u32>, ApiError> {
         v.iter()
-            .map(|t| t.as_u64().filter(|t| (*t as usize) < vocab).map(|t| t as u32).ok_or_else(|| ApiError::param("prompt", format!("token id {t} is not in the vocabulary (size {vocab})"))))
+            .map(|t| {
+                t.as_u64()
+                    .filter(|t| (*t as usize) < vocab)
+                    .map(|t| t as u32)
+                    .ok_or_else(|| ApiError::param("prompt", format!("token id {t} is not in the vocabulary (size {vocab})")))
+            })
             .collect()
     };
     let prompt = match p.get("prompt") {
@@ -509,7 +572,9 @@ async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Resul
             Value::Array(ids) if !ids.is_empty() => ids_of(ids)?,
             _ => return Err(ApiError::param("prompt", "`prompt` must be a string, a list of token ids, or a list holding one of those")),
         },
-        Some(Value::Array(a)) if a.len() > 1 => return Err(ApiError::param("prompt", "several prompts in one request are not supported (send one per request)").code("unsupported_parameter")),
+        Some(Value::Array(a)) if a.len() > 1 => {
+            return Err(ApiError::param("prompt", "several prompts in one request are not supported (send one per request)").code("unsupported_parameter"))
+        }
         _ => return Err(ApiError::param("prompt", "`prompt` must be a string, a list of token ids, or a list holding one of those")),
     };
     if prompt.is_empty() {
@@ -558,7 +623,19 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
     let (tx, mut rx) = mpsc::unbounded_channel();
     let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
     let prompt_len = prompt.len();
-    submit(&state, Job { prompt, opts, presence_penalty: c.presence_penalty, frequency_penalty: c.frequency_penalty, logprobs, constraint: c.constraint.clone(), events: tx, submitted: Instant::now() })?;
+    submit(
+        &state,
+        Job {
+            prompt,
+            opts,
+            presence_penalty: c.presence_penalty,
+            frequency_penalty: c.frequency_penalty,
+            logprobs,
+            constraint: c.constraint.clone(),
+            events: tx,
+            submitted: Instant::now(),
+        },
+    )?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_seed());
     let created = now_secs();
     let object = if chat { "chat.completion" } else { "text_completion" };
@@ -591,7 +668,9 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
         let choice = if chat {
             let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&state.engine, l)).collect::<Vec<_>>() }));
             match calling.as_ref().and_then(|cp| cp.calls(&text)) {
-                Some(calls) => json!({ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": tool_calls_json(&calls, false) }, "logprobs": lp, "finish_reason": "tool_calls" }),
+                Some(calls) => {
+                    json!({ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": tool_calls_json(&calls, false) }, "logprobs": lp, "finish_reason": "tool_calls" })
+                }
                 None => json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": finish_str(finish) }),
             }
         } else {
@@ -661,14 +740,16 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                     };
                     let _ = out.send(chunk(choice, None));
                     if include_usage {
-                        let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
+                        let usage =
+                            json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
                         let _ = out.send(chunk(json!([]), Some(usage)));
                     }
                     break;
                 }
                 Some(Event::Error { message: e, .. }) => {
                     metrics.request_finished(t0.elapsed(), false);
-                    let _ = out.send(SseEvent::default().data(json!({ "error": { "message": e, "type": "server_error", "param": null, "code": null } }).to_string()));
+                    let _ = out
+                        .send(SseEvent::default().data(json!({ "error": { "message": e, "type": "server_error", "param": null, "code": null } }).to_string()));
                     break;
                 }
                 None => break,

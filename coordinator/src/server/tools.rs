@@ -67,7 +67,9 @@ impl Tools {
                 return Err(ApiError::param(&format!("{param}[{i}]"), format!("two tools are named `{}`", t.name)));
             }
             if let Some(p) = &t.parameters {
-                Schema::tool_call(&[(t.name.clone(), Some(p.clone()))]).map_err(|e| ApiError::param(&format!("{param}[{i}]"), format!("tool `{}`: unsupported parameters schema: {e}", t.name)).code("unsupported_schema"))?;
+                Schema::tool_call(&[(t.name.clone(), Some(p.clone()))]).map_err(|e| {
+                    ApiError::param(&format!("{param}[{i}]"), format!("tool `{}`: unsupported parameters schema: {e}", t.name)).code("unsupported_schema")
+                })?;
             }
         }
         if let ToolChoice::Named(n) = &choice {
@@ -154,8 +156,15 @@ pub fn plain_messages(messages: Vec<Value>, tools: &Tools) -> Vec<Value> {
                 out.push(json!({ "role": "system", "content": text }));
             }
             "assistant" if m.get("tool_calls").is_some_and(|c| c.is_array()) => {
-                let calls: Vec<String> = m["tool_calls"].as_array().into_iter().flatten().map(|c| json!({ "name": c["function"]["name"], "arguments": c["function"]["arguments"] }).to_string()).collect();
-                out.push(json!({ "role": "assistant", "content": if content.is_empty() { calls.join("\n") } else { format!("{content}\n{}", calls.join("\n")) } }));
+                let calls: Vec<String> = m["tool_calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| json!({ "name": c["function"]["name"], "arguments": c["function"]["arguments"] }).to_string())
+                    .collect();
+                out.push(
+                    json!({ "role": "assistant", "content": if content.is_empty() { calls.join("\n") } else { format!("{content}\n{}", calls.join("\n")) } }),
+                );
             }
             "tool" => {
                 let who = m.get("name").and_then(Value::as_str).or_else(|| m.get("tool_call_id").and_then(Value::as_str)).unwrap_or("the tool");
@@ -177,7 +186,11 @@ mod tests {
     fn tools(choice: ToolChoice) -> Tools {
         Tools::new(
             vec![
-                ToolSpec { name: "get_weather".into(), description: "Weather in a city.".into(), parameters: Some(json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})) },
+                ToolSpec {
+                    name: "get_weather".into(),
+                    description: "Weather in a city.".into(),
+                    parameters: Some(json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+                },
                 ToolSpec { name: "ping".into(), description: "".into(), parameters: None },
             ],
             choice,
@@ -189,8 +202,17 @@ mod tests {
     #[test]
     fn calls_are_parsed_from_json_answers_and_tool_call_blocks_of_listed_tools_only() {
         let t = tools(ToolChoice::Auto);
-        assert_eq!(t.parse(r#" {"name":"get_weather","arguments":{"city":"Ur"}} "#), Some(vec![Call { name: "get_weather".into(), arguments: json!({"city": "Ur"}) }]));
-        assert_eq!(t.parse(r#"<tool_call>{"name": "ping", "arguments": "{}"}</tool_call> and <tool_call>{"name":"get_weather","arguments":{"city":"Ai"}}</tool_call>"#).map(|c| c.len()), Some(2));
+        assert_eq!(
+            t.parse(r#" {"name":"get_weather","arguments":{"city":"Ur"}} "#),
+            Some(vec![Call { name: "get_weather".into(), arguments: json!({"city": "Ur"}) }])
+        );
+        assert_eq!(
+            t.parse(
+                r#"<tool_call>{"name": "ping", "arguments": "{}"}</tool_call> and <tool_call>{"name":"get_weather","arguments":{"city":"Ai"}}</tool_call>"#
+            )
+            .map(|c| c.len()),
+            Some(2)
+        );
         assert_eq!(t.parse(r#"{"name":"rm_rf","arguments":{}}"#), None);
         assert_eq!(t.parse("The weather is fine."), None);
         assert_eq!(t.parse(r#"{"name":"ping","arguments":[1]}"#), None);
@@ -202,7 +224,16 @@ mod tests {
         assert!(e.message.contains("a b"));
         let dup = vec![ToolSpec { name: "x".into(), description: "".into(), parameters: None }; 2];
         assert!(Tools::new(dup, ToolChoice::Auto, "tools").unwrap_err().message.contains("two tools"));
-        let e = Tools::new(vec![ToolSpec { name: "x".into(), description: "".into(), parameters: Some(json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})) }], ToolChoice::Auto, "tools").unwrap_err();
+        let e = Tools::new(
+            vec![ToolSpec {
+                name: "x".into(),
+                description: "".into(),
+                parameters: Some(json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})),
+            }],
+            ToolChoice::Auto,
+            "tools",
+        )
+        .unwrap_err();
         assert!(e.message.contains("pattern"), "{}", e.message);
         assert!(Tools::new(vec![], ToolChoice::Named("x".into()), "tools").is_err());
     }
@@ -218,7 +249,11 @@ mod tests {
         let out = plain_messages(msgs, &t);
         assert_eq!(out[0]["role"], "system");
         assert!(out[0]["content"].as_str().unwrap().contains("get_weather"));
-        assert_eq!(out[2]["content"], r#"{"arguments":{"city":"Ur"},"name":"get_weather"}"#.replace(r#"{"arguments":{"city":"Ur"},"name":"get_weather"}"#, &json!({"name": "get_weather", "arguments": {"city": "Ur"}}).to_string()));
+        assert_eq!(
+            out[2]["content"],
+            r#"{"arguments":{"city":"Ur"},"name":"get_weather"}"#
+                .replace(r#"{"arguments":{"city":"Ur"},"name":"get_weather"}"#, &json!({"name": "get_weather", "arguments": {"city": "Ur"}}).to_string())
+        );
         assert_eq!(out[3], json!({"role": "user", "content": "Result of call_1: hot"}));
         assert!(t.constraint().is_some() && tools(ToolChoice::Auto).constraint().is_none());
     }

@@ -144,7 +144,8 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
             // Every e2m1 value's f32 bit pattern is zero below bit 16: look up its two top bytes.
-            let (top, second): ([u8; 16], [u8; 16]) = (std::array::from_fn(|i| (E2M1[i].to_bits() >> 24) as u8), std::array::from_fn(|i| (E2M1[i].to_bits() >> 16) as u8));
+            let (top, second): ([u8; 16], [u8; 16]) =
+                (std::array::from_fn(|i| (E2M1[i].to_bits() >> 24) as u8), std::array::from_fn(|i| (E2M1[i].to_bits() >> 16) as u8));
             let (top, second) = (vld1q_u8(top.as_ptr()), vld1q_u8(second.as_ptr()));
             run!(|m, c| {
                 let mut out = [vdupq_n_f32(0.0); REGS];

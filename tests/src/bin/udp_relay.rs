@@ -42,7 +42,14 @@ fn parse() -> Result<Options, String> {
     if !(0.0..=1.0).contains(&loss) || !(0.0..=10_000.0).contains(&delay) {
         return Err("--loss must be in [0, 1] and --delay-ms in [0, 10000]".into());
     }
-    Ok(Options { listen: listen.ok_or("--listen is required")?, to: to.ok_or("--to is required")?, delay: Duration::from_secs_f64(delay / 1e3), loss, seed, partition })
+    Ok(Options {
+        listen: listen.ok_or("--listen is required")?,
+        to: to.ok_or("--to is required")?,
+        delay: Duration::from_secs_f64(delay / 1e3),
+        loss,
+        seed,
+        partition,
+    })
 }
 
 /// Datagrams waiting out their delay, in arrival order, for one outgoing socket.

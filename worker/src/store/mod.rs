@@ -62,7 +62,9 @@ pub struct StoreOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("--ram-gb {budget_gb} holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb}")]
+    #[error(
+        "--ram-gb {budget_gb} holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb}"
+    )]
     BudgetTooSmall { budget_gb: f64, capacity: u64, expert_mb: f64, top_k: usize, min_gb: f64 },
 }
 

@@ -145,7 +145,14 @@ impl Source {
 
     pub fn checkpoint(ckpt: Arc<Checkpoint>, spec: &ModelSpec) -> Self {
         let first_moe = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).unwrap_or(0);
-        Source::Checkpoint { ckpt, hidden: spec.hidden_size, intermediate: spec.moe.expert_intermediate_size, names: spec.expert_names.clone(), first_moe, fp8_block: spec.fp8_block }
+        Source::Checkpoint {
+            ckpt,
+            hidden: spec.hidden_size,
+            intermediate: spec.moe.expert_intermediate_size,
+            names: spec.expert_names.clone(),
+            first_moe,
+            fp8_block: spec.fp8_block,
+        }
     }
 
     pub fn drives(&self) -> Vec<(PathBuf, f64)> {
@@ -188,11 +195,17 @@ impl Source {
                     let drive = &drives[*d];
                     let what = format!("{} layer {layer} expert {expert}", drive.path.display());
                     let mut buf = AlignedBuf::new(loc.length as usize);
-                    let result = drive
-                        .file
-                        .read_exact_at(&mut buf, loc.offset)
-                        .map_err(|e| format!("{what}: read failed: {e}"))
-                        .and_then(|_| expert_blob::decode(&buf, container.scheme, container.manifest.hidden_size, container.manifest.expert_intermediate_size, Some(loc.checksum), &what).map_err(|e| e.to_string()));
+                    let result = drive.file.read_exact_at(&mut buf, loc.offset).map_err(|e| format!("{what}: read failed: {e}")).and_then(|_| {
+                        expert_blob::decode(
+                            &buf,
+                            container.scheme,
+                            container.manifest.hidden_size,
+                            container.manifest.expert_intermediate_size,
+                            Some(loc.checksum),
+                            &what,
+                        )
+                        .map_err(|e| e.to_string())
+                    });
                     match result {
                         Ok(matrices) => {
                             if attempt > 0 {
@@ -211,7 +224,9 @@ impl Source {
             Source::Checkpoint { ckpt, hidden, intermediate, names, fp8_block, .. } => {
                 let (h, i) = (*hidden, *intermediate);
                 let [g, u, d] = names.expert(layer, expert);
-                let load = |name: &str, rows: usize, cols: usize| crate::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()));
+                let load = |name: &str, rows: usize, cols: usize| {
+                    crate::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()))
+                };
                 let e = Expert { gate: load(&g, i, h)?, up: load(&u, i, h)?, down: load(&d, h, i)? };
                 let bytes = e.bytes() as u64;
                 Ok((e, bytes))
