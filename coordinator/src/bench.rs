@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
-use shimmer_worker::container::Container;
-use shimmer_worker::store::StoreTelemetry;
+use shimmer_store::container::Container;
+use shimmer_store::StoreTelemetry;
 
 use crate::engine::{Engine, ExpertOptions};
 
@@ -188,8 +188,8 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         });
         let experts = c.experts_path();
         let probe = |depth: usize, reads: &[(u64, u64)]| {
-            shimmer_worker::store::probe::read_bandwidth(&experts, reads, depth, true)
-                .or_else(|_| shimmer_worker::store::probe::read_bandwidth(&experts, reads, depth, false))
+            shimmer_store::probe::read_bandwidth(&experts, reads, depth, true)
+                .or_else(|_| shimmer_store::probe::read_bandwidth(&experts, reads, depth, false))
                 .map(|b| b / 1e9)
                 .ok()
         };
@@ -204,14 +204,14 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let layers = trace.header.layers.len();
     let all = layers * trace.header.experts as usize;
     let replay = if layers > 0 && !trace.tokens.is_empty() {
-        let r = shimmer_worker::trace_analysis::analyze(&trace, capacity.min(all).max(layers));
+        let r = shimmer_store::trace_analysis::analyze(&trace, capacity.min(all).max(layers));
         r.policies.iter().map(|p| (p.policy.clone(), p.hit_rate)).collect()
     } else {
         Vec::new()
     };
     let expert_bytes = match after.as_ref() {
         Some(t) => t.expert_bytes,
-        None => shimmer_worker::store::expert_bytes_of(dir, &engine.spec)?,
+        None => shimmer_store::expert_bytes_of(dir, &engine.spec)?,
     };
     let active = engine.active_bytes_per_token(expert_bytes);
     let threads = rayon::current_num_threads();

@@ -85,6 +85,12 @@ struct WorkerArgs {
     /// Read experts with O_DIRECT; needs a converted container.
     #[arg(long)]
     direct_io: bool,
+    /// Where routing heat is learned and kept (default: shimmer-usage.json beside the model).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_usage")]
+    usage: Option<PathBuf>,
+    /// Neither read nor write routing heat.
+    #[arg(long)]
+    no_usage: bool,
 }
 
 #[derive(Args)]
@@ -103,7 +109,7 @@ struct PlanArgs {
     replicas: usize,
     /// The fraction of each layer's experts, hottest first, that get --replicas copies (1: every
     /// expert, so that any --replicas - 1 workers can fail).
-    #[arg(long, default_value_t = shimmer_worker::placement::HOT_FRACTION)]
+    #[arg(long, default_value_t = shimmer_cluster::placement::HOT_FRACTION)]
     replicate_fraction: f64,
     /// Routing heat (default: shimmer-usage.json beside the model, if there is one; else uniform).
     #[arg(long)]
@@ -216,7 +222,7 @@ struct StoreArgs {
     #[arg(long)]
     no_prefetch: bool,
     /// Expert reads in flight at once.
-    #[arg(long, default_value_t = shimmer_worker::store::DEFAULT_IO_DEPTH)]
+    #[arg(long, default_value_t = shimmer_store::DEFAULT_IO_DEPTH)]
     io_depth: usize,
     /// Where routing heat is learned and kept (default: shimmer-usage.json beside the model).
     #[arg(long, value_name = "FILE", conflicts_with = "no_usage")]
@@ -537,7 +543,7 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 /// carries it) says on stderr what the store holds.
 fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> {
     if let Some(path) = &store.placement {
-        let placement = shimmer_worker::placement::Placement::read(path)?;
+        let placement = shimmer_cluster::placement::Placement::read(path)?;
         if !store.workers.is_empty() {
             let mut want: Vec<&str> = placement.workers.iter().map(|w| w.addr.as_str()).collect();
             let mut got: Vec<&str> = store.workers.iter().map(String::as_str).collect();
@@ -561,13 +567,13 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
         let engine = Engine::open_with_experts(dir, |spec, fingerprint| {
             let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
             placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
-            let model = shimmer_worker::server::model_id(fingerprint);
+            let model = shimmer_cluster::model_id(fingerprint);
             let local = match &store.hold {
                 Some(name) => {
                     let slice = placement.slice(name, &moe).map_err(|e| crate::engine::EngineError::Input(format!("--hold {name}: {e}")))?;
                     let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options().map_err(|e| crate::engine::EngineError::Input(e.to_string()))? };
                     let (_, _, experts) = Engine::open_expert_store(dir, &opts)?;
-                    Some((name.clone(), Box::new(experts) as Box<dyn shimmer_worker::ExpertDispatch>))
+                    Some((name.clone(), Box::new(experts) as Box<dyn shimmer_experts::ExpertDispatch>))
                 }
                 None => None,
             };
@@ -576,11 +582,11 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
             // When workers move to a newer placement, the file is read again.
             let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
             let remote = remote.with_reload(Box::new(move || {
-                let p = shimmer_worker::placement::Placement::read(&file).map_err(|e| e.to_string())?;
+                let p = shimmer_cluster::placement::Placement::read(&file).map_err(|e| e.to_string())?;
                 p.validate(&fingerprint, &moe, experts).map_err(|e| format!("{}: {e}", file.display()))?;
                 Ok(p)
             }));
-            Ok(Box::new(remote))
+            Ok(crate::engine::Experts::Cluster(Box::new(remote)))
         })
         .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
@@ -733,7 +739,7 @@ fn score(a: ScoreArgs) -> Result<ExitCode> {
 }
 
 fn worker(a: WorkerArgs) -> Result<ExitCode> {
-    use shimmer_worker::placement::Placement;
+    use shimmer_cluster::placement::Placement;
     let dir = model_dir(&a.model)?;
     let creds = a.auth.credentials()?;
     let addr: std::net::SocketAddr = a.listen.parse().with_context(|| format!("--listen: `{}` is not an address:port", a.listen))?;
@@ -761,7 +767,12 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
         }
         _ => None,
     };
-    let opts = ExpertOptions { ram, direct_io: a.direct_io, assigned: slice.as_ref().map(|s| s.2.pins.clone()), ..ExpertOptions::default() };
+    let usage = match (&a.usage, a.no_usage) {
+        (_, true) => UsageFile::Off,
+        (Some(p), false) => UsageFile::File(p.clone()),
+        (None, false) => UsageFile::BesideModel,
+    };
+    let opts = ExpertOptions { ram, direct_io: a.direct_io, usage, assigned: slice.as_ref().map(|s| s.2.pins.clone()), ..ExpertOptions::default() };
     let (spec, fingerprint, store) = Engine::open_expert_store(&dir, &opts).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
     if let (Some(path), Some(p)) = (&a.placement, &placement) {
         p.validate(&fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -771,9 +782,9 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
     rt.block_on(async move {
         let endpoint = shimmer_worker::transport::server(addr, &creds)?;
         let local = endpoint.local_addr()?;
-        let mut state = shimmer_worker::server::WorkerState::new(
+        let mut state = shimmer_worker::server::WorkerState::serving_store(
             std::sync::Arc::new(store),
-            shimmer_worker::server::model_id(&fingerprint),
+            shimmer_cluster::model_id(&fingerprint),
             epoch,
             creds,
             spec.hidden_size,
@@ -807,7 +818,7 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
 
 /// The placement's worker this one is: the one whose address is `listen`; else, listening on
 /// every interface, the only one on its port whose IP address is this machine's (one it can bind).
-fn worker_in_placement(p: &shimmer_worker::placement::Placement, listen: std::net::SocketAddr) -> Result<String> {
+fn worker_in_placement(p: &shimmer_cluster::placement::Placement, listen: std::net::SocketAddr) -> Result<String> {
     if let Some(w) = p.workers.iter().find(|w| w.addr.parse::<std::net::SocketAddr>().ok() == Some(listen)) {
         return Ok(w.name.clone());
     }
@@ -832,13 +843,13 @@ fn worker_in_placement(p: &shimmer_worker::placement::Placement, listen: std::ne
 }
 
 fn plan(a: PlanArgs) -> Result<ExitCode> {
-    use shimmer_worker::placement::{self, PlanInput, Worker};
+    use shimmer_cluster::placement::{self, PlanInput, Worker};
     let dir = model_dir(&a.model)?;
     let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
     let fingerprint = crate::engine::model_fingerprint(&dir, &spec)?;
     let moe_layers: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
     let experts = spec.moe.num_experts;
-    let expert_bytes = shimmer_worker::store::expert_bytes_of(&dir, &spec)?;
+    let expert_bytes = shimmer_store::expert_bytes_of(&dir, &spec)?;
     let mut seen = std::collections::HashSet::new();
     for w in &a.workers {
         if w.parse::<std::net::SocketAddr>().is_err() && !w.contains(':') {
@@ -854,11 +865,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
         None => u64::MAX,
     };
     let workers: Vec<Worker> = a.workers.iter().map(|w| Worker { name: w.clone(), addr: w.clone(), ram_bytes }).collect();
-    let usage_path = a.usage.clone().or_else(|| Some(dir.join(shimmer_worker::usage::USAGE_FILE)).filter(|p| p.exists()));
+    let usage_path = a.usage.clone().or_else(|| Some(dir.join(shimmer_store::usage::USAGE_FILE)).filter(|p| p.exists()));
     let mut heat = std::collections::HashMap::new();
     if let Some(p) = &usage_path {
         let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { experts } else { 0 }).collect();
-        let usage = shimmer_worker::usage::Usage::open(p, &fingerprint, &shape)?;
+        let usage = shimmer_store::usage::Usage::open(p, &fingerprint, &shape)?;
         for (l, counts) in usage.base.iter().enumerate() {
             for (e, c) in counts.iter().enumerate() {
                 if *c > 0 {
@@ -947,7 +958,7 @@ fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     }
     let expert_bytes = match engine.store_telemetry() {
         Some(t) => t.expert_bytes,
-        None => shimmer_worker::store::expert_bytes_of(&dir, &engine.spec)?,
+        None => shimmer_store::expert_bytes_of(&dir, &engine.spec)?,
     };
     crate::server::serve(
         engine,
@@ -1126,7 +1137,7 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
                 bail!("--ram-gb must be a positive number of GB");
             }
             let spec = shimmer_common::ModelSpec::from_dir(dir)?;
-            let expert_bytes = shimmer_worker::store::expert_bytes_of(dir, &spec)?;
+            let expert_bytes = shimmer_store::expert_bytes_of(dir, &spec)?;
             ((gb * 1e9) as u64 / expert_bytes.max(1)) as usize
         }
         _ => bail!("give --capacity-experts, or --ram-gb with --model"),
@@ -1138,7 +1149,7 @@ fn trace_analyze(a: TraceAnalyzeArgs) -> Result<ExitCode> {
         eprintln!("shimmer: {}: ignored a partial last record ({} bytes)", a.file.display(), trace.dropped_bytes);
     }
     let all = layers * trace.header.experts as usize;
-    let r = shimmer_worker::trace_analysis::analyze(&trace, capacity.min(all));
+    let r = shimmer_store::trace_analysis::analyze(&trace, capacity.min(all));
     let mut stdout = std::io::stdout().lock();
     if a.json {
         writeln!(stdout, "{}", serde_json::to_string(&r)?)?;
@@ -1258,7 +1269,7 @@ fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
 }
 
 fn convert(a: ConvertArgs) -> Result<ExitCode> {
-    use shimmer_worker::convert::{ConvertEvent, ConvertOptions, DenseQuant};
+    use shimmer_store::convert::{ConvertEvent, ConvertOptions, DenseQuant};
     let expert_quant = shimmer_common::quant::QuantScheme::parse(&a.quant).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
     let dense_quant = DenseQuant::parse(&a.dense_quant).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
     let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(0) };
@@ -1267,7 +1278,7 @@ fn convert(a: ConvertArgs) -> Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?
             .progress_chars("=> "),
     );
-    let report = shimmer_worker::convert::convert(&a.from, &a.to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
+    let report = shimmer_store::convert::convert(&a.from, &a.to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
         ConvertEvent::Start { total_bytes, done_bytes } => {
             bar.set_length(total_bytes);
             bar.set_position(done_bytes);

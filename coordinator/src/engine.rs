@@ -10,14 +10,15 @@ use shimmer_common::tokenizer::Tokenizer;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use std::path::PathBuf;
 
-use shimmer_worker::container::Container;
-use shimmer_worker::store::{ExpertStore, Source, StoreOptions, StoreTelemetry};
-use shimmer_worker::usage::Usage;
-use shimmer_worker::{ExpertDispatch, InProcessExperts};
+use shimmer_experts::{ExpertDispatch, InProcessExperts};
+use shimmer_store::container::Container;
+use shimmer_store::usage::Usage;
+use shimmer_store::{ExpertStore, Source, StoreOptions, StoreTelemetry};
+use shimmer_worker::RemoteExperts;
 
-use crate::kv_cache::KvCache;
-use crate::model::{load_dense, Decoder, ForwardError, Logits, MoeObserver, Segment};
 use crate::sampling::{argmax, Sampler, SamplingParams};
+use shimmer_model::kv_cache::KvCache;
+use shimmer_model::{load_dense, Decoder, ForwardError, Logits, MoeObserver, Segment};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -29,12 +30,48 @@ pub enum EngineError {
     Input(String),
 }
 
+/// Where an engine's routed experts are: what the decoder computes them through, and what can be
+/// asked of each kind beyond that (the store's counters, the cluster's links) — read from the
+/// concrete type, never through `ExpertDispatch`.
+pub enum Experts {
+    /// In this process's memory, or any dispatcher a caller assembled.
+    InProcess(Box<dyn ExpertDispatch>),
+    /// The tiered store: a RAM budget over a container or checkpoint.
+    Store(Box<ExpertStore>),
+    /// On workers, over QUIC.
+    Cluster(Box<RemoteExperts>),
+}
+
+impl Experts {
+    pub fn dispatch(&self) -> &dyn ExpertDispatch {
+        match self {
+            Experts::InProcess(d) => d.as_ref(),
+            Experts::Store(s) => s.as_ref(),
+            Experts::Cluster(r) => r.as_ref(),
+        }
+    }
+
+    pub fn store(&self) -> Option<&ExpertStore> {
+        match self {
+            Experts::Store(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn cluster(&self) -> Option<&RemoteExperts> {
+        match self {
+            Experts::Cluster(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
 pub struct Engine {
     pub spec: ModelSpec,
     pub tokenizer: Tokenizer,
     pub chat: ChatConfig,
     decoder: Decoder,
-    experts: Box<dyn ExpertDispatch>,
+    experts: Experts,
     /// Every id that ends generation: config.json's and generation_config.json's.
     pub eos_ids: Vec<u32>,
     pub load_ms: f64,
@@ -150,7 +187,7 @@ impl Default for ExpertOptions {
             direct_io: false,
             mirror: None,
             prefetch: true,
-            io_depth: shimmer_worker::store::DEFAULT_IO_DEPTH,
+            io_depth: shimmer_store::DEFAULT_IO_DEPTH,
             usage: UsageFile::BesideModel,
             assigned: None,
         }
@@ -199,7 +236,7 @@ impl Engine {
             )));
         }
         if !store {
-            return Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Box::new(experts));
+            return Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Experts::InProcess(Box::new(experts)));
         }
         Self::load_store(dir, opts)
     }
@@ -207,30 +244,26 @@ impl Engine {
     /// `load`, with the routed experts quantised in memory to `scheme`: a measurement tool for a
     /// format's quality (`shimmer quant-eval`), never the serving path.
     pub fn load_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> Result<Self, EngineError> {
-        Self::load_with(dir, scheme, |experts| Box::new(experts))
+        Self::load_with(dir, scheme, |experts| Experts::InProcess(Box::new(experts)))
     }
 
     /// `load`, with the routed experts reached through the dispatcher `place` builds around them
     /// (a partition over workers, later a tiered store). Placement may change speed, never tokens.
     pub fn load_with_dispatch(dir: &Path, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
-        Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, place)
+        Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Experts::InProcess(place(experts)))
     }
 
     fn check_dir(dir: &Path) -> Result<(), EngineError> {
         if !dir.is_dir() {
             return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory or a shimmer container)").into());
         }
-        if dir.join(shimmer_worker::convert::JOURNAL_FILE).exists() && !Container::is_container(dir) {
+        if dir.join(shimmer_store::convert::JOURNAL_FILE).exists() && !Container::is_container(dir) {
             return Err(LoadError::malformed(dir, "holds an unfinished conversion (run the same `shimmer convert` again to finish it)").into());
         }
         Ok(())
     }
 
-    fn load_with(
-        dir: &Path,
-        scheme: shimmer_common::quant::QuantScheme,
-        place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>,
-    ) -> Result<Self, EngineError> {
+    fn load_with(dir: &Path, scheme: shimmer_common::quant::QuantScheme, place: impl FnOnce(InProcessExperts) -> Experts) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         Self::check_dir(dir)?;
         let spec = ModelSpec::from_dir(dir)?;
@@ -245,13 +278,13 @@ impl Engine {
 
     /// A model whose routed experts are reached through `make` (given the spec and the model's
     /// fingerprint) — workers over QUIC — with only the dense weights loaded here.
-    pub fn open_with_experts(dir: &Path, make: impl FnOnce(&ModelSpec, &str) -> Result<Box<dyn ExpertDispatch>, EngineError>) -> Result<Self, EngineError> {
+    pub fn open_with_experts(dir: &Path, make: impl FnOnce(&ModelSpec, &str) -> Result<Experts, EngineError>) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         Self::check_dir(dir)?;
         let spec = ModelSpec::from_dir(dir)?;
         let (decoder, fingerprint) = if Container::is_container(dir) {
             let container = Container::open(dir, &spec)?;
-            let ckpt = Checkpoint::open_files(dir, &[shimmer_worker::container::DENSE_FILE])?;
+            let ckpt = Checkpoint::open_files(dir, &[shimmer_store::container::DENSE_FILE])?;
             (load_dense(&ckpt, &spec)?, container.fingerprint())
         } else {
             let ckpt = Checkpoint::open(dir)?;
@@ -271,8 +304,8 @@ impl Engine {
         let all_experts = moe_layers * spec.moe.num_experts as u64;
         let (source, decoder, fingerprint, dense_bytes) = if Container::is_container(dir) {
             let container = Container::open(dir, &spec)?;
-            let ckpt = Checkpoint::open_files(dir, &[shimmer_worker::container::DENSE_FILE])?;
-            let dense_path = dir.join(shimmer_worker::container::DENSE_FILE);
+            let ckpt = Checkpoint::open_files(dir, &[shimmer_store::container::DENSE_FILE])?;
+            let dense_path = dir.join(shimmer_store::container::DENSE_FILE);
             let dense_bytes = std::fs::metadata(&dense_path).map_err(|e| LoadError::io(&dense_path, e))?.len();
             let decoder = load_dense(&ckpt, &spec)?;
             let fingerprint = container.fingerprint();
@@ -303,7 +336,7 @@ impl Engine {
             }
         };
         let usage_path = match &opts.usage {
-            UsageFile::BesideModel => Some(dir.join(shimmer_worker::usage::USAGE_FILE)),
+            UsageFile::BesideModel => Some(dir.join(shimmer_store::usage::USAGE_FILE)),
             UsageFile::File(p) => Some(p.clone()),
             UsageFile::Off => None,
         };
@@ -321,7 +354,7 @@ impl Engine {
         )
         .map_err(|e| EngineError::Input(e.to_string()))?;
         tracing::info!(budget_bytes, all_bytes, dense_bytes, "expert store open");
-        let mut engine = Self::assemble(dir, spec, decoder, Box::new(store), fingerprint, t0)?;
+        let mut engine = Self::assemble(dir, spec, decoder, Experts::Store(Box::new(store)), fingerprint, t0)?;
         engine.dense_bytes = Some(dense_bytes);
         Ok(engine)
     }
@@ -352,7 +385,7 @@ impl Engine {
             other => {
                 let p = match other {
                     UsageFile::File(p) => p.clone(),
-                    _ => dir.join(shimmer_worker::usage::USAGE_FILE),
+                    _ => dir.join(shimmer_store::usage::USAGE_FILE),
                 };
                 let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { spec.moe.num_experts } else { 0 }).collect();
                 Some(Usage::open(&p, &fingerprint, &shape)?)
@@ -367,14 +400,7 @@ impl Engine {
         Ok((spec, fingerprint, store))
     }
 
-    fn assemble(
-        dir: &Path,
-        spec: ModelSpec,
-        decoder: Decoder,
-        experts: Box<dyn ExpertDispatch>,
-        fingerprint: String,
-        t0: Instant,
-    ) -> Result<Self, EngineError> {
+    fn assemble(dir: &Path, spec: ModelSpec, decoder: Decoder, experts: Experts, fingerprint: String, t0: Instant) -> Result<Self, EngineError> {
         let tokenizer = Tokenizer::from_dir(dir)?;
         let chat = ChatConfig::from_dir(dir)?;
         let mut eos_ids = spec.eos_token_ids.clone();
@@ -418,38 +444,41 @@ impl Engine {
 
     /// Reads every expert the store's budget holds, now (benchmarks of a resident model).
     pub fn preload_experts(&self) -> Result<usize, EngineError> {
-        Ok(self.experts.preload().map_err(crate::model::ForwardError::from)?)
+        match self.experts.store() {
+            Some(s) => Ok(s.preload().map_err(shimmer_model::ForwardError::from)?),
+            None => Ok(0),
+        }
     }
 
     /// Which experts of `layer` are in RAM now (`None`: all of them, no store).
     pub fn resident_experts(&self, layer: usize) -> Option<Vec<bool>> {
-        self.experts.resident(layer)
+        self.experts.store().and_then(|s| s.resident(layer))
     }
 
     /// On a cluster, the time the forward pass has waited for workers so far.
     pub fn network_wait(&self) -> Option<std::time::Duration> {
-        self.experts.network_wait()
+        self.experts.cluster().map(RemoteExperts::network_wait)
     }
 
     /// On a cluster, which worker first serves each expert of `layer`.
     pub fn first_holders(&self, layer: usize) -> Option<Vec<u16>> {
-        self.experts.first_holders(layer)
+        self.experts.cluster().and_then(|r| r.first_holders(layer))
     }
 
     /// Links to the workers and their counters, when the experts are on a cluster.
-    pub fn cluster_telemetry(&self) -> Option<shimmer_worker::remote::ClusterTelemetry> {
-        self.experts.cluster()
+    pub fn cluster_telemetry(&self) -> Option<shimmer_cluster::ClusterTelemetry> {
+        self.experts.cluster().map(RemoteExperts::telemetry_snapshot)
     }
 
     /// The expert store's counters, when the experts are in one.
     pub fn store_telemetry(&self) -> Option<StoreTelemetry> {
-        self.experts.telemetry()
+        self.experts.store().map(ExpertStore::telemetry)
     }
 
     /// Persists what the expert store learned this turn (routing heat); a failure is a warning,
     /// never a lost answer.
     pub fn end_turn(&self) {
-        if let Err(e) = self.experts.end_turn() {
+        if let Err(e) = self.experts.dispatch().end_turn() {
             tracing::warn!("could not save routing heat: {e}");
         }
     }
@@ -473,7 +502,7 @@ impl Engine {
     /// segment's tokens go after what its cache holds; returns each segment's logits. A
     /// sequence's results are bit-identical to running it alone.
     pub fn forward_batch(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> {
-        self.forward_batch_observed(segments, &mut crate::model::NoObserver)
+        self.forward_batch_observed(segments, &mut shimmer_model::NoObserver)
     }
 
     /// `forward_batch`, reporting routing and phase times to `observer` (and to the trace
@@ -482,8 +511,8 @@ impl Engine {
         let mut guard = self.trace.lock().unwrap_or_else(|e| e.into_inner());
         let mut recorder = guard.take();
         let result = self.pool.install(|| match recorder.as_mut() {
-            Some(recorder) => self.decoder.forward_segments(segments, self.experts.as_ref(), &mut crate::model::Tee(recorder, observer)),
-            None => self.decoder.forward_segments(segments, self.experts.as_ref(), observer),
+            Some(recorder) => self.decoder.forward_segments(segments, self.experts.dispatch(), &mut shimmer_model::Tee(recorder, observer)),
+            None => self.decoder.forward_segments(segments, self.experts.dispatch(), observer),
         });
         *guard = recorder;
         result
@@ -496,8 +525,8 @@ impl Engine {
         // The whole pass runs on a pool thread: the hundreds of parallel products inside it then
         // split work through the pool's own queues instead of each waking the pool from outside.
         let result = self.pool.install(|| match recorder.as_mut() {
-            Some(recorder) => self.decoder.forward_observed(tokens, cache, self.experts.as_ref(), want, recorder),
-            None => self.decoder.forward(tokens, cache, self.experts.as_ref(), want),
+            Some(recorder) => self.decoder.forward_observed(tokens, cache, self.experts.dispatch(), want, recorder),
+            None => self.decoder.forward(tokens, cache, self.experts.dispatch(), want),
         });
         *guard = recorder;
         result
@@ -570,7 +599,7 @@ impl Engine {
     pub fn observe(&self, ids: &[u32], observer: &mut dyn MoeObserver) -> Result<(), EngineError> {
         self.check_prompt(ids)?;
         let mut cache = self.decoder.new_cache();
-        self.decoder.forward_observed(ids, &mut cache, self.experts.as_ref(), Logits::Last, observer)?;
+        self.decoder.forward_observed(ids, &mut cache, self.experts.dispatch(), Logits::Last, observer)?;
         Ok(())
     }
 

@@ -1,8 +1,8 @@
 //! shimmer-coordinator: owns requests.
 //!
-//! Owns: the dense forward pass of each model family (`model/`, one file per family), the KV
-//! cache, sampling and stopping, the single-box engine, and the `shimmer` command line. Routed
-//! experts are reached only through `shimmer_worker::ExpertDispatch`.
+//! Owns: requests — sampling and stopping, the engine (a dense model from `shimmer-model` and its
+//! experts wherever they are), sessions, the HTTP API and dashboard (`server/`), and the `shimmer`
+//! command line. Routed experts are reached only through `shimmer_experts::ExpertDispatch`.
 //!
 //! Must never: read or compute a routed expert directly, change routing because of where an
 //! expert lives, or let a client's input reach a panic: bad input is an `EngineError` naming it.
@@ -11,8 +11,6 @@ pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod engine;
-pub mod kv_cache;
-pub mod model;
 pub mod remote_chat;
 pub mod routing;
 pub mod sampling;

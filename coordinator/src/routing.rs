@@ -5,7 +5,7 @@
 
 use shimmer_common::ModelSpec;
 
-use crate::model::MoeObserver;
+use shimmer_model::MoeObserver;
 
 #[derive(Debug, Clone, Default)]
 struct LayerTally {

@@ -7,7 +7,7 @@ use std::path::Path;
 use shimmer_common::spec::{LayerMlp, ModelSpec};
 use shimmer_common::trace::{TokenRecord, TraceError, TraceHeader, TraceWriter};
 
-use crate::model::MoeObserver;
+use shimmer_model::MoeObserver;
 
 pub struct TraceRecorder {
     writer: TraceWriter,

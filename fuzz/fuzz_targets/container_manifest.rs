@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let file_len = u64::from_le_bytes(data[..8].try_into().unwrap_or([0; 8])) >> 40;
     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&data[8..]) {
-        if let Ok(c) = shimmer_worker::container::Container::from_manifest(std::path::Path::new("c"), v, spec(), file_len) {
+        if let Ok(c) = shimmer_store::container::Container::from_manifest(std::path::Path::new("c"), v, spec(), file_len) {
             for l in 0..8 {
                 for e in 0..16 {
                     if let Some(loc) = c.location(l, e) {

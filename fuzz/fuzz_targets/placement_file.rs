@@ -3,7 +3,7 @@
 //! slice: any input ends in Ok or an error naming the problem; a validated placement gives every
 //! expert a holder and every worker a slice.
 use libfuzzer_sys::fuzz_target;
-use shimmer_worker::placement::Placement;
+use shimmer_cluster::placement::Placement;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(p) = Placement::parse(data) else { return };

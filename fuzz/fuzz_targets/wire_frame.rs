@@ -2,17 +2,17 @@
 //! Bytes off a QUIC stream → a data-plane frame: any input ends in a frame or a named error (with
 //! the code a worker answers it with); a decoded frame re-encodes to itself.
 use libfuzzer_sys::fuzz_target;
-use shimmer_worker::wire::{self, Frame};
+use shimmer_cluster::wire::{self, Frame};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(frame) = wire::decode(bytes::Bytes::copy_from_slice(data)) else { return };
     if let Frame::StatusReply { json, .. } = &frame {
         // A worker's status as the coordinator reads it: parsed or refused, never a panic.
-        let _ = serde_json::from_str::<shimmer_worker::server::WorkerStatus>(json);
+        let _ = serde_json::from_str::<shimmer_cluster::WorkerStatus>(json);
     }
     let again = match &frame {
         Frame::Request(r) => r.encode(),
-        Frame::Response(r) => r.encode(0, 0),
+        Frame::Response(r) => r.encode(),
         Frame::Hint { layer, experts } => {
             let h = wire::Header::decode(data).expect("decoded once");
             wire::encode_hint(h.model, h.epoch, *layer, h.top_k, experts)

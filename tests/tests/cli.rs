@@ -394,7 +394,7 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     let spec = shimmer_common::ModelSpec::from_dir(&fixture_dir).unwrap();
     let fingerprint = shimmer_coordinator::engine::model_fingerprint(&fixture_dir, &spec).unwrap();
     let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
-    let p = shimmer_worker::placement::Placement::read(&out).unwrap();
+    let p = shimmer_cluster::placement::Placement::read(&out).unwrap();
     p.validate(&fingerprint, &moe, spec.moe.num_experts).unwrap();
     let total: f64 = report["workers"].as_array().unwrap().iter().map(|w| w["selections_per_token"].as_f64().unwrap()).sum();
     assert!((total - report["selections_per_token"].as_f64().unwrap()).abs() < 1e-6, "every selection is served somewhere: {report}");
@@ -406,7 +406,7 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
                 .concat(),
         );
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        shimmer_worker::placement::Placement::read(&out).unwrap().epoch
+        shimmer_cluster::placement::Placement::read(&out).unwrap().epoch
     };
     assert_eq!(again(&[]), 2);
     assert_eq!(again(&["--epoch", "7"]), 7);

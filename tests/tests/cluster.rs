@@ -9,14 +9,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use shimmer_cluster::model_id;
+use shimmer_cluster::placement::{Placement, Worker, FORMAT, VERSION};
 use shimmer_common::{Checkpoint, ModelSpec};
 use shimmer_coordinator::Engine;
+use shimmer_experts::{ExpertDispatch, InProcessExperts};
 use shimmer_tests::{fixture, oracle};
-use shimmer_worker::placement::{Placement, Worker, FORMAT, VERSION};
 use shimmer_worker::remote::{RemoteExperts, Timeouts};
-use shimmer_worker::server::{model_id, serve, WorkerState};
+use shimmer_worker::server::{serve, WorkerState};
 use shimmer_worker::transport::{self, Credentials, JoinToken};
-use shimmer_worker::{ExpertDispatch, InProcessExperts};
 
 const TOKEN: &str = "test-cluster-join-token";
 
@@ -71,7 +72,7 @@ fn start_worker_for(
 struct Shared(Arc<RemoteExperts>);
 
 impl ExpertDispatch for Shared {
-    fn dispatch(&self, batch: &shimmer_worker::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_worker::DispatchError> {
+    fn dispatch(&self, batch: &shimmer_experts::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_experts::DispatchError> {
         self.0.dispatch(batch, acc)
     }
 }
@@ -109,7 +110,7 @@ fn a_dead_worker_fails_over_to_replicas_with_identical_logits_and_is_readmitted(
         assert_eq!(bits(&got), bits(&want[i * vocab..(i + 1) * vocab]), "position {i}");
     }
     assert_eq!(remote.down_workers(), vec![addrs[0].clone()]);
-    assert!(remote.failovers.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(remote.telemetry_snapshot().failovers > 0);
     // Restarted on the same address, it is re-admitted after its backoff and used again.
     let dead = workers.into_iter().next().unwrap().0;
     rt.block_on(dead.wait_idle());
@@ -178,7 +179,7 @@ fn placement(fingerprint: &str, spec: &ModelSpec, addrs: &[String], owner: impl 
         workers: addrs.iter().map(|a| Worker { name: a.clone(), addr: a.clone(), ram_bytes: u64::MAX }).collect(),
         layers: moe
             .iter()
-            .map(|&l| shimmer_worker::placement::LayerPlacement {
+            .map(|&l| shimmer_cluster::placement::LayerPlacement {
                 layer: l,
                 replicas: (0..spec.moe.num_experts).map(|e| vec![addrs[owner(l, e)].clone()]).collect(),
             })
@@ -255,6 +256,8 @@ fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerPr
     let mut child = std::process::Command::new(shimmer_tests::shimmer_bin())
         .arg("worker")
         .args(model.map(|m| vec!["--model", m.to_str().unwrap()]).unwrap_or_default())
+        // The fixtures are committed: no routing heat is written beside them.
+        .arg("--no-usage")
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -341,7 +344,7 @@ fn three_worker_processes_generate_the_single_box_tokens_under_three_placements(
 
 #[test]
 fn garbage_wrong_model_and_stale_epoch_frames_get_error_codes_and_the_worker_keeps_serving() {
-    use shimmer_worker::wire::{self, ErrorCode, Frame};
+    use shimmer_cluster::wire::{self, ErrorCode, Frame};
     let dir = fixture("qwen3_moe");
     let spec = ModelSpec::from_dir(&dir).unwrap();
     let fingerprint = Engine::load(&dir).unwrap().fingerprint;
@@ -503,7 +506,7 @@ fn a_coordinator_that_holds_a_workers_share_itself_gives_the_single_box_tokens()
     let args = ["generate", "--model", d, "--prompt-ids", "2,7,1,8,2,8", "--max-tokens", "10", "--json"];
     let single = shimmer_tests::shimmer(&args);
     let both = shimmer_tests::shimmer(
-        &[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", &me, "--connect-timeout-s", "0.5"]].concat(),
+        &[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN, "--hold", &me, "--connect-timeout-s", "0.5", "--no-usage"]].concat(),
     );
     assert!(both.status.success(), "{}", String::from_utf8_lossy(&both.stderr));
     let json = |o: &std::process::Output| serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap();

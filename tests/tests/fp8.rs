@@ -5,9 +5,9 @@
 
 use shimmer_common::expert_blob::{self, StoredMatrix};
 use shimmer_common::{quant, Checkpoint, StDtype};
+use shimmer_store::container::Container;
+use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
 use shimmer_tests::fixture;
-use shimmer_worker::container::Container;
-use shimmer_worker::convert::{convert, ConvertOptions, DenseQuant};
 
 fn reference() -> std::collections::HashMap<String, Vec<f32>> {
     let path = fixture("deepseek_v3_fp8.dequantized.safetensors");
@@ -75,7 +75,7 @@ fn an_fp8_checkpoint_served_as_it_is_gives_exactly_the_dequantised_models_logits
     // And fp8 stays fp8 in memory: a quarter of the f32 model's expert bytes, plus block scales.
     let bytes = |dir: &std::path::Path| {
         let spec = shimmer_common::ModelSpec::from_dir(dir).unwrap();
-        shimmer_worker::InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap().bytes()
+        shimmer_experts::InProcessExperts::load(&Checkpoint::open(dir).unwrap(), &spec).unwrap().bytes()
     };
     let (a, b) = (bytes(&fixture("deepseek_v3_fp8")), bytes(tmp.path()));
     assert!(a * 3 < b, "fp8 experts hold {a} bytes, f32 {b}");

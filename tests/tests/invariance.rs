@@ -83,10 +83,10 @@ fn cancelling_from_the_text_callback_stops_generation() {
 
 /// Two "nodes", each owning half of every layer's experts (a skewed, interleaved split), summed
 /// in the opposite order to expert ids: the single-box result, bit for bit.
-struct TwoNodes(shimmer_worker::InProcessExperts);
+struct TwoNodes(shimmer_experts::InProcessExperts);
 
-impl shimmer_worker::ExpertDispatch for TwoNodes {
-    fn dispatch(&self, batch: &shimmer_worker::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_worker::DispatchError> {
+impl shimmer_experts::ExpertDispatch for TwoNodes {
+    fn dispatch(&self, batch: &shimmer_experts::MoeBatch<'_>, acc: &mut [i64]) -> Result<(), shimmer_experts::DispatchError> {
         let mut b = vec![0i64; acc.len()];
         self.0.dispatch_owned(batch, &mut b, &|layer, e| (e as usize * 7 + layer).is_multiple_of(3))?;
         self.0.dispatch_owned(batch, acc, &|layer, e| !(e as usize * 7 + layer).is_multiple_of(3))?;
@@ -109,7 +109,7 @@ fn splitting_the_experts_across_nodes_never_changes_a_bit() {
 fn sequences_batched_together_get_the_logits_they_get_alone() {
     // Continuous batching: one forward pass holds a sequence's prompt chunk beside other
     // sequences' single decode tokens and prompt chunks. Each must come out as if alone.
-    use shimmer_coordinator::model::{Logits, Segment};
+    use shimmer_model::{Logits, Segment};
     for name in FAMILIES {
         let engine = Engine::load(&fixture(name)).unwrap();
         let o = oracle(name);

@@ -324,11 +324,11 @@ fn mutated_container_manifests_and_usage_files_fail_or_answer_identically() {
     let mut rng = Rng(0x3a11);
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("c");
-    let opts = shimmer_worker::convert::ConvertOptions {
+    let opts = shimmer_store::convert::ConvertOptions {
         expert_quant: shimmer_common::quant::QuantScheme::Int8PerRow,
-        dense_quant: shimmer_worker::convert::DenseQuant::Bf16,
+        dense_quant: shimmer_store::convert::DenseQuant::Bf16,
     };
-    shimmer_worker::convert::convert(&fixture("glm4_moe"), &dir, opts, &mut |_| {}).unwrap();
+    shimmer_store::convert::convert(&fixture("glm4_moe"), &dir, opts, &mut |_| {}).unwrap();
     let ids = [1u32, 5, 9, 13, 17];
     let usage = out.path().join("usage.json");
     let store = |usage: UsageFile| ExpertOptions { ram: Some(RamBudget::Gb(1e-4)), usage, ..ExpertOptions::default() };
@@ -336,7 +336,7 @@ fn mutated_container_manifests_and_usage_files_fail_or_answer_identically() {
     let reference = learner.logits_all(&ids).unwrap();
     learner.score(&ids).unwrap(); // a turn: writes the usage file
     drop(learner);
-    let manifest_path = dir.join(shimmer_worker::container::MANIFEST_FILE);
+    let manifest_path = dir.join(shimmer_store::container::MANIFEST_FILE);
     let original: Value = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
     let (mut loaded, mut refused) = (0, 0);
     for i in 0..300 {

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use shimmer_common::quant::QuantScheme;
 use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
 use shimmer_coordinator::sampling::SamplingParams;
+use shimmer_store::container::{Manifest, MANIFEST_FILE};
+use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
 use shimmer_tests::{fixture, FAMILIES};
-use shimmer_worker::container::{Manifest, MANIFEST_FILE};
-use shimmer_worker::convert::{convert, ConvertOptions, DenseQuant};
 
 fn demo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")

@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
+use shimmer_store::container::{Manifest, MANIFEST_FILE};
 use shimmer_tests::{assert_clean_failure, fixture, shimmer, shimmer_bin};
-use shimmer_worker::container::{Manifest, MANIFEST_FILE};
 
 fn convert(from: &Path, to: &Path, quant: &str) -> std::process::Output {
     shimmer(&["convert", "--from", from.to_str().unwrap(), "--to", to.to_str().unwrap(), "--quant", quant, "--quiet"])

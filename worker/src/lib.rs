@@ -1,30 +1,16 @@
-//! shimmer-worker: owns experts.
+//! shimmer-worker: the cluster's network, on quinn and tokio.
 //!
-//! Owns: expert weights and their SwiGLU FFN, and the `ExpertDispatch` contract through which the
-//! coordinator's dense forward hands each MoE layer's rows and (expert, weight) selections to
-//! whoever holds the experts. Three dispatchers implement it: in-process (everything in RAM), the
-//! tiered store (RAM/NVMe, prefetch), and `remote` (experts on workers over QUIC, whose service is
-//! `server` over the same store); `wire`, `transport` and `placement` are the data plane's
-//! frames, links and expert-to-worker map.
+//! Owns: QUIC endpoints with the join-token proof and operator mTLS (`transport`), a worker's
+//! service that answers expert requests from its store (`server`, `shimmer worker`), and the
+//! coordinator's driver of the sans-IO cluster core (`remote`: `RemoteExperts`, an
+//! `ExpertDispatch` whose experts live on workers).
 //!
-//! Must never: route (the selections arrive decided), skip, substitute or re-weight an expert,
-//! answer for an expert no node could compute (an error instead), or know a model family: tensor
-//! names come from the spec's templates.
+//! Must never: decide what `shimmer-cluster` decides (who serves a selection, failover, backoff,
+//! the merge of partial sums) — this crate carries decisions out and reports what happened; route,
+//! skip, substitute or re-weight an expert; compute for another model or placement epoch.
 
-pub mod container;
-pub mod convert;
-pub mod dispatch;
-pub mod expert;
-pub mod placement;
-pub mod policy;
 pub mod remote;
 pub mod server;
-pub mod store;
-pub mod trace_analysis;
 pub mod transport;
-pub mod usage;
-pub mod weights;
-pub mod wire;
 
-pub use dispatch::{DispatchError, ExpertDispatch, InProcessExperts, MoeBatch};
-pub use expert::Expert;
+pub use remote::{RemoteExperts, Timeouts};

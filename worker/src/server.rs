@@ -13,14 +13,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use serde::{Deserialize, Serialize};
 
-use crate::dispatch::{ExpertDispatch, MoeBatch, ELSEWHERE};
+use shimmer_cluster::wire::{self, ErrorCode, Frame, Header, HEADER_LEN};
+use shimmer_experts::{ExpertDispatch, MoeBatch, ELSEWHERE};
+use shimmer_store::ExpertStore;
+
 use crate::transport::{self, Credentials};
-use crate::wire::{self, ErrorCode, Frame, Header, HEADER_LEN};
 
 pub struct WorkerState {
     pub dispatch: Arc<dyn ExpertDispatch>,
+    /// The store behind `dispatch`, when it is one (its counters go into the status).
+    pub store: Option<Arc<ExpertStore>>,
     /// 64-bit identity of the model served (`model_id`).
     pub model: u64,
     pub epoch: AtomicU64,
@@ -39,6 +42,7 @@ impl WorkerState {
     pub fn new(dispatch: Arc<dyn ExpertDispatch>, model: u64, epoch: u64, creds: Credentials, hidden: usize) -> Self {
         WorkerState {
             dispatch,
+            store: None,
             model,
             epoch: AtomicU64::new(epoch),
             creds,
@@ -50,8 +54,13 @@ impl WorkerState {
         }
     }
 
+    /// A worker serving `store`'s experts.
+    pub fn serving_store(store: Arc<ExpertStore>, model: u64, epoch: u64, creds: Credentials, hidden: usize) -> Self {
+        WorkerState { store: Some(store.clone()), ..Self::new(store, model, epoch, creds, hidden) }
+    }
+
     pub fn status(&self) -> WorkerStatus {
-        let t = self.dispatch.telemetry();
+        let t = self.store.as_ref().map(|s| s.telemetry());
         WorkerStatus {
             name: self.name.clone(),
             epoch: self.epoch.load(Ordering::SeqCst),
@@ -67,28 +76,7 @@ impl WorkerState {
     }
 }
 
-/// What a worker says about itself (the status reply's JSON).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct WorkerStatus {
-    pub name: String,
-    pub epoch: u64,
-    /// Experts the placement gives it.
-    pub assigned_experts: usize,
-    /// Whether it loads, from its own disk, experts the placement gives others (failover).
-    pub loads_unassigned: bool,
-    /// RAM for experts, one expert's bytes, and how many fit.
-    pub budget_bytes: u64,
-    pub expert_bytes: u64,
-    pub capacity_experts: u64,
-    /// Experts in RAM now.
-    pub resident_experts: usize,
-    pub requests: u64,
-    pub disk_reads: u64,
-}
-/// The 64-bit model identity frames carry.
-pub fn model_id(fingerprint: &str) -> u64 {
-    shimmer_common::expert_blob::checksum(fingerprint.as_bytes())
-}
+pub use shimmer_cluster::{model_id, WorkerStatus};
 
 /// Serves connections until the endpoint closes.
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<WorkerState>) {
@@ -172,11 +160,18 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
                     weights: &weights,
                 };
                 let mut acc = vec![0i64; rows.len()];
-                st.dispatch.dispatch(&batch, &mut acc).map(|_| wire::Response { request_id: req.request_id, layer: req.layer, hidden: req.hidden, sums: acc })
+                st.dispatch.dispatch(&batch, &mut acc).map(|_| wire::Response {
+                    request_id: req.request_id,
+                    model: st.model,
+                    epoch,
+                    layer: req.layer,
+                    hidden: req.hidden,
+                    sums: acc,
+                })
             })
             .await;
             Some(match computed {
-                Ok(Ok(resp)) => resp.encode(state.model, epoch),
+                Ok(Ok(resp)) => resp.encode(),
                 Ok(Err(e)) => wire::encode_error(id, ErrorCode::Unavailable, &e.to_string()),
                 Err(e) => wire::encode_error(id, ErrorCode::Internal, &e.to_string()),
             })

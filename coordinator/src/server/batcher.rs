@@ -22,9 +22,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
 use super::prefix_cache::PrefixCache;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
-use crate::model::{Logits, Segment};
 use crate::sampling::Sampler;
 use shimmer_common::json_constraint::Matcher;
+use shimmer_model::{Logits, Segment};
 
 /// Prompt tokens one step may prefill, across all sequences.
 pub const PREFILL_CHUNK: usize = 256;
@@ -235,7 +235,7 @@ struct Loop {
     moe_layers: Vec<usize>,
     expert_bytes: u64,
     /// The store's counters after the previous step (for per-step I/O wait and bytes).
-    last_store: Option<shimmer_worker::store::StoreTelemetry>,
+    last_store: Option<shimmer_store::StoreTelemetry>,
     /// On a cluster, the network wait so far (its growth is a step's wait on workers).
     last_network_wait: Option<std::time::Duration>,
     /// Each token's text as it extends an output (built at the first constrained request).

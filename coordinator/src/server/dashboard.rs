@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::model::{MoeObserver, PhaseTimes};
+use shimmer_model::{MoeObserver, PhaseTimes};
 
 /// Per-turn time by phase, in milliseconds: the forward passes' phases over the steps the
 /// request took part in (a step's time counts fully for every request in it), plus sampling.
@@ -78,7 +78,7 @@ pub struct Snapshot {
     pub tier: Vec<&'static str>,
     pub generated_tokens: u64,
     /// The workers and the links to them, when the experts are on a cluster.
-    pub cluster: Option<shimmer_worker::remote::ClusterTelemetry>,
+    pub cluster: Option<shimmer_cluster::ClusterTelemetry>,
     /// On a cluster, per (row, expert): the worker that first serves it (an index into
     /// `cluster.workers`); empty on a single box.
     pub node: Vec<u16>,
@@ -146,7 +146,7 @@ impl Dashboard {
         running: usize,
         waiting: usize,
         resident: &dyn Fn(usize) -> Option<Vec<bool>>,
-        cluster: Option<shimmer_worker::remote::ClusterTelemetry>,
+        cluster: Option<shimmer_cluster::ClusterTelemetry>,
         first_holders: &dyn Fn(usize) -> Option<Vec<u16>>,
     ) -> Snapshot {
         let now = Instant::now();

@@ -11,8 +11,8 @@ use std::time::Duration;
 use prometheus::core::Desc;
 use prometheus::proto::{self, LabelPair, MetricType};
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
-use shimmer_worker::remote::{ClusterTelemetry, WorkerLink, RTT_BUCKETS};
-use shimmer_worker::store::StoreTelemetry;
+use shimmer_cluster::{ClusterTelemetry, WorkerLink, RTT_BUCKETS};
+use shimmer_store::StoreTelemetry;
 
 use super::batcher::BatcherStats;
 

@@ -83,7 +83,7 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_cache::KvCache;
+    use shimmer_model::kv_cache::KvCache;
 
     fn session(tokens: &[u32]) -> Session {
         let mut cache = KvCache::new(1, 2, 2, 64);

@@ -1,4 +1,11 @@
-//! Model families' dense forward passes.
+//! shimmer-model: the dense model — everything of a forward pass but the routed experts.
+//!
+//! Owns: the one decoder every family shares, attention (GQA and MLA), RoPE tables, routers, the
+//! KV cache, and the family files that say where each family's tensors live.
+//!
+//! Must never: link an async runtime, a socket or TLS (`cargo tree -e normal -p shimmer-model`
+//! shows no tokio, quinn or rustls); touch a routed expert except through `ExpertDispatch`;
+//! read a clock for anything but the phase timings it reports.
 //!
 //! `decoder.rs` is the one shared mechanism for decoder-only MoE transformers: GQA attention
 //! (optional QK-norm, clip, biases, partial or interleaved rotary, sliding window) or multi-head
@@ -10,6 +17,7 @@
 pub mod decoder;
 pub mod deepseek_v3;
 pub mod glm4_moe;
+pub mod kv_cache;
 pub mod mixtral;
 pub mod mla;
 pub mod olmoe;

@@ -11,9 +11,9 @@
 
 use shimmer_common::spec::{AttentionKind, LayerMlp, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
 use shimmer_kernels::attention::{attend_rows, AttentionShape};
 use shimmer_kernels::{fixed, ops, Matrix};
-use shimmer_worker::{DispatchError, ExpertDispatch, MoeBatch};
 
 use super::mla::Mla;
 use super::rope::Rope;
@@ -274,9 +274,9 @@ pub(crate) fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f3
     Ok(ckpt.get(name, &[len])?.to_f32())
 }
 
-/// A weight matrix as stored (`shimmer_worker::weights`: floats, fp8 with block scales, int8).
+/// A weight matrix as stored (`shimmer_experts::weights`: floats, fp8 with block scales, int8).
 pub(crate) fn matrix(ckpt: &Checkpoint, spec: &ModelSpec, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
-    shimmer_worker::weights::load_matrix(ckpt, name, rows, cols, spec.fp8_block)
+    shimmer_experts::weights::load_matrix(ckpt, name, rows, cols, spec.fp8_block)
 }
 
 pub(crate) fn linear(ckpt: &Checkpoint, spec: &ModelSpec, base: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear, LoadError> {

@@ -51,7 +51,9 @@ pub enum DispatchError {
     Remote(String),
 }
 
-/// Whoever holds the experts: in-process now, QUIC workers later.
+/// Whoever holds the experts: this process's memory, the tiered store, or workers over QUIC.
+/// The contract is compute only: what a dispatcher can report about itself (store counters,
+/// cluster links) is read from its concrete type, never through this trait.
 pub trait ExpertDispatch: Send + Sync {
     /// Adds each row's weighted expert sum into `acc` (`n × hidden` fixed-point units).
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError>;
@@ -68,38 +70,6 @@ pub trait ExpertDispatch: Send + Sync {
     /// Called after each turn (a generation, a scoring): persist what was learned.
     fn end_turn(&self) -> Result<(), String> {
         Ok(())
-    }
-
-    fn telemetry(&self) -> Option<crate::store::StoreTelemetry> {
-        None
-    }
-
-    /// Links to workers and their counters, when the experts are on a cluster.
-    fn cluster(&self) -> Option<crate::remote::ClusterTelemetry> {
-        None
-    }
-
-    /// On a cluster, the time the forward pass has waited for workers' answers so far (cheap: the
-    /// batcher reads it every step).
-    fn network_wait(&self) -> Option<std::time::Duration> {
-        None
-    }
-
-    /// On a cluster, which worker first serves each expert of `layer` (an index into
-    /// `cluster().workers`).
-    fn first_holders(&self, _layer: usize) -> Option<Vec<u16>> {
-        None
-    }
-
-    /// Which experts of `layer` are in RAM now (`None`: the dispatcher keeps them all there).
-    fn resident(&self, _layer: usize) -> Option<Vec<bool>> {
-        None
-    }
-
-    /// Reads every expert that fits the budget now (benchmarks of a resident model); returns how
-    /// many were read.
-    fn preload(&self) -> Result<usize, DispatchError> {
-        Ok(0)
     }
 }
 
@@ -182,12 +152,14 @@ impl InProcessExperts {
     }
 }
 
-/// The union of a batch's selected experts: for each expert, the (row, weight) pairs that chose it.
 /// A selection another node computes (a cluster worker's share of a batch): skipped here. Its
 /// contribution arrives as another node's fixed-point partial sum, which adds to the same bits.
 pub const ELSEWHERE: u32 = u32::MAX;
 
-pub(crate) fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<(usize, f32)>>, DispatchError> {
+/// The union of a batch's selected experts: for each expert, the (row, weight) pairs that chose
+/// it. (Every dispatcher that computes experts — this one, the store — goes through this and
+/// `apply_experts`, so a fix reaches them all.)
+pub fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<(usize, f32)>>, DispatchError> {
     let layer = batch.layer;
     let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); num_experts];
     for (slot, (&e, &w)) in batch.experts.iter().zip(batch.weights).enumerate() {
@@ -207,7 +179,7 @@ const SERIAL_MACS: usize = 1 << 20;
 /// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
 /// Their outputs are added afterwards as fixed-point integers, so the order — and which thread,
 /// dispatcher or node computed which expert — cannot change a bit.
-pub(crate) fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
+pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
     let (h, layer) = (batch.hidden, batch.layer);
     // Small work (a decode step of a small model) runs on this thread: waking the pool's threads
     // costs more than it saves. Otherwise experts are spread over the threads, each running its

@@ -18,7 +18,7 @@ use shimmer_kernels::matrix::WeightData;
 use shimmer_kernels::Matrix;
 
 use crate::container::Container;
-use crate::expert::Expert;
+use shimmer_experts::Expert;
 
 /// A zeroed, 4096-byte-aligned buffer (what O_DIRECT reads need).
 pub struct AlignedBuf {
@@ -225,7 +225,7 @@ impl Source {
                 let (h, i) = (*hidden, *intermediate);
                 let [g, u, d] = names.expert(layer, expert);
                 let load = |name: &str, rows: usize, cols: usize| {
-                    crate::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()))
+                    shimmer_experts::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()))
                 };
                 let e = Expert { gate: load(&g, i, h)?, up: load(&u, i, h)?, down: load(&d, h, i)? };
                 let bytes = e.bytes() as u64;

@@ -8,7 +8,9 @@
 use shimmer_common::{quant, Checkpoint, LoadError, StDtype};
 use shimmer_kernels::Matrix;
 
-use crate::convert::INT8_SCALE_SUFFIX;
+/// The suffix of the per-row f32 scales stored beside an int8 dense matrix (`shimmer convert
+/// --dense-quant int8` writes them; this loader reads them).
+pub const INT8_SCALE_SUFFIX: &str = "_shimmer_int8_scale";
 
 /// `name` as a `rows × cols` matrix; `fp8_block` is the model's fp8 block side
 /// (`ModelSpec::fp8_block`).

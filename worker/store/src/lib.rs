@@ -1,4 +1,16 @@
-//! The tiered expert store (DESIGN.md §4): routed experts live on storage (a container's experts
+//! shimmer-store: where a node's routed experts live — a RAM tier under a byte budget over a
+//! container's experts file or an unconverted checkpoint — and the container format itself.
+//!
+//! Owns: the tiered expert store (this file; DESIGN.md §4), reading and verifying blobs
+//! (`source`), the sans-IO cache policies and Belady's optimum (`policy`), routing-trace replay
+//! against them (`trace_analysis`), the container's manifest (`container`) and the converter that
+//! writes it (`convert`), and the routing-heat file pins are learned from (`usage`).
+//!
+//! Must never: open a socket or start an async runtime; change which expert a row uses or the
+//! arithmetic applied to it; serve bytes whose checksum failed; let a failed read leave the
+//! policy believing an expert is resident. The policy decides and sees no clock or file.
+//!
+//! The tiered expert store: routed experts live on storage (a container's experts
 //! file, or an unconverted checkpoint) and a RAM cache of a fixed byte budget holds the ones the
 //! policy keeps. It implements `ExpertDispatch`, so the decoder cannot tell it from experts held
 //! in memory — only the speed differs.
@@ -16,8 +28,13 @@
 //! same fixed-point accumulation as `dispatch.rs`), serve bytes whose checksum failed, or let a
 //! failed read leave the policy believing an expert is resident.
 
+pub mod container;
+pub mod convert;
+pub mod policy;
 pub mod probe;
 pub mod source;
+pub mod trace_analysis;
+pub mod usage;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,10 +46,9 @@ use serde::Serialize;
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::ModelSpec;
 
-use crate::dispatch::{DispatchError, ExpertDispatch, MoeBatch};
-use crate::expert::Expert;
 use crate::policy::{Decision, Key, LayerLru};
 use crate::usage::Usage;
+use shimmer_experts::{DispatchError, Expert, ExpertDispatch, MoeBatch};
 pub use source::Source;
 
 pub const DEFAULT_IO_DEPTH: usize = 16;
@@ -337,6 +353,51 @@ impl ExpertStore {
     pub fn telemetry(&self) -> StoreTelemetry {
         self.inner.telemetry()
     }
+
+    /// Which experts of `layer` are in RAM now.
+    pub fn resident(&self, layer: usize) -> Option<Vec<bool>> {
+        let state = lock(&self.inner.state);
+        Some((0..self.inner.num_experts).map(|e| matches!(state.slots.get(&(layer as u16, e as u16)), Some(Slot::Ready(_)))).collect())
+    }
+
+    /// Reads every expert that fits the budget now (benchmarks of a resident model); returns how
+    /// many were read.
+    pub fn preload(&self) -> Result<usize, DispatchError> {
+        let inner = &self.inner;
+        let slots = inner.telemetry_base.slots_per_layer.min(inner.num_experts);
+        let mut jobs = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            for (layer, pos) in inner.moe_position.iter().enumerate() {
+                let Some(pos) = *pos else { continue };
+                for e in 0..slots {
+                    let key = (pos, e as u16);
+                    if st.slots.contains_key(&key) {
+                        continue;
+                    }
+                    let d = st.policy.decide(key);
+                    if let Some(ev) = d.evicted {
+                        st.slots.remove(&ev);
+                    }
+                    if d.kept {
+                        let pending = Pending::new();
+                        st.slots.insert(key, Slot::Loading(pending.clone()));
+                        jobs.push(Job { key, layer, expert: e, pending, prefetch: false });
+                    }
+                }
+            }
+        }
+        let pendings: Vec<(usize, usize, Arc<Pending>)> = jobs.iter().map(|j| (j.layer, j.expert, j.pending.clone())).collect();
+        {
+            let mut q = lock(&inner.queues);
+            q.demand.extend(jobs);
+            inner.work.notify_all();
+        }
+        for (layer, expert, p) in &pendings {
+            p.wait().map_err(|message| DispatchError::Storage { layer: *layer, expert: *expert as u32, message })?;
+        }
+        Ok(pendings.len())
+    }
 }
 
 impl Drop for ExpertStore {
@@ -477,7 +538,7 @@ impl ExpertDispatch for ExpertStore {
         let inner = &self.inner;
         let layer = batch.layer;
         let pos = inner.moe_position.get(layer).copied().flatten().ok_or(DispatchError::NotMoeLayer { layer })?;
-        let users = crate::dispatch::expert_users(batch, inner.num_experts)?;
+        let users = shimmer_experts::dispatch::expert_users(batch, inner.num_experts)?;
         if let Some(u) = lock(&inner.usage).as_mut() {
             for e in batch.experts {
                 u.record(layer, *e as usize);
@@ -539,7 +600,7 @@ impl ExpertDispatch for ExpertStore {
         loop {
             if !ready.is_empty() {
                 let work: Vec<(&Expert, &[(usize, f32)])> = ready.iter().map(|(e, x)| (x.as_ref(), users[*e].as_slice())).collect();
-                crate::dispatch::apply_experts(batch, &work, acc)?;
+                shimmer_experts::dispatch::apply_experts(batch, &work, acc)?;
                 ready.clear();
             }
             if waiting.is_empty() {
@@ -605,52 +666,6 @@ impl ExpertDispatch for ExpertStore {
             Some(u) => u.save().map_err(|e| e.to_string()),
             None => Ok(()),
         }
-    }
-
-    fn telemetry(&self) -> Option<StoreTelemetry> {
-        Some(self.inner.telemetry())
-    }
-
-    fn resident(&self, layer: usize) -> Option<Vec<bool>> {
-        let state = lock(&self.inner.state);
-        Some((0..self.inner.num_experts).map(|e| matches!(state.slots.get(&(layer as u16, e as u16)), Some(Slot::Ready(_)))).collect())
-    }
-
-    fn preload(&self) -> Result<usize, DispatchError> {
-        let inner = &self.inner;
-        let slots = inner.telemetry_base.slots_per_layer.min(inner.num_experts);
-        let mut jobs = Vec::new();
-        {
-            let mut st = lock(&inner.state);
-            for (layer, pos) in inner.moe_position.iter().enumerate() {
-                let Some(pos) = *pos else { continue };
-                for e in 0..slots {
-                    let key = (pos, e as u16);
-                    if st.slots.contains_key(&key) {
-                        continue;
-                    }
-                    let d = st.policy.decide(key);
-                    if let Some(ev) = d.evicted {
-                        st.slots.remove(&ev);
-                    }
-                    if d.kept {
-                        let pending = Pending::new();
-                        st.slots.insert(key, Slot::Loading(pending.clone()));
-                        jobs.push(Job { key, layer, expert: e, pending, prefetch: false });
-                    }
-                }
-            }
-        }
-        let pendings: Vec<(usize, usize, Arc<Pending>)> = jobs.iter().map(|j| (j.layer, j.expert, j.pending.clone())).collect();
-        {
-            let mut q = lock(&inner.queues);
-            q.demand.extend(jobs);
-            inner.work.notify_all();
-        }
-        for (layer, expert, p) in &pendings {
-            p.wait().map_err(|message| DispatchError::Storage { layer: *layer, expert: *expert as u32, message })?;
-        }
-        Ok(pendings.len())
     }
 }
 

@@ -29,7 +29,7 @@ pub const MAX_PAYLOAD: u64 = 512 << 20;
 pub const MAX_ERROR_MESSAGE: usize = 4096;
 pub const MAX_STATUS: u64 = 1 << 20;
 /// A selection another node computes.
-pub const NOT_MINE: u32 = crate::dispatch::ELSEWHERE;
+pub const NOT_MINE: u32 = shimmer_experts::ELSEWHERE;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]
@@ -282,13 +282,18 @@ impl Request {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Response {
     pub request_id: u64,
+    /// The model and placement epoch the worker computed under (the coordinator adds only sums
+    /// made for its own model and the epoch it asked under).
+    pub model: u64,
+    pub epoch: u64,
     pub layer: u32,
     pub hidden: u32,
     pub sums: Vec<i64>,
 }
 
 impl Response {
-    pub fn encode(&self, model: u64, epoch: u64) -> Bytes {
+    pub fn encode(&self) -> Bytes {
+        let (model, epoch) = (self.model, self.epoch);
         let rows = (self.sums.len() / self.hidden.max(1) as usize) as u32;
         let mut out = BytesMut::with_capacity(HEADER_LEN + self.sums.len() * 8);
         Header {
@@ -397,7 +402,7 @@ pub fn decode(frame: Bytes) -> Result<Frame, FrameError> {
             while p.has_remaining() {
                 sums.push(p.get_i64_le());
             }
-            Frame::Response(Response { request_id: h.request_id, layer: h.layer, hidden: h.hidden, sums })
+            Frame::Response(Response { request_id: h.request_id, model: h.model, epoch: h.epoch, layer: h.layer, hidden: h.hidden, sums })
         }
         Kind::Hint => {
             let mut p = &payload[..];
@@ -442,8 +447,8 @@ mod tests {
         let r = request();
         assert_eq!(decode(r.encode()).unwrap(), Frame::Request(r.clone()));
         assert_eq!(request().activations()[1], -0.75);
-        let resp = Response { request_id: 7, layer: 11, hidden: 5, sums: (0..15).map(|i| i * -123_456_789_012).collect() };
-        assert_eq!(decode(resp.encode(1, 2)).unwrap(), Frame::Response(resp));
+        let resp = Response { request_id: 7, model: 1, epoch: 2, layer: 11, hidden: 5, sums: (0..15).map(|i| i * -123_456_789_012).collect() };
+        assert_eq!(decode(resp.encode()).unwrap(), Frame::Response(resp));
         assert_eq!(decode(encode_hint(1, 2, 4, 2, &[3, 5, 7, 9])).unwrap(), Frame::Hint { layer: 4, experts: vec![3, 5, 7, 9] });
         assert_eq!(
             decode(encode_error(9, ErrorCode::Moved, "epoch 3 ≠ 4")).unwrap(),

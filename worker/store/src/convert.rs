@@ -55,8 +55,7 @@ impl DenseQuant {
     }
 }
 
-/// The suffix of the per-row f32 scales stored beside an int8 dense matrix.
-pub const INT8_SCALE_SUFFIX: &str = "_shimmer_int8_scale";
+pub use shimmer_experts::weights::INT8_SCALE_SUFFIX;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConvertOptions {
