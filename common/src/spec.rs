@@ -1,49 +1,65 @@
 //! The typed model spec: what `config.json` says, checked, in one shape every crate can use.
 //!
-//! The family table (`FAMILIES`) is the only place a family's config dialect is known: an entry
-//! maps an architecture name to a parser in `spec/families.rs`. Everything downstream reads
-//! `ModelSpec` and never a family name, except the one model file per family in the coordinator.
+//! A family's config dialect, tensor names, router and attention kinds are known only to its one
+//! file in `families/`, registered in `families::FAMILIES`; this module finds the family a config
+//! names and parses what every family shares. Everything downstream reads `ModelSpec` (data) and
+//! never a family name.
 //!
 //! Both spellings real checkpoints use are accepted: `rope_theta` + `rope_scaling` + `torch_dtype`
 //! (most hub checkpoints) and `rope_parameters` + `dtype` (what transformers 5 writes).
-
-mod families;
 
 use std::path::Path;
 
 use serde_json::Value;
 
 use crate::error::LoadError;
+use crate::families::{FamilyDef, FAMILIES};
 use crate::json::{FieldError, FieldResult, Obj};
 
 /// Largest `config.json` we read; real ones are a few KiB.
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
+/// Where a decoder's dense tensors live: templates with `{L}` for the layer (the families of
+/// today share Llama's layout; a family with another names its own in its file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    Olmoe,
-    Qwen3Moe,
-    Mixtral,
-    DeepseekV3,
-    Glm4Moe,
+pub struct DenseNames {
+    pub embed: &'static str,
+    pub final_norm: &'static str,
+    pub lm_head: &'static str,
+    pub input_norm: &'static str,
+    pub post_attention_norm: &'static str,
+    /// Attention projections (without `.weight`/`.bias`: biases are optional).
+    pub q: &'static str,
+    pub k: &'static str,
+    pub v: &'static str,
+    pub o: &'static str,
+    pub q_norm: &'static str,
+    pub k_norm: &'static str,
+    /// A dense layer's MLP.
+    pub mlp_gate: &'static str,
+    pub mlp_up: &'static str,
+    pub mlp_down: &'static str,
 }
 
-/// One row of the family table.
-struct FamilyEntry {
-    architecture: &'static str,
-    /// `model_type` values that may accompany the architecture (derivatives keep the architecture
-    /// and rename the type, as Kimi K2 does); the first is the canonical one.
-    model_types: &'static [&'static str],
-    parse: fn(&Obj) -> FieldResult<ModelSpec>,
+impl DenseNames {
+    /// The layout Llama made standard.
+    pub const LLAMA: DenseNames = DenseNames {
+        embed: "model.embed_tokens.weight",
+        final_norm: "model.norm.weight",
+        lm_head: "lm_head.weight",
+        input_norm: "model.layers.{L}.input_layernorm.weight",
+        post_attention_norm: "model.layers.{L}.post_attention_layernorm.weight",
+        q: "model.layers.{L}.self_attn.q_proj",
+        k: "model.layers.{L}.self_attn.k_proj",
+        v: "model.layers.{L}.self_attn.v_proj",
+        o: "model.layers.{L}.self_attn.o_proj",
+        q_norm: "model.layers.{L}.self_attn.q_norm.weight",
+        k_norm: "model.layers.{L}.self_attn.k_norm.weight",
+        mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
+        mlp_up: "model.layers.{L}.mlp.up_proj.weight",
+        mlp_down: "model.layers.{L}.mlp.down_proj.weight",
+    };
 }
-
-const FAMILIES: &[FamilyEntry] = &[
-    FamilyEntry { architecture: "OlmoeForCausalLM", model_types: &["olmoe"], parse: families::olmoe },
-    FamilyEntry { architecture: "Qwen3MoeForCausalLM", model_types: &["qwen3_moe"], parse: families::qwen3_moe },
-    FamilyEntry { architecture: "MixtralForCausalLM", model_types: &["mixtral"], parse: families::mixtral },
-    FamilyEntry { architecture: "DeepseekV3ForCausalLM", model_types: &["deepseek_v3", "kimi_k2"], parse: families::deepseek_v3 },
-    FamilyEntry { architecture: "Glm4MoeForCausalLM", model_types: &["glm4_moe"], parse: families::glm4_moe },
-];
 
 /// Where the per-head query/key RMSNorm sits, if the family has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,7 +220,7 @@ pub enum FloatType {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
-    pub family: Family,
+    /// The family's architecture name (`families::FamilyDef::architecture`).
     pub architecture: &'static str,
     pub vocab_size: usize,
     pub hidden_size: usize,
@@ -221,6 +237,7 @@ pub struct ModelSpec {
     pub layers: Vec<LayerMlp>,
     pub moe: MoeSpec,
     pub expert_names: ExpertNames,
+    pub dense_names: DenseNames,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// `torch_dtype` / `dtype` as declared; tensors are still checked one by one.
@@ -300,7 +317,7 @@ impl ModelSpec {
     }
 }
 
-fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyEntry, LoadError> {
+fn find_family(obj: &Obj, path: &Path) -> Result<&'static FamilyDef, LoadError> {
     let supported = || FAMILIES.iter().map(|f| f.architecture).collect::<Vec<_>>().join(", ");
     let field = |field: &str, problem: String| LoadError::Field { path: path.to_path_buf(), field: field.into(), problem };
     let architecture = match obj.get("architectures") {
@@ -354,6 +371,7 @@ pub(crate) struct FamilyParts {
     pub layers: Vec<LayerMlp>,
     pub moe: MoeSpec,
     pub expert_names: ExpertNames,
+    pub dense_names: DenseNames,
 }
 
 /// What a family parser may need while deciding its parts.
@@ -376,13 +394,7 @@ pub(crate) struct Defaults {
 
 /// Parses the fields every family shares (with the family's defaults), then lets `parts` decide
 /// the family-specific ones.
-pub(crate) fn build(
-    obj: &Obj,
-    d: &Defaults,
-    family: Family,
-    architecture: &'static str,
-    parts: impl FnOnce(&Sizes) -> FieldResult<FamilyParts>,
-) -> FieldResult<ModelSpec> {
+pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: impl FnOnce(&Sizes) -> FieldResult<FamilyParts>) -> FieldResult<ModelSpec> {
     let hidden_size = obj.positive("hidden_size")?;
     let num_heads = obj.positive("num_attention_heads")?;
     let num_kv_heads = obj.usize_opt("num_key_value_heads")?.or(d.num_kv_heads).unwrap_or(num_heads);
@@ -417,10 +429,9 @@ pub(crate) fn build(
     };
     let num_layers = obj.positive("num_hidden_layers")?;
     let rope = parse_rope(obj, d.rope_theta)?;
-    let FamilyParts { attention, layers, moe, expert_names } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
+    let FamilyParts { attention, layers, moe, expert_names, dense_names } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
     Ok(ModelSpec {
         fp8_block: 128,
-        family,
         architecture,
         vocab_size: obj.positive("vocab_size")?,
         hidden_size,
@@ -436,6 +447,7 @@ pub(crate) fn build(
         layers,
         moe,
         expert_names,
+        dense_names,
         bos_token_id: obj.ids("bos_token_id")?.first().copied(),
         eos_token_ids: obj.ids("eos_token_id")?,
         declared_dtype,
@@ -545,156 +557,4 @@ pub(crate) fn parse_rope(obj: &Obj, default_theta: f64) -> FieldResult<RopeSpec>
 
 fn nest(parent: &str, e: FieldError) -> FieldError {
     FieldError::new(&format!("{parent}.{}", e.field), e.problem)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn parse(v: Value) -> Result<ModelSpec, LoadError> {
-        ModelSpec::from_json(&v, Path::new("config.json"))
-    }
-
-    fn mixtral() -> Value {
-        json!({
-            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 100,
-            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 128, "num_local_experts": 8,
-            "num_experts_per_tok": 2
-        })
-    }
-
-    fn message(r: Result<ModelSpec, LoadError>) -> String {
-        r.expect_err("should fail").to_string()
-    }
-
-    #[test]
-    fn family_defaults_are_the_transformers_defaults() {
-        let m = parse(mixtral()).unwrap();
-        assert_eq!(m.rope, RopeSpec { theta: 1e6, scaling: RopeScaling::None });
-        assert_eq!(m.rms_norm_eps, 1e-5);
-        assert!(!m.tie_word_embeddings);
-        assert_eq!(m.moe.scoring, RouterScoring::SoftmaxTopK { norm_topk_prob: true });
-        assert_eq!(m.attention.sliding_window, vec![None, None]);
-
-        let mut q = mixtral();
-        q["architectures"] = json!(["Qwen3MoeForCausalLM"]);
-        q["model_type"] = json!("qwen3_moe");
-        q["num_experts"] = json!(8);
-        q["moe_intermediate_size"] = json!(32);
-        q.as_object_mut().unwrap().remove("num_key_value_heads");
-        q["sliding_window"] = json!(7); // ignored: use_sliding_window defaults to false
-        let q = parse(q).unwrap();
-        assert_eq!(q.num_kv_heads, 4);
-        assert_eq!(q.rope.theta, 10_000.0);
-        assert_eq!(q.rms_norm_eps, 1e-6);
-        assert_eq!(q.moe.scoring, RouterScoring::SoftmaxTopK { norm_topk_prob: false });
-        assert_eq!(q.attention.qk_norm, QkNorm::PerHead);
-        assert_eq!(q.attention.sliding_window, vec![None, None]);
-    }
-
-    #[test]
-    fn both_config_spellings_give_the_same_spec() {
-        let mut old = mixtral();
-        old["rope_theta"] = json!(5000.0);
-        old["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
-        old["torch_dtype"] = json!("bfloat16");
-        let mut new = mixtral();
-        new["rope_parameters"] = json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0});
-        new["dtype"] = json!("bfloat16");
-        let (a, b) = (parse(old).unwrap(), parse(new).unwrap());
-        assert_eq!(a, b);
-        assert_eq!(a.rope.scaling, RopeScaling::Linear { factor: 2.0 });
-        assert_eq!(a.declared_dtype, Some(FloatType::Bf16));
-    }
-
-    #[test]
-    fn qwen3_layer_kinds_follow_sparse_step_and_mlp_only_layers() {
-        let mut q = mixtral();
-        q["architectures"] = json!(["Qwen3MoeForCausalLM"]);
-        q["model_type"] = json!("qwen3_moe");
-        q["num_experts"] = json!(8);
-        q["moe_intermediate_size"] = json!(32);
-        q["num_hidden_layers"] = json!(6);
-        q["decoder_sparse_step"] = json!(2);
-        q["mlp_only_layers"] = json!([3]);
-        q["use_sliding_window"] = json!(true);
-        q["sliding_window"] = json!(16);
-        let s = parse(q).unwrap();
-        let dense = LayerMlp::Dense { intermediate_size: 96 };
-        assert_eq!(s.layers, vec![dense, LayerMlp::Moe, dense, dense, dense, LayerMlp::Moe]);
-        assert_eq!(s.attention.sliding_window, vec![Some(16); 6]);
-    }
-
-    #[test]
-    fn bad_configs_name_the_field() {
-        let mut v = mixtral();
-        v.as_object_mut().unwrap().remove("hidden_size");
-        assert!(message(parse(v)).contains("field `hidden_size`: missing"));
-
-        let mut v = mixtral();
-        v["num_key_value_heads"] = json!(3);
-        assert!(message(parse(v)).contains("field `num_key_value_heads`"));
-
-        let mut v = mixtral();
-        v["num_experts_per_tok"] = json!(9);
-        assert!(message(parse(v)).contains("field `num_experts_per_tok`"));
-
-        let mut v = mixtral();
-        v["hidden_size"] = json!("big");
-        assert!(message(parse(v)).contains("field `hidden_size`: expected a non-negative integer"));
-
-        let mut v = mixtral();
-        v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
-        assert!(message(parse(v)).contains("rope_scaling.rope_type"));
-
-        let mut v = mixtral();
-        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(message(parse(v)).contains("rope_scaling.original_max_position_embeddings"));
-
-        let mut v = mixtral();
-        v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 4.0});
-        assert!(message(parse(v)).contains("rope_scaling.low_freq_factor"));
-
-        let mut v = mixtral();
-        v["architectures"] = json!(["LlamaForCausalLM"]);
-        let m = message(parse(v));
-        assert!(m.contains("unsupported architecture `LlamaForCausalLM`") && m.contains("MixtralForCausalLM"), "{m}");
-
-        let mut v = mixtral();
-        v["model_type"] = json!("olmoe");
-        assert!(message(parse(v)).contains("field `model_type`"));
-
-        let mut v = mixtral();
-        v["eos_token_id"] = json!([5, 100]);
-        assert!(message(parse(v)).contains("field `eos_token_id`: 100 is outside the vocabulary"));
-
-        assert!(message(parse(json!([1, 2]))).contains("not a JSON object"));
-    }
-
-    #[test]
-    fn kimi_k2_is_a_deepseek_v3_by_another_model_type() {
-        let kimi = json!({
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
-            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-            "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
-            "n_routed_experts": 384, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
-            "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
-            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "v_head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 50000.0,
-            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-            "torch_dtype": "bfloat16", "eos_token_id": 163585
-        });
-        let s = parse(kimi).unwrap();
-        assert_eq!(s.family, Family::DeepseekV3);
-        assert_eq!(s.layers[0], LayerMlp::Dense { intermediate_size: 18432 });
-        assert_eq!(s.moe.shared_intermediate_size, Some(2048));
-        let AttentionKind::Mla(m) = &s.attention.kind else { panic!("MLA") };
-        assert_eq!((m.kv_lora_rank, m.qk_rope_head_dim), (512, 64));
-        // The softmax scale grows by mscale(32, 1)² = (0.1·ln 32 + 1)².
-        let ms = 0.1 * 32f64.ln() + 1.0;
-        assert!((s.attention.scale as f64 - ms * ms / 192f64.sqrt()).abs() < 1e-6);
-    }
 }

@@ -11,8 +11,21 @@ use std::process::{Command, Output};
 
 use serde::Deserialize;
 
-/// Every oracle fixture: five families, Qwen3-MoE and DeepSeek-V3 in two configurations each.
-pub const FAMILIES: [&str; 7] = ["olmoe", "qwen3_moe", "qwen3_moe_variant", "mixtral", "deepseek_v3", "deepseek_v3_plain_q", "glm4_moe"];
+/// Every oracle fixture — a directory under `fixtures/` with a checkpoint and an `oracle.json`
+/// — in name order. Tests iterate these, never a list of family names: a family added to
+/// `shimmer_common::families` with its fixture is tested everywhere at once, and
+/// `tests/families.rs` checks that every registered family has one.
+pub fn fixtures() -> Vec<&'static str> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let mut names: Vec<&'static str> = std::fs::read_dir(&root)
+        .expect("tests/fixtures")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("oracle.json").is_file() && e.path().join("config.json").is_file())
+        .map(|e| &*Box::leak(e.file_name().to_string_lossy().into_owned().into_boxed_str()))
+        .collect();
+    names.sort_unstable();
+    names
+}
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)

@@ -2,7 +2,7 @@
 //! every kind ending in one clear error line, exit code 1, and no panic.
 
 use serde_json::Value;
-use shimmer_tests::{assert_clean_failure, copy_fixture, edit_safetensors_header, fixture, oracle, shimmer, FAMILIES};
+use shimmer_tests::{assert_clean_failure, copy_fixture, edit_safetensors_header, fixture, fixtures, oracle, shimmer};
 
 fn ids_arg(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
@@ -22,7 +22,7 @@ fn u32s(v: &Value) -> Vec<u32> {
 
 #[test]
 fn generate_json_reproduces_the_oracle_greedy_continuation() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let o = oracle(name);
         let p = &o.prompts[1];
         let dir = fixture(name);
@@ -131,7 +131,7 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut_the_text() {
 
 #[test]
 fn score_json_has_one_argmax_per_position_and_one_fewer_logprob() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let o = oracle(name);
         let p = &o.prompts[0];
         let ids: Vec<u32> = p.ids.iter().chain(&p.greedy).copied().collect();
@@ -293,7 +293,7 @@ fn generation_stops_at_the_context_limit_with_length() {
 #[test]
 fn routing_reports_every_moe_layer() {
     let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/README.md");
-    for name in FAMILIES {
+    for name in fixtures() {
         let dir = fixture(name);
         let v = json_stdout(&shimmer(&["routing", "--model", dir.to_str().unwrap(), "--text", text.to_str().unwrap(), "--chunk", "64", "--json"]));
         let tokens = v["tokens"].as_u64().unwrap();

@@ -3,7 +3,7 @@
 //! computed by the same kernels in the same order and expert sums are fixed-point.
 
 use shimmer_coordinator::Engine;
-use shimmer_tests::{fixture, oracle, FAMILIES};
+use shimmer_tests::{fixture, fixtures, oracle};
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -11,7 +11,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn chunking_a_sequence_never_changes_its_logits() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = Engine::load(&fixture(name)).unwrap();
         let o = oracle(name);
         let p = &o.prompts[2];
@@ -110,7 +110,7 @@ fn sequences_batched_together_get_the_logits_they_get_alone() {
     // Continuous batching: one forward pass holds a sequence's prompt chunk beside other
     // sequences' single decode tokens and prompt chunks. Each must come out as if alone.
     use shimmer_model::{Logits, Segment};
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = Engine::load(&fixture(name)).unwrap();
         let o = oracle(name);
         let seqs: Vec<Vec<u32>> = o.prompts.iter().map(|p| p.ids.iter().chain(&p.greedy).copied().collect()).collect();

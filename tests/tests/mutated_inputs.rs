@@ -11,7 +11,7 @@ use shimmer_common::chat_template::{render_template, Message};
 use shimmer_common::checkpoint::parse_header;
 use shimmer_common::ModelSpec;
 use shimmer_coordinator::Engine;
-use shimmer_tests::{copy_fixture, fixture, FAMILIES};
+use shimmer_tests::{copy_fixture, fixture, fixtures};
 
 struct Rng(u64);
 impl Rng {
@@ -107,7 +107,7 @@ fn names_the_damage(message: &str, paths: &[Vec<String>], config: &Value) -> boo
 fn mutated_configs_are_refused_by_name_or_parse() {
     let mut rng = Rng(0x5eed);
     let (mut parsed, mut refused) = (0, 0);
-    for name in FAMILIES {
+    for name in fixtures() {
         let original: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
         for i in 0..1500 {
             let mut v = original.clone();
@@ -191,7 +191,7 @@ fn mutated_configs_with_real_weights_are_refused_by_name_or_answer_as_their_spec
     let mut rng = Rng(0xc0ffee);
     let ids = [1u32, 2, 3];
     let (mut identical, mut other_model, mut refused) = (0, 0, 0);
-    for name in FAMILIES {
+    for name in fixtures() {
         let dir = copy_fixture(name);
         let original: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
         let reference = Engine::load(dir.path()).unwrap();
@@ -284,7 +284,7 @@ fn mutated_chat_templates_render_or_are_refused_saying_where() {
         "|",
     ];
     let (mut rendered, mut refused) = (0, 0);
-    for name in FAMILIES {
+    for name in fixtures() {
         let tpl = shimmer_common::chat_template::ChatConfig::from_dir(&fixture(name)).unwrap().template.unwrap();
         for i in 0..400 {
             let mut t: Vec<char> = tpl.chars().collect();

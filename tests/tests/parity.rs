@@ -12,7 +12,7 @@
 use shimmer_common::chat_template::Message;
 use shimmer_coordinator::engine::{Engine, GenerateOptions};
 use shimmer_coordinator::sampling::SamplingParams;
-use shimmer_tests::{fixture, oracle, oracle_logits, FAMILIES};
+use shimmer_tests::{fixture, fixtures, oracle, oracle_logits};
 
 const LOGIT_TOLERANCE: f32 = 5e-4;
 
@@ -22,7 +22,7 @@ fn engine(name: &str) -> Engine {
 
 #[test]
 fn teacher_forced_logits_and_argmax_match_transformers() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         let o = oracle(name);
         let mut worst = 0.0f32;
@@ -49,7 +49,7 @@ fn teacher_forced_logits_and_argmax_match_transformers() {
 
 #[test]
 fn greedy_continuations_match_transformers() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         for (i, p) in oracle(name).prompts.iter().enumerate() {
             assert!(p.greedy.len() >= 32);
@@ -72,7 +72,7 @@ fn greedy_continuations_match_transformers() {
 
 #[test]
 fn scores_match_transformers_logprobs() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         let o = oracle(name);
         let p = &o.prompts[0];
@@ -88,7 +88,7 @@ fn scores_match_transformers_logprobs() {
 
 #[test]
 fn prompts_tokenize_and_decode_like_transformers() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         let o = oracle(name);
         for p in &o.prompts {
@@ -105,7 +105,7 @@ fn prompts_tokenize_and_decode_like_transformers() {
 
 #[test]
 fn chat_templates_render_like_transformers() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         let o = oracle(name);
         assert!(!o.chat.is_empty());
@@ -127,7 +127,7 @@ fn chat_templates_render_like_transformers() {
 
 #[test]
 fn stop_ids_come_from_config_and_generation_config() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let engine = engine(name);
         let mut got = engine.eos_ids.clone();
         got.sort();

@@ -10,7 +10,7 @@ use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBud
 use shimmer_coordinator::sampling::SamplingParams;
 use shimmer_store::container::{Manifest, MANIFEST_FILE};
 use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
-use shimmer_tests::{fixture, FAMILIES};
+use shimmer_tests::{fixture, fixtures};
 
 fn demo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
@@ -145,7 +145,7 @@ fn placements_agree(name: &str, container: &Path, reference: &(Vec<u32>, Vec<u32
 
 #[test]
 fn a_bf16_container_answers_as_its_checkpoint_and_identically_under_every_placement() {
-    for name in FAMILIES {
+    for name in fixtures() {
         let src = fixture(name);
         let out = tempfile::tempdir().unwrap();
         let container = out.path().join("c");

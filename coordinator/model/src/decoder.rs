@@ -9,7 +9,7 @@
 //! All activations are f32; weights stay in their stored precision. Every row is computed by the
 //! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
 
-use shimmer_common::spec::{AttentionKind, LayerMlp, QkNorm};
+use shimmer_common::spec::{AttentionKind, DenseNames, LayerMlp, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
 use shimmer_kernels::attention::{attend_rows, AttentionShape};
@@ -19,44 +19,6 @@ use super::mla::Mla;
 use super::rope::Rope;
 use super::router::Router;
 use crate::kv_cache::KvCache;
-
-/// Where a family keeps its dense tensors; `{L}` is the layer index.
-pub struct TensorNames {
-    pub embed: &'static str,
-    pub final_norm: &'static str,
-    pub lm_head: &'static str,
-    pub input_norm: &'static str,
-    pub post_attention_norm: &'static str,
-    pub q: &'static str,
-    pub k: &'static str,
-    pub v: &'static str,
-    pub o: &'static str,
-    pub q_norm: &'static str,
-    pub k_norm: &'static str,
-    pub mlp_gate: &'static str,
-    pub mlp_up: &'static str,
-    pub mlp_down: &'static str,
-}
-
-impl TensorNames {
-    /// The layout Llama made standard and OLMoE, Qwen3-MoE and Mixtral share.
-    pub const LLAMA: TensorNames = TensorNames {
-        embed: "model.embed_tokens.weight",
-        final_norm: "model.norm.weight",
-        lm_head: "lm_head.weight",
-        input_norm: "model.layers.{L}.input_layernorm.weight",
-        post_attention_norm: "model.layers.{L}.post_attention_layernorm.weight",
-        q: "model.layers.{L}.self_attn.q_proj",
-        k: "model.layers.{L}.self_attn.k_proj",
-        v: "model.layers.{L}.self_attn.v_proj",
-        o: "model.layers.{L}.self_attn.o_proj",
-        q_norm: "model.layers.{L}.self_attn.q_norm.weight",
-        k_norm: "model.layers.{L}.self_attn.k_norm.weight",
-        mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
-        mlp_up: "model.layers.{L}.mlp.up_proj.weight",
-        mlp_down: "model.layers.{L}.mlp.down_proj.weight",
-    };
-}
 
 pub(crate) struct Linear {
     pub weight: Matrix,
@@ -287,7 +249,8 @@ pub(crate) fn linear(ckpt: &Checkpoint, spec: &ModelSpec, base: &str, rows: usiz
 }
 
 impl Decoder {
-    pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, names: &TensorNames) -> Result<Self, LoadError> {
+    pub fn load(ckpt: &Checkpoint, spec: &ModelSpec) -> Result<Self, LoadError> {
+        let names = &spec.dense_names;
         let h = spec.hidden_size;
         let mut layers = Vec::with_capacity(spec.num_layers);
         for l in 0..spec.num_layers {
@@ -332,7 +295,7 @@ impl Decoder {
         })
     }
 
-    fn load_gqa(ckpt: &Checkpoint, spec: &ModelSpec, names: &TensorNames, l: usize) -> Result<Gqa, LoadError> {
+    fn load_gqa(ckpt: &Checkpoint, spec: &ModelSpec, names: &DenseNames, l: usize) -> Result<Gqa, LoadError> {
         let (h, d) = (spec.hidden_size, spec.head_dim);
         let (qd, kvd) = (spec.num_heads * d, spec.num_kv_heads * d);
         let a = &spec.attention;

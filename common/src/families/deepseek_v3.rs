@@ -1,0 +1,51 @@
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`; also Kimi K2 and other derivatives): multi-head latent
+//! attention (with or without `q_lora_rank`, interleaved rotary by default, YaRN's softmax-scale
+//! correction), the first `first_k_dense_replace` layers dense, then sigmoid group-limited routing
+//! with `e_score_correction_bias` and shared experts.
+
+use super::*;
+
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "DeepseekV3ForCausalLM", model_types: &["deepseek_v3", "kimi_k2"], parse };
+
+fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults =
+        Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("qk_rope_head_dim"), num_kv_heads: None };
+    build(obj, &defaults, FAMILY.architecture, |sz| {
+        let mla = MlaSpec {
+            q_lora_rank: obj.usize_opt("q_lora_rank")?,
+            kv_lora_rank: obj.positive("kv_lora_rank")?,
+            qk_nope_head_dim: obj.positive("qk_nope_head_dim")?,
+            qk_rope_head_dim: obj.positive("qk_rope_head_dim")?,
+            v_head_dim: obj.positive("v_head_dim")?,
+        };
+        if mla.q_lora_rank == Some(0) {
+            return Err(FieldError::new("q_lora_rank", "must be greater than zero, or null for a plain q_proj"));
+        }
+        // transformers' yarn_apply_mscale: the softmax scale grows by mscale(factor, mscale_all_dim)².
+        let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
+        if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = &sz.rope.scaling {
+            let ms = if *factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+            scale *= ms * ms;
+        }
+        let bias = obj.bool_or("attention_bias", false)?;
+        let (layers, moe) = grouped_moe(obj, sz.num_layers, (2.5, 8, 4, 3))?;
+        Ok(FamilyParts {
+            attention: AttentionSpec {
+                rotary_dim: mla.qk_rope_head_dim,
+                kind: AttentionKind::Mla(mla),
+                qk_norm: QkNorm::None,
+                clip_qkv: None,
+                bias,
+                o_bias: bias,
+                rope_interleave: obj.bool_or("rope_interleave", true)?,
+                scale: scale as f32,
+                sliding_window: vec![None; sz.num_layers],
+            },
+            layers,
+            moe,
+            expert_names: GROUPED_SIGMOID_NAMES,
+            dense_names: DenseNames::LLAMA,
+        })
+    })
+}

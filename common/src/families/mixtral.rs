@@ -1,0 +1,32 @@
+//! Mixtral (`MixtralForCausalLM`): Llama's attention names, experts under `block_sparse_moe`
+//! (w1/w3/w2); GQA with an optional sliding window; softmax top-k, always renormalised.
+
+use super::*;
+
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "MixtralForCausalLM", model_types: &["mixtral"], parse };
+
+fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 1_000_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: None };
+    build(obj, &defaults, FAMILY.architecture, |sz| {
+        let window = obj.usize_opt("sliding_window")?;
+        if window == Some(0) {
+            return Err(FieldError::new("sliding_window", "must be greater than zero"));
+        }
+        Ok(FamilyParts {
+            attention: gqa(sz, QkNorm::None, None, false, false, vec![window; sz.num_layers]),
+            layers: vec![LayerMlp::Moe; sz.num_layers],
+            // Mixtral always renormalises its top-k weights.
+            moe: moe(obj, "num_local_experts", "intermediate_size", true)?,
+            expert_names: ExpertNames {
+                router: "model.layers.{L}.block_sparse_moe.gate.weight",
+                router_bias: None,
+                shared: None,
+                gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+                up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+                down: "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
+            },
+            dense_names: DenseNames::LLAMA,
+        })
+    })
+}

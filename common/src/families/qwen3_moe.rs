@@ -1,0 +1,49 @@
+//! Qwen3-MoE (`Qwen3MoeForCausalLM`): Llama's tensor names; GQA with a per-head QK-norm and an
+//! optional sliding window; softmax top-k routing; MoE every `decoder_sparse_step` layers except
+//! `mlp_only_layers`.
+
+use super::*;
+
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3MoeForCausalLM", model_types: &["qwen3_moe"], parse };
+
+fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(4) };
+    build(obj, &defaults, FAMILY.architecture, |sz| {
+        let n = sz.num_layers;
+        // transformers 5 writes `num_local_experts` (an alias); hub checkpoints write `num_experts`.
+        let experts_key = spelling(obj, "num_experts", "num_local_experts")?;
+        let step = obj.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+        if step == 0 {
+            return Err(FieldError::new("decoder_sparse_step", "must be greater than zero"));
+        }
+        let mlp_only = obj.usize_list_or_empty("mlp_only_layers")?;
+        if let Some(bad) = mlp_only.iter().find(|l| **l >= n) {
+            return Err(FieldError::new("mlp_only_layers", format!("layer {bad} does not exist (num_hidden_layers = {n})")));
+        }
+        let layers = (0..n)
+            .map(|l| {
+                if !mlp_only.contains(&l) && (l + 1) % step == 0 {
+                    Ok(LayerMlp::Moe)
+                } else {
+                    Ok(LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? })
+                }
+            })
+            .collect::<FieldResult<_>>()?;
+        // Qwen3MoeConfig: `sliding_window` only counts when `use_sliding_window`, and then everywhere.
+        let window = if obj.bool_or("use_sliding_window", false)? { Some(obj.usize_opt("sliding_window")?.unwrap_or(4096)) } else { None };
+        if window == Some(0) {
+            return Err(FieldError::new("sliding_window", "must be greater than zero"));
+        }
+        Ok(FamilyParts {
+            attention: {
+                let bias = obj.bool_or("attention_bias", false)?;
+                gqa(sz, QkNorm::PerHead, None, bias, bias, vec![window; n])
+            },
+            layers,
+            moe: moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
+            expert_names: GATE_UP_DOWN,
+            dense_names: DenseNames::LLAMA,
+        })
+    })
+}

@@ -1,0 +1,154 @@
+//! Each family's config dialect, parsed from the configs real checkpoints ship: defaults are the
+//! transformers configuration classes', both spellings agree, bad fields are refused by name.
+
+use crate::error::LoadError;
+use crate::spec::*;
+use serde_json::json;
+use serde_json::Value;
+use std::path::Path;
+
+fn parse(v: Value) -> Result<ModelSpec, LoadError> {
+    ModelSpec::from_json(&v, Path::new("config.json"))
+}
+
+fn mixtral() -> Value {
+    json!({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 128, "num_local_experts": 8,
+        "num_experts_per_tok": 2
+    })
+}
+
+fn message(r: Result<ModelSpec, LoadError>) -> String {
+    r.expect_err("should fail").to_string()
+}
+
+#[test]
+fn family_defaults_are_the_transformers_defaults() {
+    let m = parse(mixtral()).unwrap();
+    assert_eq!(m.rope, RopeSpec { theta: 1e6, scaling: RopeScaling::None });
+    assert_eq!(m.rms_norm_eps, 1e-5);
+    assert!(!m.tie_word_embeddings);
+    assert_eq!(m.moe.scoring, RouterScoring::SoftmaxTopK { norm_topk_prob: true });
+    assert_eq!(m.attention.sliding_window, vec![None, None]);
+
+    let mut q = mixtral();
+    q["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+    q["model_type"] = json!("qwen3_moe");
+    q["num_experts"] = json!(8);
+    q["moe_intermediate_size"] = json!(32);
+    q.as_object_mut().unwrap().remove("num_key_value_heads");
+    q["sliding_window"] = json!(7); // ignored: use_sliding_window defaults to false
+    let q = parse(q).unwrap();
+    assert_eq!(q.num_kv_heads, 4);
+    assert_eq!(q.rope.theta, 10_000.0);
+    assert_eq!(q.rms_norm_eps, 1e-6);
+    assert_eq!(q.moe.scoring, RouterScoring::SoftmaxTopK { norm_topk_prob: false });
+    assert_eq!(q.attention.qk_norm, QkNorm::PerHead);
+    assert_eq!(q.attention.sliding_window, vec![None, None]);
+}
+
+#[test]
+fn both_config_spellings_give_the_same_spec() {
+    let mut old = mixtral();
+    old["rope_theta"] = json!(5000.0);
+    old["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+    old["torch_dtype"] = json!("bfloat16");
+    let mut new = mixtral();
+    new["rope_parameters"] = json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0});
+    new["dtype"] = json!("bfloat16");
+    let (a, b) = (parse(old).unwrap(), parse(new).unwrap());
+    assert_eq!(a, b);
+    assert_eq!(a.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+    assert_eq!(a.declared_dtype, Some(FloatType::Bf16));
+}
+
+#[test]
+fn qwen3_layer_kinds_follow_sparse_step_and_mlp_only_layers() {
+    let mut q = mixtral();
+    q["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+    q["model_type"] = json!("qwen3_moe");
+    q["num_experts"] = json!(8);
+    q["moe_intermediate_size"] = json!(32);
+    q["num_hidden_layers"] = json!(6);
+    q["decoder_sparse_step"] = json!(2);
+    q["mlp_only_layers"] = json!([3]);
+    q["use_sliding_window"] = json!(true);
+    q["sliding_window"] = json!(16);
+    let s = parse(q).unwrap();
+    let dense = LayerMlp::Dense { intermediate_size: 96 };
+    assert_eq!(s.layers, vec![dense, LayerMlp::Moe, dense, dense, dense, LayerMlp::Moe]);
+    assert_eq!(s.attention.sliding_window, vec![Some(16); 6]);
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let mut v = mixtral();
+    v.as_object_mut().unwrap().remove("hidden_size");
+    assert!(message(parse(v)).contains("field `hidden_size`: missing"));
+
+    let mut v = mixtral();
+    v["num_key_value_heads"] = json!(3);
+    assert!(message(parse(v)).contains("field `num_key_value_heads`"));
+
+    let mut v = mixtral();
+    v["num_experts_per_tok"] = json!(9);
+    assert!(message(parse(v)).contains("field `num_experts_per_tok`"));
+
+    let mut v = mixtral();
+    v["hidden_size"] = json!("big");
+    assert!(message(parse(v)).contains("field `hidden_size`: expected a non-negative integer"));
+
+    let mut v = mixtral();
+    v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
+    assert!(message(parse(v)).contains("rope_scaling.rope_type"));
+
+    let mut v = mixtral();
+    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+    assert!(message(parse(v)).contains("rope_scaling.original_max_position_embeddings"));
+
+    let mut v = mixtral();
+    v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 4.0});
+    assert!(message(parse(v)).contains("rope_scaling.low_freq_factor"));
+
+    let mut v = mixtral();
+    v["architectures"] = json!(["LlamaForCausalLM"]);
+    let m = message(parse(v));
+    assert!(m.contains("unsupported architecture `LlamaForCausalLM`") && m.contains("MixtralForCausalLM"), "{m}");
+
+    let mut v = mixtral();
+    v["model_type"] = json!("olmoe");
+    assert!(message(parse(v)).contains("field `model_type`"));
+
+    let mut v = mixtral();
+    v["eos_token_id"] = json!([5, 100]);
+    assert!(message(parse(v)).contains("field `eos_token_id`: 100 is outside the vocabulary"));
+
+    assert!(message(parse(json!([1, 2]))).contains("not a JSON object"));
+}
+
+#[test]
+fn kimi_k2_is_a_deepseek_v3_by_another_model_type() {
+    let kimi = json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_routed_experts": 384, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "torch_dtype": "bfloat16", "eos_token_id": 163585
+    });
+    let s = parse(kimi).unwrap();
+    assert_eq!(s.architecture, "DeepseekV3ForCausalLM");
+    assert_eq!(s.layers[0], LayerMlp::Dense { intermediate_size: 18432 });
+    assert_eq!(s.moe.shared_intermediate_size, Some(2048));
+    let AttentionKind::Mla(m) = &s.attention.kind else { panic!("MLA") };
+    assert_eq!((m.kv_lora_rank, m.qk_rope_head_dim), (512, 64));
+    // The softmax scale grows by mscale(32, 1)² = (0.1·ln 32 + 1)².
+    let ms = 0.1 * 32f64.ln() + 1.0;
+    assert!((s.attention.scale as f64 - ms * ms / 192f64.sqrt()).abs() < 1e-6);
+}
