@@ -93,7 +93,7 @@ fn memory_bandwidth(threads: usize) -> f64 {
 }
 
 fn peak_rss() -> Option<u64> {
-    crate::engine::proc_kb_field("/proc/self/status", "VmHWM")
+    crate::model_dir::proc_kb_field("/proc/self/status", "VmHWM")
 }
 
 pub struct BenchOptions {

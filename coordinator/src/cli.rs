@@ -12,6 +12,7 @@ use serde_json::json;
 use shimmer_common::chat_template::Message;
 
 use crate::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
+use crate::model_dir::ModelDir;
 use crate::sampling::SamplingParams;
 
 #[derive(Parser)]
@@ -283,7 +284,7 @@ impl ClusterAuthArgs {
             (Some(c), Some(k), Some(ca)) => Some(OperatorCerts::load(c, k, ca)?),
             _ => None,
         };
-        Ok(Credentials::new(token, certs)?)
+        Credentials::new(token, certs).context("give --join-token (or SHIMMER_JOIN_TOKEN), or --tls-cert, --tls-key and --tls-ca")
     }
 }
 
@@ -564,21 +565,23 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
             answer: secs("--worker-timeout-s", store.worker_timeout_s)?,
             connect: secs("--connect-timeout-s", store.connect_timeout_s)?,
         };
-        let engine = Engine::open_with_experts(dir, |spec, fingerprint| {
+        let engine = (|| -> Result<Engine> {
+            let model = ModelDir::open(dir)?;
+            let (spec, fingerprint) = (&model.spec, &model.fingerprint);
             let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
-            placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| crate::engine::EngineError::Input(format!("{}: {e}", path.display())))?;
-            let model = shimmer_cluster::model_id(fingerprint);
+            placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let (dense, dense_bytes) = model.dense()?;
             let local = match &store.hold {
                 Some(name) => {
-                    let slice = placement.slice(name, &moe).map_err(|e| crate::engine::EngineError::Input(format!("--hold {name}: {e}")))?;
-                    let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options().map_err(|e| crate::engine::EngineError::Input(e.to_string()))? };
-                    let (_, _, experts) = Engine::open_expert_store(dir, &opts)?;
+                    let slice = placement.slice(name, &moe).map_err(|e| anyhow::anyhow!("--hold {name}: {e}"))?;
+                    let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options()? };
+                    // This process holds the dense weights too: an `auto` budget leaves them room.
+                    let experts = model.expert_store(&opts, dense_bytes)?;
                     Some((name.clone(), Box::new(experts) as Box<dyn shimmer_experts::ExpertDispatch>))
                 }
                 None => None,
             };
-            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, model, &creds, timeouts, local)
-                .map_err(|e| crate::engine::EngineError::Input(e.to_string()))?;
+            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, shimmer_cluster::model_id(fingerprint), &creds, timeouts, local)?;
             // When workers move to a newer placement, the file is read again.
             let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
             let remote = remote.with_reload(Box::new(move || {
@@ -586,8 +589,8 @@ fn open(dir: &std::path::Path, store: &StoreArgs, json: bool) -> Result<Engine> 
                 p.validate(&fingerprint, &moe, experts).map_err(|e| format!("{}: {e}", file.display()))?;
                 Ok(p)
             }));
-            Ok(crate::engine::Experts::Cluster(Box::new(remote)))
-        })
+            Ok(Engine::new(&model, dense, crate::engine::Experts::Cluster(Box::new(remote)))?)
+        })()
         .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
             eprintln!("shimmer: routed experts on the workers of {}", path.display());
@@ -773,7 +776,10 @@ fn worker(a: WorkerArgs) -> Result<ExitCode> {
         (None, false) => UsageFile::BesideModel,
     };
     let opts = ExpertOptions { ram, direct_io: a.direct_io, usage, assigned: slice.as_ref().map(|s| s.2.pins.clone()), ..ExpertOptions::default() };
-    let (spec, fingerprint, store) = Engine::open_expert_store(&dir, &opts).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
+    let model = ModelDir::open(&dir).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
+    // A worker holds no dense weights: an `auto` budget may take all but the reserve.
+    let store = model.expert_store(&opts, 0).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
+    let (spec, fingerprint) = (model.spec.clone(), model.fingerprint.clone());
     if let (Some(path), Some(p)) = (&a.placement, &placement) {
         p.validate(&fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     }
@@ -845,8 +851,8 @@ fn worker_in_placement(p: &shimmer_cluster::placement::Placement, listen: std::n
 fn plan(a: PlanArgs) -> Result<ExitCode> {
     use shimmer_cluster::placement::{self, PlanInput, Worker};
     let dir = model_dir(&a.model)?;
-    let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let fingerprint = crate::engine::model_fingerprint(&dir, &spec)?;
+    let model = ModelDir::open(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let (spec, fingerprint) = (model.spec.clone(), model.fingerprint.clone());
     let moe_layers: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
     let experts = spec.moe.num_experts;
     let expert_bytes = shimmer_store::expert_bytes_of(&dir, &spec)?;
@@ -1208,7 +1214,11 @@ fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     let mut candidates: Vec<(String, Engine)> = Vec::new();
     for scheme in schemes {
-        candidates.push((scheme.name(), Engine::load_with_experts_as(&dir, scheme)?));
+        // The experts quantised in memory: a measurement of the format, never the serving path.
+        let model = ModelDir::open(&dir)?;
+        let experts = model.in_process_experts(scheme)?;
+        let (dense, _) = model.dense()?;
+        candidates.push((scheme.name(), Engine::new(&model, dense, crate::engine::Experts::InProcess(Box::new(experts)))?));
     }
     for c in &a.candidate {
         let engine = Engine::load(c).with_context(|| format!("cannot load model {}", c.display()))?;

@@ -7,18 +7,17 @@ use std::time::Instant;
 
 use shimmer_common::chat_template::{ChatConfig, Message};
 use shimmer_common::tokenizer::Tokenizer;
-use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_common::{LoadError, ModelSpec};
 use std::path::PathBuf;
 
-use shimmer_experts::{ExpertDispatch, InProcessExperts};
-use shimmer_store::container::Container;
-use shimmer_store::usage::Usage;
-use shimmer_store::{ExpertStore, Source, StoreOptions, StoreTelemetry};
+use shimmer_experts::ExpertDispatch;
+use shimmer_model::kv_cache::KvCache;
+use shimmer_model::{Decoder, ForwardError, Logits, MoeObserver, Segment};
+use shimmer_store::{ExpertStore, StoreTelemetry};
 use shimmer_worker::RemoteExperts;
 
+use crate::model_dir::ModelDir;
 use crate::sampling::{argmax, Sampler, SamplingParams};
-use shimmer_model::kv_cache::KvCache;
-use shimmer_model::{load_dense, Decoder, ForwardError, Logits, MoeObserver, Segment};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -194,213 +193,34 @@ impl Default for ExpertOptions {
     }
 }
 
-/// Bytes kept free for everything else when `--ram-gb auto`.
-const AUTO_RESERVE_BYTES: u64 = 1 << 30;
-
-/// A `Key:   N kB` field of a /proc file, in bytes.
-pub(crate) fn proc_kb_field(path: &str, key: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let line = text.lines().find(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(':')))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
-fn mem_available() -> Option<u64> {
-    proc_kb_field("/proc/meminfo", "MemAvailable")
-}
-
-/// A model directory's identity without loading its weights: a container's fingerprint, or a
-/// checkpoint's (config and safetensors headers).
-pub fn model_fingerprint(dir: &Path, spec: &ModelSpec) -> Result<String, EngineError> {
-    if Container::is_container(dir) {
-        return Ok(Container::open(dir, spec)?.fingerprint());
-    }
-    let ckpt = Checkpoint::open(dir)?;
-    let config_path = dir.join("config.json");
-    Ok(ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?))
-}
-
 impl Engine {
     pub fn load(dir: &Path) -> Result<Self, EngineError> {
         Self::open(dir, &ExpertOptions::default())
     }
 
-    /// Loads an unconverted checkpoint or a converted container, with its experts held as `opts` says.
+    /// Loads an unconverted checkpoint or a converted container, with its experts held as `opts`
+    /// says: all in this process's memory (a checkpoint without store options), or in the tiered
+    /// store (a container, or any store option).
     pub fn open(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
-        let container = Container::is_container(dir);
-        let store = container || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
-        if !container && (opts.direct_io || opts.mirror.is_some()) {
-            return Err(EngineError::Input(format!(
-                "{}: --direct-io and --mirror read a converted container's one-blob-per-expert file; convert the checkpoint first (shimmer convert)",
-                dir.display()
-            )));
-        }
+        let model = ModelDir::open(dir)?;
+        let store = model.is_container() || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
+        let (dense, dense_bytes) = model.dense()?;
         if !store {
-            return Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Experts::InProcess(Box::new(experts)));
+            let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16)?;
+            tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
+            return Self::new(&model, dense, Experts::InProcess(Box::new(experts)));
         }
-        Self::load_store(dir, opts)
-    }
-
-    /// `load`, with the routed experts quantised in memory to `scheme`: a measurement tool for a
-    /// format's quality (`shimmer quant-eval`), never the serving path.
-    pub fn load_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> Result<Self, EngineError> {
-        Self::load_with(dir, scheme, |experts| Experts::InProcess(Box::new(experts)))
-    }
-
-    /// `load`, with the routed experts reached through the dispatcher `place` builds around them
-    /// (a partition over workers, later a tiered store). Placement may change speed, never tokens.
-    pub fn load_with_dispatch(dir: &Path, place: impl FnOnce(InProcessExperts) -> Box<dyn ExpertDispatch>) -> Result<Self, EngineError> {
-        Self::load_with(dir, shimmer_common::quant::QuantScheme::Bf16, |experts| Experts::InProcess(place(experts)))
-    }
-
-    fn check_dir(dir: &Path) -> Result<(), EngineError> {
-        if !dir.is_dir() {
-            return Err(LoadError::malformed(dir, "not a directory (expected a Hugging Face checkpoint directory or a shimmer container)").into());
-        }
-        if dir.join(shimmer_store::convert::JOURNAL_FILE).exists() && !Container::is_container(dir) {
-            return Err(LoadError::malformed(dir, "holds an unfinished conversion (run the same `shimmer convert` again to finish it)").into());
-        }
-        Ok(())
-    }
-
-    fn load_with(dir: &Path, scheme: shimmer_common::quant::QuantScheme, place: impl FnOnce(InProcessExperts) -> Experts) -> Result<Self, EngineError> {
-        let t0 = Instant::now();
-        Self::check_dir(dir)?;
-        let spec = ModelSpec::from_dir(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
-        let config_path = dir.join("config.json");
-        let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
-        let decoder = load_dense(&ckpt, &spec)?;
-        let experts = InProcessExperts::load_as(&ckpt, &spec, scheme)?;
-        tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-        Self::assemble(dir, spec, decoder, place(experts), fingerprint, t0)
-    }
-
-    /// A model whose routed experts are reached through `make` (given the spec and the model's
-    /// fingerprint) — workers over QUIC — with only the dense weights loaded here.
-    pub fn open_with_experts(dir: &Path, make: impl FnOnce(&ModelSpec, &str) -> Result<Experts, EngineError>) -> Result<Self, EngineError> {
-        let t0 = Instant::now();
-        Self::check_dir(dir)?;
-        let spec = ModelSpec::from_dir(dir)?;
-        let (decoder, fingerprint) = if Container::is_container(dir) {
-            let container = Container::open(dir, &spec)?;
-            let ckpt = Checkpoint::open_files(dir, &[shimmer_store::container::DENSE_FILE])?;
-            (load_dense(&ckpt, &spec)?, container.fingerprint())
-        } else {
-            let ckpt = Checkpoint::open(dir)?;
-            let config_path = dir.join("config.json");
-            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
-            (load_dense(&ckpt, &spec)?, fingerprint)
-        };
-        let experts = make(&spec, &fingerprint)?;
-        Self::assemble(dir, spec, decoder, experts, fingerprint, t0)
-    }
-
-    fn load_store(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
-        let t0 = Instant::now();
-        Self::check_dir(dir)?;
-        let spec = ModelSpec::from_dir(dir)?;
-        let moe_layers = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64;
-        let all_experts = moe_layers * spec.moe.num_experts as u64;
-        let (source, decoder, fingerprint, dense_bytes) = if Container::is_container(dir) {
-            let container = Container::open(dir, &spec)?;
-            let ckpt = Checkpoint::open_files(dir, &[shimmer_store::container::DENSE_FILE])?;
-            let dense_path = dir.join(shimmer_store::container::DENSE_FILE);
-            let dense_bytes = std::fs::metadata(&dense_path).map_err(|e| LoadError::io(&dense_path, e))?.len();
-            let decoder = load_dense(&ckpt, &spec)?;
-            let fingerprint = container.fingerprint();
-            (Source::container(container, opts.mirror.as_deref(), opts.direct_io)?, decoder, fingerprint, dense_bytes)
-        } else {
-            let ckpt = Checkpoint::open(dir)?;
-            let config_path = dir.join("config.json");
-            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
-            let decoder = load_dense(&ckpt, &spec)?;
-            let source = Source::checkpoint(std::sync::Arc::new(ckpt), &spec);
-            let total: u64 = std::fs::read_dir(dir)
-                .map_err(|e| LoadError::io(dir, e))?
-                .flatten()
-                .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.len())
-                .sum();
-            let dense_bytes = total.saturating_sub(all_experts * source.expert_bytes());
-            (source, decoder, fingerprint, dense_bytes)
-        };
-        let expert_bytes = source.expert_bytes();
-        let all_bytes = all_experts * expert_bytes;
-        let budget_bytes = match opts.ram.unwrap_or(RamBudget::Auto) {
-            RamBudget::Gb(gb) => (gb * 1e9) as u64,
-            RamBudget::Auto => {
-                let spare = mem_available().unwrap_or(0).saturating_sub(dense_bytes).saturating_sub(AUTO_RESERVE_BYTES);
-                spare.min(all_bytes)
-            }
-        };
-        let usage_path = match &opts.usage {
-            UsageFile::BesideModel => Some(dir.join(shimmer_store::usage::USAGE_FILE)),
-            UsageFile::File(p) => Some(p.clone()),
-            UsageFile::Off => None,
-        };
-        let usage = match usage_path {
-            Some(p) => {
-                let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { spec.moe.num_experts } else { 0 }).collect();
-                Some(Usage::open(&p, &fingerprint, &shape)?)
-            }
-            None => None,
-        };
-        let store = ExpertStore::open(
-            source,
-            &spec,
-            StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() },
-        )
-        .map_err(|e| EngineError::Input(e.to_string()))?;
-        tracing::info!(budget_bytes, all_bytes, dense_bytes, "expert store open");
-        let mut engine = Self::assemble(dir, spec, decoder, Experts::Store(Box::new(store)), fingerprint, t0)?;
+        let experts = model.expert_store(opts, dense_bytes)?;
+        let mut engine = Self::new(&model, dense, Experts::Store(Box::new(experts)))?;
         engine.dense_bytes = Some(dense_bytes);
         Ok(engine)
     }
 
-    /// A worker's experts: the model's routed experts in a store under `opts` (no dense weights),
-    /// with the model's spec and fingerprint.
-    pub fn open_expert_store(dir: &Path, opts: &ExpertOptions) -> Result<(ModelSpec, String, ExpertStore), EngineError> {
-        Self::check_dir(dir)?;
-        let spec = ModelSpec::from_dir(dir)?;
-        let all_experts = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64 * spec.moe.num_experts as u64;
-        let (source, fingerprint) = if Container::is_container(dir) {
-            let container = Container::open(dir, &spec)?;
-            let fingerprint = container.fingerprint();
-            (Source::container(container, opts.mirror.as_deref(), opts.direct_io)?, fingerprint)
-        } else {
-            let ckpt = Checkpoint::open(dir)?;
-            let config_path = dir.join("config.json");
-            let fingerprint = ckpt.fingerprint(&std::fs::read(&config_path).map_err(|e| LoadError::io(&config_path, e))?);
-            (Source::checkpoint(std::sync::Arc::new(ckpt), &spec), fingerprint)
-        };
-        let all_bytes = all_experts * source.expert_bytes();
-        let budget_bytes = match opts.ram.unwrap_or(RamBudget::Auto) {
-            RamBudget::Gb(gb) => (gb * 1e9) as u64,
-            RamBudget::Auto => mem_available().unwrap_or(0).saturating_sub(AUTO_RESERVE_BYTES).min(all_bytes),
-        };
-        let usage = match &opts.usage {
-            UsageFile::Off => None,
-            other => {
-                let p = match other {
-                    UsageFile::File(p) => p.clone(),
-                    _ => dir.join(shimmer_store::usage::USAGE_FILE),
-                };
-                let shape: Vec<usize> = spec.layers.iter().map(|k| if *k == shimmer_common::spec::LayerMlp::Moe { spec.moe.num_experts } else { 0 }).collect();
-                Some(Usage::open(&p, &fingerprint, &shape)?)
-            }
-        };
-        let store = ExpertStore::open(
-            source,
-            &spec,
-            StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() },
-        )
-        .map_err(|e| EngineError::Input(e.to_string()))?;
-        Ok((spec, fingerprint, store))
-    }
-
-    fn assemble(dir: &Path, spec: ModelSpec, decoder: Decoder, experts: Experts, fingerprint: String, t0: Instant) -> Result<Self, EngineError> {
+    /// An engine of `model`'s dense part and its routed experts wherever they are; the tokenizer
+    /// and chat template come from the model directory.
+    pub fn new(model: &ModelDir, decoder: Decoder, experts: Experts) -> Result<Self, EngineError> {
+        let dir = &model.dir;
+        let spec = model.spec.clone();
         let tokenizer = Tokenizer::from_dir(dir)?;
         let chat = ChatConfig::from_dir(dir)?;
         let mut eos_ids = spec.eos_token_ids.clone();
@@ -427,8 +247,8 @@ impl Engine {
             decoder,
             experts,
             eos_ids,
-            load_ms: t0.elapsed().as_secs_f64() * 1e3,
-            fingerprint,
+            load_ms: model.opened_at.elapsed().as_secs_f64() * 1e3,
+            fingerprint: model.fingerprint.clone(),
             trace: std::sync::Mutex::new(None),
             dense_bytes: None,
             pool,

@@ -11,6 +11,7 @@ pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod engine;
+pub mod model_dir;
 pub mod remote_chat;
 pub mod routing;
 pub mod sampling;

@@ -146,3 +146,24 @@ pub fn assert_clean_failure(out: &Output, needles: &[&str]) {
         assert!(lines[0].contains(n), "error line does not mention `{n}`: {stderr}");
     }
 }
+
+/// An engine of the checkpoint at `dir` whose experts, all in this process's memory, are reached
+/// through the dispatcher `place` builds around them (a split over "nodes", workers, …).
+pub fn engine_with_dispatch(
+    dir: &Path,
+    place: impl FnOnce(shimmer_experts::InProcessExperts) -> Box<dyn shimmer_experts::ExpertDispatch>,
+) -> shimmer_coordinator::Engine {
+    let model = shimmer_coordinator::model_dir::ModelDir::open(dir).unwrap();
+    let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16).unwrap();
+    let (dense, _) = model.dense().unwrap();
+    shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(place(experts))).unwrap()
+}
+
+/// An engine of the checkpoint at `dir` with its experts quantised in memory to `scheme` (the
+/// reference a container of that format must reproduce).
+pub fn engine_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> shimmer_coordinator::Engine {
+    let model = shimmer_coordinator::model_dir::ModelDir::open(dir).unwrap();
+    let experts = model.in_process_experts(scheme).unwrap();
+    let (dense, _) = model.dense().unwrap();
+    shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(Box::new(experts))).unwrap()
+}

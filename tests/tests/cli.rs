@@ -392,7 +392,7 @@ fn plan_writes_a_valid_placement_and_forecasts_each_worker() {
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["workers"].as_array().unwrap().len(), 3);
     let spec = shimmer_common::ModelSpec::from_dir(&fixture_dir).unwrap();
-    let fingerprint = shimmer_coordinator::engine::model_fingerprint(&fixture_dir, &spec).unwrap();
+    let fingerprint = shimmer_coordinator::model_dir::ModelDir::open(&fixture_dir).unwrap().fingerprint;
     let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
     let p = shimmer_cluster::placement::Placement::read(&out).unwrap();
     p.validate(&fingerprint, &moe, spec.moe.num_experts).unwrap();

@@ -98,7 +98,7 @@ fn a_dead_worker_fails_over_to_replicas_with_identical_logits_and_is_readmitted(
     }
     let remote = Arc::new(RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap());
     let r2 = remote.clone();
-    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
+    let engine = shimmer_tests::engine_with_dispatch(&dir, move |_| Box::new(Shared(r2)));
     let mut session = engine.new_session();
     let half = ids.len() / 2;
     for (i, t) in ids.iter().enumerate() {
@@ -151,7 +151,7 @@ fn with_one_copy_a_dead_workers_experts_come_from_another_workers_disk_or_are_an
         let workers: Vec<(quinn::Endpoint, String, Arc<WorkerState>)> =
             addrs.iter().map(|a| start_worker_for(&rt, &dir, &fingerprint, a.parse().unwrap(), Some((&p, a, assigned_only)))).collect();
         let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(5)).unwrap();
-        let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(remote)).unwrap();
+        let engine = shimmer_tests::engine_with_dispatch(&dir, move |_| Box::new(remote));
         workers[1].0.close(0u32.into(), b"killed");
         let got = engine.logits_all(&ids);
         if assigned_only {
@@ -209,7 +209,7 @@ fn three_workers_give_the_single_box_logits_under_every_placement() {
             let p = placement(&fingerprint, &spec, &addrs, owner);
             p.validate(&fingerprint, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>(), n).unwrap();
             let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(30)).unwrap();
-            let engine = Engine::load_with_dispatch(&dir, move |_local| Box::new(remote)).unwrap();
+            let engine = shimmer_tests::engine_with_dispatch(&dir, move |_local| Box::new(remote));
             let got = engine.logits_all(&ids).unwrap();
             assert_eq!(bits(&got), bits(&want), "{name}: {label}");
         }
@@ -543,7 +543,7 @@ fn workers_on_a_newer_placement_make_the_coordinator_adopt_it_with_the_same_logi
             .with_reload(Box::new(move || Placement::read(&f).map_err(|e| e.to_string()))),
     );
     let r2 = remote.clone();
-    let engine = Engine::load_with_dispatch(&dir, move |_| Box::new(Shared(r2))).unwrap();
+    let engine = shimmer_tests::engine_with_dispatch(&dir, move |_| Box::new(Shared(r2)));
     assert_eq!(bits(&engine.logits_all(&ids).unwrap()), bits(&want));
     // The operator moves the cluster to epoch 2: the file, then the workers.
     std::fs::write(&file, serde_json::to_string(&second).unwrap()).unwrap();

@@ -175,7 +175,7 @@ fn a_bf16_container_answers_as_its_checkpoint_and_identically_under_every_placem
 
 #[test]
 fn the_demo_model_int4_container_matches_its_in_memory_quantisation_under_every_placement() {
-    let reference = answers(&Engine::load_with_experts_as(&demo(), QuantScheme::Int4 { group: 32 }).unwrap());
+    let reference = answers(&shimmer_tests::engine_with_experts_as(&demo(), QuantScheme::Int4 { group: 32 }));
     let out = tempfile::tempdir().unwrap();
     let container = out.path().join("c");
     convert_to(&demo(), &container, QuantScheme::Int4 { group: 32 });
@@ -195,7 +195,7 @@ fn the_demo_model_bf16_container_and_checkpoint_agree_at_ten_percent() {
 fn an_mxfp4_container_matches_its_in_memory_quantisation_under_every_placement() {
     // bf16 checkpoints (their dense weights convert losslessly, so only the experts change).
     for name in ["olmoe", "deepseek_v3"] {
-        let reference = answers(&Engine::load_with_experts_as(&fixture(name), QuantScheme::Mxfp4).unwrap());
+        let reference = answers(&shimmer_tests::engine_with_experts_as(&fixture(name), QuantScheme::Mxfp4));
         let out = tempfile::tempdir().unwrap();
         let container = out.path().join("c");
         convert_to(&fixture(name), &container, QuantScheme::Mxfp4);

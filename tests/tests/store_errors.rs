@@ -139,7 +139,7 @@ fn damaged_containers_and_foreign_files_are_refused_with_the_reason() {
     std::fs::write(&manifest_path, &original).unwrap();
 
     // A budget below one layer's working set is refused at start, with the minimum.
-    assert_clean_failure(&score(c.path(), &["--ram-gb", "0.0000001"]), &["--ram-gb", "minimum is --ram-gb"]);
+    assert_clean_failure(&score(c.path(), &["--ram-gb", "0.0000001"]), &["expert budget", "minimum is"]);
     assert_clean_failure(&score(c.path(), &["--ram-gb", "lots"]), &["--ram-gb", "lots"]);
 
     // A usage file of another model.
@@ -150,7 +150,7 @@ fn damaged_containers_and_foreign_files_are_refused_with_the_reason() {
     // O_DIRECT and mirrors need a container; a mirror must be the same container.
     assert_clean_failure(&score(&fixture("olmoe"), &["--direct-io"]), &["convert"]);
     let other = converted("olmoe", "int8");
-    assert_clean_failure(&score(c.path(), &["--mirror", other.path().to_str().unwrap()]), &["--mirror", "different container"]);
+    assert_clean_failure(&score(c.path(), &["--mirror", other.path().to_str().unwrap()]), &["mirror", "different container"]);
 }
 
 #[test]

@@ -48,7 +48,7 @@ pub enum TransportError {
     Certificate { path: String, reason: String },
     #[error("no worker can be reached: {0}")]
     NoWorkers(String),
-    #[error("a cluster link needs a join token (--join-token or SHIMMER_JOIN_TOKEN) or operator certificates (--tls-cert, --tls-key and --tls-ca)")]
+    #[error("a cluster link needs a join token or operator certificates (a certificate, its key and the cluster CA)")]
     NoCredentials,
 }
 

@@ -197,10 +197,10 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
         return Err("no workers".into());
     }
     if input.replicas == 0 || input.replicas > n {
-        return Err(format!("--replicas {} must be between 1 and the number of workers ({n})", input.replicas));
+        return Err(format!("{} replicas per expert: must be between 1 and the number of workers ({n})", input.replicas));
     }
     if !(input.replicate_fraction > 0.0 && input.replicate_fraction <= 1.0) {
-        return Err(format!("--replicate-fraction {} must be in (0, 1]", input.replicate_fraction));
+        return Err(format!("a replicated fraction of {} experts: must be in (0, 1]", input.replicate_fraction));
     }
     let uniform = input.heat.is_empty();
     // Per layer, the probability that a token's selection lands on each expert.

@@ -71,6 +71,7 @@ pub struct BlobLocation {
 }
 
 /// A validated container.
+#[derive(Clone)]
 pub struct Container {
     pub dir: PathBuf,
     pub manifest: Manifest,

@@ -79,7 +79,7 @@ pub struct StoreOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(
-        "--ram-gb {budget_gb} holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is --ram-gb {min_gb}"
+        "an expert budget of {budget_gb} GB holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is {min_gb} GB"
     )]
     BudgetTooSmall { budget_gb: f64, capacity: u64, expert_mb: f64, top_k: usize, min_gb: f64 },
 }

@@ -95,7 +95,7 @@ fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
     }
     let file = opts.open(path).map_err(|e| {
         if direct && e.raw_os_error() == Some(libc::EINVAL) {
-            LoadError::malformed(path, "--direct-io: this filesystem does not support O_DIRECT (e.g. tmpfs); drop --direct-io or move the model")
+            LoadError::malformed(path, "this filesystem does not support O_DIRECT reads (e.g. tmpfs): read without O_DIRECT, or move the model")
         } else {
             LoadError::io(path, e)
         }
@@ -103,7 +103,7 @@ fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
     if direct {
         // Some filesystems accept O_DIRECT at open and refuse it at the first read.
         let mut probe = AlignedBuf::new(expert_blob::BLOB_ALIGN);
-        file.read_at(&mut probe, 0).map_err(|e| LoadError::malformed(path, format!("--direct-io: an aligned O_DIRECT read failed ({e}); drop --direct-io")))?;
+        file.read_at(&mut probe, 0).map_err(|e| LoadError::malformed(path, format!("an aligned O_DIRECT read failed ({e}): read without O_DIRECT")))?;
     }
     Ok(file)
 }
@@ -115,7 +115,7 @@ impl Source {
         let mut drives = vec![Drive { path: container.experts_path(), file: open_drive(&container.experts_path(), direct)?, weight: 1.0 }];
         if let Some(m) = mirror {
             if crate::container::read_manifest(m)? != container.manifest {
-                return Err(LoadError::malformed(m, "--mirror holds a different container than the model directory (manifests differ)"));
+                return Err(LoadError::malformed(m, "the mirror holds a different container than the model directory (manifests differ)"));
             }
             let path = m.join(crate::container::EXPERTS_FILE);
             let len = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?.len();

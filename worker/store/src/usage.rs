@@ -115,7 +115,7 @@ fn read(path: &Path, fingerprint: &str, shape: &[usize]) -> Result<Option<UsageF
     let file: UsageFile = serde_json::from_value(value).map_err(|e| bad(format!("invalid usage file: {e}")))?;
     if file.fingerprint != fingerprint {
         return Err(bad(format!(
-            "usage file of another model (fingerprint {}, this model is {fingerprint}); delete it or pass --usage with a file for this model",
+            "usage file of another model (fingerprint {}, this model is {fingerprint}); delete it or keep this model's heat in another file",
             file.fingerprint
         )));
     }
