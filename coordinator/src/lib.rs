@@ -12,7 +12,6 @@ pub mod cli;
 pub mod demo;
 pub mod engine;
 pub mod model_dir;
-pub mod remote_chat;
 pub mod routing;
 pub mod sampling;
 pub mod server;

@@ -1,0 +1,114 @@
+//! `shimmer bench`: prefill and decode speed under a placement, against the disk and Belady.
+
+use super::*;
+
+#[derive(Args)]
+pub(super) struct BenchArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    pub(super) model: Option<PathBuf>,
+    #[arg(long, default_value_t = 64)]
+    pub(super) prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    pub(super) gen_tokens: usize,
+    /// A UTF-8 text the prompt and the decoded tokens are taken from (default: a built-in
+    /// passage). Decode steps feed the text's next tokens, one per step.
+    #[arg(long)]
+    pub(super) text: Option<PathBuf>,
+    /// Compute threads (default: one per core).
+    #[arg(long)]
+    pub(super) threads: Option<usize>,
+    /// Read every expert the budget holds before timing (to benchmark a resident model, as
+    /// llama-bench does after its warm-up).
+    #[arg(long)]
+    pub(super) preload: bool,
+    /// How much of the experts file the disk-bandwidth probe reads (MB, 10^6 bytes).
+    #[arg(long, default_value_t = 1024)]
+    pub(super) disk_probe_mb: u64,
+    #[command(flatten)]
+    pub(super) store: StoreArgs,
+    #[arg(long)]
+    pub(super) json: bool,
+}
+
+pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
+    if let Some(t) = a.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("cannot set up the thread pool")?;
+    }
+    let dir = model_dir(&a.model)?;
+    let text = match &a.text {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
+        None => None,
+    };
+    let r = crate::bench::run(
+        &dir,
+        &a.store.options()?,
+        &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload },
+    )?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string(&r)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    writeln!(
+        out,
+        "machine  {} cores, {} threads, {} kernels, memory {:.1} GB/s (copy)",
+        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.memory_gb_s
+    )?;
+    writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
+    writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;
+    writeln!(
+        out,
+        "decode   {} tokens  {:.1} ms  {:.2} tok/s  (TTFT {:.1} ms, peak RSS {:.0} MB)",
+        r.gen_tokens,
+        r.decode_ms,
+        r.decode_tok_s,
+        r.ttft_ms,
+        r.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
+    )?;
+    writeln!(
+        out,
+        "roofline {:.1} MB read per token → {:.1} tok/s at the measured bandwidth; decode reached {:.3} of it",
+        r.active_bytes_per_token as f64 / 1e6,
+        r.roofline_tok_s,
+        r.fraction_of_roofline
+    )?;
+    if let Some(t) = &r.store {
+        writeln!(
+            out,
+            "store    {:.4} GB budget, {} experts ({} per layer, {} pinned), decode hit rate {:.3}",
+            t.budget_bytes as f64 / 1e9,
+            t.capacity_experts,
+            t.slots_per_layer,
+            t.pinned_experts,
+            r.decode_hit_rate
+        )?;
+        writeln!(
+            out,
+            "reads    {:.2} MB per decoded token; decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used",
+            r.decode_read_bytes_per_token / 1e6,
+            r.decode_io_wait_fraction * 100.0,
+            t.prefetch_issued,
+            t.prefetch_useful
+        )?;
+    }
+    if let Some(d) = r.disk_gb_s_at_depth {
+        writeln!(
+            out,
+            "disk     {:.2} GB/s with {} reads in flight, {:.2} GB/s one at a time (O_DIRECT, whole blobs)",
+            d,
+            r.io_depth,
+            r.disk_gb_s_depth1.unwrap_or(0.0)
+        )?;
+    }
+    if let (Some(limit), Some(frac)) = (r.disk_limit_tok_s, r.fraction_of_disk_limit) {
+        writeln!(out, "limit    {:.2} tok/s if decode only waited for the disk; achieved {:.3} of it", limit, frac)?;
+    }
+    for (policy, rate) in &r.replay {
+        writeln!(out, "replay   {policy:<22} {rate:.3}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,165 @@
+//! The flags several verbs share, one definition each: how the routed experts are held (the
+//! store), how a cluster is reached (placement, credentials, timeouts), and sampling.
+
+use super::*;
+
+/// How the routed experts are held (docs/expert-store.md).
+#[derive(Args, Clone)]
+pub(super) struct StoreArgs {
+    /// RAM for the expert cache in GB (a float), or `auto` (what the machine can spare). Without
+    /// it an unconverted checkpoint's experts all stay in memory and a container uses `auto`.
+    #[arg(long, value_name = "GB|auto")]
+    pub(super) ram_gb: Option<String>,
+    /// Read experts with O_DIRECT (past the page cache); needs a converted container.
+    #[arg(long)]
+    pub(super) direct_io: bool,
+    /// A second copy of the container (another drive): reads are spread over both, and a bad
+    /// read or checksum on one is served from the other.
+    #[arg(long, value_name = "DIR")]
+    pub(super) mirror: Option<PathBuf>,
+    /// Turn off one-layer-ahead prefetch (and warming the learned pins at start).
+    #[arg(long)]
+    pub(super) no_prefetch: bool,
+    /// Expert reads in flight at once.
+    #[arg(long, default_value_t = shimmer_store::DEFAULT_IO_DEPTH)]
+    pub(super) io_depth: usize,
+    /// Where routing heat is learned and kept (default: shimmer-usage.json beside the model).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_usage")]
+    pub(super) usage: Option<PathBuf>,
+    /// Neither read nor write routing heat.
+    #[arg(long)]
+    pub(super) no_usage: bool,
+}
+
+/// How the routed experts are reached on a cluster (docs/cluster.md).
+#[derive(Args, Clone)]
+pub(super) struct ClusterArgs {
+    /// Reach the routed experts on workers placed by this file (`shimmer plan`; docs/cluster.md).
+    #[arg(long, value_name = "FILE")]
+    pub(super) placement: Option<PathBuf>,
+    /// The workers' addresses; when given, they must be the placement's.
+    #[arg(long, value_delimiter = ',', requires = "placement")]
+    pub(super) workers: Vec<String>,
+    #[command(flatten)]
+    pub(super) auth: ClusterAuthArgs,
+    /// Seconds to wait for a worker's answer to one layer's request before failing over.
+    #[arg(long, default_value_t = 30.0)]
+    pub(super) worker_timeout_s: f64,
+    /// Seconds to wait for a worker's connection (at start, and when retrying a down one).
+    #[arg(long, default_value_t = 3.0)]
+    pub(super) connect_timeout_s: f64,
+    /// This node is also the placement's worker NAME: its experts are computed here (from this
+    /// machine's disk, under the store flags) instead of over the network.
+    #[arg(long, value_name = "NAME", requires = "placement")]
+    pub(super) hold: Option<String>,
+}
+
+/// Where the routed experts are: this machine's store, or a cluster's workers.
+#[derive(Args, Clone)]
+pub(super) struct ExpertArgs {
+    #[command(flatten)]
+    pub(super) store: StoreArgs,
+    #[command(flatten)]
+    pub(super) cluster: ClusterArgs,
+}
+
+/// How cluster nodes know each other (docs/cluster.md): a join token, operator certificates, or both.
+#[derive(Args, Clone, Default)]
+pub(super) struct ClusterAuthArgs {
+    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[arg(long)]
+    pub(super) join_token: Option<String>,
+    /// This node's certificate chain (PEM), for operator-managed mutual TLS.
+    #[arg(long, value_name = "PEM", requires_all = ["tls_key", "tls_ca"])]
+    pub(super) tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, value_name = "PEM", requires_all = ["tls_cert", "tls_ca"])]
+    pub(super) tls_key: Option<PathBuf>,
+    /// The CA certificate(s) peers' certificates must chain to (PEM).
+    #[arg(long, value_name = "PEM", requires_all = ["tls_cert", "tls_key"])]
+    pub(super) tls_ca: Option<PathBuf>,
+}
+
+impl ClusterAuthArgs {
+    pub(super) fn given(&self) -> bool {
+        self.join_token.is_some() || self.tls_cert.is_some()
+    }
+
+    /// The token from the flag or SHIMMER_JOIN_TOKEN, and the certificates if given.
+    pub(super) fn credentials(&self) -> Result<shimmer_worker::transport::Credentials> {
+        use shimmer_worker::transport::{Credentials, JoinToken, OperatorCerts};
+        let token = match self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty()) {
+            Some(t) => Some(JoinToken::new(&t).context("--join-token")?),
+            None => None,
+        };
+        let certs = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(ca)) => Some(OperatorCerts::load(c, k, ca)?),
+            _ => None,
+        };
+        Credentials::new(token, certs).context("give --join-token (or SHIMMER_JOIN_TOKEN), or --tls-cert, --tls-key and --tls-ca")
+    }
+}
+
+impl StoreArgs {
+    pub(super) fn options(&self) -> Result<ExpertOptions> {
+        let ram = match &self.ram_gb {
+            Some(s) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
+            None => None,
+        };
+        if self.io_depth == 0 || self.io_depth > 256 {
+            bail!("--io-depth must be between 1 and 256");
+        }
+        let usage = match (&self.usage, self.no_usage) {
+            (_, true) => UsageFile::Off,
+            (Some(p), false) => UsageFile::File(p.clone()),
+            (None, false) => UsageFile::BesideModel,
+        };
+        Ok(ExpertOptions {
+            ram,
+            direct_io: self.direct_io,
+            mirror: self.mirror.clone(),
+            prefetch: !self.no_prefetch,
+            io_depth: self.io_depth,
+            usage,
+            assigned: None,
+        })
+    }
+}
+
+#[derive(Args)]
+pub(super) struct SamplingArgs {
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long)]
+    pub(super) temperature: Option<f32>,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P.
+    #[arg(long)]
+    pub(super) top_p: Option<f32>,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long)]
+    pub(super) top_k: Option<usize>,
+    /// Drop tokens less likely than P times the most likely one.
+    #[arg(long)]
+    pub(super) min_p: Option<f32>,
+    /// Penalise tokens already in the context (1.0: off).
+    #[arg(long)]
+    pub(super) repetition_penalty: Option<f32>,
+    /// Seed for sampling; the same seed gives the same output.
+    #[arg(long, default_value_t = 0)]
+    pub(super) seed: u64,
+    /// Stop when the output contains this string (repeatable); it is not printed.
+    #[arg(long)]
+    pub(super) stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    pub(super) fn params(&self, default_temperature: f32, default_top_p: f32) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(default_temperature),
+            top_p: self.top_p.unwrap_or(default_top_p),
+            top_k: self.top_k.unwrap_or(0),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            seed: self.seed,
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The `shimmer` command line: `generate`, `score`, `chat`. Flags are a contract scripts rely on
+//! (docs/cli.md); output with `--json` is exactly one JSON object on stdout.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use shimmer_common::chat_template::Message;
+
+use crate::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
+use crate::model_dir::ModelDir;
+use crate::sampling::SamplingParams;
+
+mod bench;
+mod chat;
+mod convert;
+mod flags;
+mod generate;
+mod plan;
+mod quant_eval;
+mod routing;
+mod run;
+mod score;
+mod trace;
+mod worker;
+
+use bench::*;
+use chat::*;
+use convert::*;
+use flags::*;
+use generate::*;
+use plan::*;
+use quant_eval::*;
+use routing::*;
+use run::*;
+use score::*;
+use trace::*;
+use worker::*;
+
+#[derive(Parser)]
+#[command(name = "shimmer", version, about = "Run Mixture-of-Experts language models whose experts do not fit in fast memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the OpenAI and Anthropic APIs and the web dashboard on one port.
+    Run(RunArgs),
+    /// `run` with cluster defaults: the routed experts on the workers of --placement (required),
+    /// the API on every interface (--host 0.0.0.0) so the LAN can reach it.
+    Coordinator(RunArgs),
+    /// Compute an expert placement over workers from routing heat, and forecast each worker's
+    /// load per token.
+    Plan(PlanArgs),
+    /// Serve this machine's routed experts to coordinators over QUIC (docs/cluster.md).
+    Worker(WorkerArgs),
+    /// Generate a continuation of a prompt, streaming text to stdout.
+    Generate(GenerateArgs),
+    /// Teacher-force a token sequence: argmax and log-probability at every position.
+    Score(ScoreArgs),
+    /// A streaming terminal chat (multi-turn; /reset clears; Ctrl-C stops an answer).
+    Chat(ChatArgs),
+    /// Routing analysis over a text: expert-usage skew per layer and next-layer predictability.
+    Routing(RoutingArgs),
+    /// Routing traces recorded with --trace.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+    /// Prefill and decode speed under a placement, against the disk's measured bandwidth and
+    /// Belady's optimum for the expert cache, all from one run.
+    Bench(BenchArgs),
+    /// Convert a Hugging Face checkpoint into an expert container (one aligned blob per expert);
+    /// resumable.
+    Convert(ConvertArgs),
+    /// Quality of an expert quantisation format against the checkpoint's own weights: KL
+    /// divergence of next-token distributions and top-1 agreement over a text.
+    QuantEval(QuantEvalArgs),
+}
+
+pub fn run() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHIMMER_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
+    match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Score(a) => score(a),
+        Command::Chat(a) => chat(a),
+        Command::Run(a) => run_server(a, false),
+        Command::Coordinator(a) => run_server(a, true),
+        Command::Plan(a) => plan(a),
+        Command::Worker(a) => worker(a),
+        Command::Routing(a) => routing(a),
+        Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
+        Command::Convert(a) => convert(a),
+        Command::Bench(a) => bench(a),
+        Command::QuantEval(a) => quant_eval(a),
+    }
+}
+
+fn start_trace(engine: &Engine, path: &Option<PathBuf>) -> Result<()> {
+    if let Some(p) = path {
+        engine.record_trace(p)?;
+    }
+    Ok(())
+}
+
+/// The model directory to use: `--model`, or the bundled demo model (saying so on stderr).
+fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(dir) = model {
+        return Ok(dir.clone());
+    }
+    let dir = crate::demo::demo_model_dir()?;
+    eprintln!("shimmer: no --model given, using the bundled demo model ({})", dir.display());
+    Ok(dir)
+}
+
+fn load(dir: &std::path::Path) -> Result<Engine> {
+    Engine::load(dir).with_context(|| format!("cannot load model {}", dir.display()))
+}
+
+/// Loads with the experts held as the store flags say, and (unless the output is JSON, which
+/// carries it) says on stderr what the store holds.
+fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engine> {
+    let (store, cluster) = (&experts.store, &experts.cluster);
+    if let Some(path) = &cluster.placement {
+        let placement = shimmer_cluster::placement::Placement::read(path)?;
+        if !cluster.workers.is_empty() {
+            let mut want: Vec<&str> = placement.workers.iter().map(|w| w.addr.as_str()).collect();
+            let mut got: Vec<&str> = cluster.workers.iter().map(String::as_str).collect();
+            want.sort_unstable();
+            got.sort_unstable();
+            if want != got {
+                bail!("--workers {} are not the placement's workers ({})", got.join(","), want.join(","));
+            }
+        }
+        let creds = cluster.auth.credentials()?;
+        let secs = |flag: &str, v: f64| -> Result<std::time::Duration> {
+            if !(v > 0.0 && v <= 3600.0) {
+                bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
+            }
+            Ok(std::time::Duration::from_secs_f64(v))
+        };
+        let timeouts = shimmer_worker::remote::Timeouts {
+            answer: secs("--worker-timeout-s", cluster.worker_timeout_s)?,
+            connect: secs("--connect-timeout-s", cluster.connect_timeout_s)?,
+        };
+        let engine = (|| -> Result<Engine> {
+            let model = ModelDir::open(dir)?;
+            let (spec, fingerprint) = (&model.spec, &model.fingerprint);
+            let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+            placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let (dense, dense_bytes) = model.dense()?;
+            let local = match &cluster.hold {
+                Some(name) => {
+                    let slice = placement.slice(name, &moe).map_err(|e| anyhow::anyhow!("--hold {name}: {e}"))?;
+                    let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options()? };
+                    // This process holds the dense weights too: an `auto` budget leaves them room.
+                    let experts = model.expert_store(&opts, dense_bytes)?;
+                    Some((name.clone(), Box::new(experts) as Box<dyn shimmer_experts::ExpertDispatch>))
+                }
+                None => None,
+            };
+            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, shimmer_cluster::model_id(fingerprint), &creds, timeouts, local)?;
+            // When workers move to a newer placement, the file is read again.
+            let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
+            let remote = remote.with_reload(Box::new(move || {
+                let p = shimmer_cluster::placement::Placement::read(&file).map_err(|e| e.to_string())?;
+                p.validate(&fingerprint, &moe, experts).map_err(|e| format!("{}: {e}", file.display()))?;
+                Ok(p)
+            }));
+            Ok(Engine::new(&model, dense, crate::engine::Experts::Cluster(Box::new(remote)))?)
+        })()
+        .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
+        if !json {
+            eprintln!("shimmer: routed experts on the workers of {}", path.display());
+        }
+        return Ok(engine);
+    }
+    if cluster.auth.given() {
+        bail!("--join-token and --tls-* are for a cluster: give --placement FILE too");
+    }
+    let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
+    if let Some(t) = engine.store_telemetry().filter(|_| !json) {
+        let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
+        eprintln!(
+            "shimmer: expert store: {:.3} GB for experts ({} of {all} experts, {} per layer, {} pinned), dense weights {:.3} GB, {}{}",
+            t.budget_bytes as f64 / 1e9,
+            t.capacity_experts.min(all as u64),
+            t.slots_per_layer,
+            t.pinned_experts,
+            engine.dense_bytes.unwrap_or(0) as f64 / 1e9,
+            if store.direct_io { "O_DIRECT" } else { "buffered reads" },
+            if store.no_prefetch { ", no prefetch" } else { "" },
+        );
+    }
+    Ok(engine)
+}
+
+fn store_json(engine: &Engine) -> serde_json::Value {
+    match engine.store_telemetry() {
+        Some(t) => json!({"dense_bytes": engine.dense_bytes, "experts": t}),
+        None => serde_json::Value::Null,
+    }
+}
+
+fn store_summary(engine: &Engine) {
+    if let Some(t) = engine.store_telemetry() {
+        eprintln!(
+            "[experts: {} RAM hits, {} joined in-flight reads, {} disk misses; {:.1} MB read at {:.2} GB/s; prefetch {} issued / {} used; waited {:.1} ms on I/O{}]",
+            t.ram_hits,
+            t.in_flight_hits,
+            t.disk_misses,
+            t.bytes_read as f64 / 1e6,
+            t.read_gb_s,
+            t.prefetch_issued,
+            t.prefetch_useful,
+            t.io_wait_ms,
+            if t.mirror_fallbacks > 0 { format!("; {} reads served by the other copy", t.mirror_fallbacks) } else { String::new() }
+        );
+    }
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}

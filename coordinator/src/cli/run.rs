@@ -1,0 +1,80 @@
+//! `shimmer run` and `shimmer coordinator`: the HTTP API and dashboard over a local or clustered model.
+
+use super::*;
+
+#[derive(Args)]
+pub(super) struct RunArgs {
+    /// A checkpoint directory or container (default: the bundled demo model).
+    #[arg(long)]
+    pub(super) model: Option<PathBuf>,
+    /// The address to serve on (default 127.0.0.1; 0.0.0.0 for `coordinator`).
+    #[arg(long)]
+    pub(super) host: Option<String>,
+    #[arg(long, default_value_t = 8080)]
+    pub(super) port: u16,
+    /// Require this API key (repeatable; also SHIMMER_API_KEY). Without one, no key is needed.
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub(super) api_keys: Vec<String>,
+    /// Requests that may wait for a batch slot; beyond, 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub(super) max_queue: usize,
+    /// Sequences decoded together in one forward pass.
+    #[arg(long, default_value_t = 16)]
+    pub(super) max_batch: usize,
+    /// GB of KV cache kept from finished requests, so a prompt that starts like an earlier one
+    /// (the next chat turn) reuses it instead of prefilling again; 0 turns prefix reuse off.
+    #[arg(long, default_value_t = 1.0)]
+    pub(super) kv_gb: f64,
+    /// The model name clients use (default: the model directory's name; `shimmer-demo` for the demo).
+    #[arg(long)]
+    pub(super) served_model_name: Option<String>,
+    #[command(flatten)]
+    pub(super) store: ExpertArgs,
+}
+
+pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
+    if coordinator && a.store.cluster.placement.is_none() {
+        bail!("shimmer coordinator needs --placement FILE (write one with `shimmer plan`; docs/cluster.md)");
+    }
+    let host = a.host.clone().unwrap_or_else(|| if coordinator { "0.0.0.0" } else { "127.0.0.1" }.into());
+    let dir = model_dir(&a.model)?;
+    let engine = open(&dir, &a.store, false)?;
+    let mut api_keys = a.api_keys.clone();
+    if let Ok(k) = std::env::var("SHIMMER_API_KEY") {
+        if !k.is_empty() {
+            api_keys.push(k);
+        }
+    }
+    let model_id = match (&a.served_model_name, &a.model) {
+        (Some(n), _) => n.clone(),
+        (None, None) => "shimmer-demo".into(),
+        (None, Some(_)) => {
+            std::fs::canonicalize(&dir).ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
+        }
+    };
+    if a.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
+        bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
+    }
+    let expert_bytes = match engine.store_telemetry() {
+        Some(t) => t.expert_bytes,
+        None => shimmer_store::expert_bytes_of(&dir, &engine.spec)?,
+    };
+    crate::server::serve(
+        engine,
+        crate::server::ServerConfig {
+            host,
+            port: a.port,
+            api_keys,
+            max_queue: a.max_queue,
+            max_batch: a.max_batch.max(1),
+            kv_budget_bytes: (a.kv_gb * 1e9) as usize,
+            max_body_bytes: 4 << 20,
+            model_id,
+            expert_bytes,
+        },
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
