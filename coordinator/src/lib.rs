@@ -12,6 +12,7 @@ pub mod cli;
 pub mod demo;
 pub mod engine;
 pub mod model_dir;
+pub mod node;
 pub mod routing;
 pub mod sampling;
 pub mod server;

@@ -151,33 +151,13 @@ fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engin
             answer: secs("--worker-timeout-s", cluster.worker_timeout_s)?,
             connect: secs("--connect-timeout-s", cluster.connect_timeout_s)?,
         };
-        let engine = (|| -> Result<Engine> {
-            let model = ModelDir::open(dir)?;
-            let (spec, fingerprint) = (&model.spec, &model.fingerprint);
-            let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
-            placement.validate(fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            let (dense, dense_bytes) = model.dense()?;
-            let local = match &cluster.hold {
-                Some(name) => {
-                    let slice = placement.slice(name, &moe).map_err(|e| anyhow::anyhow!("--hold {name}: {e}"))?;
-                    let opts = ExpertOptions { assigned: Some(slice.pins), ..store.options()? };
-                    // This process holds the dense weights too: an `auto` budget leaves them room.
-                    let experts = model.expert_store(&opts, dense_bytes)?;
-                    Some((name.clone(), Box::new(experts) as Box<dyn shimmer_experts::ExpertDispatch>))
-                }
-                None => None,
-            };
-            let remote = shimmer_worker::remote::RemoteExperts::connect_with(placement, shimmer_cluster::model_id(fingerprint), &creds, timeouts, local)?;
-            // When workers move to a newer placement, the file is read again.
-            let (file, fingerprint, experts) = (path.clone(), fingerprint.to_string(), spec.moe.num_experts);
-            let remote = remote.with_reload(Box::new(move || {
-                let p = shimmer_cluster::placement::Placement::read(&file).map_err(|e| e.to_string())?;
-                p.validate(&fingerprint, &moe, experts).map_err(|e| format!("{}: {e}", file.display()))?;
-                Ok(p)
-            }));
-            Ok(Engine::new(&model, dense, crate::engine::Experts::Cluster(Box::new(remote)))?)
-        })()
-        .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
+        let hold = match &cluster.hold {
+            Some(name) => Some((name.clone(), store.options()?)),
+            None => None,
+        };
+        let placement = crate::node::PlacementFile { path: path.clone(), placement };
+        let engine = crate::node::coordinator(dir, crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions { placement, creds, timeouts, hold })))
+            .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
             eprintln!("shimmer: routed experts on the workers of {}", path.display());
         }

@@ -33,99 +33,41 @@ pub(super) struct WorkerArgs {
 }
 
 pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
-    use shimmer_cluster::placement::Placement;
     let dir = model_dir(&a.model)?;
     let creds = a.auth.credentials()?;
-    let addr: std::net::SocketAddr = a.listen.parse().with_context(|| format!("--listen: `{}` is not an address:port", a.listen))?;
-    let spec = shimmer_common::ModelSpec::from_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let moe: Vec<usize> = (0..spec.num_layers).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
-    // This worker's slice of the placement: its name, what it holds, what it pins.
-    let placement = a.placement.as_ref().map(|p| Placement::read(p)).transpose()?;
-    let slice = match (&a.placement, &placement) {
-        (Some(path), Some(p)) => {
-            let name = match &a.name {
-                Some(n) => p
-                    .workers
-                    .iter()
-                    .find(|w| &w.name == n)
-                    .map(|w| w.name.clone())
-                    .with_context(|| format!("--name {n}: {} has no such worker", path.display()))?,
-                None => worker_in_placement(p, addr).with_context(|| format!("{}: say which worker this is with --name", path.display()))?,
-            };
-            let slice = p.slice(&name, &moe).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            Some((name, p.epoch, slice))
-        }
-        _ => None,
+    let listen: std::net::SocketAddr = a.listen.parse().with_context(|| format!("--listen: `{}` is not an address:port", a.listen))?;
+    let placement = a.placement.as_deref().map(crate::node::PlacementFile::read).transpose()?;
+    // Which worker of the placement this is, said in terms of the flags.
+    let name = match &placement {
+        Some(pf) => Some(match &a.name {
+            Some(n) => pf
+                .placement
+                .workers
+                .iter()
+                .find(|w| &w.name == n)
+                .map(|w| w.name.clone())
+                .with_context(|| format!("--name {n}: {} has no such worker", pf.path.display()))?,
+            None => crate::node::worker_in_placement(&pf.placement, listen)
+                .map_err(|e| anyhow::anyhow!("{e}"))
+                .with_context(|| format!("{}: say which worker this is with --name", pf.path.display()))?,
+        }),
+        None => None,
     };
-    let opts = ExpertOptions { assigned: slice.as_ref().map(|s| s.2.pins.clone()), ..a.store.options()? };
-    let model = ModelDir::open(&dir).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
-    // A worker holds no dense weights: an `auto` budget may take all but the reserve.
-    let store = model.expert_store(&opts, 0).with_context(|| format!("cannot open the experts of {}", dir.display()))?;
-    let (spec, fingerprint) = (model.spec.clone(), model.fingerprint.clone());
-    if let (Some(path), Some(p)) = (&a.placement, &placement) {
-        p.validate(&fingerprint, &moe, spec.moe.num_experts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    }
-    let epoch = a.epoch.or(slice.as_ref().map(|s| s.1)).unwrap_or(1);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("worker-net").enable_all().build()?;
-    rt.block_on(async move {
-        let endpoint = shimmer_worker::transport::server(addr, &creds)?;
-        let local = endpoint.local_addr()?;
-        let mut state = shimmer_worker::server::WorkerState::serving_store(
-            std::sync::Arc::new(store),
-            shimmer_cluster::model_id(&fingerprint),
-            epoch,
-            creds,
-            spec.hidden_size,
-        );
-        if let Some((name, _, slice)) = slice {
-            state.name = name;
-            state.assigned = Some(slice.assigned);
-            state.assigned_only = a.assigned_only;
-        }
-        let status = state.status();
-        let state = std::sync::Arc::new(state);
-        // Tests and scripts wait for this line.
-        eprintln!("shimmer: worker serving {} on {local} (QUIC, ALPN shimmer/1)", dir.display());
-        eprintln!(
-            "shimmer: worker {}: {} experts assigned{}, RAM for {} experts of {:.1} MB ({:.3} GB), epoch {epoch}",
-            if status.name.is_empty() { "(no placement)" } else { &status.name },
-            status.assigned_experts,
-            if a.assigned_only { " (serves only those)" } else { ", loads others from its disk on demand" },
-            status.capacity_experts,
-            status.expert_bytes as f64 / 1e6,
-            status.budget_bytes as f64 / 1e9,
-        );
-        tokio::select! {
-            _ = shimmer_worker::server::serve(endpoint, state) => {},
-            _ = tokio::signal::ctrl_c() => eprintln!("shimmer: worker stopping"),
-        }
-        anyhow::Ok(())
-    })?;
+    let opts = crate::node::WorkerOptions { listen, creds, placement, name, assigned_only: a.assigned_only, epoch: a.epoch, store: a.store.options()? };
+    let worker = crate::node::Worker::start(&dir, opts).with_context(|| format!("cannot serve the experts of {}", dir.display()))?;
+    let (status, epoch) = (&worker.status, worker.epoch);
+    // Tests and scripts wait for this line.
+    eprintln!("shimmer: worker serving {} on {} (QUIC, ALPN shimmer/1)", dir.display(), worker.local_addr);
+    eprintln!(
+        "shimmer: worker {}: {} experts assigned{}, RAM for {} experts of {:.1} MB ({:.3} GB), epoch {epoch}",
+        if status.name.is_empty() { "(no placement)" } else { &status.name },
+        status.assigned_experts,
+        if a.assigned_only { " (serves only those)" } else { ", loads others from its disk on demand" },
+        status.capacity_experts,
+        status.expert_bytes as f64 / 1e6,
+        status.budget_bytes as f64 / 1e9,
+    );
+    worker.serve_until_signal();
+    eprintln!("shimmer: worker stopping");
     Ok(ExitCode::SUCCESS)
-}
-
-/// The placement's worker this one is: the one whose address is `listen`; else, listening on
-/// every interface, the only one on its port whose IP address is this machine's (one it can bind).
-pub(super) fn worker_in_placement(p: &shimmer_cluster::placement::Placement, listen: std::net::SocketAddr) -> Result<String> {
-    if let Some(w) = p.workers.iter().find(|w| w.addr.parse::<std::net::SocketAddr>().ok() == Some(listen)) {
-        return Ok(w.name.clone());
-    }
-    if !listen.ip().is_unspecified() {
-        bail!("no worker of the placement has the address {listen}");
-    }
-    let mine: Vec<_> = p
-        .workers
-        .iter()
-        .filter(|w| w.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.port() == listen.port() && std::net::UdpSocket::bind((a.ip(), 0)).is_ok()))
-        .collect();
-    match mine.as_slice() {
-        [one] => Ok(one.name.clone()),
-        [] => bail!("no worker of the placement is on port {} at an address of this machine", listen.port()),
-        many => bail!(
-            "{} workers of the placement are on port {} at addresses of this machine ({})",
-            many.len(),
-            listen.port(),
-            many.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ")
-        ),
-    }
 }
