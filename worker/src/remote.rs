@@ -415,7 +415,7 @@ impl ExpertDispatch for RemoteExperts {
                     layer.reloaded(adopted);
                 }
                 Step::Send(assignments) => {
-                    let model = lock(&self.core).model();
+                    let model = self.dialer.model;
                     let mut remote = Vec::new();
                     let mut mine = None;
                     for a in assignments {

@@ -130,9 +130,9 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engine> {
     let (store, cluster) = (&experts.store, &experts.cluster);
     if let Some(path) = &cluster.placement {
-        let placement = shimmer_cluster::placement::Placement::read(path)?;
+        let placement = crate::node::PlacementFile::read(path)?;
         if !cluster.workers.is_empty() {
-            let mut want: Vec<&str> = placement.workers.iter().map(|w| w.addr.as_str()).collect();
+            let mut want: Vec<&str> = placement.placement.workers.iter().map(|w| w.addr.as_str()).collect();
             let mut got: Vec<&str> = cluster.workers.iter().map(String::as_str).collect();
             want.sort_unstable();
             got.sort_unstable();
@@ -155,7 +155,6 @@ fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engin
             Some(name) => Some((name.clone(), store.options()?)),
             None => None,
         };
-        let placement = crate::node::PlacementFile { path: path.clone(), placement };
         let engine = crate::node::coordinator(dir, crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions { placement, creds, timeouts, hold })))
             .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
@@ -166,7 +165,8 @@ fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engin
     if cluster.auth.given() {
         bail!("--join-token and --tls-* are for a cluster: give --placement FILE too");
     }
-    let engine = Engine::open(dir, &store.options()?).with_context(|| format!("cannot load model {}", dir.display()))?;
+    let engine =
+        crate::node::coordinator(dir, crate::node::ExpertsAt::Here(store.options()?)).with_context(|| format!("cannot load model {}", dir.display()))?;
     if let Some(t) = engine.store_telemetry().filter(|_| !json) {
         let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
         eprintln!(

@@ -410,10 +410,6 @@ pub struct LayerDispatch {
 }
 
 impl LayerDispatch {
-    pub fn layer(&self) -> usize {
-        self.layer
-    }
-
     /// The merged partial sums (complete once `next` has said `Done`).
     pub fn sums(&self) -> &[i64] {
         &self.sums
