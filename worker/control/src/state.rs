@@ -1,0 +1,369 @@
+//! The replicated state: what every member agrees on once Raft has committed it — the cluster's
+//! identity, its members (names, addresses, capacities, models on disk, draining) with their
+//! Raft roles, and per model its placement under an epoch.
+//!
+//! `apply` is a pure function of the state and one committed entry: every member applies the
+//! same entries in the same order and so holds the same state, bit for bit. Liveness (up/down)
+//! is deliberately absent: it is what the leader sees from heartbeats, served beside the state,
+//! never written to the log.
+//!
+//! Must never: read a clock, a file or the network; accept an entry it cannot decode as anything
+//! but a rejection recorded in the outcome (a committed entry is applied by everyone, so it must
+//! not be able to make one member panic); let a placement epoch go down.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+/// A member's Raft id: derived from its name, so a restarted node and every peer agree on it
+/// without coordination.
+pub type NodeId = u64;
+
+/// The largest encoded command or member change accepted (a placement of a 384-expert × 61-layer
+/// model with three replicas is ~1 MiB of JSON).
+pub const MAX_COMMAND_BYTES: usize = 8 << 20;
+/// Bounds on what a member may say about itself.
+pub const MAX_NAME_BYTES: usize = 255;
+pub const MAX_MODELS_PER_MEMBER: usize = 64;
+pub const MAX_MEMBERS: usize = 1024;
+
+/// The Raft id of a member name: the first 8 bytes of SHA-256 of the name (never 0, which raft-rs
+/// reserves for "nobody").
+pub fn node_id(name: &str) -> NodeId {
+    let digest = ring::digest::digest(&ring::digest::SHA256, name.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&digest.as_ref()[..8]);
+    u64::from_le_bytes(b).max(1)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeKind {
+    Worker,
+    Coordinator,
+}
+
+/// A model a member has on its own disk, by fingerprint (`shimmer_cluster::model_id` of the
+/// model directory's fingerprint).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+pub struct ModelOnDisk {
+    pub fingerprint: String,
+    /// The bytes its routed experts take (what a placement spreads over RAM).
+    pub expert_bytes: u64,
+}
+
+/// Capacity per tier, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub vram: u64,
+    pub ram: u64,
+    pub disk: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// By default the node's `--listen` address as given.
+    pub name: String,
+    pub kind: NodeKind,
+    /// The control plane's TCP address (HOST:PORT; hostnames resolve when dialled).
+    pub control_addr: String,
+    /// The data plane's QUIC address, for workers.
+    pub data_addr: Option<String>,
+    pub capacity: Capacity,
+    pub models: Vec<ModelOnDisk>,
+    pub draining: bool,
+}
+
+impl Member {
+    pub fn id(&self) -> NodeId {
+        node_id(&self.name)
+    }
+
+    /// Refuses what no member may say about itself: an empty or huge name, an address that is
+    /// not HOST:PORT, too many models.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.name.is_empty() || self.name.len() > MAX_NAME_BYTES {
+            return Err(format!("member name must be 1 to {MAX_NAME_BYTES} bytes, got {}", self.name.len()));
+        }
+        for (what, addr) in [("control address", Some(&self.control_addr)), ("data address", self.data_addr.as_ref())] {
+            if let Some(a) = addr {
+                check_host_port(a).map_err(|e| format!("{}'s {what} {a:?}: {e}", self.name))?;
+            }
+        }
+        if self.models.len() > MAX_MODELS_PER_MEMBER {
+            return Err(format!("{} says it has {} models (limit {MAX_MODELS_PER_MEMBER})", self.name, self.models.len()));
+        }
+        Ok(())
+    }
+}
+
+/// HOST:PORT with a non-empty host of at most 253 bytes and a port number.
+pub fn check_host_port(addr: &str) -> Result<(), String> {
+    let (host, port) = addr.rsplit_once(':').ok_or("not HOST:PORT")?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.len() > 253 {
+        return Err("the host must be 1 to 253 bytes".into());
+    }
+    port.parse::<u16>().map_err(|_| format!("`{port}` is not a port number"))?;
+    Ok(())
+}
+
+/// A model's placement as committed: its epoch and the placement (expert → ordered replicas).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlacementRecord {
+    pub epoch: u64,
+    pub placement: shimmer_cluster::Placement,
+}
+
+/// What every member holds once the same entries are applied.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterState {
+    /// Chosen at bootstrap; a node refuses messages and joins for another cluster.
+    pub cluster_id: String,
+    pub members: BTreeMap<NodeId, Member>,
+    pub voters: BTreeSet<NodeId>,
+    pub learners: BTreeSet<NodeId>,
+    /// Per model fingerprint, its placement.
+    pub placements: BTreeMap<String, PlacementRecord>,
+    /// The index of the last entry applied.
+    pub applied: u64,
+}
+
+/// A change to the state other than membership, carried in a normal Raft entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    /// A member says what it is now (addresses, capacity, models): only for a known member.
+    UpdateMember {
+        member: Member,
+    },
+    SetDraining {
+        name: String,
+        draining: bool,
+    },
+    /// A placement for a model; refused unless its epoch is above the model's current one.
+    CommitPlacement {
+        record: PlacementRecord,
+    },
+}
+
+/// What a membership change (a Raft conf change) says about the member, in its context bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum MemberChange {
+    /// A new member, joining as a learner.
+    Add {
+        member: Member,
+    },
+    /// A learner becomes a voter.
+    Promote {
+        name: String,
+    },
+    /// A voter becomes a learner (it was gone too long, or there are more voters than wanted).
+    Demote {
+        name: String,
+    },
+    Remove {
+        name: String,
+    },
+}
+
+/// A normal entry's payload: the command, and who proposed it with which sequence number, so the
+/// proposer learns when (and whether) it was applied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposal {
+    pub by: NodeId,
+    pub seq: u64,
+    pub command: Command,
+}
+
+/// The result of applying one entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Applied,
+    /// A committed entry every member refuses the same way (e.g. an epoch that does not grow).
+    Rejected(String),
+}
+
+impl ClusterState {
+    pub fn role(&self, id: NodeId) -> Option<&'static str> {
+        if self.voters.contains(&id) {
+            Some("voter")
+        } else if self.learners.contains(&id) {
+            Some("learner")
+        } else {
+            None
+        }
+    }
+
+    pub fn member_named(&self, name: &str) -> Option<&Member> {
+        self.members.get(&node_id(name))
+    }
+
+    /// Applies a normal entry's command.
+    pub fn apply_command(&mut self, index: u64, command: &Command) -> Outcome {
+        self.applied = self.applied.max(index);
+        match command {
+            Command::UpdateMember { member } => {
+                if let Err(e) = member.validate() {
+                    return Outcome::Rejected(e);
+                }
+                match self.members.get_mut(&member.id()) {
+                    Some(m) if m.name == member.name => {
+                        let draining = m.draining;
+                        *m = member.clone();
+                        // Draining is changed only by its own command.
+                        m.draining = draining;
+                        Outcome::Applied
+                    }
+                    _ => Outcome::Rejected(format!("{} is not a member", member.name)),
+                }
+            }
+            Command::SetDraining { name, draining } => match self.members.get_mut(&node_id(name)) {
+                Some(m) if &m.name == name => {
+                    m.draining = *draining;
+                    Outcome::Applied
+                }
+                _ => Outcome::Rejected(format!("{name} is not a member")),
+            },
+            Command::CommitPlacement { record } => {
+                if record.placement.epoch != record.epoch {
+                    return Outcome::Rejected(format!("placement epoch {} differs from the record's {}", record.placement.epoch, record.epoch));
+                }
+                let current = self.placements.get(&record.placement.model).map_or(0, |p| p.epoch);
+                if record.epoch <= current {
+                    return Outcome::Rejected(format!("epoch {} for model {} is not above the current {current}", record.epoch, record.placement.model));
+                }
+                self.placements.insert(record.placement.model.clone(), record.clone());
+                Outcome::Applied
+            }
+        }
+    }
+
+    /// Applies a committed membership change. `voters`/`learners` are the Raft configuration
+    /// after it (raft-rs's `apply_conf_change`), recorded so every member reports the same roles.
+    pub fn apply_member_change(&mut self, index: u64, change: &MemberChange, voters: &[NodeId], learners: &[NodeId]) -> Outcome {
+        self.applied = self.applied.max(index);
+        self.voters = voters.iter().copied().collect();
+        self.learners = learners.iter().copied().collect();
+        let outcome = match change {
+            MemberChange::Add { member } => match member.validate() {
+                Err(e) => Outcome::Rejected(e),
+                Ok(()) => match self.members.get(&member.id()) {
+                    Some(m) if m.name != member.name => Outcome::Rejected(format!("{} and {} have the same id; rename one", m.name, member.name)),
+                    _ if self.members.len() >= MAX_MEMBERS && !self.members.contains_key(&member.id()) => {
+                        Outcome::Rejected(format!("the cluster has {MAX_MEMBERS} members already"))
+                    }
+                    _ => {
+                        self.members.insert(member.id(), member.clone());
+                        Outcome::Applied
+                    }
+                },
+            },
+            MemberChange::Promote { .. } | MemberChange::Demote { .. } => Outcome::Applied,
+            MemberChange::Remove { name } => {
+                self.members.remove(&node_id(name));
+                Outcome::Applied
+            }
+        };
+        // A member is in the state exactly when Raft knows it.
+        let known: BTreeSet<NodeId> = self.voters.union(&self.learners).copied().collect();
+        self.members.retain(|id, _| known.contains(id));
+        outcome
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        // Serialising plain data to a Vec cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<ClusterState, String> {
+        if bytes.len() > 4 * MAX_COMMAND_BYTES {
+            return Err(format!("a state snapshot of {} bytes is over the limit", bytes.len()));
+        }
+        serde_json::from_slice(bytes).map_err(|e| format!("not a cluster state: {e}"))
+    }
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+/// Decodes a command or member change, bounded before it is parsed.
+pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    if bytes.len() > MAX_COMMAND_BYTES {
+        return Err(format!("{} bytes is over the {MAX_COMMAND_BYTES}-byte limit of an entry", bytes.len()));
+    }
+    serde_json::from_slice(bytes).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn member(name: &str) -> Member {
+        Member {
+            name: name.into(),
+            kind: NodeKind::Worker,
+            control_addr: name.into(),
+            data_addr: Some(name.into()),
+            capacity: Capacity { vram: 0, ram: 1 << 30, disk: 1 << 40 },
+            models: vec![],
+            draining: false,
+        }
+    }
+
+    #[test]
+    fn members_follow_the_raft_configuration_and_commands_are_checked() {
+        let mut s = ClusterState::default();
+        let a = member("10.0.0.1:7070");
+        let b = member("10.0.0.2:7070");
+        assert_eq!(s.apply_member_change(1, &MemberChange::Add { member: a.clone() }, &[a.id()], &[]), Outcome::Applied);
+        assert_eq!(s.apply_member_change(2, &MemberChange::Add { member: b.clone() }, &[a.id()], &[b.id()]), Outcome::Applied);
+        assert_eq!(s.role(b.id()), Some("learner"));
+        assert_eq!(s.apply_member_change(3, &MemberChange::Promote { name: b.name.clone() }, &[a.id(), b.id()], &[]), Outcome::Applied);
+        assert_eq!(s.role(b.id()), Some("voter"));
+        assert!(matches!(s.apply_command(4, &Command::SetDraining { name: "nobody:1".into(), draining: true }), Outcome::Rejected(_)));
+        assert_eq!(s.apply_command(5, &Command::SetDraining { name: b.name.clone(), draining: true }), Outcome::Applied);
+        assert!(s.members[&b.id()].draining);
+        // An update keeps the draining flag; a bad address is refused.
+        let mut b2 = b.clone();
+        b2.capacity.ram = 5;
+        assert_eq!(s.apply_command(6, &Command::UpdateMember { member: b2 }), Outcome::Applied);
+        assert!(s.members[&b.id()].draining && s.members[&b.id()].capacity.ram == 5);
+        let mut bad = b.clone();
+        bad.control_addr = "no-port".into();
+        assert!(matches!(s.apply_command(7, &Command::UpdateMember { member: bad }), Outcome::Rejected(_)));
+        assert_eq!(s.apply_member_change(8, &MemberChange::Remove { name: b.name.clone() }, &[a.id()], &[]), Outcome::Applied);
+        assert!(!s.members.contains_key(&b.id()));
+        assert_eq!(s.applied, 8);
+        assert_eq!(ClusterState::decode(&s.encode()).unwrap(), s);
+    }
+
+    #[test]
+    fn placement_epochs_only_grow() {
+        let mut s = ClusterState::default();
+        let placement = |epoch| shimmer_cluster::Placement {
+            format: shimmer_cluster::placement::FORMAT.into(),
+            version: shimmer_cluster::placement::VERSION,
+            model: "m".into(),
+            epoch,
+            workers: vec![],
+            layers: vec![],
+        };
+        let rec = |epoch| Command::CommitPlacement { record: PlacementRecord { epoch, placement: placement(epoch) } };
+        assert_eq!(s.apply_command(1, &rec(2)), Outcome::Applied);
+        assert!(matches!(s.apply_command(2, &rec(2)), Outcome::Rejected(_)));
+        assert!(matches!(s.apply_command(3, &rec(1)), Outcome::Rejected(_)));
+        assert_eq!(s.apply_command(4, &rec(3)), Outcome::Applied);
+        assert_eq!(s.placements["m"].epoch, 3);
+    }
+
+    #[test]
+    fn oversized_and_garbage_entries_are_refused() {
+        assert!(decode::<Command>(b"{\"op\":\"nope\"}").is_err());
+        assert!(decode::<Command>(&vec![b' '; MAX_COMMAND_BYTES + 1]).unwrap_err().contains("limit"));
+        assert_ne!(node_id("a"), node_id("b"));
+        assert!(node_id("") >= 1);
+    }
+}

@@ -1,0 +1,411 @@
+//! Deterministic simulation of the control plane: 3 and 5 `ControlNode`s over a seeded in-memory
+//! network that loses, delays and reorders messages, partitions nodes, and crashes and restarts
+//! them from their logs (kept across a crash as a disk would be) — raft-rs's own harness, with
+//! our state machine, log and membership policy inside.
+//!
+//! Checked at every step: at most one leader per term; two nodes that applied up to the same
+//! index hold the same state (so committed entries are never lost or reordered); a node's
+//! applied index and every placement epoch it holds never go down, not even across restarts; a
+//! partitioned minority of the voters commits nothing beyond what was committed before. At the end, healed: every node converges
+//! to the same state, with the wanted number of voters.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use shimmer_control::state::{Capacity, ClusterState, Command, Member, MemberChange, NodeKind, PlacementRecord};
+use shimmer_control::{ControlNode, NodeConfig, NodeError, Output, RaftLog, RaftMessage, StateRole};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+}
+
+fn member(name: &str) -> Member {
+    Member {
+        name: name.into(),
+        kind: NodeKind::Worker,
+        control_addr: format!("{name}:7070"),
+        data_addr: Some(format!("{name}:7070")),
+        capacity: Capacity { vram: 0, ram: 1 << 30, disk: 1 << 40 },
+        models: vec![],
+        draining: false,
+    }
+}
+
+fn placement(epoch: u64, by: &str) -> PlacementRecord {
+    PlacementRecord {
+        epoch,
+        placement: shimmer_cluster::Placement {
+            format: shimmer_cluster::placement::FORMAT.into(),
+            version: shimmer_cluster::placement::VERSION,
+            model: "m".into(),
+            epoch,
+            workers: vec![shimmer_cluster::placement::Worker { name: by.into(), addr: format!("{by}:7070"), ram_bytes: 1 }],
+            layers: vec![],
+        },
+    }
+}
+
+struct Sim {
+    rng: Rng,
+    now: u64,
+    names: Vec<String>,
+    ids: Vec<u64>,
+    logs: Vec<RaftLog>,
+    nodes: Vec<Option<ControlNode>>,
+    next_tick: Vec<u64>,
+    /// In flight: (deliver at, order, message).
+    wire: Vec<(u64, u64, RaftMessage)>,
+    order: u64,
+    /// Node index → partition group; messages cross groups only when equal.
+    group: Vec<u32>,
+    loss: f64,
+    max_delay: u64,
+    cfg: NodeConfig,
+    // What the checks remember.
+    leader_of_term: HashMap<u64, u64>,
+    state_at: HashMap<u64, String>,
+    applied_floor: Vec<u64>,
+    epoch_floor: Vec<u64>,
+    minority_commit: Option<(Vec<usize>, Vec<u64>)>,
+    done: u64,
+    delivered: u64,
+}
+
+impl Sim {
+    fn new(seed: u64, n: usize, max_voters: usize) -> Sim {
+        let names: Vec<String> = (0..n).map(|i| format!("10.0.0.{}", i + 1)).collect();
+        let ids = names.iter().map(|n| shimmer_control::state::node_id(n)).collect();
+        let cfg = NodeConfig { max_voters, replace_after_ms: 4000, down_after_ms: 1500, snapshot_every: 40, ..NodeConfig::default() };
+        let mut rng = Rng(seed);
+        let next_tick = (0..n).map(|_| rng.below(100)).collect();
+        Sim {
+            rng,
+            now: 0,
+            names,
+            ids,
+            logs: (0..n).map(|_| RaftLog::in_memory()).collect(),
+            nodes: (0..n).map(|_| None).collect(),
+            next_tick,
+            wire: Vec::new(),
+            order: 0,
+            group: vec![0; n],
+            loss: 0.0,
+            max_delay: 5,
+            cfg,
+            leader_of_term: HashMap::new(),
+            state_at: HashMap::new(),
+            applied_floor: vec![0; n],
+            epoch_floor: vec![0; n],
+            minority_commit: None,
+            done: 0,
+            delivered: 0,
+        }
+    }
+
+    fn index_of(&self, id: u64) -> Option<usize> {
+        self.ids.iter().position(|&i| i == id)
+    }
+
+    fn route(&mut self, from: usize, out: Output) {
+        self.done += out.done.len() as u64;
+        for m in out.messages {
+            let Some(to) = self.index_of(m.to) else { continue };
+            if self.group[from] != self.group[to] || self.rng.chance(self.loss) {
+                continue;
+            }
+            let at = self.now + 1 + self.rng.below(self.max_delay);
+            self.order += 1;
+            self.wire.push((at, self.order, m));
+        }
+    }
+
+    fn run_node(&mut self, i: usize, f: impl FnOnce(&mut ControlNode, u64) -> Result<Output, NodeError>) {
+        let now = self.now;
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        match f(node, now) {
+            Ok(out) => self.route(i, out),
+            Err(NodeError::NoLeader) | Err(NodeError::ChangeInProgress) => {}
+            Err(e) => panic!("node {} failed: {e}", self.names[i]),
+        }
+    }
+
+    fn start(&mut self, i: usize) {
+        self.nodes[i] = Some(ControlNode::restart(self.logs[i].clone(), self.cfg.clone(), self.ids[i]).expect("restart from the log"));
+    }
+
+    fn crash(&mut self, i: usize) {
+        self.nodes[i] = None;
+        let id = self.ids[i];
+        self.wire.retain(|(_, _, m)| m.to != id);
+    }
+
+    /// Advances time by `ms` in 1 ms steps: deliveries, ticks, checks.
+    fn run(&mut self, ms: u64) {
+        for _ in 0..ms {
+            self.now += 1;
+            let now = self.now;
+            let mut due: Vec<(u64, u64, RaftMessage)> = Vec::new();
+            self.wire.retain(|w| {
+                if w.0 <= now {
+                    due.push(w.clone());
+                    false
+                } else {
+                    true
+                }
+            });
+            due.sort_by_key(|w| (w.0, w.1));
+            for (_, _, m) in due {
+                if let Some(i) = self.index_of(m.to) {
+                    let from = self.index_of(m.from);
+                    assert!(from.is_none_or(|f| self.group[f] == self.group[i]), "crossed a partition: {m:?}");
+                    self.delivered += 1;
+                    self.run_node(i, |n, now| n.step(m, now));
+                }
+            }
+            for i in 0..self.nodes.len() {
+                if now >= self.next_tick[i] {
+                    self.next_tick[i] += self.cfg.tick_ms;
+                    self.run_node(i, |n, now| n.tick(now));
+                }
+            }
+            self.check();
+        }
+    }
+
+    fn check(&mut self) {
+        for i in 0..self.nodes.len() {
+            let Some(n) = &self.nodes[i] else { continue };
+            let st = n.status();
+            if st.role == StateRole::Leader {
+                let prev = *self.leader_of_term.entry(st.term).or_insert(st.id);
+                assert_eq!(prev, st.id, "two leaders in term {} at {} ms", st.term, self.now);
+            }
+            let applied = n.state.applied;
+            assert!(applied >= self.applied_floor[i], "{} went back from applied {} to {applied}", self.names[i], self.applied_floor[i]);
+            self.applied_floor[i] = applied;
+            let digest = serde_json::to_string(&n.state).unwrap();
+            let seen = self.state_at.entry(applied).or_insert_with(|| digest.clone());
+            assert_eq!(*seen, digest, "{} holds a different state at applied index {applied}", self.names[i]);
+            let epoch = n.state.placements.get("m").map_or(0, |p| p.epoch);
+            assert!(epoch >= self.epoch_floor[i], "{}: placement epoch went down", self.names[i]);
+            self.epoch_floor[i] = epoch;
+        }
+        if let Some((minority, commits)) = &self.minority_commit {
+            for (k, &i) in minority.iter().enumerate() {
+                if let Some(n) = &self.nodes[i] {
+                    assert!(
+                        n.status().commit <= commits[k],
+                        "{} in a minority {minority:?} committed entry {} (the cluster had committed {}): {:?} voters {:?}",
+                        self.names[i],
+                        n.status().commit,
+                        commits[k],
+                        n.status(),
+                        n.state.voters
+                    );
+                }
+            }
+        }
+    }
+
+    fn leader(&self) -> Option<usize> {
+        (0..self.nodes.len()).find(|&i| self.nodes[i].as_ref().is_some_and(|n| n.is_leader()))
+    }
+
+    /// Proposes until applied somewhere (or gives up after `ms`).
+    fn add_member(&mut self, i: usize) {
+        let m = member(&self.names[i].clone());
+        for _ in 0..100 {
+            if let Some(l) = self.leader() {
+                if self.nodes[l].as_ref().unwrap().state.members.contains_key(&self.ids[i]) {
+                    return;
+                }
+                let change = MemberChange::Add { member: m.clone() };
+                self.run_node(l, |n, _| n.propose_member_change(change).map(|(_, o)| o));
+            }
+            self.run(200);
+        }
+        let views: Vec<String> =
+            self.nodes.iter().flatten().map(|n| format!("{:?} voters {:?} learners {:?}", n.status(), n.state.voters, n.state.learners)).collect();
+        panic!("{} never joined: {views:#?}", self.names[i]);
+    }
+
+    fn propose_something(&mut self) {
+        let i = self.rng.below(self.nodes.len() as u64) as usize;
+        let Some(n) = &self.nodes[i] else { return };
+        let cmd = if self.rng.chance(0.5) {
+            let epoch = n.state.placements.get("m").map_or(0, |p| p.epoch) + 1;
+            Command::CommitPlacement { record: placement(epoch, &self.names[i]) }
+        } else {
+            let who = self.rng.below(self.names.len() as u64) as usize;
+            Command::SetDraining { name: self.names[who].clone(), draining: self.rng.chance(0.5) }
+        };
+        self.run_node(i, |n, _| n.propose(cmd).map(|(_, o)| o));
+    }
+
+    fn states(&self) -> BTreeSet<String> {
+        self.nodes.iter().flatten().map(|n| serde_json::to_string(&n.state).unwrap()).collect()
+    }
+}
+
+/// One seeded schedule: bootstrap, joins, then faults, then healing.
+fn schedule(seed: u64, n: usize, max_voters: usize) -> (u64, u64) {
+    let mut sim = Sim::new(seed, n, max_voters);
+    sim.logs[0] = RaftLog::in_memory();
+    sim.nodes[0] = Some(ControlNode::bootstrap(sim.logs[0].clone(), sim.cfg.clone(), member(&sim.names[0]), "sim".into()).unwrap());
+    for i in 1..n {
+        sim.start(i);
+    }
+    sim.run(2500);
+    assert!(sim.leader() == Some(0), "seed {seed}: the bootstrap node leads a cluster of one");
+    for i in 1..n {
+        sim.add_member(i);
+    }
+    // Learners are promoted up to the wanted voter count.
+    sim.run(3000);
+    sim.loss = 0.05 + (seed % 4) as f64 * 0.05;
+    sim.max_delay = 5 + seed % 40;
+    let quorum = max_voters.min(n) / 2 + 1;
+    for _round in 0..60 {
+        match sim.rng.below(10) {
+            0 => {
+                // Crash a node, keeping enough voters for a quorum most of the time.
+                let up = sim.nodes.iter().filter(|x| x.is_some()).count();
+                if up > quorum {
+                    let i = sim.rng.below(n as u64) as usize;
+                    sim.crash(i);
+                }
+            }
+            1 => {
+                for i in 0..n {
+                    if sim.nodes[i].is_none() {
+                        sim.start(i);
+                    }
+                }
+            }
+            2 if sim.group.iter().all(|&g| g == 0) => {
+                // Cut off a minority of the nodes (1 of 3, 1 or 2 of 5).
+                let size = 1 + sim.rng.below(((n - 1) / 2) as u64) as usize;
+                let mut minority = Vec::new();
+                while minority.len() < size {
+                    let i = sim.rng.below(n as u64) as usize;
+                    if !minority.contains(&i) {
+                        minority.push(i);
+                    }
+                }
+                for &i in &minority {
+                    sim.group[i] = 1;
+                }
+                sim.wire.clear();
+                // A minority of the voters (with learners it may hold more nodes) may commit
+                // nothing new: the commit index each had stays where it was.
+                let voters = sim.nodes.iter().flatten().map(|x| x.state.voters.clone()).max_by_key(|v| v.len()).unwrap_or_default();
+                let inside = minority.iter().filter(|&&i| voters.contains(&sim.ids[i])).count();
+                if inside < voters.len() / 2 + 1 {
+                    // Everything committed anywhere so far (a minority node may still learn of
+                    // that from a minority leader that knew it), and nothing beyond.
+                    let live = sim.nodes.iter().flatten().map(|x| x.status().commit);
+                    let persisted = sim.logs.iter().map(|l| l.hard_state().commit);
+                    let committed = live.chain(persisted).max().unwrap_or(0);
+                    let commits = vec![committed; minority.len()];
+                    sim.minority_commit = Some((minority, commits));
+                }
+            }
+            3 => {
+                sim.group = vec![0; n];
+                sim.minority_commit = None;
+            }
+            _ => sim.propose_something(),
+        }
+        let ms = 100 + sim.rng.below(600);
+        sim.run(ms);
+    }
+    // Heal: everyone back, no loss.
+    sim.group = vec![0; n];
+    sim.minority_commit = None;
+    sim.loss = 0.0;
+    for i in 0..n {
+        if sim.nodes[i].is_none() {
+            sim.start(i);
+        }
+    }
+    sim.run(4000);
+    for _ in 0..3 {
+        sim.propose_something();
+        sim.run(500);
+    }
+    sim.run(8000);
+    let states = sim.states();
+    assert_eq!(states.len(), 1, "seed {seed}: nodes did not converge: {} different states", states.len());
+    let st: ClusterState = serde_json::from_str(states.iter().next().unwrap()).unwrap();
+    assert_eq!(st.members.len(), n, "seed {seed}");
+    assert_eq!(st.voters.len(), max_voters.min(n), "seed {seed}: voters {:?} learners {:?}", st.voters, st.learners);
+    assert_eq!(st.voters.len() + st.learners.len(), n, "seed {seed}");
+    let leaders: BTreeMap<u64, u64> = sim.leader_of_term.iter().map(|(k, v)| (*k, *v)).collect();
+    assert!(!leaders.is_empty());
+    (sim.done, sim.delivered)
+}
+
+#[test]
+fn three_nodes_under_loss_partitions_and_crashes() {
+    let mut done = 0;
+    for seed in 0..24 {
+        done += schedule(seed, 3, 3).0;
+    }
+    // Work got done: the checks above are not vacuous.
+    assert!(done > 24 * 10, "only {done} proposals applied");
+}
+
+#[test]
+fn five_nodes_under_loss_partitions_and_crashes() {
+    let mut done = 0;
+    for seed in 100..112 {
+        done += schedule(seed, 5, 5).0;
+    }
+    assert!(done > 12 * 10, "only {done} proposals applied");
+}
+
+#[test]
+fn five_members_with_three_voters_keep_two_learners() {
+    for seed in 200..206 {
+        schedule(seed, 5, 3);
+    }
+}
+
+/// A voter that stays down is replaced: a learner is promoted and the dead voter demoted.
+#[test]
+fn a_voter_gone_too_long_is_replaced_by_a_learner() {
+    let mut sim = Sim::new(7, 4, 3);
+    sim.nodes[0] = Some(ControlNode::bootstrap(sim.logs[0].clone(), sim.cfg.clone(), member(&sim.names[0]), "sim".into()).unwrap());
+    for i in 1..4 {
+        sim.start(i);
+    }
+    sim.run(1500);
+    for i in 1..4 {
+        sim.add_member(i);
+    }
+    sim.run(3000);
+    let st = sim.nodes[0].as_ref().unwrap().state.clone();
+    assert_eq!(st.voters.len(), 3);
+    let learner = *st.learners.iter().next().unwrap();
+    // Kill a voter that is not the leader.
+    let leader = sim.leader().unwrap();
+    let victim = (0..4).find(|&i| i != leader && st.voters.contains(&sim.ids[i])).unwrap();
+    sim.crash(victim);
+    sim.run(sim.cfg.replace_after_ms + 4000);
+    let st = sim.nodes[leader].as_ref().unwrap().state.clone();
+    assert!(st.voters.contains(&learner), "the learner was not promoted: {st:?}");
+    assert!(!st.voters.contains(&sim.ids[victim]) && st.learners.contains(&sim.ids[victim]), "the dead voter was not demoted");
+    assert_eq!(st.voters.len(), 3);
+}
