@@ -9,6 +9,7 @@
 //! the merge of partial sums) — this crate carries decisions out and reports what happened; route,
 //! skip, substitute or re-weight an expert; compute for another model or placement epoch.
 
+pub mod control;
 pub mod remote;
 pub mod server;
 pub mod transport;

@@ -195,7 +195,7 @@ pub fn client(creds: &Credentials) -> Result<quinn::Endpoint, TransportError> {
 /// Accepts any certificate whose handshake signature verifies: identity comes from the join-token
 /// proof over the session's exporter secret, not from a CA.
 #[derive(Debug)]
-struct TokenBound(Arc<rustls::crypto::CryptoProvider>);
+pub(crate) struct TokenBound(pub(crate) Arc<rustls::crypto::CryptoProvider>);
 
 impl rustls::client::danger::ServerCertVerifier for TokenBound {
     fn verify_server_cert(

@@ -52,6 +52,8 @@ pub enum NodeError {
     NoLeader,
     #[error("a membership change is in progress; try again")]
     ChangeInProgress,
+    #[error("this node is not the leader (node {0} is)")]
+    NotLeader(NodeId),
 }
 
 /// What the caller should do after an event.
@@ -270,10 +272,16 @@ impl ControlNode {
     }
 
     /// Proposes a membership change (one at a time, cluster-wide).
+    /// Only the leader takes them: a follower's would be forwarded and could be dropped
+    /// silently (raft-rs turns a second pending change into an empty entry), so the caller
+    /// asks the leader instead.
     pub fn propose_member_change(&mut self, change: MemberChange) -> Result<(u64, Output), NodeError> {
-        if self.raw.raft.leader_id == 0 {
+        if !self.is_leader() {
             self.failed_proposals += 1;
-            return Err(NodeError::NoLeader);
+            return Err(if self.raw.raft.leader_id == 0 { NodeError::NoLeader } else { NodeError::NotLeader(self.raw.raft.leader_id) });
+        }
+        if self.raw.raft.has_pending_conf() {
+            return Err(NodeError::ChangeInProgress);
         }
         let name = match &change {
             MemberChange::Add { member } => member.name.clone(),
@@ -368,7 +376,7 @@ impl ControlNode {
         if let Some(change) = change {
             tracing::info!(?change, "membership");
             match self.propose_member_change(change) {
-                Ok(_) | Err(NodeError::ChangeInProgress) | Err(NodeError::NoLeader) => {}
+                Ok(_) | Err(NodeError::ChangeInProgress) | Err(NodeError::NoLeader) | Err(NodeError::NotLeader(_)) => {}
                 Err(e) => return Err(e),
             }
         }

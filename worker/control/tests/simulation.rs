@@ -136,7 +136,7 @@ impl Sim {
         let Some(node) = self.nodes[i].as_mut() else { return };
         match f(node, now) {
             Ok(out) => self.route(i, out),
-            Err(NodeError::NoLeader) | Err(NodeError::ChangeInProgress) => {}
+            Err(NodeError::NoLeader) | Err(NodeError::ChangeInProgress) | Err(NodeError::NotLeader(_)) => {}
             Err(e) => panic!("node {} failed: {e}", self.names[i]),
         }
     }

@@ -1,0 +1,876 @@
+//! The control plane's driver: one member's `shimmer_control::ControlNode` on its own thread,
+//! Raft messages and the admin API over tonic gRPC (`codec`, the generated `Control` service),
+//! TLS and the join-token proof on every connection (`tls`), joining and bootstrapping.
+//!
+//! Must never: decide what the node decides (elections, membership, what is committed); decode a
+//! Raft message from a connection that did not prove the token; answer a status read before the
+//! node confirmed it with the leader (ReadIndex) or say a peer is up from a follower's view.
+
+pub mod codec;
+pub mod tls;
+
+#[allow(clippy::all, unreachable_pub, missing_docs)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/shimmer.control.v1.Control.rs"));
+}
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use generated::control_client::ControlClient;
+use generated::control_server::{Control, ControlServer};
+use protobuf::Message as _;
+use serde::{Deserialize, Serialize};
+use shimmer_control::state::{Command, Member, MemberChange, NodeId, Outcome};
+use shimmer_control::{ClusterState, ClusterToken, ControlNode, NodeConfig, NodeError, RaftLog, RaftMessage, StateRole};
+use tokio::sync::{mpsc, oneshot};
+
+pub use tls::{ClusterCa, ControlTrust, TrustError};
+
+/// How long a proposal or read may take before the caller hears "try again".
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a joining node keeps trying the members it was given.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Raft messages queued per peer before new ones are dropped (Raft resends).
+const PEER_QUEUE: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error(transparent)]
+    Trust(#[from] TrustError),
+    #[error("{0}")]
+    Join(String),
+    #[error("cannot listen on {addr} (TCP, the control plane): {reason}")]
+    Listen { addr: String, reason: String },
+    #[error("{0}")]
+    DataDir(String),
+    #[error("{0}")]
+    Rpc(String),
+}
+
+/// How the node enters the cluster when its data directory is new.
+#[derive(Debug, Clone)]
+pub enum Start {
+    Bootstrap,
+    Join(Vec<String>),
+}
+
+pub struct ControlOptions {
+    pub data_dir: PathBuf,
+    /// The TCP address to listen on.
+    pub listen: String,
+    /// This node as the others see it (its name, control address, data address, capacity).
+    pub member: Member,
+    pub start: Start,
+    pub token: ClusterToken,
+    pub node: NodeConfig,
+}
+
+/// What this node records about itself beside its log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct NodeRecord {
+    name: String,
+    cluster_id: String,
+}
+
+/// A member as `cluster status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberView {
+    pub name: String,
+    /// The `--listen` HOST:PORT as given (the data plane's for a worker).
+    pub addr: String,
+    pub control_addr: String,
+    pub kind: String,
+    pub role: String,
+    /// What the leader sees from heartbeats; `None` when no leader could be asked.
+    pub up: Option<bool>,
+    pub draining: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlacementView {
+    pub model: String,
+    pub epoch: u64,
+}
+
+/// The answer to `cluster status`: the replicated state as of a ReadIndex read, with the
+/// leader's liveness view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusView {
+    pub cluster_id: String,
+    pub leader: Option<String>,
+    pub term: u64,
+    pub commit: u64,
+    pub applied: u64,
+    pub members: Vec<MemberView>,
+    pub placements: Vec<PlacementView>,
+    /// The member that answered.
+    pub answered_by: String,
+}
+
+/// What the admin service is asked (JSON in the `Admin` RPC).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AdminRequest {
+    Join { member: Member },
+    Status { forwarded: bool },
+    Drain { name: String, draining: bool },
+    Remove { name: String },
+    Token,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum AdminReply {
+    Joined { cluster_id: String, ca_cert_der: Vec<u8>, ca_key_pem: String, members: Vec<(String, String)> },
+    Status { status: StatusView },
+    Done { message: String },
+    Token { token: String },
+    Error { message: String },
+}
+
+type Reply<T> = oneshot::Sender<Result<T, String>>;
+
+enum Event {
+    Raft(RaftMessage, String),
+    Propose(Command, Reply<Outcome>),
+    Change(MemberChange, Reply<Outcome>),
+    Read(Reply<(ClusterState, Liveness)>),
+    Unreachable(NodeId),
+    Stop,
+}
+
+/// What the node knows beyond the state: its Raft status and the leader's liveness view.
+#[derive(Debug, Clone, Default)]
+struct Liveness {
+    leader: NodeId,
+    term: u64,
+    commit: u64,
+    is_leader: bool,
+    up: BTreeMap<NodeId, bool>,
+}
+
+/// What the service reads without asking the node thread.
+#[derive(Default)]
+struct Shared {
+    state: ClusterState,
+    live: Liveness,
+}
+
+/// A running member of the control plane.
+pub struct ControlPlane {
+    events: std_mpsc::Sender<Event>,
+    shared: Arc<Mutex<Shared>>,
+    rt: Option<tokio::runtime::Runtime>,
+    thread: Option<std::thread::JoinHandle<Result<(), NodeError>>>,
+    pub local_addr: SocketAddr,
+    pub name: String,
+    ca: ClusterCa,
+    trust: ControlTrust,
+}
+
+impl ControlPlane {
+    /// Starts this member: resumes from `data_dir` if it holds a log, else bootstraps a new
+    /// cluster or joins one through the given members.
+    pub fn start(opts: ControlOptions) -> Result<ControlPlane, ControlError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("shimmer-control")
+            .enable_all()
+            .build()
+            .map_err(|e| ControlError::Rpc(format!("cannot start the control plane's runtime: {e}")))?;
+        let trust = ControlTrust::new(opts.token.clone());
+        let (log, record) = RaftLog::open(&opts.data_dir).map_err(NodeError::from)?;
+        let record: Option<NodeRecord> = match record {
+            Some(b) => Some(
+                serde_json::from_slice(&b).map_err(|e| ControlError::DataDir(format!("{}: the node record does not decode: {e}", opts.data_dir.display())))?,
+            ),
+            None => None,
+        };
+        let me = opts.member.clone();
+        let id = me.id();
+        let (node, ca, cluster_id) = match (record, &opts.start) {
+            (Some(rec), _) => {
+                if rec.name != me.name {
+                    return Err(ControlError::DataDir(format!(
+                        "{} belongs to node {:?}, not {:?}: start it with that name (--listen/--name), or use another --data-dir",
+                        opts.data_dir.display(),
+                        rec.name,
+                        me.name
+                    )));
+                }
+                let ca =
+                    ClusterCa::load(&opts.data_dir)?.ok_or_else(|| ControlError::DataDir(format!("{}: the cluster CA is missing", opts.data_dir.display())))?;
+                (ControlNode::restart(log, opts.node.clone(), id)?, ca, rec.cluster_id)
+            }
+            (None, Start::Bootstrap) => {
+                let ca = ClusterCa::generate()?;
+                ca.save(&opts.data_dir)?;
+                let cluster_id = tls::random_id();
+                let node = ControlNode::bootstrap(log.clone(), opts.node.clone(), me.clone(), cluster_id.clone())?;
+                log.set_node_record(&serde_json::to_vec(&NodeRecord { name: me.name.clone(), cluster_id: cluster_id.clone() }).unwrap_or_default())
+                    .map_err(NodeError::from)?;
+                (node, ca, cluster_id)
+            }
+            (None, Start::Join(seeds)) => {
+                let joined = rt.block_on(join(seeds, &me, &trust))?;
+                let AdminReply::Joined { cluster_id, ca_cert_der, ca_key_pem, .. } = joined else {
+                    return Err(ControlError::Join("unexpected answer to a join".into()));
+                };
+                let ca = ClusterCa { cert_der: ca_cert_der, key_pem: ca_key_pem };
+                if let Some(pin) = opts.token.ca_sha256() {
+                    if ca.sha256() != pin {
+                        return Err(ControlError::Join("the cluster's CA is not the one the join token pins".into()));
+                    }
+                }
+                ca.save(&opts.data_dir)?;
+                log.set_node_record(&serde_json::to_vec(&NodeRecord { name: me.name.clone(), cluster_id: cluster_id.clone() }).unwrap_or_default())
+                    .map_err(NodeError::from)?;
+                (ControlNode::restart(log, opts.node.clone(), id)?, ca, cluster_id)
+            }
+        };
+        let listener =
+            rt.block_on(tokio::net::TcpListener::bind(&opts.listen)).map_err(|e| ControlError::Listen { addr: opts.listen.clone(), reason: e.to_string() })?;
+        let local_addr = listener.local_addr().map_err(|e| ControlError::Listen { addr: opts.listen.clone(), reason: e.to_string() })?;
+        let shared = Arc::new(Mutex::new(Shared { state: node.state.clone(), live: Liveness::default() }));
+        let (events, rx) = std_mpsc::channel();
+        let service = Service {
+            events: events.clone(),
+            shared: shared.clone(),
+            ca: ca.clone(),
+            trust: trust.clone(),
+            name: me.name.clone(),
+            cluster_id: cluster_id.clone(),
+        };
+        let acceptor = tls::acceptor(&ca)?;
+        rt.spawn(serve(listener, acceptor, trust.clone(), service));
+        let handle = rt.handle().clone();
+        let (thread_events, thread_shared, thread_trust) = (events.clone(), shared.clone(), trust.clone());
+        let me_for_thread = me.clone();
+        let thread = std::thread::Builder::new()
+            .name("shimmer-raft".into())
+            .spawn(move || {
+                let driver = Driver::new(node, me_for_thread, cluster_id, handle, thread_trust, thread_events, thread_shared);
+                driver.run(rx)
+            })
+            .map_err(|e| ControlError::Rpc(format!("cannot start the Raft thread: {e}")))?;
+        Ok(ControlPlane { events, shared, rt: Some(rt), thread: Some(thread), local_addr, name: me.name, ca, trust })
+    }
+
+    /// The cluster's join token, pinning its CA.
+    pub fn token(&self) -> String {
+        ClusterToken::pinned(self.trust.token().secret(), &self.ca.cert_der).map(|t| t.to_token_string()).unwrap_or_default()
+    }
+
+    /// The state as this member last applied it (not a linearizable read).
+    pub fn state(&self) -> ClusterState {
+        lock(&self.shared).state.clone()
+    }
+
+    /// Whether this member's thread stopped (its log failed, or it was removed).
+    pub fn stopped(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits for the Raft thread; its error (a log that could not be written) if it failed.
+    pub fn stop(mut self) -> Result<(), ControlError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<(), ControlError> {
+        let _ = self.events.send(Event::Stop);
+        let result = match self.thread.take() {
+            Some(t) => match t.join() {
+                Ok(r) => r.map_err(ControlError::from),
+                Err(_) => Err(ControlError::Rpc("the Raft thread panicked".into())),
+            },
+            None => Ok(()),
+        };
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+        result
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Asks the given members, in turn and again until `JOIN_TIMEOUT`, to add this node.
+async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<AdminReply, ControlError> {
+    let deadline = Instant::now() + JOIN_TIMEOUT;
+    let mut errors: BTreeMap<String, String> = BTreeMap::new();
+    loop {
+        for seed in seeds {
+            match admin(seed, trust, &AdminRequest::Join { member: me.clone() }).await {
+                Ok(AdminReply::Error { message }) => {
+                    errors.insert(seed.clone(), message);
+                }
+                Ok(reply) => return Ok(reply),
+                // A wrong token or another cluster's CA will not get better by waiting.
+                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) => {
+                    return Err(ControlError::Join(format!("cannot join: {e}")))
+                }
+                Err(e) => {
+                    errors.insert(seed.clone(), e.to_string());
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            let why: Vec<String> = errors.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            return Err(ControlError::Join(format!("cannot join through {}: {}", seeds.join(","), why.join("; "))));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn client(addr: &str, trust: &ControlTrust) -> Result<ControlClient<tonic::transport::Channel>, ControlError> {
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}")).map_err(|e| ControlError::Rpc(format!("{addr}: {e}")))?.connect_timeout(RPC_TIMEOUT);
+    let (addr_s, trust) = (addr.to_string(), trust.clone());
+    // The first connection is made here so that a refusal is reported as such.
+    let first = Arc::new(Mutex::new(Some(tls::dial(&addr_s, &trust).await?)));
+    let channel = endpoint
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let (addr, trust, first) = (addr_s.clone(), trust.clone(), first.clone());
+            async move {
+                let ready = first.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let conn = match ready {
+                    Some(c) => c,
+                    None => tls::dial(&addr, &trust).await.map_err(std::io::Error::other)?,
+                };
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(conn))
+            }
+        }))
+        .await
+        .map_err(|e| ControlError::Rpc(format!("{addr}: {e}")))?;
+    Ok(ControlClient::new(channel).max_decoding_message_size(codec::MAX_MESSAGE_BYTES).max_encoding_message_size(codec::MAX_MESSAGE_BYTES))
+}
+
+/// One admin call to a member.
+pub async fn admin(addr: &str, trust: &ControlTrust, req: &AdminRequest) -> Result<AdminReply, ControlError> {
+    let mut c = client(addr, trust).await?;
+    let body = serde_json::to_vec(req).map_err(|e| ControlError::Rpc(e.to_string()))?;
+    let mut request = tonic::Request::new(body);
+    // A change may wait for one in progress, and a follower hands it to the leader.
+    request.set_timeout(ADMIN_TIMEOUT);
+    let reply = c.admin(request).await.map_err(|s| ControlError::Rpc(format!("{addr}: {}", s.message())))?;
+    serde_json::from_slice(reply.get_ref()).map_err(|e| ControlError::Rpc(format!("{addr}: not an admin reply: {e}")))
+}
+
+/// Asks members in turn (dead ones skipped) until one answers.
+pub fn admin_any(addrs: &[String], token: ClusterToken, req: &AdminRequest) -> Result<AdminReply, ControlError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| ControlError::Rpc(e.to_string()))?;
+    let trust = ControlTrust::new(token);
+    rt.block_on(async {
+        let mut errors = Vec::new();
+        for a in addrs {
+            match admin(a, &trust, req).await {
+                Ok(r) => return Ok(r),
+                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) => return Err(e),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        Err(ControlError::Rpc(format!("no member answered: {}", errors.join("; "))))
+    })
+}
+
+async fn serve(listener: tokio::net::TcpListener, acceptor: tokio_rustls::TlsAcceptor, trust: ControlTrust, service: Service) {
+    let (tx, rx) = mpsc::channel::<Result<tls::Authed<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>, std::io::Error>>(64);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, peer)) = listener.accept().await else { continue };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, trust, tx) = (acceptor.clone(), trust.clone(), tx.clone());
+            tokio::spawn(async move {
+                match tls::accept(tcp, &acceptor, &trust).await {
+                    Ok(conn) => {
+                        let _ = tx.send(Ok(conn)).await;
+                    }
+                    Err(why) => tracing::warn!(%peer, "control plane: refused a connection: {why}"),
+                }
+            });
+        }
+    });
+    let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let svc = ControlServer::new(service).max_decoding_message_size(codec::MAX_MESSAGE_BYTES).max_encoding_message_size(codec::MAX_MESSAGE_BYTES);
+    if let Err(e) = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await {
+        tracing::error!("control plane server stopped: {e}");
+    }
+}
+
+/// A Raft message on the wire: the cluster id, the sender's control address (so a node that has
+/// not yet applied the membership can answer), then raft-rs's protobuf bytes.
+fn encode_envelope(cluster_id: &str, from_addr: &str, msg: &RaftMessage) -> Vec<u8> {
+    let body = msg.write_to_bytes().unwrap_or_default();
+    let mut out = Vec::with_capacity(4 + cluster_id.len() + from_addr.len() + body.len());
+    for s in [cluster_id, from_addr] {
+        out.extend_from_slice(&(s.len().min(u16::MAX as usize) as u16).to_le_bytes());
+        out.extend_from_slice(&s.as_bytes()[..s.len().min(u16::MAX as usize)]);
+    }
+    out.extend_from_slice(&body);
+    out
+}
+
+fn decode_envelope(b: &[u8]) -> Result<(String, String, RaftMessage), String> {
+    let mut at = 0usize;
+    let mut field = || -> Result<String, String> {
+        let n = u16::from_le_bytes(b.get(at..at + 2).ok_or("short envelope")?.try_into().map_err(|_| "short envelope")?) as usize;
+        let s = b.get(at + 2..at + 2 + n).ok_or("short envelope")?;
+        at += 2 + n;
+        String::from_utf8(s.to_vec()).map_err(|_| "envelope field is not UTF-8".to_string())
+    };
+    let cluster = field()?;
+    let from = field()?;
+    let msg = RaftMessage::parse_from_bytes(&b[at..]).map_err(|e| format!("not a Raft message: {e}"))?;
+    Ok((cluster, from, msg))
+}
+
+#[derive(Clone)]
+struct Service {
+    events: std_mpsc::Sender<Event>,
+    shared: Arc<Mutex<Shared>>,
+    ca: ClusterCa,
+    trust: ControlTrust,
+    name: String,
+    cluster_id: String,
+}
+
+impl Service {
+    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Event) -> Result<T, String> {
+        let (tx, rx) = oneshot::channel();
+        self.events.send(make(tx)).map_err(|_| "this member is stopping".to_string())?;
+        match tokio::time::timeout(COMMIT_TIMEOUT + Duration::from_secs(1), rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err("this member is stopping".into()),
+            Err(_) => Err("no answer from the Raft node in time; try again".into()),
+        }
+    }
+
+    async fn status(&self, forwarded: bool) -> Result<StatusView, String> {
+        let (state, live) = self.ask(Event::Read).await?;
+        if !live.is_leader && !forwarded {
+            // Only the leader knows who is up: ask it.
+            if let Some(leader) = state.members.get(&live.leader) {
+                if let Ok(AdminReply::Status { status }) = admin(&leader.control_addr, &self.trust, &AdminRequest::Status { forwarded: true }).await {
+                    return Ok(status);
+                }
+            }
+        }
+        Ok(status_view(&state, &live, &self.name))
+    }
+
+    /// Membership changes are made by the leader: a follower hands the request on, once a
+    /// leader is known (`None`: this node leads).
+    async fn on_leader(&self, req: &AdminRequest) -> Option<AdminReply> {
+        let deadline = Instant::now() + COMMIT_TIMEOUT;
+        loop {
+            let (leader, is_leader, addr) = {
+                let sh = lock(&self.shared);
+                (sh.live.leader, sh.live.is_leader, sh.state.members.get(&sh.live.leader).map(|m| m.control_addr.clone()))
+            };
+            if is_leader {
+                return None;
+            }
+            if let (true, Some(addr)) = (leader != 0, addr) {
+                return Some(
+                    admin(&addr, &self.trust, req).await.unwrap_or_else(|e| AdminReply::Error { message: format!("the leader {addr} did not answer: {e}") }),
+                );
+            }
+            if Instant::now() >= deadline {
+                return Some(AdminReply::Error { message: "no leader is known; try again".into() });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn handle(&self, req: AdminRequest) -> AdminReply {
+        if matches!(req, AdminRequest::Join { .. } | AdminRequest::Remove { .. }) {
+            if let Some(reply) = self.on_leader(&req).await {
+                return reply;
+            }
+        }
+        let result: Result<AdminReply, String> = async {
+            match req {
+                AdminRequest::Join { member } => {
+                    member.validate()?;
+                    let known = lock(&self.shared).state.member_named(&member.name).cloned();
+                    match known {
+                        Some(m) if m == member => {}
+                        Some(_) => {
+                            let outcome = self.ask(|r| Event::Propose(Command::UpdateMember { member: member.clone() }, r)).await?;
+                            check(outcome)?;
+                        }
+                        None => {
+                            let outcome = self.ask(|r| Event::Change(MemberChange::Add { member: member.clone() }, r)).await?;
+                            check(outcome)?;
+                        }
+                    }
+                    let st = lock(&self.shared).state.clone();
+                    Ok(AdminReply::Joined {
+                        cluster_id: st.cluster_id.clone(),
+                        ca_cert_der: self.ca.cert_der.clone(),
+                        ca_key_pem: self.ca.key_pem.clone(),
+                        members: st.members.values().map(|m| (m.name.clone(), m.control_addr.clone())).collect(),
+                    })
+                }
+                AdminRequest::Status { forwarded } => Ok(AdminReply::Status { status: self.status(forwarded).await? }),
+                AdminRequest::Drain { name, draining } => {
+                    let outcome = self.ask(|r| Event::Propose(Command::SetDraining { name: name.clone(), draining }, r)).await?;
+                    check(outcome)?;
+                    Ok(AdminReply::Done { message: format!("{name} is {}", if draining { "draining" } else { "no longer draining" }) })
+                }
+                AdminRequest::Remove { name } => {
+                    let st = lock(&self.shared).state.clone();
+                    let m = st.member_named(&name).ok_or_else(|| format!("{name} is not a member"))?;
+                    if st.voters.contains(&m.id()) {
+                        // A voter leaves the quorum first.
+                        check(self.ask(|r| Event::Change(MemberChange::Demote { name: name.clone() }, r)).await?)?;
+                    }
+                    check(self.ask(|r| Event::Change(MemberChange::Remove { name: name.clone() }, r)).await?)?;
+                    Ok(AdminReply::Done { message: format!("{name} removed") })
+                }
+                AdminRequest::Token => Ok(AdminReply::Token {
+                    token: ClusterToken::pinned(self.trust.token().secret(), &self.ca.cert_der).map(|t| t.to_token_string()).map_err(|e| e.to_string())?,
+                }),
+            }
+        }
+        .await;
+        result.unwrap_or_else(|message| AdminReply::Error { message })
+    }
+}
+
+fn check(outcome: Outcome) -> Result<(), String> {
+    match outcome {
+        Outcome::Applied => Ok(()),
+        Outcome::Rejected(why) => Err(why),
+    }
+}
+
+fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> StatusView {
+    StatusView {
+        cluster_id: state.cluster_id.clone(),
+        leader: state.members.get(&live.leader).map(|m| m.name.clone()),
+        term: live.term,
+        commit: live.commit,
+        applied: state.applied,
+        members: state
+            .members
+            .values()
+            .map(|m| MemberView {
+                name: m.name.clone(),
+                addr: m.data_addr.clone().unwrap_or_else(|| m.control_addr.clone()),
+                control_addr: m.control_addr.clone(),
+                kind: serde_json::to_value(m.kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                role: state.role(m.id()).unwrap_or("none").to_string(),
+                up: if live.is_leader { live.up.get(&m.id()).copied() } else { None },
+                draining: m.draining,
+            })
+            .collect(),
+        placements: state.placements.iter().map(|(model, p)| PlacementView { model: model.clone(), epoch: p.epoch }).collect(),
+        answered_by: answered_by.to_string(),
+    }
+}
+
+#[tonic::async_trait]
+impl Control for Service {
+    async fn raft(&self, request: tonic::Request<Vec<u8>>) -> Result<tonic::Response<Vec<u8>>, tonic::Status> {
+        let (cluster, from, msg) = decode_envelope(request.get_ref()).map_err(tonic::Status::invalid_argument)?;
+        if cluster != self.cluster_id {
+            return Err(tonic::Status::failed_precondition(format!("this node is in cluster {}, not {cluster}", self.cluster_id)));
+        }
+        self.events.send(Event::Raft(msg, from)).map_err(|_| tonic::Status::unavailable("stopping"))?;
+        Ok(tonic::Response::new(Vec::new()))
+    }
+
+    async fn admin(&self, request: tonic::Request<Vec<u8>>) -> Result<tonic::Response<Vec<u8>>, tonic::Status> {
+        if request.get_ref().len() > shimmer_control::state::MAX_COMMAND_BYTES {
+            return Err(tonic::Status::invalid_argument("admin request over the size limit"));
+        }
+        let req: AdminRequest = serde_json::from_slice(request.get_ref()).map_err(|e| tonic::Status::invalid_argument(format!("not an admin request: {e}")))?;
+        let reply = self.handle(req).await;
+        Ok(tonic::Response::new(serde_json::to_vec(&reply).unwrap_or_default()))
+    }
+}
+
+/// The Raft thread: feeds the node events and ticks, carries out its output.
+struct Driver {
+    node: ControlNode,
+    me: Member,
+    cluster_id: String,
+    rt: tokio::runtime::Handle,
+    trust: ControlTrust,
+    events: std_mpsc::Sender<Event>,
+    shared: Arc<Mutex<Shared>>,
+    start: Instant,
+    peers: HashMap<NodeId, (String, mpsc::Sender<Vec<u8>>)>,
+    addr_hints: HashMap<NodeId, String>,
+    proposals: HashMap<u64, (Reply<Outcome>, Instant)>,
+    /// Proposals that could not be made yet (no leader, a change in progress), retried each tick.
+    waiting: Vec<(Event, Instant)>,
+    reads: HashMap<u64, (Reply<(ClusterState, Liveness)>, Instant)>,
+    next_read: u64,
+    updated_self: bool,
+}
+
+impl Driver {
+    fn new(
+        node: ControlNode,
+        me: Member,
+        cluster_id: String,
+        rt: tokio::runtime::Handle,
+        trust: ControlTrust,
+        events: std_mpsc::Sender<Event>,
+        shared: Arc<Mutex<Shared>>,
+    ) -> Driver {
+        Driver {
+            node,
+            me,
+            cluster_id,
+            rt,
+            trust,
+            events,
+            shared,
+            start: Instant::now(),
+            peers: HashMap::new(),
+            addr_hints: HashMap::new(),
+            proposals: HashMap::new(),
+            waiting: Vec::new(),
+            reads: HashMap::new(),
+            next_read: 0,
+            updated_self: false,
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    fn run(mut self, rx: std_mpsc::Receiver<Event>) -> Result<(), NodeError> {
+        let tick = Duration::from_millis(self.node.config().tick_ms);
+        let mut next_tick = Instant::now() + tick;
+        loop {
+            let wait = next_tick.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(Event::Stop) | Err(std_mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                Ok(ev) => self.handle(ev)?,
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if Instant::now() >= next_tick {
+                next_tick += tick;
+                let now = self.now();
+                let out = self.node.tick(now)?;
+                self.carry_out(out);
+                self.retry_waiting()?;
+                self.expire();
+                self.update_self()?;
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: Event) -> Result<(), NodeError> {
+        let now = self.now();
+        match ev {
+            Event::Raft(msg, from_addr) => {
+                if !from_addr.is_empty() {
+                    self.addr_hints.insert(msg.from, from_addr);
+                }
+                let out = self.node.step(msg, now)?;
+                self.carry_out(out);
+            }
+            Event::Unreachable(id) => self.node.report_unreachable(id),
+            Event::Read(reply) => {
+                self.next_read += 1;
+                let id = self.next_read;
+                self.reads.insert(id, (reply, Instant::now() + COMMIT_TIMEOUT));
+                let out = self.node.read(id, now)?;
+                self.carry_out(out);
+            }
+            ev @ (Event::Propose(..) | Event::Change(..)) => self.try_propose(ev, Instant::now() + COMMIT_TIMEOUT)?,
+            Event::Stop => {}
+        }
+        Ok(())
+    }
+
+    fn try_propose(&mut self, ev: Event, deadline: Instant) -> Result<(), NodeError> {
+        let (result, reply) = match ev {
+            Event::Propose(cmd, reply) => (self.node.propose(cmd.clone()).map_err(|e| (e, Event::Propose(cmd, oneshot::channel().0))), reply),
+            Event::Change(change, reply) => {
+                (self.node.propose_member_change(change.clone()).map_err(|e| (e, Event::Change(change, oneshot::channel().0))), reply)
+            }
+            _ => return Ok(()),
+        };
+        match result {
+            Ok((seq, out)) => {
+                self.proposals.insert(seq, (reply, deadline));
+                self.carry_out(out);
+            }
+            Err((NodeError::NoLeader | NodeError::ChangeInProgress, again)) => {
+                let again = match again {
+                    Event::Propose(c, _) => Event::Propose(c, reply),
+                    Event::Change(c, _) => Event::Change(c, reply),
+                    other => other,
+                };
+                self.waiting.push((again, deadline));
+            }
+            Err((e, _)) => {
+                let _ = reply.send(Err(e.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    fn retry_waiting(&mut self) -> Result<(), NodeError> {
+        for (ev, deadline) in std::mem::take(&mut self.waiting) {
+            if Instant::now() >= deadline {
+                let reply = match ev {
+                    Event::Propose(_, r) | Event::Change(_, r) => Some(r),
+                    _ => None,
+                };
+                if let Some(r) = reply {
+                    let _ = r.send(Err("no leader could commit it in time; try again".into()));
+                }
+                continue;
+            }
+            self.try_propose(ev, deadline)?;
+        }
+        Ok(())
+    }
+
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let late: Vec<u64> = self.proposals.iter().filter(|(_, (_, d))| now >= *d).map(|(&s, _)| s).collect();
+        for s in late {
+            if let Some((r, _)) = self.proposals.remove(&s) {
+                let _ = r.send(Err("not committed in time (the leader may have changed); try again".into()));
+            }
+        }
+        let late: Vec<u64> = self.reads.iter().filter(|(_, (_, d))| now >= *d).map(|(&s, _)| s).collect();
+        for id in late {
+            self.node.cancel_read(id);
+            if let Some((r, _)) = self.reads.remove(&id) {
+                let _ = r.send(Err("no leader confirmed the read in time; try again".into()));
+            }
+        }
+    }
+
+    /// Once a leader is known, a restarted member says what it is now (addresses, capacity).
+    fn update_self(&mut self) -> Result<(), NodeError> {
+        if self.updated_self || self.node.status().leader == 0 {
+            return Ok(());
+        }
+        match self.node.state.members.get(&self.me.id()) {
+            Some(m) if *m != Member { draining: m.draining, ..self.me.clone() } => {
+                let (reply, _) = oneshot::channel();
+                self.try_propose(Event::Propose(Command::UpdateMember { member: self.me.clone() }, reply), Instant::now() + COMMIT_TIMEOUT)?;
+                self.updated_self = true;
+            }
+            Some(_) => self.updated_self = true,
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn carry_out(&mut self, out: shimmer_control::Output) {
+        for (seq, outcome) in out.done {
+            if let Some((reply, _)) = self.proposals.remove(&seq) {
+                let _ = reply.send(Ok(outcome));
+            }
+        }
+        let st = self.node.status();
+        let live = Liveness { leader: st.leader, term: st.term, commit: st.commit, is_leader: st.role == StateRole::Leader, up: self.node.liveness() };
+        {
+            let mut sh = lock(&self.shared);
+            if out.applied {
+                sh.state = self.node.state.clone();
+            }
+            sh.live = live.clone();
+        }
+        for id in out.reads {
+            if let Some((reply, _)) = self.reads.remove(&id) {
+                let _ = reply.send(Ok((self.node.state.clone(), live.clone())));
+            }
+        }
+        let cluster_id = self.cluster_id.clone();
+        for msg in out.messages {
+            let to = msg.to;
+            let addr = self.node.state.members.get(&to).map(|m| m.control_addr.clone()).or_else(|| self.addr_hints.get(&to).cloned());
+            let Some(addr) = addr else { continue };
+            let bytes = encode_envelope(&cluster_id, &self.me.control_addr, &msg);
+            let sender = match self.peers.get(&to) {
+                Some((a, s)) if *a == addr && !s.is_closed() => s.clone(),
+                _ => {
+                    let s = self.spawn_peer(to, addr.clone());
+                    self.peers.insert(to, (addr, s.clone()));
+                    s
+                }
+            };
+            // A full queue drops the message: Raft resends what matters.
+            let _ = sender.try_send(bytes);
+        }
+    }
+
+    /// A task that delivers Raft messages to one peer over one gRPC channel, redialling as needed.
+    fn spawn_peer(&self, id: NodeId, addr: String) -> mpsc::Sender<Vec<u8>> {
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(PEER_QUEUE);
+        let (trust, events) = (self.trust.clone(), self.events.clone());
+        self.rt.spawn(async move {
+            let mut conn: Option<ControlClient<tonic::transport::Channel>> = None;
+            while let Some(bytes) = rx.recv().await {
+                if conn.is_none() {
+                    match client(&addr, &trust).await {
+                        Ok(c) => conn = Some(c),
+                        Err(e) => {
+                            tracing::debug!(%addr, "control plane: cannot reach a peer: {e}");
+                            let _ = events.send(Event::Unreachable(id));
+                            // Drop what queued up meanwhile; Raft resends.
+                            while rx.try_recv().is_ok() {}
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue;
+                        }
+                    }
+                }
+                if let Some(c) = conn.as_mut() {
+                    let mut request = tonic::Request::new(bytes);
+                    request.set_timeout(RPC_TIMEOUT);
+                    if let Err(e) = c.raft(request).await {
+                        tracing::debug!(%addr, "control plane: a Raft message failed: {}", e.message());
+                        conn = None;
+                        let _ = events.send(Event::Unreachable(id));
+                    }
+                }
+            }
+        });
+        tx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip_and_garbage_is_refused() {
+        let msg = RaftMessage { from: 7, to: 9, term: 3, ..Default::default() };
+        let b = encode_envelope("cluster-1", "10.0.0.1:7070", &msg);
+        let (c, f, m) = decode_envelope(&b).unwrap();
+        assert_eq!((c.as_str(), f.as_str(), m), ("cluster-1", "10.0.0.1:7070", msg));
+        assert!(decode_envelope(&b[..3]).is_err());
+        assert!(decode_envelope(&[0xff, 0xff, 1]).is_err());
+    }
+}
