@@ -75,6 +75,8 @@ pub struct Worker {
     /// What it says about itself at start.
     pub status: WorkerStatus,
     pub epoch: u64,
+    /// The model served (`shimmer_cluster::model_id` of its fingerprint).
+    pub model_id: u64,
     rt: tokio::runtime::Runtime,
     endpoint: quinn::Endpoint,
 }
@@ -117,20 +119,37 @@ impl Worker {
             state.assigned_only = opts.assigned_only;
         }
         let status = state.status();
+        let model_id = state.model;
         rt.spawn(shimmer_worker::server::serve(endpoint.clone(), Arc::new(state)));
-        Ok(Worker { local_addr, status, epoch, rt, endpoint })
+        Ok(Worker { local_addr, status, epoch, model_id, rt, endpoint })
     }
 
     /// Serves until Ctrl-C or SIGTERM, then stops taking connections.
     pub fn serve_until_signal(self) {
-        self.rt.block_on(async {
+        self.serve_until_signal_or(|| false);
+    }
+
+    /// Serves until Ctrl-C or SIGTERM, or until `failed` (polled twice a second) says a part of
+    /// the node it depends on stopped; returns whether that was why.
+    pub fn serve_until_signal_or(self, failed: impl Fn() -> bool) -> bool {
+        let why = self.rt.block_on(async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            let watch = async {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    if failed() {
+                        return;
+                    }
+                }
+            };
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => {},
-                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+                _ = tokio::signal::ctrl_c() => false,
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => false,
+                _ = watch => true,
             }
         });
         self.endpoint.close(0u32.into(), b"worker stopping");
+        why
     }
 }
 

@@ -431,7 +431,7 @@ fn cluster_flags_in_the_wrong_place_are_refused_by_name() {
     assert_clean_failure(&shimmer(&["coordinator", "--model", m]), &["--placement"]);
     // A cluster without credentials, a short token, bad timeouts, an unknown worker to hold.
     assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p]), &["join token", "--tls-cert"]);
-    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "short"]), &["at least 16"]);
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "short"]), &["at least 16 characters"]);
     assert_clean_failure(
         &shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--placement", p, "--join-token", "a-long-enough-join-token", "--worker-timeout-s", "0"]),
         &["--worker-timeout-s"],

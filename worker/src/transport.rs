@@ -24,16 +24,14 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 
 pub const ALPN: &[u8] = b"shimmer/1";
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-shimmer/1 join";
-/// A join token shorter than this is refused (it is the cluster's only secret).
-pub const MIN_TOKEN_LEN: usize = 16;
 const PROOF_LEN: usize = 32;
 /// The application close code for a failed proof.
 pub const CLOSE_AUTH_FAILED: u32 = 0x5348_0001;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    #[error("the join token must be at least {MIN_TOKEN_LEN} characters")]
-    WeakToken,
+    #[error("{0}")]
+    WeakToken(shimmer_control::token::TokenError),
     #[error("TLS setup: {0}")]
     Tls(String),
     #[error("cannot open a QUIC endpoint on {addr}: {source}")]
@@ -108,16 +106,20 @@ impl Credentials {
     }
 }
 
-/// The cluster's shared secret.
+/// The cluster's shared secret: a plain secret or a `SHM1<ca-sha256>::<secret>` token (the same
+/// secret either way; the CA pin matters to the control plane).
 #[derive(Clone)]
-pub struct JoinToken(Arc<ring::hmac::Key>);
+pub struct JoinToken(Arc<ring::hmac::Key>, shimmer_control::ClusterToken);
 
 impl JoinToken {
     pub fn new(token: &str) -> Result<Self, TransportError> {
-        if token.chars().count() < MIN_TOKEN_LEN {
-            return Err(TransportError::WeakToken);
-        }
-        Ok(JoinToken(Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes()))))
+        let parsed = shimmer_control::ClusterToken::parse(token).map_err(TransportError::WeakToken)?;
+        Ok(JoinToken(Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, parsed.secret().as_bytes())), parsed))
+    }
+
+    /// The token as parsed (its secret and CA pin).
+    pub fn cluster_token(&self) -> &shimmer_control::ClusterToken {
+        &self.1
     }
 
     fn proof(&self, conn: &quinn::Connection, role: &[u8]) -> Result<[u8; PROOF_LEN], String> {
@@ -321,7 +323,11 @@ mod tests {
         let (s, c) = pair("the-cluster-secret-1", "a-different-secret-2").await;
         assert!(matches!(s, Err(TransportError::Refused)), "{s:?}");
         assert!(matches!(c, Err(TransportError::Refused)), "{:?}", c.err());
-        assert!(matches!(JoinToken::new("short"), Err(TransportError::WeakToken)));
+        assert!(matches!(JoinToken::new("short"), Err(TransportError::WeakToken(_))));
+        // The SHM1 form proves the same secret as the plain one.
+        let pinned = shimmer_control::ClusterToken::pinned("the-cluster-secret-1", b"ca").unwrap().to_token_string();
+        let (s, c) = pair("the-cluster-secret-1", &pinned).await;
+        assert!(s.is_ok() && c.is_ok(), "{s:?} {:?}", c.err());
     }
 
     /// The reverse direction: a "worker" that accepts anyone and answers with a proof it cannot

@@ -163,3 +163,75 @@ impl SamplingArgs {
         }
     }
 }
+
+/// Membership of the cluster's control plane (Raft; docs/cluster.md).
+#[derive(Args, Clone)]
+pub(super) struct MemberArgs {
+    /// Be a member of the cluster's control plane, keeping its Raft log and the cluster CA in
+    /// DIR; restarted on it, the node resumes where it was.
+    #[arg(long, value_name = "DIR")]
+    pub(super) data_dir: Option<PathBuf>,
+    /// Start a new cluster with this node as its first member (with a new --data-dir).
+    #[arg(long, requires = "data_dir", conflicts_with = "join")]
+    pub(super) bootstrap: bool,
+    /// Join the cluster through any of these members (HOST:PORT of their control plane: the
+    /// address of their --listen unless they set --control-listen).
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
+    pub(super) join: Vec<String>,
+    /// The control plane's TCP address (default: the host and port of --listen).
+    #[arg(long, value_name = "HOST:PORT", requires = "data_dir")]
+    pub(super) control_listen: Option<String>,
+    /// Voters wanted in the control plane; further members are learners.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=7))]
+    pub(super) max_voters: u16,
+    /// Seconds a voter may be gone before a learner replaces it.
+    #[arg(long, default_value_t = 30.0)]
+    pub(super) replace_voter_after_s: f64,
+}
+
+impl MemberArgs {
+    /// The control plane's token: the cluster's join token, which members must have.
+    pub(super) fn token(&self, auth: &ClusterAuthArgs) -> Result<shimmer_control::ClusterToken> {
+        let t = auth.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
+        let t = t.context("--data-dir makes this node a cluster member: give the cluster's --join-token (or SHIMMER_JOIN_TOKEN)")?;
+        shimmer_control::ClusterToken::parse(&t).context("--join-token")
+    }
+
+    pub(super) fn control_addr(&self, listen: &str) -> String {
+        self.control_listen.clone().unwrap_or_else(|| listen.to_string())
+    }
+
+    pub(super) fn start(
+        &self,
+        me: shimmer_control::Member,
+        listen: &str,
+        token: shimmer_control::ClusterToken,
+    ) -> Result<shimmer_worker::control::ControlPlane> {
+        use shimmer_worker::control::{ControlOptions, ControlPlane, Start};
+        let Some(dir) = &self.data_dir else { bail!("no --data-dir") };
+        if !(self.replace_voter_after_s > 0.0 && self.replace_voter_after_s <= 86_400.0) {
+            bail!("--replace-voter-after-s must be in (0, 86400], got {}", self.replace_voter_after_s);
+        }
+        let initialized = dir.join(shimmer_control::log_store::FILE_NAME).exists();
+        let start = match (self.bootstrap, self.join.is_empty()) {
+            (true, _) => Start::Bootstrap,
+            (false, false) => Start::Join(self.join.clone()),
+            (false, true) if initialized => Start::Join(Vec::new()),
+            (false, true) => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
+        };
+        for j in &self.join {
+            shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
+        }
+        let node = shimmer_control::NodeConfig {
+            max_voters: usize::from(self.max_voters),
+            replace_after_ms: (self.replace_voter_after_s * 1000.0) as u64,
+            ..shimmer_control::NodeConfig::default()
+        };
+        let control_listen = self.control_listen.clone().unwrap_or_else(|| listen.to_string());
+        let cp = ControlPlane::start(ControlOptions { data_dir: dir.clone(), listen: control_listen, member: me, start, token, node })
+            .with_context(|| format!("cannot start the control plane (--data-dir {})", dir.display()))?;
+        // Tests and scripts wait for this line.
+        eprintln!("shimmer: control plane on {} (TCP), member {} of cluster {}", cp.local_addr, cp.name, cp.cluster_id);
+        Ok(cp)
+    }
+}

@@ -17,6 +17,7 @@ use crate::sampling::SamplingParams;
 
 mod bench;
 mod chat;
+mod cluster;
 mod convert;
 mod flags;
 mod generate;
@@ -30,6 +31,7 @@ mod worker;
 
 use bench::*;
 use chat::*;
+use cluster::*;
 use convert::*;
 use flags::*;
 use generate::*;
@@ -60,6 +62,10 @@ enum Command {
     Plan(PlanArgs),
     /// Serve this machine's routed experts to coordinators over QUIC (docs/cluster.md).
     Worker(WorkerArgs),
+    /// The cluster's admin verbs over its control plane (status, members, placement, drain,
+    /// remove, token).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
     /// Generate a continuation of a prompt, streaming text to stdout.
     Generate(GenerateArgs),
     /// Teacher-force a token sequence: argmax and log-probability at every position.
@@ -96,6 +102,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Coordinator(a) => run_server(a, true),
         Command::Plan(a) => plan(a),
         Command::Worker(a) => worker(a),
+        Command::Cluster(c) => cluster(c),
         Command::Routing(a) => routing(a),
         Command::Trace(TraceCommand::Analyze(a)) => trace_analyze(a),
         Command::Convert(a) => convert(a),

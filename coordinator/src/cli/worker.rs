@@ -17,8 +17,9 @@ pub(super) struct WorkerArgs {
     #[arg(long, value_name = "FILE")]
     pub(super) placement: Option<PathBuf>,
     /// This worker's name in the placement (default: the worker whose address is --listen; with
-    /// --listen on 0.0.0.0, the only one on its port at an address of this machine).
-    #[arg(long, requires = "placement")]
+    /// --listen on 0.0.0.0, the only one on its port at an address of this machine), or in the
+    /// cluster with --data-dir (default: --listen as given).
+    #[arg(long)]
     pub(super) name: Option<String>,
     /// Serve only the experts the placement assigns this worker (refuse failover for others).
     #[arg(long, requires = "placement")]
@@ -30,6 +31,8 @@ pub(super) struct WorkerArgs {
     /// heat — the same flags as every verb that runs a model.
     #[command(flatten)]
     pub(super) store: StoreArgs,
+    #[command(flatten)]
+    pub(super) member: MemberArgs,
 }
 
 pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
@@ -53,6 +56,13 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         }),
         None => None,
     };
+    if a.name.is_some() && a.placement.is_none() && a.member.data_dir.is_none() {
+        bail!("--name names this worker in a --placement or in the cluster (--data-dir)");
+    }
+    let member_token = match &a.member.data_dir {
+        Some(_) => Some(a.member.token(&a.auth)?),
+        None => None,
+    };
     let opts = crate::node::WorkerOptions { listen, creds, placement, name, assigned_only: a.assigned_only, epoch: a.epoch, store: a.store.options()? };
     let worker = crate::node::Worker::start(&dir, opts).with_context(|| format!("cannot serve the experts of {}", dir.display()))?;
     let (status, epoch) = (&worker.status, worker.epoch);
@@ -67,7 +77,29 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         status.expert_bytes as f64 / 1e6,
         status.budget_bytes as f64 / 1e9,
     );
-    worker.serve_until_signal();
+    let control = match (&a.member.data_dir, member_token) {
+        (Some(_), Some(token)) => {
+            let name = a.name.clone().unwrap_or_else(|| a.listen.clone());
+            let me = shimmer_control::Member {
+                name,
+                kind: shimmer_control::NodeKind::Worker,
+                control_addr: a.member.control_addr(&a.listen),
+                data_addr: Some(a.listen.clone()),
+                capacity: shimmer_control::state::Capacity { vram: 0, ram: status.budget_bytes, disk: 0 },
+                models: vec![shimmer_control::state::ModelOnDisk { fingerprint: format!("{:016x}", worker.model_id), expert_bytes: status.expert_bytes }],
+                draining: false,
+            };
+            Some(a.member.start(me, &a.listen, token)?)
+        }
+        _ => None,
+    };
+    let failed = worker.serve_until_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
     eprintln!("shimmer: worker stopping");
+    if let Some(c) = control {
+        c.stop().context("the control plane failed")?;
+    }
+    if failed {
+        bail!("the control plane stopped");
+    }
     Ok(ExitCode::SUCCESS)
 }

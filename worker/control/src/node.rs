@@ -393,12 +393,9 @@ impl ControlNode {
                     self.last_leader = ss.leader_id;
                 }
                 if ss.raft_state == StateRole::Leader {
-                    // Everyone gets a grace period from the moment this node took over.
+                    // A peer is up once heard from; the replacement clock starts no earlier
+                    // than this node's leadership.
                     self.leader_since = Some(self.now);
-                    let now = self.now;
-                    for id in self.state.members.keys() {
-                        self.last_heard.entry(*id).or_insert(now);
-                    }
                 }
             }
             out.messages.extend(rd.take_messages());

@@ -173,6 +173,7 @@ pub struct ControlPlane {
     thread: Option<std::thread::JoinHandle<Result<(), NodeError>>>,
     pub local_addr: SocketAddr,
     pub name: String,
+    pub cluster_id: String,
     ca: ClusterCa,
     trust: ControlTrust,
 }
@@ -250,6 +251,7 @@ impl ControlPlane {
             name: me.name.clone(),
             cluster_id: cluster_id.clone(),
         };
+        let cluster_id_out = cluster_id.clone();
         let acceptor = tls::acceptor(&ca)?;
         rt.spawn(serve(listener, acceptor, trust.clone(), service));
         let handle = rt.handle().clone();
@@ -262,7 +264,7 @@ impl ControlPlane {
                 driver.run(rx)
             })
             .map_err(|e| ControlError::Rpc(format!("cannot start the Raft thread: {e}")))?;
-        Ok(ControlPlane { events, shared, rt: Some(rt), thread: Some(thread), local_addr, name: me.name, ca, trust })
+        Ok(ControlPlane { events, shared, rt: Some(rt), thread: Some(thread), local_addr, name: me.name, cluster_id: cluster_id_out, ca, trust })
     }
 
     /// The cluster's join token, pinning its CA.
@@ -313,6 +315,9 @@ fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
 
 /// Asks the given members, in turn and again until `JOIN_TIMEOUT`, to add this node.
 async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<AdminReply, ControlError> {
+    if seeds.is_empty() {
+        return Err(ControlError::Join("this data directory holds no cluster yet and no member to join was given (--join)".into()));
+    }
     let deadline = Instant::now() + JOIN_TIMEOUT;
     let mut errors: BTreeMap<String, String> = BTreeMap::new();
     loop {
@@ -563,15 +568,16 @@ fn check(outcome: Outcome) -> Result<(), String> {
 }
 
 fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> StatusView {
+    let mut members: Vec<&Member> = state.members.values().collect();
+    members.sort_by(|a, b| a.name.cmp(&b.name));
     StatusView {
         cluster_id: state.cluster_id.clone(),
         leader: state.members.get(&live.leader).map(|m| m.name.clone()),
         term: live.term,
         commit: live.commit,
         applied: state.applied,
-        members: state
-            .members
-            .values()
+        members: members
+            .into_iter()
             .map(|m| MemberView {
                 name: m.name.clone(),
                 addr: m.data_addr.clone().unwrap_or_else(|| m.control_addr.clone()),

@@ -1,0 +1,132 @@
+//! `shimmer cluster`: the cluster's admin verbs over the control plane's authenticated gRPC
+//! API. Any live member answers; dead addresses in `--join` are skipped.
+
+use super::*;
+use shimmer_worker::control::{admin_any, AdminReply, AdminRequest, StatusView};
+
+#[derive(Subcommand)]
+pub(super) enum ClusterCommand {
+    /// The leader, the term, every member with its Raft role and whether the leader hears it,
+    /// and the placements.
+    Status(ClusterConn),
+    /// The members (the same view as `status`, members only).
+    Members(ClusterConn),
+    /// Each model's placement epoch.
+    Placement(ClusterConn),
+    /// Mark NODE draining (it keeps serving until its experts are covered elsewhere).
+    Drain {
+        node: String,
+        #[command(flatten)]
+        conn: ClusterConn,
+    },
+    /// Take NODE out of the cluster (a voter first leaves the quorum).
+    Remove {
+        node: String,
+        #[command(flatten)]
+        conn: ClusterConn,
+    },
+    /// Print the cluster's join token, pinning its CA (`SHM1<ca-sha256>::<secret>`).
+    Token(ClusterConn),
+}
+
+/// How the admin verbs reach the cluster.
+#[derive(Args)]
+pub(super) struct ClusterConn {
+    /// Members to ask (HOST:PORT of their control plane), in turn until one answers.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", required = true)]
+    join: Vec<String>,
+    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
+    #[arg(long)]
+    join_token: Option<String>,
+    /// One JSON object on one line instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ClusterConn {
+    fn ask(&self, req: &AdminRequest) -> Result<AdminReply> {
+        let t = self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
+        let t = t.context("give the cluster's --join-token (or SHIMMER_JOIN_TOKEN)")?;
+        let token = shimmer_control::ClusterToken::parse(&t).context("--join-token")?;
+        for j in &self.join {
+            shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
+        }
+        match admin_any(&self.join, token, req)? {
+            AdminReply::Error { message } => bail!("{message}"),
+            reply => Ok(reply),
+        }
+    }
+
+    fn status(&self) -> Result<StatusView> {
+        match self.ask(&AdminRequest::Status { forwarded: false })? {
+            AdminReply::Status { status } => Ok(status),
+            other => bail!("unexpected answer: {other:?}"),
+        }
+    }
+}
+
+pub(super) fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
+    match cmd {
+        ClusterCommand::Status(c) => {
+            let s = c.status()?;
+            if c.json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("cluster {}: leader {}, term {}, commit {}", s.cluster_id, s.leader.as_deref().unwrap_or("(none)"), s.term, s.commit);
+                print_members(&s);
+                for p in &s.placements {
+                    println!("model {}: placement epoch {}", p.model, p.epoch);
+                }
+            }
+        }
+        ClusterCommand::Members(c) => {
+            let s = c.status()?;
+            if c.json {
+                println!("{}", serde_json::to_string(&json!({"leader": s.leader, "members": s.members}))?);
+            } else {
+                print_members(&s);
+            }
+        }
+        ClusterCommand::Placement(c) => {
+            let s = c.status()?;
+            if c.json {
+                println!("{}", serde_json::to_string(&json!({"placements": s.placements}))?);
+            } else if s.placements.is_empty() {
+                println!("no placements yet");
+            } else {
+                for p in &s.placements {
+                    println!("model {}: epoch {}", p.model, p.epoch);
+                }
+            }
+        }
+        ClusterCommand::Drain { node, conn } => done(&conn, &AdminRequest::Drain { name: node, draining: true })?,
+        ClusterCommand::Remove { node, conn } => done(&conn, &AdminRequest::Remove { name: node })?,
+        ClusterCommand::Token(c) => match c.ask(&AdminRequest::Token)? {
+            AdminReply::Token { token } if c.json => println!("{}", serde_json::to_string(&json!({"token": token}))?),
+            AdminReply::Token { token } => println!("{token}"),
+            other => bail!("unexpected answer: {other:?}"),
+        },
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn done(conn: &ClusterConn, req: &AdminRequest) -> Result<()> {
+    match conn.ask(req)? {
+        AdminReply::Done { message } if conn.json => println!("{}", serde_json::to_string(&json!({"done": message}))?),
+        AdminReply::Done { message } => println!("{message}"),
+        other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}
+
+fn print_members(s: &StatusView) {
+    println!("{:<24} {:<12} {:<8} {:<6} ADDRESS", "NAME", "KIND", "ROLE", "UP");
+    for m in &s.members {
+        let up = match m.up {
+            Some(true) => "up",
+            Some(false) => "down",
+            None => "?",
+        };
+        println!("{:<24} {:<12} {:<8} {:<6} {}{}", m.name, m.kind, m.role, up, m.addr, if m.draining { " (draining)" } else { "" });
+    }
+}
