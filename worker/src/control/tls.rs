@@ -251,7 +251,7 @@ pub async fn dial(addr: &str, trust: &ControlTrust) -> Result<Authed<tokio_rustl
     let fail = |reason: String| TrustError::Connect { addr: addr.to_string(), reason };
     let tls_cfg = |e: &dyn std::fmt::Display| TrustError::Tls(e.to_string());
     let verifier: Arc<dyn rustls::client::danger::ServerCertVerifier> = match trust.token.ca_sha256() {
-        Some(pin) => Arc::new(PinnedCa { pin, provider: provider() }),
+        Some(pin) => Arc::new(PinnedCa { pin, provider: provider(), signatures: crate::transport::TokenBound(provider()) }),
         None => Arc::new(crate::transport::TokenBound(provider())),
     };
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
@@ -299,6 +299,7 @@ pub async fn dial(addr: &str, trust: &ControlTrust) -> Result<Authed<tokio_rustl
 struct PinnedCa {
     pin: [u8; 32],
     provider: Arc<rustls::crypto::CryptoProvider>,
+    signatures: crate::transport::TokenBound,
 }
 
 impl rustls::client::danger::ServerCertVerifier for PinnedCa {
@@ -319,13 +320,14 @@ impl rustls::client::danger::ServerCertVerifier for PinnedCa {
         let name = ServerName::try_from(SERVER_NAME).map_err(|e| rustls::Error::General(e.to_string()))?;
         v.verify_server_cert(end_entity, &[], &name, ocsp, now)
     }
+    // Handshake signatures are checked as for any token-bound peer.
     fn verify_tls12_signature(
         &self,
         message: &[u8],
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        self.signatures.verify_tls12_signature(message, cert, dss)
     }
     fn verify_tls13_signature(
         &self,
@@ -333,10 +335,10 @@ impl rustls::client::danger::ServerCertVerifier for PinnedCa {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        self.signatures.verify_tls13_signature(message, cert, dss)
     }
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
+        self.signatures.supported_verify_schemes()
     }
 }
 
