@@ -227,6 +227,28 @@ fn a_coordinator_with_the_wrong_join_token_is_refused() {
     assert!(matches!(e, transport::TransportError::Refused), "{e}");
 }
 
+#[test]
+fn the_remote_experts_stop_cleanly_when_dropped_inside_another_runtime_and_close_their_connections() {
+    // The HTTP server drops the last engine handle on its own runtime at shutdown, where tokio
+    // refuses a blocking runtime shutdown (this panicked on Ctrl-C of a pooled coordinator).
+    let dir = fixture("qwen3_moe");
+    let spec = ModelSpec::from_dir(&dir).unwrap();
+    let fingerprint = Engine::load(&dir).unwrap().fingerprint;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (worker, addr) = start_worker(&rt, &dir, &fingerprint, ([127, 0, 0, 1], 0).into());
+    let p = placement(&fingerprint, &spec, std::slice::from_ref(&addr), |_, _| 0);
+    let remote = RemoteExperts::connect(p, model_id(&fingerprint), &creds(TOKEN), timeouts(10)).unwrap();
+    assert_eq!(worker.open_connections(), 1);
+    let server = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    server.block_on(async move { drop(remote) });
+    // The worker hears the close (it does not wait out an idle timeout).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while worker.open_connections() > 0 {
+        assert!(std::time::Instant::now() < deadline, "the worker still holds the coordinator's connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A `shimmer worker` process; killed when dropped.
 struct WorkerProcess {
     child: std::process::Child,

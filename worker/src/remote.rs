@@ -93,8 +93,51 @@ fn parse_addr(name: &str, addr: &str) -> Result<SocketAddr, String> {
     addr.parse().map_err(|e| format!("worker {name} address {addr:?}: {e}"))
 }
 
+/// The driver's runtime. Whoever drops the last engine handle may be inside another runtime
+/// (the HTTP server's, at shutdown), where tokio refuses to block on a runtime's shutdown; so the
+/// connections are closed and the runtime shut down on a thread of its own, bounded in time.
+struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for OwnedRuntime {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &Self::Target {
+        // Some until Drop
+        self.0.as_ref().expect("runtime present until drop")
+    }
+}
+
+const CLOSE_WITHIN: Duration = Duration::from_millis(500);
+
+impl OwnedRuntime {
+    fn shut_down(&mut self, endpoint: &quinn::Endpoint) {
+        let Some(rt) = self.0.take() else { return };
+        endpoint.close(0u32.into(), b"coordinator stopping");
+        let endpoint = endpoint.clone();
+        let handed = Arc::new(Mutex::new(Some(rt)));
+        let for_thread = handed.clone();
+        let stopper = std::thread::Builder::new().name("remote-experts-stop".into()).spawn(move || {
+            if let Some(rt) = lock(&for_thread).take() {
+                // The close frames go out before the runtime that sends them stops.
+                rt.block_on(async { tokio::time::timeout(CLOSE_WITHIN, endpoint.wait_idle()).await.ok() });
+                rt.shutdown_timeout(CLOSE_WITHIN);
+            }
+        });
+        match stopper {
+            Ok(thread) => {
+                let _ = thread.join();
+            }
+            Err(e) => {
+                tracing::warn!("no thread to stop the remote-experts runtime on ({e}); stopping it without waiting");
+                if let Some(rt) = lock(&handed).take() {
+                    rt.shutdown_background();
+                }
+            }
+        }
+    }
+}
+
 pub struct RemoteExperts {
-    rt: tokio::runtime::Runtime,
+    rt: OwnedRuntime,
     dialer: Dialer,
     core: Core,
     conns: Conns,
@@ -102,6 +145,12 @@ pub struct RemoteExperts {
     timeouts: Timeouts,
     /// The placement worker this process is, and its experts.
     local: Option<(String, Box<dyn ExpertDispatch>)>,
+}
+
+impl Drop for RemoteExperts {
+    fn drop(&mut self) {
+        self.rt.shut_down(&self.dialer.endpoint);
+    }
 }
 
 impl RemoteExperts {
@@ -162,7 +211,7 @@ impl RemoteExperts {
         let core: Core = Arc::new(Mutex::new(cluster));
         let conns: Conns = Arc::new(Mutex::new(conns));
         rt.spawn(refresh_statuses(core.clone(), conns.clone(), dialer.ids.clone(), timeouts.answer));
-        Ok(RemoteExperts { rt, dialer, core, conns, reload: None, timeouts, local })
+        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, timeouts, local })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
