@@ -13,9 +13,10 @@ use std::sync::Arc;
 use shimmer_cluster::placement::Placement;
 use shimmer_cluster::WorkerStatus;
 use shimmer_common::spec::LayerMlp;
+use shimmer_worker::control::{AdminReply, AdminRequest, ControlPlane};
 use shimmer_worker::server::WorkerState;
 use shimmer_worker::transport::{Credentials, TransportError};
-use shimmer_worker::{RemoteExperts, Timeouts};
+use shimmer_worker::{PlacementFeed, RemoteExperts, Timeouts};
 
 use crate::engine::{Engine, EngineError, ExpertOptions, Experts};
 use crate::model_dir::ModelDir;
@@ -31,6 +32,9 @@ pub enum NodeError {
     Placement { path: PathBuf, problem: String },
     #[error("cannot start the network runtime: {0}")]
     Runtime(#[from] std::io::Error),
+    /// The cluster has no (usable) placement of this model.
+    #[error("{0}")]
+    Cluster(String),
 }
 
 fn placement_error(path: &Path, problem: impl Into<String>) -> NodeError {
@@ -67,6 +71,8 @@ pub struct WorkerOptions {
     /// The placement epoch to serve (default: the placement's, else 1).
     pub epoch: Option<u64>,
     pub store: ExpertOptions,
+    /// A cluster member: its name there (its epochs and assignment then follow the cluster).
+    pub member: Option<String>,
 }
 
 /// A worker serving on a runtime of its own until dropped or `wait`ed out.
@@ -77,6 +83,11 @@ pub struct Worker {
     pub epoch: u64,
     /// The model served (`shimmer_cluster::model_id` of its fingerprint).
     pub model_id: u64,
+    /// The model's fingerprint and the shape a placement of it depends on.
+    pub fingerprint: String,
+    pub moe_layers: Vec<usize>,
+    pub shape: shimmer_control::state::ModelShape,
+    pub state: Arc<WorkerState>,
     rt: tokio::runtime::Runtime,
     endpoint: quinn::Endpoint,
 }
@@ -115,13 +126,31 @@ impl Worker {
         let mut state = WorkerState::serving_store(Arc::new(store), shimmer_cluster::model_id(&model.fingerprint), epoch, opts.creds, model.spec.hidden_size);
         if let Some((name, _, slice)) = slice {
             state.name = name;
-            state.assigned = Some(slice.assigned);
+            state.set_assigned(Some(slice.assigned));
             state.assigned_only = opts.assigned_only;
+        }
+        if let Some(name) = &opts.member {
+            // The cluster says which epochs it answers for once it has a placement.
+            state.name = name.clone();
+            state.set_epochs(shimmer_worker::server::EpochWindow::only(0));
         }
         let status = state.status();
         let model_id = state.model;
-        rt.spawn(shimmer_worker::server::serve(endpoint.clone(), Arc::new(state)));
-        Ok(Worker { local_addr, status, epoch, model_id, rt, endpoint })
+        let state = Arc::new(state);
+        rt.spawn(shimmer_worker::server::serve(endpoint.clone(), state.clone()));
+        let shape = shimmer_control::state::ModelShape {
+            moe_layers: moe.iter().map(|&l| l as u32).collect(),
+            experts: model.spec.moe.num_experts as u32,
+            top_k: model.spec.moe.top_k as u32,
+        };
+        Ok(Worker { local_addr, status, epoch, model_id, fingerprint: model.fingerprint.clone(), moe_layers: moe, shape, state, rt, endpoint })
+    }
+
+    /// Follows the cluster's placement of this worker's model (on a thread of its own) until
+    /// `stop` is set.
+    pub fn follow(&self, control: Arc<ControlPlane>, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<()> {
+        let (state, model, moe) = (self.state.clone(), self.fingerprint.clone(), self.moe_layers.clone());
+        std::thread::spawn(move || shimmer_worker::control::follow::follow(control, state, model, moe, stop))
     }
 
     /// Serves until Ctrl-C or SIGTERM, then stops taking connections.
@@ -179,9 +208,92 @@ pub fn worker_in_placement(p: &Placement, listen: SocketAddr) -> Result<String, 
     }
 }
 
+/// Where a coordinator's placement comes from.
+pub enum PlacementSource {
+    /// A file (`shimmer plan`), read again when a worker says it moved on.
+    File(PlacementFile),
+    /// This node's replicated state: it is a member of the cluster.
+    Member(Arc<ControlPlane>),
+    /// The cluster's members at these control addresses: this node is a client.
+    Client { members: Vec<String>, token: shimmer_control::ClusterToken },
+}
+
+/// How long a coordinator waits at start for the cluster to place its model.
+pub const PLACEMENT_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl PlacementSource {
+    /// What to call it in messages.
+    pub fn describe(&self) -> String {
+        match self {
+            PlacementSource::File(f) => f.path.display().to_string(),
+            PlacementSource::Member(c) => format!("cluster {} (this node is its member {})", c.cluster_id, c.name),
+            PlacementSource::Client { members, .. } => format!("the cluster reached at {}", members.join(",")),
+        }
+    }
+}
+
+/// A model's active placement in the cluster, as a member has applied it or the members answer.
+fn cluster_placement(source: &PlacementSource, fingerprint: &str) -> Result<Option<Placement>, String> {
+    match source {
+        PlacementSource::File(_) => Ok(None),
+        PlacementSource::Member(c) => Ok(c.placement(fingerprint).1.and_then(|p| p.active).map(|r| r.placement)),
+        PlacementSource::Client { members, token } => {
+            match shimmer_worker::control::admin_any(members, token.clone(), &AdminRequest::Placement { model: fingerprint.to_string() }) {
+                Ok(AdminReply::Placement { record }) => Ok(record.map(|r| r.placement)),
+                Ok(AdminReply::Error { message }) => Err(message),
+                Ok(_) => Err("unexpected answer to a placement request".into()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    }
+}
+
+/// Waits (up to `PLACEMENT_WAIT`) for the cluster's first placement of the model.
+fn first_cluster_placement(source: &PlacementSource, fingerprint: &str) -> Result<Placement, NodeError> {
+    let deadline = std::time::Instant::now() + PLACEMENT_WAIT;
+    let mut last_error = None;
+    loop {
+        match cluster_placement(source, fingerprint) {
+            Ok(Some(p)) => return Ok(p),
+            Ok(None) => {}
+            Err(e) => last_error = Some(e),
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(NodeError::Cluster(format!(
+                "{} has not placed model {fingerprint} within {} s (do workers with this model on disk belong to it?){}",
+                source.describe(),
+                PLACEMENT_WAIT.as_secs(),
+                last_error.map(|e| format!("; last error: {e}")).unwrap_or_default()
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}
+
+/// Checks a placement against the model.
+type PlacementCheck = Box<dyn Fn(&Placement) -> Result<(), String> + Send + Sync>;
+
+/// A member's replicated state as the coordinator's feed of placements.
+struct MemberFeed {
+    control: Arc<ControlPlane>,
+    fingerprint: String,
+    check: PlacementCheck,
+}
+
+impl PlacementFeed for MemberFeed {
+    fn version(&self) -> u64 {
+        self.control.version()
+    }
+
+    fn latest(&self) -> Option<Result<Placement, String>> {
+        let p = self.control.placement(&self.fingerprint).1?.active?.placement;
+        Some((self.check)(&p).map(|()| p))
+    }
+}
+
 /// How a coordinator reaches its workers.
 pub struct ClusterOptions {
-    pub placement: PlacementFile,
+    pub placement: PlacementSource,
     pub creds: Credentials,
     pub timeouts: Timeouts,
     /// This node is also the placement's worker of this name, its experts held as the options say.
@@ -206,25 +318,54 @@ pub fn coordinator(dir: &Path, experts: ExpertsAt) -> Result<Engine, NodeError> 
     };
     let model = ModelDir::open(dir)?;
     let moe = moe_layers(&model);
-    let ClusterOptions { placement: pf, creds, timeouts, hold } = cluster;
+    let ClusterOptions { placement: source, creds, timeouts, hold } = cluster;
     let experts_per_layer = model.spec.moe.num_experts;
-    pf.placement.validate(&model.fingerprint, &moe, experts_per_layer).map_err(|e| placement_error(&pf.path, e))?;
+    let fingerprint = model.fingerprint.clone();
+    let (placement, where_from) = match &source {
+        PlacementSource::File(pf) => (pf.placement.clone(), pf.path.clone()),
+        other => (first_cluster_placement(other, &fingerprint)?, PathBuf::from(other.describe())),
+    };
+    placement.validate(&fingerprint, &moe, experts_per_layer).map_err(|e| placement_error(&where_from, e))?;
     let (dense, dense_bytes) = model.dense()?;
     let local = match hold {
         Some((name, opts)) => {
-            let slice = pf.placement.slice(&name, &moe).map_err(|e| placement_error(&pf.path, format!("this node holds worker {name}'s experts: {e}")))?;
+            let slice = placement.slice(&name, &moe).map_err(|e| placement_error(&where_from, format!("this node holds worker {name}'s experts: {e}")))?;
             // This process holds the dense weights too: an `auto` budget leaves them room.
             let store = model.expert_store(&ExpertOptions { assigned: Some(slice.pins), ..opts }, dense_bytes)?;
             Some((name, Box::new(store) as Box<dyn shimmer_experts::ExpertDispatch>))
         }
         None => None,
     };
-    let remote = RemoteExperts::connect_with(pf.placement, shimmer_cluster::model_id(&model.fingerprint), &creds, timeouts, local)?;
-    let (file, fingerprint) = (pf.path, model.fingerprint.clone());
-    let remote = remote.with_reload(Box::new(move || {
-        let p = Placement::read(&file).map_err(|e| e.to_string())?;
-        p.validate(&fingerprint, &moe, experts_per_layer).map_err(|e| format!("{}: {e}", file.display()))?;
-        Ok(p)
-    }));
+    let remote = RemoteExperts::connect_with(placement, shimmer_cluster::model_id(&fingerprint), &creds, timeouts, local)?;
+    let check = {
+        let (fingerprint, moe) = (fingerprint.clone(), moe.clone());
+        move |p: &Placement| p.validate(&fingerprint, &moe, experts_per_layer)
+    };
+    let remote = match source {
+        PlacementSource::File(pf) => {
+            let file = pf.path;
+            remote.with_reload(Box::new(move || {
+                let p = Placement::read(&file).map_err(|e| e.to_string())?;
+                check(&p).map_err(|e| format!("{}: {e}", file.display()))?;
+                Ok(p)
+            }))
+        }
+        PlacementSource::Member(control) => {
+            let feed = MemberFeed { control: control.clone(), fingerprint: fingerprint.clone(), check: Box::new(check.clone()) };
+            let reload_from = PlacementSource::Member(control);
+            let fp = fingerprint.clone();
+            remote.with_feed(Box::new(feed)).with_reload(Box::new(move || {
+                let p = cluster_placement(&reload_from, &fp)?.ok_or("the cluster has no placement of this model")?;
+                check(&p).map(|()| p)
+            }))
+        }
+        client @ PlacementSource::Client { .. } => {
+            let fp = fingerprint.clone();
+            remote.with_reload(Box::new(move || {
+                let p = cluster_placement(&client, &fp)?.ok_or("the cluster has no placement of this model")?;
+                check(&p).map(|()| p)
+            }))
+        }
+    };
     Ok(Engine::new(&model, dense, Experts::Cluster(Box::new(remote)))?)
 }

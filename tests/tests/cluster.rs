@@ -60,7 +60,7 @@ fn start_worker_for(
     let mut state = WorkerState::new(experts, model_id(fingerprint), 1, creds(TOKEN), spec.hidden_size);
     if let Some((p, name, only)) = slice {
         state.name = name.to_string();
-        state.assigned = Some(p.slice(name, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>()).unwrap().assigned);
+        state.set_assigned(Some(p.slice(name, &p.layers.iter().map(|l| l.layer).collect::<Vec<_>>()).unwrap().assigned));
         state.assigned_only = only;
     }
     let state = Arc::new(state);
@@ -570,13 +570,13 @@ fn workers_on_a_newer_placement_make_the_coordinator_adopt_it_with_the_same_logi
     // The operator moves the cluster to epoch 2: the file, then the workers.
     std::fs::write(&file, serde_json::to_string(&second).unwrap()).unwrap();
     for w in &workers {
-        w.2.epoch.store(2, std::sync::atomic::Ordering::SeqCst);
+        w.2.set_epochs(shimmer_worker::server::EpochWindow::only(2));
     }
     assert_eq!(bits(&engine.logits_all(&ids).unwrap()), bits(&want), "under the adopted placement");
     assert_eq!(remote.telemetry_snapshot().placement_epoch, 2);
     // Workers ahead of every placement at hand: `Moved` is then an error like any other.
     for w in &workers {
-        w.2.epoch.store(3, std::sync::atomic::Ordering::SeqCst);
+        w.2.set_epochs(shimmer_worker::server::EpochWindow::only(3));
     }
     let e = engine.logits_all(&ids).unwrap_err().to_string();
     assert!(e.contains("no worker can serve it"), "{e}");

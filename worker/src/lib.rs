@@ -14,4 +14,4 @@ pub mod remote;
 pub mod server;
 pub mod transport;
 
-pub use remote::{RemoteExperts, Timeouts};
+pub use remote::{PlacementFeed, RemoteExperts, Timeouts};

@@ -89,6 +89,16 @@ impl Dialer {
 /// Where a newer placement comes from when a worker says the coordinator's is stale.
 pub type Reload = Box<dyn Fn() -> Result<Placement, String> + Send + Sync>;
 
+/// A source of placements that says when it has a new one (a member's replicated state): looked
+/// at before each layer's round, so the coordinator moves to a new epoch between rounds, never
+/// during one.
+pub trait PlacementFeed: Send + Sync {
+    /// Changes whenever `latest` may have (cheap).
+    fn version(&self) -> u64;
+    /// The newest placement, checked against the model.
+    fn latest(&self) -> Option<Result<Placement, String>>;
+}
+
 fn parse_addr(name: &str, addr: &str) -> Result<SocketAddr, String> {
     addr.parse().map_err(|e| format!("worker {name} address {addr:?}: {e}"))
 }
@@ -142,6 +152,7 @@ pub struct RemoteExperts {
     core: Core,
     conns: Conns,
     reload: Option<Reload>,
+    feed: Option<(Box<dyn PlacementFeed>, AtomicU64)>,
     timeouts: Timeouts,
     /// The placement worker this process is, and its experts.
     local: Option<(String, Box<dyn ExpertDispatch>)>,
@@ -211,7 +222,7 @@ impl RemoteExperts {
         let core: Core = Arc::new(Mutex::new(cluster));
         let conns: Conns = Arc::new(Mutex::new(conns));
         rt.spawn(refresh_statuses(core.clone(), conns.clone(), dialer.ids.clone(), timeouts.answer));
-        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, timeouts, local })
+        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, timeouts, local })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
@@ -219,6 +230,29 @@ impl RemoteExperts {
         self.reload = Some(reload);
         lock(&self.core).can_reload = true;
         self
+    }
+
+    /// Follows `feed`: a newer placement it has is adopted before the next round.
+    pub fn with_feed(mut self, feed: Box<dyn PlacementFeed>) -> Self {
+        self.feed = Some((feed, AtomicU64::new(0)));
+        self
+    }
+
+    fn follow_feed(&self) {
+        let Some((feed, seen)) = &self.feed else { return };
+        let version = feed.version();
+        if seen.swap(version, Ordering::Relaxed) == version {
+            return;
+        }
+        match feed.latest() {
+            Some(Ok(p)) if p.epoch > lock(&self.core).placement().epoch => {
+                if let Err(e) = self.set_placement(p) {
+                    tracing::warn!("cannot route by the cluster's new placement: {e}");
+                }
+            }
+            Some(Err(e)) => tracing::warn!("the cluster's placement does not fit this model: {e}"),
+            _ => {}
+        }
     }
 
     /// The core, with every closed connection reported to it first.
@@ -424,6 +458,7 @@ impl ExpertDispatch for RemoteExperts {
     }
 
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
+        self.follow_feed();
         let rows_bytes: Bytes = batch.rows.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         let mut layer = self.core().begin(batch.layer, batch.experts, batch.num_rows(), acc.len());
         // A response is the sums, or an error frame.

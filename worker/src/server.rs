@@ -5,12 +5,16 @@
 //! loads experts it was not assigned). A bad frame gets an error frame on its stream; the
 //! connection and everyone else's streams go on.
 //!
-//! Must never: compute for another model or placement epoch, or let one stream's failure end
-//! the process; serve an unassigned expert when told to serve its assignment only.
+//! A worker answers for the placement epochs of its `EpochWindow`: in static mode one; in a
+//! cluster the active one, the one before it (so a request in flight finishes on its epoch) and
+//! a proposed one it is preparing. The control plane moves the window and the assignment.
+//!
+//! Must never: compute for another model or an epoch outside its window, or let one stream's
+//! failure end the process; serve an unassigned expert when told to serve its assignment only.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use bytes::{Bytes, BytesMut};
 
@@ -20,20 +24,44 @@ use shimmer_store::ExpertStore;
 
 use crate::transport::{self, Credentials};
 
+/// The placement epochs a worker answers requests for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpochWindow {
+    /// The epoch it reports (the active one).
+    pub active: u64,
+    /// The active epoch before it: requests in flight on it still finish.
+    pub previous: Option<u64>,
+    /// A proposed epoch this worker is part of.
+    pub proposed: Option<u64>,
+}
+
+impl EpochWindow {
+    pub fn only(epoch: u64) -> Self {
+        EpochWindow { active: epoch, previous: None, proposed: None }
+    }
+
+    pub fn accepts(&self, epoch: u64) -> bool {
+        epoch == self.active || self.previous == Some(epoch) || self.proposed == Some(epoch)
+    }
+}
+
+/// The (layer, expert) pairs a placement gives a worker.
+pub type Assigned = HashSet<(u32, u32)>;
+
 pub struct WorkerState {
     pub dispatch: Arc<dyn ExpertDispatch>,
     /// The store behind `dispatch`, when it is one (its counters go into the status).
     pub store: Option<Arc<ExpertStore>>,
     /// 64-bit identity of the model served (`model_id`).
     pub model: u64,
-    pub epoch: AtomicU64,
+    epochs: RwLock<EpochWindow>,
     pub creds: Credentials,
     pub hidden: usize,
     pub requests: AtomicU64,
     /// The worker's name in the placement ("" without one).
     pub name: String,
     /// The (layer, expert) pairs the placement gives this worker (`None`: no placement).
-    pub assigned: Option<HashSet<(u32, u32)>>,
+    assigned: RwLock<Option<Arc<Assigned>>>,
     /// Refuse selections outside `assigned` (a node whose disk or RAM is meant for its slice only).
     pub assigned_only: bool,
 }
@@ -44,14 +72,30 @@ impl WorkerState {
             dispatch,
             store: None,
             model,
-            epoch: AtomicU64::new(epoch),
+            epochs: RwLock::new(EpochWindow::only(epoch)),
             creds,
             hidden,
             requests: AtomicU64::new(0),
             name: String::new(),
-            assigned: None,
+            assigned: RwLock::new(None),
             assigned_only: false,
         }
+    }
+
+    pub fn epochs(&self) -> EpochWindow {
+        *self.epochs.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn set_epochs(&self, window: EpochWindow) {
+        *self.epochs.write().unwrap_or_else(|p| p.into_inner()) = window;
+    }
+
+    pub fn assigned(&self) -> Option<Arc<Assigned>> {
+        self.assigned.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_assigned(&self, assigned: Option<Assigned>) {
+        *self.assigned.write().unwrap_or_else(|p| p.into_inner()) = assigned.map(Arc::new);
     }
 
     /// A worker serving `store`'s experts.
@@ -63,8 +107,8 @@ impl WorkerState {
         let t = self.store.as_ref().map(|s| s.telemetry());
         WorkerStatus {
             name: self.name.clone(),
-            epoch: self.epoch.load(Ordering::SeqCst),
-            assigned_experts: self.assigned.as_ref().map_or(0, HashSet::len),
+            epoch: self.epochs().active,
+            assigned_experts: self.assigned().map_or(0, |a| a.len()),
             loads_unassigned: !self.assigned_only,
             budget_bytes: t.as_ref().map_or(0, |t| t.budget_bytes),
             expert_bytes: t.as_ref().map_or(0, |t| t.expert_bytes),
@@ -124,10 +168,15 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
             if req.model != state.model {
                 return Some(wire::encode_error(req.request_id, ErrorCode::WrongModel, "this worker serves another model"));
             }
-            let epoch = state.epoch.load(Ordering::SeqCst);
-            if req.epoch != epoch {
-                return Some(wire::encode_error(req.request_id, ErrorCode::Moved, &format!("placement epoch {} is not this worker's {epoch}", req.epoch)));
+            let window = state.epochs();
+            if !window.accepts(req.epoch) {
+                return Some(wire::encode_error(
+                    req.request_id,
+                    ErrorCode::Moved,
+                    &format!("placement epoch {} is not one this worker answers for (its epoch is {})", req.epoch, window.active),
+                ));
             }
+            let epoch = req.epoch;
             if req.hidden as usize != state.hidden {
                 return Some(wire::encode_error(
                     req.request_id,
@@ -135,7 +184,7 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
                     &format!("hidden size {} is not the model's {}", req.hidden, state.hidden),
                 ));
             }
-            if let (true, Some(mine)) = (state.assigned_only, &state.assigned) {
+            if let (true, Some(mine)) = (state.assigned_only, state.assigned()) {
                 if let Some((e, _)) = req.selections.iter().find(|(e, _)| *e != ELSEWHERE && !mine.contains(&(req.layer, *e))) {
                     return Some(wire::encode_error(
                         req.request_id,
@@ -183,7 +232,7 @@ async fn answer(frame: Frame, state: &Arc<WorkerState>) -> Option<Bytes> {
         Frame::Status { request_id } => {
             let json = serde_json::to_string(&state.status()).unwrap_or_default();
             Some(
-                wire::encode_status_reply(request_id, state.model, state.epoch.load(Ordering::SeqCst), &json)
+                wire::encode_status_reply(request_id, state.model, state.epochs().active, &json)
                     .unwrap_or_else(|| wire::encode_error(request_id, ErrorCode::Internal, "status too large")),
             )
         }

@@ -40,6 +40,10 @@ pub(super) struct ClusterArgs {
     /// The workers' addresses; when given, they must be the placement's.
     #[arg(long, value_delimiter = ',', requires = "placement")]
     pub(super) workers: Vec<String>,
+    /// Use the cluster's placement, asked of any of these members (HOST:PORT of their control
+    /// plane); with --data-dir, join the cluster through them.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", conflicts_with = "placement")]
+    pub(super) join: Vec<String>,
     #[command(flatten)]
     pub(super) auth: ClusterAuthArgs,
     /// Seconds to wait for a worker's answer to one layer's request before failing over.
@@ -174,13 +178,13 @@ pub(super) struct MemberArgs {
     /// Start a new cluster with this node as its first member (with a new --data-dir).
     #[arg(long, requires = "data_dir", conflicts_with = "join")]
     pub(super) bootstrap: bool,
-    /// Join the cluster through any of these members (HOST:PORT of their control plane: the
-    /// address of their --listen unless they set --control-listen).
-    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
-    pub(super) join: Vec<String>,
     /// The control plane's TCP address (default: the host and port of --listen).
     #[arg(long, value_name = "HOST:PORT", requires = "data_dir")]
     pub(super) control_listen: Option<String>,
+    /// The host (name or IP) other nodes reach this one at, when it listens on every interface
+    /// (default: this machine's address on its default route).
+    #[arg(long, value_name = "HOST", requires = "data_dir")]
+    pub(super) advertise: Option<String>,
     /// Voters wanted in the control plane; further members are learners.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=7))]
     pub(super) max_voters: u16,
@@ -197,14 +201,37 @@ impl MemberArgs {
         shimmer_control::ClusterToken::parse(&t).context("--join-token")
     }
 
-    pub(super) fn control_addr(&self, listen: &str) -> String {
-        self.control_listen.clone().unwrap_or_else(|| listen.to_string())
+    /// `addr` (HOST:PORT) as other nodes reach it: a host that means every interface becomes
+    /// --advertise, else this machine's address on its default route.
+    pub(super) fn reachable(&self, addr: &str) -> Result<String> {
+        let (host, port) = addr.rsplit_once(':').with_context(|| format!("`{addr}` is not HOST:PORT"))?;
+        if port == "0" {
+            bail!("a cluster member needs a fixed port, not {addr}");
+        }
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let everywhere = bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
+        if !everywhere {
+            return Ok(addr.to_string());
+        }
+        let host = match &self.advertise {
+            Some(h) => h.clone(),
+            None => default_route_ip().with_context(|| format!("{addr} listens on every interface: say how others reach this node with --advertise HOST"))?,
+        };
+        let joined = if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        shimmer_control::state::check_host_port(&joined).map_err(|e| anyhow::anyhow!("--advertise {host}: {e}"))?;
+        Ok(joined)
+    }
+
+    /// The control plane's address as others reach it.
+    pub(super) fn control_addr(&self, listen: &str) -> Result<String> {
+        self.reachable(self.control_listen.as_deref().unwrap_or(listen))
     }
 
     pub(super) fn start(
         &self,
         me: shimmer_control::Member,
         listen: &str,
+        join: &[String],
         token: shimmer_control::ClusterToken,
     ) -> Result<shimmer_worker::control::ControlPlane> {
         use shimmer_worker::control::{ControlOptions, ControlPlane, Start};
@@ -213,13 +240,13 @@ impl MemberArgs {
             bail!("--replace-voter-after-s must be in (0, 86400], got {}", self.replace_voter_after_s);
         }
         let initialized = dir.join(shimmer_control::log_store::FILE_NAME).exists();
-        let start = match (self.bootstrap, self.join.is_empty()) {
+        let start = match (self.bootstrap, join.is_empty()) {
             (true, _) => Start::Bootstrap,
-            (false, false) => Start::Join(self.join.clone()),
+            (false, false) => Start::Join(join.to_vec()),
             (false, true) if initialized => Start::Join(Vec::new()),
             (false, true) => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
         };
-        for j in &self.join {
+        for j in join {
             shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
         }
         let node = shimmer_control::NodeConfig {
@@ -234,4 +261,16 @@ impl MemberArgs {
         eprintln!("shimmer: control plane on {} (TCP), member {} of cluster {}", cp.local_addr, cp.name, cp.cluster_id);
         Ok(cp)
     }
+}
+
+/// This machine's address on its default route (no packet is sent: a UDP socket is only
+/// connected, which makes the kernel pick the source address).
+fn default_route_ip() -> Result<String> {
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    sock.connect("192.0.2.1:9")?;
+    let ip = sock.local_addr()?.ip();
+    if ip.is_unspecified() || ip.is_loopback() {
+        bail!("this machine has no address on a default route");
+    }
+    Ok(ip.to_string())
 }

@@ -135,18 +135,40 @@ fn load(dir: &std::path::Path) -> Result<Engine> {
 /// Loads with the experts held as the store flags say, and (unless the output is JSON, which
 /// carries it) says on stderr what the store holds.
 fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engine> {
+    open_as(dir, experts, json, None)
+}
+
+/// `open`, for a node that is a member of the cluster (`member`): its experts are placed by the
+/// cluster's replicated state.
+fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Option<std::sync::Arc<shimmer_worker::control::ControlPlane>>) -> Result<Engine> {
+    use crate::node::PlacementSource;
     let (store, cluster) = (&experts.store, &experts.cluster);
-    if let Some(path) = &cluster.placement {
-        let placement = crate::node::PlacementFile::read(path)?;
-        if !cluster.workers.is_empty() {
-            let mut want: Vec<&str> = placement.placement.workers.iter().map(|w| w.addr.as_str()).collect();
-            let mut got: Vec<&str> = cluster.workers.iter().map(String::as_str).collect();
-            want.sort_unstable();
-            got.sort_unstable();
-            if want != got {
-                bail!("--workers {} are not the placement's workers ({})", got.join(","), want.join(","));
+    let source = match (&cluster.placement, member) {
+        (_, Some(control)) => Some(PlacementSource::Member(control)),
+        (Some(path), None) => {
+            let placement = crate::node::PlacementFile::read(path)?;
+            if !cluster.workers.is_empty() {
+                let mut want: Vec<&str> = placement.placement.workers.iter().map(|w| w.addr.as_str()).collect();
+                let mut got: Vec<&str> = cluster.workers.iter().map(String::as_str).collect();
+                want.sort_unstable();
+                got.sort_unstable();
+                if want != got {
+                    bail!("--workers {} are not the placement's workers ({})", got.join(","), want.join(","));
+                }
             }
+            Some(PlacementSource::File(placement))
         }
+        (None, None) if !cluster.join.is_empty() => {
+            for j in &cluster.join {
+                shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
+            }
+            let t = cluster.auth.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
+            let t = t.context("--join reaches the cluster's members: give its --join-token (or SHIMMER_JOIN_TOKEN)")?;
+            Some(PlacementSource::Client { members: cluster.join.clone(), token: shimmer_control::ClusterToken::parse(&t).context("--join-token")? })
+        }
+        (None, None) => None,
+    };
+    if let Some(source) = source {
         let creds = cluster.auth.credentials()?;
         let secs = |flag: &str, v: f64| -> Result<std::time::Duration> {
             if !(v > 0.0 && v <= 3600.0) {
@@ -162,15 +184,25 @@ fn open(dir: &std::path::Path, experts: &ExpertArgs, json: bool) -> Result<Engin
             Some(name) => Some((name.clone(), store.options()?)),
             None => None,
         };
-        let engine = crate::node::coordinator(dir, crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions { placement, creds, timeouts, hold })))
-            .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
+        let described = source.describe();
+        let is_file = matches!(source, PlacementSource::File(_));
+        if !json && !is_file {
+            eprintln!("shimmer: waiting for {described} to place the model's experts");
+        }
+        let engine =
+            crate::node::coordinator(dir, crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions { placement: source, creds, timeouts, hold })))
+                .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
-            eprintln!("shimmer: routed experts on the workers of {}", path.display());
+            if is_file {
+                eprintln!("shimmer: routed experts on the workers of {described}");
+            } else {
+                eprintln!("shimmer: routed experts on the workers of {described}, as it places them");
+            }
         }
         return Ok(engine);
     }
     if cluster.auth.given() {
-        bail!("--join-token and --tls-* are for a cluster: give --placement FILE too");
+        bail!("--join-token and --tls-* are for a cluster: give --placement FILE or --join HOST:PORT too");
     }
     let engine =
         crate::node::coordinator(dir, crate::node::ExpertsAt::Here(store.options()?)).with_context(|| format!("cannot load model {}", dir.display()))?;

@@ -30,15 +30,49 @@ pub(super) struct RunArgs {
     pub(super) served_model_name: Option<String>,
     #[command(flatten)]
     pub(super) store: ExpertArgs,
+    /// `coordinator` as a cluster member (with --data-dir): its control plane's TCP address,
+    /// and its name in the cluster unless --name says otherwise.
+    #[arg(long, default_value = "0.0.0.0:7071", requires = "data_dir")]
+    pub(super) listen: String,
+    /// This coordinator's name in the cluster (default: --listen as given, or as others reach it
+    /// when that is every interface).
+    #[arg(long, requires = "data_dir")]
+    pub(super) name: Option<String>,
+    #[command(flatten)]
+    pub(super) member: MemberArgs,
 }
 
 pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
-    if coordinator && a.store.cluster.placement.is_none() {
-        bail!("shimmer coordinator needs --placement FILE (write one with `shimmer plan`; docs/cluster.md)");
+    let cluster = &a.store.cluster;
+    if coordinator && cluster.placement.is_none() && cluster.join.is_empty() && a.member.data_dir.is_none() {
+        bail!("shimmer coordinator needs its cluster: --data-dir D with --bootstrap or --join HOST:PORT (a member), --join HOST:PORT (a client), or --placement FILE (docs/cluster.md)");
+    }
+    if !coordinator && a.member.data_dir.is_some() {
+        bail!("--data-dir makes a node a cluster member: use `shimmer coordinator` (or `shimmer worker`)");
     }
     let host = a.host.clone().unwrap_or_else(|| if coordinator { "0.0.0.0" } else { "127.0.0.1" }.into());
     let dir = model_dir(&a.model)?;
-    let engine = open(&dir, &a.store, false)?;
+    let control = match &a.member.data_dir {
+        Some(_) => {
+            let token = a.member.token(&cluster.auth)?;
+            let control_addr = a.member.control_addr(&a.listen).context("--listen")?;
+            let everywhere =
+                a.listen.rsplit_once(':').is_some_and(|(h, _)| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()));
+            let name = a.name.clone().unwrap_or_else(|| if everywhere { control_addr.clone() } else { a.listen.clone() });
+            let me = shimmer_control::Member {
+                name,
+                kind: shimmer_control::NodeKind::Coordinator,
+                control_addr,
+                data_addr: None,
+                capacity: shimmer_control::state::Capacity::default(),
+                models: Vec::new(),
+                draining: false,
+            };
+            Some(std::sync::Arc::new(a.member.start(me, &a.listen, &cluster.join, token)?))
+        }
+        None => None,
+    };
+    let engine = open_as(&dir, &a.store, false, control.clone())?;
     let mut api_keys = a.api_keys.clone();
     if let Ok(k) = std::env::var("SHIMMER_API_KEY") {
         if !k.is_empty() {
@@ -76,5 +110,8 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
             expert_bytes,
         },
     )?;
+    if let Some(c) = control {
+        c.stop().context("the control plane failed")?;
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -33,6 +33,10 @@ pub(super) struct WorkerArgs {
     pub(super) store: StoreArgs,
     #[command(flatten)]
     pub(super) member: MemberArgs,
+    /// Join the cluster through any of these members (HOST:PORT of their control plane: the
+    /// address of their --listen unless they set --control-listen).
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
+    pub(super) join: Vec<String>,
 }
 
 pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
@@ -59,11 +63,32 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
     if a.name.is_some() && a.placement.is_none() && a.member.data_dir.is_none() {
         bail!("--name names this worker in a --placement or in the cluster (--data-dir)");
     }
-    let member_token = match &a.member.data_dir {
-        Some(_) => Some(a.member.token(&a.auth)?),
+    if a.member.data_dir.is_some() && a.placement.is_some() {
+        bail!("a cluster member (--data-dir) serves the cluster's placement, not a --placement file");
+    }
+    // A member is named --name, else --listen as given (as others reach it when that is every
+    // interface), and advertises where others reach it.
+    let member = match &a.member.data_dir {
+        Some(_) => {
+            let token = a.member.token(&a.auth)?;
+            let data_addr = a.member.reachable(&a.listen).context("--listen")?;
+            let control_addr = a.member.control_addr(&a.listen).context("--control-listen")?;
+            let everywhere = listen.ip().is_unspecified();
+            let name = a.name.clone().unwrap_or_else(|| if everywhere { data_addr.clone() } else { a.listen.clone() });
+            Some((token, name, data_addr, control_addr))
+        }
         None => None,
     };
-    let opts = crate::node::WorkerOptions { listen, creds, placement, name, assigned_only: a.assigned_only, epoch: a.epoch, store: a.store.options()? };
+    let opts = crate::node::WorkerOptions {
+        listen,
+        creds,
+        placement,
+        name,
+        assigned_only: a.assigned_only,
+        epoch: a.epoch,
+        store: a.store.options()?,
+        member: member.as_ref().map(|m| m.1.clone()),
+    };
     let worker = crate::node::Worker::start(&dir, opts).with_context(|| format!("cannot serve the experts of {}", dir.display()))?;
     let (status, epoch) = (&worker.status, worker.epoch);
     // Tests and scripts wait for this line.
@@ -77,24 +102,31 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         status.expert_bytes as f64 / 1e6,
         status.budget_bytes as f64 / 1e9,
     );
-    let control = match (&a.member.data_dir, member_token) {
-        (Some(_), Some(token)) => {
-            let name = a.name.clone().unwrap_or_else(|| a.listen.clone());
+    let stop_following = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let control = match member {
+        Some((token, name, data_addr, control_addr)) => {
             let me = shimmer_control::Member {
                 name,
                 kind: shimmer_control::NodeKind::Worker,
-                control_addr: a.member.control_addr(&a.listen),
-                data_addr: Some(a.listen.clone()),
+                control_addr,
+                data_addr: Some(data_addr),
                 capacity: shimmer_control::state::Capacity { vram: 0, ram: status.budget_bytes, disk: 0 },
-                models: vec![shimmer_control::state::ModelOnDisk { fingerprint: format!("{:016x}", worker.model_id), expert_bytes: status.expert_bytes }],
+                models: vec![shimmer_control::state::ModelOnDisk {
+                    fingerprint: worker.fingerprint.clone(),
+                    expert_bytes: status.expert_bytes,
+                    shape: Some(worker.shape.clone()),
+                }],
                 draining: false,
             };
-            Some(a.member.start(me, &a.listen, token)?)
+            let control = std::sync::Arc::new(a.member.start(me, &a.listen, &a.join, token)?);
+            worker.follow(control.clone(), stop_following.clone());
+            Some(control)
         }
-        _ => None,
+        None => None,
     };
     let failed = worker.serve_until_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
     eprintln!("shimmer: worker stopping");
+    stop_following.store(true, std::sync::atomic::Ordering::SeqCst);
     if let Some(c) = control {
         c.stop().context("the control plane failed")?;
     }

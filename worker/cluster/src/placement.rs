@@ -188,7 +188,8 @@ pub struct WorkerForecast {
 pub const HOT_FRACTION: f64 = 0.1;
 
 /// Balances expected expert work across workers: experts in order of heat, each copy to the
-/// worker with the least expected work so far that does not hold it (ties: more RAM left). The
+/// worker with the least expected work so far that does not hold it (ties: more RAM left); of
+/// an expert's copies, the one asked first least so far is asked first. The
 /// hottest `replicate_fraction` of each layer gets `replicas` copies, whose work is shared among them; a worker's
 /// hottest experts are the ones that fill its RAM budget (its store pins by the same heat).
 pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), String> {
@@ -216,6 +217,8 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
         }
     };
     let mut work = vec![0.0f64; n];
+    // Per worker, the share of selections it is asked first for.
+    let mut first_work = vec![0.0f64; n];
     let mut used = vec![0u64; n];
     let mut held = vec![0usize; n];
     let mut in_ram = vec![0usize; n];
@@ -247,6 +250,13 @@ pub fn plan(input: &PlanInput<'_>) -> Result<(Placement, Vec<WorkerForecast>), S
                     in_ram[pick] += 1;
                 }
                 layer_hit[pick][li] += p / copies as f64;
+            }
+            // The first holder is asked first (the others on failure): of the copies, the one
+            // first-asked least so far leads, so every holder serves its share.
+            let lead = (0..replicas[e].len()).min_by(|&a, &b| first_work[replicas[e][a]].total_cmp(&first_work[replicas[e][b]]).then(a.cmp(&b)));
+            if let Some(lead) = lead {
+                replicas[e].swap(0, lead);
+                first_work[replicas[e][0]] += p;
             }
         }
         layers.push(LayerPlacement { layer, replicas: replicas.into_iter().map(|r| r.into_iter().map(|w| input.workers[w].name.clone()).collect()).collect() });
@@ -424,5 +434,32 @@ mod tests {
         })
         .unwrap();
         assert!(p.layers[0].replicas.iter().all(|r| r.len() == 2 && r[0] != r[1]));
+    }
+
+    #[test]
+    fn with_every_expert_on_two_workers_each_worker_is_asked_first_for_its_share() {
+        for n in [2, 3, 4, 5] {
+            let ws = workers(n, 1 << 30);
+            let (p, _) = plan(&PlanInput {
+                model: "m",
+                moe_layers: &[1, 2],
+                experts: 16,
+                expert_bytes: 1,
+                workers: &ws,
+                heat: &HashMap::new(),
+                replicas: 2,
+                replicate_fraction: 1.0,
+                top_k: 2,
+            })
+            .unwrap();
+            let mut first = HashMap::new();
+            for l in &p.layers {
+                for r in &l.replicas {
+                    *first.entry(r[0].clone()).or_insert(0usize) += 1;
+                }
+            }
+            let (lo, hi) = (first.values().min().copied().unwrap_or(0), first.values().max().copied().unwrap_or(0));
+            assert!(first.len() == n && hi - lo <= 2, "{n} workers: first-asked counts {first:?}");
+        }
     }
 }

@@ -13,6 +13,7 @@
 
 pub mod log_store;
 pub mod node;
+pub mod placer;
 pub mod state;
 pub mod token;
 
@@ -20,5 +21,5 @@ pub use log_store::{LogError, RaftLog};
 pub use node::{ControlNode, NodeConfig, NodeError, NodeStatus, Output};
 pub use raft::eraftpb::Message as RaftMessage;
 pub use raft::StateRole;
-pub use state::{ClusterState, Command, Member, MemberChange, NodeId, NodeKind, Outcome};
+pub use state::{ClusterState, Command, Member, MemberChange, ModelPlacement, NodeId, NodeKind, Outcome, PlacementRecord};
 pub use token::ClusterToken;

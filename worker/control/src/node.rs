@@ -32,11 +32,22 @@ pub struct NodeConfig {
     pub replace_after_ms: u64,
     /// Entries applied between two snapshots of the state (which compact the log).
     pub snapshot_every: u64,
+    /// Copies of every expert the leader's placements make (fewer with fewer workers).
+    pub replicas: usize,
 }
 
 impl Default for NodeConfig {
     fn default() -> Self {
-        NodeConfig { tick_ms: 100, election_ticks: 10, heartbeat_ticks: 2, max_voters: 3, down_after_ms: 3000, replace_after_ms: 30_000, snapshot_every: 1000 }
+        NodeConfig {
+            tick_ms: 100,
+            election_ticks: 10,
+            heartbeat_ticks: 2,
+            max_voters: 3,
+            down_after_ms: 3000,
+            replace_after_ms: 30_000,
+            snapshot_every: 1000,
+            replicas: 2,
+        }
     }
 }
 
@@ -109,6 +120,8 @@ pub struct ControlNode {
     pub leader_changes: u64,
     pub failed_proposals: u64,
     now: u64,
+    /// The leader's view: peers it is sending a snapshot, since when.
+    snapshot_since: HashMap<NodeId, u64>,
 }
 
 fn raft_config(id: NodeId, applied: u64, cfg: &NodeConfig) -> raft::Config {
@@ -168,6 +181,7 @@ impl ControlNode {
             seq: 0,
             last_heard: HashMap::new(),
             leader_since: None,
+            snapshot_since: HashMap::new(),
             last_leader: 0,
             reads_asked: BTreeMap::new(),
             reads_waiting: Vec::new(),
@@ -230,7 +244,9 @@ impl ControlNode {
         let mut out = Output::default();
         self.expire_reads(now);
         if self.is_leader() {
+            self.retry_lost_snapshots();
             self.manage_membership()?;
+            self.manage_placement()?;
         }
         self.advance(&mut out)?;
         Ok(out)
@@ -253,6 +269,14 @@ impl ControlNode {
 
     /// Proposes a command; its sequence number comes back in `Output::done` once applied.
     pub fn propose(&mut self, command: Command) -> Result<(u64, Output), NodeError> {
+        let seq = self.append_proposal(command)?;
+        let mut out = Output::default();
+        self.advance(&mut out)?;
+        Ok((seq, out))
+    }
+
+    /// Hands raft-rs a proposal; what it makes of it comes out of the next `advance`.
+    fn append_proposal(&mut self, command: Command) -> Result<u64, NodeError> {
         if self.raw.raft.leader_id == 0 {
             self.failed_proposals += 1;
             return Err(NodeError::NoLeader);
@@ -266,9 +290,7 @@ impl ControlNode {
                 other => other.into(),
             });
         }
-        let mut out = Output::default();
-        self.advance(&mut out)?;
-        Ok((self.seq, out))
+        Ok(self.seq)
     }
 
     /// Proposes a membership change (one at a time, cluster-wide).
@@ -276,6 +298,13 @@ impl ControlNode {
     /// silently (raft-rs turns a second pending change into an empty entry), so the caller
     /// asks the leader instead.
     pub fn propose_member_change(&mut self, change: MemberChange) -> Result<(u64, Output), NodeError> {
+        let seq = self.append_member_change(change)?;
+        let mut out = Output::default();
+        self.advance(&mut out)?;
+        Ok((seq, out))
+    }
+
+    fn append_member_change(&mut self, change: MemberChange) -> Result<u64, NodeError> {
         if !self.is_leader() {
             self.failed_proposals += 1;
             return Err(if self.raw.raft.leader_id == 0 { NodeError::NoLeader } else { NodeError::NotLeader(self.raw.raft.leader_id) });
@@ -304,9 +333,7 @@ impl ControlNode {
                 other => other.into(),
             });
         }
-        let mut out = Output::default();
-        self.advance(&mut out)?;
-        Ok((self.seq, out))
+        Ok(self.seq)
     }
 
     /// A linearizable read (ReadIndex): `id` comes back in `Output::reads` once `state` is at
@@ -375,9 +402,52 @@ impl ControlNode {
         };
         if let Some(change) = change {
             tracing::info!(?change, "membership");
-            match self.propose_member_change(change) {
+            // Its messages go out with the tick's `advance`.
+            match self.append_member_change(change) {
                 Ok(_) | Err(NodeError::ChangeInProgress) | Err(NodeError::NoLeader) | Err(NodeError::NotLeader(_)) => {}
                 Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// raft-rs waits for a peer's answer to a snapshot before sending it anything else; a
+    /// snapshot lost on the way (a dropped connection, a peer that crashed) would stall that peer
+    /// for good. One unanswered for two election timeouts is reported failed, so it is sent again.
+    fn retry_lost_snapshots(&mut self) {
+        let now = self.now;
+        let in_snapshot: Vec<NodeId> = self.raw.raft.prs().iter().filter(|(_, p)| p.state == raft::ProgressState::Snapshot).map(|(&id, _)| id).collect();
+        self.snapshot_since.retain(|id, _| in_snapshot.contains(id));
+        let patience = 2 * self.read_retry_ms();
+        for id in in_snapshot {
+            let since = *self.snapshot_since.entry(id).or_insert(now);
+            if now.saturating_sub(since) >= patience {
+                self.raw.report_snapshot(id, raft::SnapshotStatus::Failure);
+                self.snapshot_since.remove(&id);
+            }
+        }
+    }
+
+    /// The leader's placement decisions (`placer`), once its liveness view is worth trusting
+    /// (it has led for `down_after_ms`) and with nothing of its own still uncommitted or
+    /// unapplied, so a decision is never made twice.
+    fn manage_placement(&mut self) -> Result<(), NodeError> {
+        let led_for = self.leader_since.map_or(0, |t| self.now.saturating_sub(t));
+        if led_for < self.cfg.down_after_ms || self.raw.raft.raft_log.last_index() > self.state.applied {
+            return Ok(());
+        }
+        let cfg = crate::placer::PlacerConfig { replicas: self.cfg.replicas };
+        let decisions = crate::placer::decide(&self.state, &|id| self.is_up(id), cfg);
+        for decision in decisions {
+            match decision {
+                Ok(record) => {
+                    tracing::info!(model = %record.placement.model, epoch = record.epoch, workers = record.placement.workers.len(), "placement proposed");
+                    match self.append_proposal(Command::ProposePlacement { record }) {
+                        Ok(_) | Err(NodeError::NoLeader) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(why) => tracing::warn!("{why}"),
             }
         }
         Ok(())

@@ -2,6 +2,11 @@
 //! identity, its members (names, addresses, capacities, models on disk, draining) with their
 //! Raft roles, and per model its placement under an epoch.
 //!
+//! A placement changes make-before-break: a new epoch is first *proposed*; each of its workers
+//! says it is *ready* once it holds its experts; when all have, it becomes *active* (what
+//! coordinators route by) and the one before it *previous* (still answered, so a request in
+//! flight finishes on its epoch).
+//!
 //! `apply` is a pure function of the state and one committed entry: every member applies the
 //! same entries in the same order and so holds the same state, bit for bit. Liveness (up/down)
 //! is deliberately absent: it is what the leader sees from heartbeats, served beside the state,
@@ -43,13 +48,40 @@ pub enum NodeKind {
     Coordinator,
 }
 
-/// A model a member has on its own disk, by fingerprint (`shimmer_cluster::model_id` of the
-/// model directory's fingerprint).
+/// Bounds on a model's shape as a member reports it.
+pub const MAX_MOE_LAYERS: usize = 4096;
+pub const MAX_EXPERTS: u32 = 1 << 16;
+
+/// A model a member has on its own disk, by fingerprint (the model directory's, as placements
+/// name it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
 pub struct ModelOnDisk {
     pub fingerprint: String,
-    /// The bytes its routed experts take (what a placement spreads over RAM).
+    /// The bytes one routed expert takes (what a placement spreads over RAM).
     pub expert_bytes: u64,
+    /// What the leader needs to place its experts without opening the model itself.
+    #[serde(default)]
+    pub shape: Option<ModelShape>,
+}
+
+/// The part of a model's shape a placement depends on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+pub struct ModelShape {
+    pub moe_layers: Vec<u32>,
+    pub experts: u32,
+    pub top_k: u32,
+}
+
+impl ModelShape {
+    fn validate(&self) -> Result<(), String> {
+        if self.moe_layers.is_empty() || self.moe_layers.len() > MAX_MOE_LAYERS {
+            return Err(format!("a model has 1 to {MAX_MOE_LAYERS} MoE layers, not {}", self.moe_layers.len()));
+        }
+        if self.experts == 0 || self.experts > MAX_EXPERTS || self.top_k == 0 || self.top_k > self.experts {
+            return Err(format!("{} experts with top-{} is not a MoE shape (at most {MAX_EXPERTS} experts)", self.experts, self.top_k));
+        }
+        Ok(())
+    }
 }
 
 /// Capacity per tier, in bytes.
@@ -93,6 +125,14 @@ impl Member {
         if self.models.len() > MAX_MODELS_PER_MEMBER {
             return Err(format!("{} says it has {} models (limit {MAX_MODELS_PER_MEMBER})", self.name, self.models.len()));
         }
+        for m in &self.models {
+            if m.fingerprint.is_empty() || m.fingerprint.len() > MAX_NAME_BYTES {
+                return Err(format!("{}: a model fingerprint is 1 to {MAX_NAME_BYTES} bytes", self.name));
+            }
+            if let Some(shape) = &m.shape {
+                shape.validate().map_err(|e| format!("{}'s model {}: {e}", self.name, m.fingerprint))?;
+            }
+        }
         Ok(())
     }
 }
@@ -108,11 +148,51 @@ pub fn check_host_port(addr: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A model's placement as committed: its epoch and the placement (expert → ordered replicas).
+/// A model's placement under its epoch (expert → ordered replicas).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlacementRecord {
     pub epoch: u64,
     pub placement: shimmer_cluster::Placement,
+}
+
+impl PlacementRecord {
+    pub fn worker_names(&self) -> BTreeSet<&str> {
+        self.placement.workers.iter().map(|w| w.name.as_str()).collect()
+    }
+}
+
+/// One model's placements: the active one, the one being prepared, and the epoch before.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelPlacement {
+    /// What coordinators route by.
+    pub active: Option<PlacementRecord>,
+    /// The next epoch, while its workers load their experts.
+    pub proposed: Option<PlacementRecord>,
+    /// Workers of `proposed` that hold their experts.
+    pub ready: BTreeSet<String>,
+    /// The active epoch before this one: workers still answer for it.
+    pub previous: Option<u64>,
+}
+
+impl ModelPlacement {
+    /// The active epoch (0: none yet).
+    pub fn epoch(&self) -> u64 {
+        self.active.as_ref().map_or(0, |r| r.epoch)
+    }
+
+    /// The highest epoch proposed or active: a new proposal must be above it.
+    pub fn latest_epoch(&self) -> u64 {
+        self.proposed.as_ref().map_or(0, |r| r.epoch).max(self.epoch())
+    }
+
+    /// Whether a worker answers requests made under `epoch`: the active one, the one before it
+    /// (requests in flight finish), and a proposed one it is part of.
+    pub fn answers(&self, worker: &str, epoch: u64) -> bool {
+        epoch != 0
+            && (epoch == self.epoch()
+                || self.previous == Some(epoch)
+                || self.proposed.as_ref().is_some_and(|p| p.epoch == epoch && p.worker_names().contains(worker)))
+    }
 }
 
 /// What every member holds once the same entries are applied.
@@ -123,8 +203,8 @@ pub struct ClusterState {
     pub members: BTreeMap<NodeId, Member>,
     pub voters: BTreeSet<NodeId>,
     pub learners: BTreeSet<NodeId>,
-    /// Per model fingerprint, its placement.
-    pub placements: BTreeMap<String, PlacementRecord>,
+    /// Per model fingerprint, its placements.
+    pub placements: BTreeMap<String, ModelPlacement>,
     /// The index of the last entry applied.
     pub applied: u64,
 }
@@ -141,9 +221,16 @@ pub enum Command {
         name: String,
         draining: bool,
     },
-    /// A placement for a model; refused unless its epoch is above the model's current one.
-    CommitPlacement {
+    /// A placement for a model, to become active once its workers are ready; refused unless its
+    /// epoch is above every epoch of the model so far and its workers are members.
+    ProposePlacement {
         record: PlacementRecord,
+    },
+    /// A worker of a proposed placement holds its experts.
+    PlacementReady {
+        model: String,
+        epoch: u64,
+        worker: String,
     },
 }
 
@@ -226,15 +313,43 @@ impl ClusterState {
                 }
                 _ => Outcome::Rejected(format!("{name} is not a member")),
             },
-            Command::CommitPlacement { record } => {
+            Command::ProposePlacement { record } => {
                 if record.placement.epoch != record.epoch {
                     return Outcome::Rejected(format!("placement epoch {} differs from the record's {}", record.placement.epoch, record.epoch));
                 }
-                let current = self.placements.get(&record.placement.model).map_or(0, |p| p.epoch);
-                if record.epoch <= current {
-                    return Outcome::Rejected(format!("epoch {} for model {} is not above the current {current}", record.epoch, record.placement.model));
+                let model = &record.placement.model;
+                let latest = self.placements.get(model).map_or(0, ModelPlacement::latest_epoch);
+                if record.epoch <= latest {
+                    return Outcome::Rejected(format!("epoch {} for model {model} is not above its latest {latest}", record.epoch));
                 }
-                self.placements.insert(record.placement.model.clone(), record.clone());
+                if record.placement.workers.is_empty() {
+                    return Outcome::Rejected(format!("a placement of model {model} with no workers"));
+                }
+                if let Some(w) = record.placement.workers.iter().find(|w| self.member_named(&w.name).is_none_or(|m| m.name != w.name)) {
+                    return Outcome::Rejected(format!("the placement of model {model} names {}, which is not a member", w.name));
+                }
+                let entry = self.placements.entry(model.clone()).or_default();
+                entry.proposed = Some(record.clone());
+                entry.ready.clear();
+                Outcome::Applied
+            }
+            Command::PlacementReady { model, epoch, worker } => {
+                let Some(entry) = self.placements.get_mut(model) else {
+                    return Outcome::Rejected(format!("model {model} has no placement"));
+                };
+                let Some(proposed) = entry.proposed.as_ref().filter(|p| p.epoch == *epoch) else {
+                    return Outcome::Rejected(format!("epoch {epoch} of model {model} is not the proposed one"));
+                };
+                let workers: BTreeSet<String> = proposed.worker_names().into_iter().map(String::from).collect();
+                if !workers.contains(worker) {
+                    return Outcome::Rejected(format!("{worker} is not a worker of epoch {epoch} of model {model}"));
+                }
+                entry.ready.insert(worker.clone());
+                if entry.ready == workers {
+                    entry.previous = entry.active.as_ref().map(|a| a.epoch);
+                    entry.active = entry.proposed.take();
+                    entry.ready.clear();
+                }
                 Outcome::Applied
             }
         }
@@ -340,23 +455,65 @@ mod tests {
         assert_eq!(ClusterState::decode(&s.encode()).unwrap(), s);
     }
 
-    #[test]
-    fn placement_epochs_only_grow() {
-        let mut s = ClusterState::default();
-        let placement = |epoch| shimmer_cluster::Placement {
+    fn placement_over(epoch: u64, workers: &[&str]) -> Command {
+        let placement = shimmer_cluster::Placement {
             format: shimmer_cluster::placement::FORMAT.into(),
             version: shimmer_cluster::placement::VERSION,
             model: "m".into(),
             epoch,
-            workers: vec![],
+            workers: workers.iter().map(|w| shimmer_cluster::placement::Worker { name: w.to_string(), addr: w.to_string(), ram_bytes: 1 }).collect(),
             layers: vec![],
         };
-        let rec = |epoch| Command::CommitPlacement { record: PlacementRecord { epoch, placement: placement(epoch) } };
-        assert_eq!(s.apply_command(1, &rec(2)), Outcome::Applied);
-        assert!(matches!(s.apply_command(2, &rec(2)), Outcome::Rejected(_)));
-        assert!(matches!(s.apply_command(3, &rec(1)), Outcome::Rejected(_)));
-        assert_eq!(s.apply_command(4, &rec(3)), Outcome::Applied);
-        assert_eq!(s.placements["m"].epoch, 3);
+        Command::ProposePlacement { record: PlacementRecord { epoch, placement } }
+    }
+
+    fn ready(epoch: u64, worker: &str) -> Command {
+        Command::PlacementReady { model: "m".into(), epoch, worker: worker.into() }
+    }
+
+    #[test]
+    fn a_placement_becomes_active_when_all_its_workers_are_ready_and_epochs_only_grow() {
+        let mut s = ClusterState::default();
+        let (a, b) = (member("a:1"), member("b:1"));
+        s.apply_member_change(1, &MemberChange::Add { member: a.clone() }, &[a.id()], &[]);
+        s.apply_member_change(2, &MemberChange::Add { member: b.clone() }, &[a.id()], &[b.id()]);
+        assert!(matches!(s.apply_command(3, &placement_over(1, &["a:1", "stranger:1"])), Outcome::Rejected(_)));
+        assert!(matches!(s.apply_command(3, &placement_over(1, &[])), Outcome::Rejected(_)));
+        assert_eq!(s.apply_command(3, &placement_over(2, &["a:1", "b:1"])), Outcome::Applied);
+        assert_eq!(s.placements["m"].epoch(), 0, "proposed, not active");
+        assert!(matches!(s.apply_command(4, &placement_over(2, &["a:1"])), Outcome::Rejected(_)), "not above the proposed epoch");
+        assert!(matches!(s.apply_command(4, &ready(1, "a:1")), Outcome::Rejected(_)));
+        assert_eq!(s.apply_command(4, &ready(2, "a:1")), Outcome::Applied);
+        assert!(s.placements["m"].answers("a:1", 2) && !s.placements["m"].answers("x:1", 2));
+        assert_eq!(s.placements["m"].epoch(), 0);
+        assert_eq!(s.apply_command(5, &ready(2, "b:1")), Outcome::Applied);
+        assert_eq!((s.placements["m"].epoch(), s.placements["m"].previous), (2, None));
+        // The next epoch: while it is prepared, the active one stays; once active, the old one
+        // is still answered.
+        assert_eq!(s.apply_command(6, &placement_over(3, &["a:1"])), Outcome::Applied);
+        assert_eq!(s.apply_command(7, &ready(3, "a:1")), Outcome::Applied);
+        let m = &s.placements["m"];
+        assert_eq!((m.epoch(), m.previous, m.proposed.is_none()), (3, Some(2), true));
+        assert!(m.answers("b:1", 2) && m.answers("a:1", 3) && !m.answers("a:1", 1) && !m.answers("a:1", 4));
+        assert!(matches!(s.apply_command(8, &placement_over(3, &["a:1"])), Outcome::Rejected(_)));
+        // A superseded proposal forgets who was ready.
+        assert_eq!(s.apply_command(9, &placement_over(4, &["a:1", "b:1"])), Outcome::Applied);
+        assert_eq!(s.apply_command(10, &ready(4, "a:1")), Outcome::Applied);
+        assert_eq!(s.apply_command(11, &placement_over(5, &["a:1", "b:1"])), Outcome::Applied);
+        assert!(s.placements["m"].ready.is_empty());
+        assert!(matches!(s.apply_command(12, &ready(4, "b:1")), Outcome::Rejected(_)));
+        assert_eq!(s.placements["m"].epoch(), 3);
+    }
+
+    #[test]
+    fn a_member_with_an_impossible_model_shape_is_refused() {
+        let mut m = member("a:1");
+        m.models.push(ModelOnDisk { fingerprint: "f".into(), expert_bytes: 1, shape: Some(ModelShape { moe_layers: vec![1], experts: 4, top_k: 8 }) });
+        assert!(m.validate().unwrap_err().contains("top-8"));
+        m.models[0].shape = Some(ModelShape { moe_layers: vec![0; MAX_MOE_LAYERS + 1], experts: 4, top_k: 2 });
+        assert!(m.validate().is_err());
+        m.models[0].shape = Some(ModelShape { moe_layers: vec![1, 3], experts: 4, top_k: 2 });
+        assert!(m.validate().is_ok());
     }
 
     #[test]

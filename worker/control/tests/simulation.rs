@@ -3,15 +3,22 @@
 //! them from their logs (kept across a crash as a disk would be) — raft-rs's own harness, with
 //! our state machine, log and membership policy inside.
 //!
+//! Every node is also a worker with the model on disk: the leader places it over the nodes it
+//! sees up and not draining, and each node says it is ready for a proposed epoch it is part of
+//! (as a worker does once its experts are loaded), so placements are proposed, superseded and
+//! activated under the same faults.
+//!
 //! Checked at every step: at most one leader per term; two nodes that applied up to the same
 //! index hold the same state (so committed entries are never lost or reordered); a node's
-//! applied index and every placement epoch it holds never go down, not even across restarts; a
-//! partitioned minority of the voters commits nothing beyond what was committed before. At the end, healed: every node converges
-//! to the same state, with the wanted number of voters.
+//! applied index and the active and latest placement epochs it holds never go down, not even
+//! across restarts; every active placement gives every expert a holder among the members; a
+//! partitioned minority of the voters commits nothing beyond what was committed before. At the
+//! end, healed: every node converges to the same state, with the wanted number of voters and
+//! the model placed over every node.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use shimmer_control::state::{Capacity, ClusterState, Command, Member, MemberChange, NodeKind, PlacementRecord};
+use shimmer_control::state::{Capacity, ClusterState, Command, Member, MemberChange, ModelOnDisk, ModelShape, NodeKind};
 use shimmer_control::{ControlNode, NodeConfig, NodeError, Output, RaftLog, RaftMessage, StateRole};
 
 struct Rng(u64);
@@ -38,23 +45,13 @@ fn member(name: &str) -> Member {
         control_addr: format!("{name}:7070"),
         data_addr: Some(format!("{name}:7070")),
         capacity: Capacity { vram: 0, ram: 1 << 30, disk: 1 << 40 },
-        models: vec![],
+        models: vec![ModelOnDisk { fingerprint: "m".into(), expert_bytes: 1 << 20, shape: Some(shape()) }],
         draining: false,
     }
 }
 
-fn placement(epoch: u64, by: &str) -> PlacementRecord {
-    PlacementRecord {
-        epoch,
-        placement: shimmer_cluster::Placement {
-            format: shimmer_cluster::placement::FORMAT.into(),
-            version: shimmer_cluster::placement::VERSION,
-            model: "m".into(),
-            epoch,
-            workers: vec![shimmer_cluster::placement::Worker { name: by.into(), addr: format!("{by}:7070"), ram_bytes: 1 }],
-            layers: vec![],
-        },
-    }
+fn shape() -> ModelShape {
+    ModelShape { moe_layers: vec![1, 3], experts: 8, top_k: 2 }
 }
 
 struct Sim {
@@ -77,7 +74,10 @@ struct Sim {
     leader_of_term: HashMap<u64, u64>,
     state_at: HashMap<u64, String>,
     applied_floor: Vec<u64>,
-    epoch_floor: Vec<u64>,
+    epoch_floor: Vec<(u64, u64)>,
+    /// When each node last said it was ready for a proposed epoch.
+    last_ready: Vec<u64>,
+    activations: u64,
     minority_commit: Option<(Vec<usize>, Vec<u64>)>,
     done: u64,
     delivered: u64,
@@ -107,7 +107,9 @@ impl Sim {
             leader_of_term: HashMap::new(),
             state_at: HashMap::new(),
             applied_floor: vec![0; n],
-            epoch_floor: vec![0; n],
+            epoch_floor: vec![(0, 0); n],
+            last_ready: vec![0; n],
+            activations: 0,
             minority_commit: None,
             done: 0,
             delivered: 0,
@@ -178,6 +180,7 @@ impl Sim {
                 if now >= self.next_tick[i] {
                     self.next_tick[i] += self.cfg.tick_ms;
                     self.run_node(i, |n, now| n.tick(now));
+                    self.say_ready(i);
                 }
             }
             self.check();
@@ -198,9 +201,17 @@ impl Sim {
             let digest = serde_json::to_string(&n.state).unwrap();
             let seen = self.state_at.entry(applied).or_insert_with(|| digest.clone());
             assert_eq!(*seen, digest, "{} holds a different state at applied index {applied}", self.names[i]);
-            let epoch = n.state.placements.get("m").map_or(0, |p| p.epoch);
-            assert!(epoch >= self.epoch_floor[i], "{}: placement epoch went down", self.names[i]);
-            self.epoch_floor[i] = epoch;
+            let epochs = n.state.placements.get("m").map_or((0, 0), |p| (p.epoch(), p.latest_epoch()));
+            let floor = self.epoch_floor[i];
+            assert!(epochs.0 >= floor.0 && epochs.1 >= floor.1, "{}: placement epochs went down from {floor:?} to {epochs:?}", self.names[i]);
+            if epochs.0 > floor.0 {
+                self.activations += 1;
+            }
+            self.epoch_floor[i] = epochs;
+            if let Some(active) = n.state.placements.get("m").and_then(|p| p.active.as_ref()) {
+                let layers: Vec<usize> = shape().moe_layers.iter().map(|&l| l as usize).collect();
+                active.placement.validate("m", &layers, shape().experts as usize).unwrap_or_else(|e| panic!("{}: active placement: {e}", self.names[i]));
+            }
         }
         if let Some((minority, commits)) = &self.minority_commit {
             for (k, &i) in minority.iter().enumerate() {
@@ -243,14 +254,24 @@ impl Sim {
 
     fn propose_something(&mut self) {
         let i = self.rng.below(self.nodes.len() as u64) as usize;
+        if self.nodes[i].is_none() {
+            return;
+        }
+        let who = self.rng.below(self.names.len() as u64) as usize;
+        let cmd = Command::SetDraining { name: self.names[who].clone(), draining: self.rng.chance(0.3) };
+        self.run_node(i, |n, _| n.propose(cmd).map(|(_, o)| o));
+    }
+
+    /// A node of a proposed placement says it is ready (at most every 300 ms while it waits).
+    fn say_ready(&mut self, i: usize) {
         let Some(n) = &self.nodes[i] else { return };
-        let cmd = if self.rng.chance(0.5) {
-            let epoch = n.state.placements.get("m").map_or(0, |p| p.epoch) + 1;
-            Command::CommitPlacement { record: placement(epoch, &self.names[i]) }
-        } else {
-            let who = self.rng.below(self.names.len() as u64) as usize;
-            Command::SetDraining { name: self.names[who].clone(), draining: self.rng.chance(0.5) }
-        };
+        let name = &self.names[i];
+        let Some(p) = n.state.placements.get("m").and_then(|p| p.proposed.as_ref().map(|r| (r, &p.ready))) else { return };
+        if !p.0.worker_names().contains(name.as_str()) || p.1.contains(name) || self.now < self.last_ready[i] + 300 {
+            return;
+        }
+        self.last_ready[i] = self.now;
+        let cmd = Command::PlacementReady { model: "m".into(), epoch: p.0.epoch, worker: name.clone() };
         self.run_node(i, |n, _| n.propose(cmd).map(|(_, o)| o));
     }
 
@@ -341,19 +362,40 @@ fn schedule(seed: u64, n: usize, max_voters: usize) -> (u64, u64) {
         }
     }
     sim.run(4000);
-    for _ in 0..3 {
-        sim.propose_something();
-        sim.run(500);
+    for i in 0..n {
+        let leader = sim.leader().unwrap_or(0);
+        let cmd = Command::SetDraining { name: sim.names[i].clone(), draining: false };
+        sim.run_node(leader, |node, _| node.propose(cmd).map(|(_, o)| o));
+        sim.run(300);
     }
     sim.run(8000);
     let states = sim.states();
+    if states.len() != 1 {
+        for n in sim.nodes.iter().flatten() {
+            let p = n.state.placements.get("m");
+            eprintln!(
+                "{:?} applied {} active {:?} proposed {:?} ready {:?} draining {:?}",
+                n.status(),
+                n.state.applied,
+                p.map(|p| p.epoch()),
+                p.and_then(|p| p.proposed.as_ref().map(|r| (r.epoch, r.worker_names()))),
+                p.map(|p| &p.ready),
+                n.state.members.values().filter(|m| m.draining).map(|m| &m.name).collect::<Vec<_>>()
+            );
+        }
+    }
     assert_eq!(states.len(), 1, "seed {seed}: nodes did not converge: {} different states", states.len());
     let st: ClusterState = serde_json::from_str(states.iter().next().unwrap()).unwrap();
     assert_eq!(st.members.len(), n, "seed {seed}");
     assert_eq!(st.voters.len(), max_voters.min(n), "seed {seed}: voters {:?} learners {:?}", st.voters, st.learners);
     assert_eq!(st.voters.len() + st.learners.len(), n, "seed {seed}");
+    let placed = &st.placements["m"];
+    let everyone: BTreeSet<&str> = sim.names.iter().map(String::as_str).collect();
+    assert!(placed.proposed.is_none(), "seed {seed}: a placement still waits: {placed:?}");
+    assert_eq!(placed.active.as_ref().map(|a| a.worker_names()), Some(everyone), "seed {seed}: the model is not placed over every node");
     let leaders: BTreeMap<u64, u64> = sim.leader_of_term.iter().map(|(k, v)| (*k, *v)).collect();
     assert!(!leaders.is_empty());
+    assert!(sim.activations > 0);
     (sim.done, sim.delivered)
 }
 

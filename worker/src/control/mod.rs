@@ -7,6 +7,7 @@
 //! node confirmed it with the leader (ReadIndex) or say a peer is up from a follower's view.
 
 pub mod codec;
+pub mod follow;
 pub mod tls;
 
 #[allow(clippy::all, unreachable_pub, missing_docs)]
@@ -26,7 +27,7 @@ use generated::control_server::{Control, ControlServer};
 use protobuf::Message as _;
 use serde::{Deserialize, Serialize};
 use shimmer_control::state::{Command, Member, MemberChange, NodeId, Outcome};
-use shimmer_control::{ClusterState, ClusterToken, ControlNode, NodeConfig, NodeError, RaftLog, RaftMessage, StateRole};
+use shimmer_control::{ClusterState, ClusterToken, ControlNode, ModelPlacement, NodeConfig, NodeError, PlacementRecord, RaftLog, RaftMessage, StateRole};
 use tokio::sync::{mpsc, oneshot};
 
 pub use tls::{ClusterCa, ControlTrust, TrustError};
@@ -98,7 +99,13 @@ pub struct MemberView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlacementView {
     pub model: String,
+    /// The active epoch (0: none yet).
     pub epoch: u64,
+    /// The active placement's workers.
+    pub workers: Vec<String>,
+    /// An epoch being prepared, and how many of its workers are ready.
+    pub proposed: Option<u64>,
+    pub ready: usize,
 }
 
 /// The answer to `cluster status`: the replicated state as of a ReadIndex read, with the
@@ -120,11 +127,24 @@ pub struct StatusView {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum AdminRequest {
-    Join { member: Member },
-    Status { forwarded: bool },
-    Drain { name: String, draining: bool },
-    Remove { name: String },
+    Join {
+        member: Member,
+    },
+    Status {
+        forwarded: bool,
+    },
+    Drain {
+        name: String,
+        draining: bool,
+    },
+    Remove {
+        name: String,
+    },
     Token,
+    /// A model's active placement, as of a ReadIndex read (for coordinators that are not members).
+    Placement {
+        model: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -134,6 +154,7 @@ pub enum AdminReply {
     Status { status: StatusView },
     Done { message: String },
     Token { token: String },
+    Placement { record: Option<PlacementRecord> },
     Error { message: String },
 }
 
@@ -163,14 +184,16 @@ struct Liveness {
 struct Shared {
     state: ClusterState,
     live: Liveness,
+    /// Counts applied changes of `state`, so followers of it can poll cheaply.
+    version: u64,
 }
 
 /// A running member of the control plane.
 pub struct ControlPlane {
     events: std_mpsc::Sender<Event>,
     shared: Arc<Mutex<Shared>>,
-    rt: Option<tokio::runtime::Runtime>,
-    thread: Option<std::thread::JoinHandle<Result<(), NodeError>>>,
+    rt: Mutex<Option<tokio::runtime::Runtime>>,
+    thread: Mutex<Option<std::thread::JoinHandle<Result<(), NodeError>>>>,
     pub local_addr: SocketAddr,
     pub name: String,
     pub cluster_id: String,
@@ -241,7 +264,7 @@ impl ControlPlane {
         let listener =
             rt.block_on(tokio::net::TcpListener::bind(&opts.listen)).map_err(|e| ControlError::Listen { addr: opts.listen.clone(), reason: e.to_string() })?;
         let local_addr = listener.local_addr().map_err(|e| ControlError::Listen { addr: opts.listen.clone(), reason: e.to_string() })?;
-        let shared = Arc::new(Mutex::new(Shared { state: node.state.clone(), live: Liveness::default() }));
+        let shared = Arc::new(Mutex::new(Shared { state: node.state.clone(), live: Liveness::default(), version: 1 }));
         let (events, rx) = std_mpsc::channel();
         let service = Service {
             events: events.clone(),
@@ -264,7 +287,17 @@ impl ControlPlane {
                 driver.run(rx)
             })
             .map_err(|e| ControlError::Rpc(format!("cannot start the Raft thread: {e}")))?;
-        Ok(ControlPlane { events, shared, rt: Some(rt), thread: Some(thread), local_addr, name: me.name, cluster_id: cluster_id_out, ca, trust })
+        Ok(ControlPlane {
+            events,
+            shared,
+            rt: Mutex::new(Some(rt)),
+            thread: Mutex::new(Some(thread)),
+            local_addr,
+            name: me.name,
+            cluster_id: cluster_id_out,
+            ca,
+            trust,
+        })
     }
 
     /// The cluster's join token, pinning its CA.
@@ -277,26 +310,46 @@ impl ControlPlane {
         lock(&self.shared).state.clone()
     }
 
+    /// A model's placements as this member last applied them, with the state's version.
+    pub fn placement(&self, model: &str) -> (u64, Option<ModelPlacement>) {
+        let sh = lock(&self.shared);
+        (sh.version, sh.state.placements.get(model).cloned())
+    }
+
+    /// How many times the applied state changed (cheap to poll).
+    pub fn version(&self) -> u64 {
+        lock(&self.shared).version
+    }
+
+    /// Proposes a command (a follower's goes to the leader through Raft) and waits until it is
+    /// applied or refused. Blocks: call it from a thread of its own, not a runtime's.
+    pub fn propose(&self, command: Command) -> Result<Outcome, ControlError> {
+        let (tx, rx) = oneshot::channel();
+        self.events.send(Event::Propose(command, tx)).map_err(|_| ControlError::Rpc("the control plane stopped".into()))?;
+        match rx.blocking_recv() {
+            Ok(r) => r.map_err(ControlError::Rpc),
+            Err(_) => Err(ControlError::Rpc("the control plane stopped".into())),
+        }
+    }
+
     /// Whether this member's thread stopped (its log failed, or it was removed).
     pub fn stopped(&self) -> bool {
-        self.thread.as_ref().is_none_or(|t| t.is_finished())
+        self.thread.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_none_or(|t| t.is_finished())
     }
 
-    /// Waits for the Raft thread; its error (a log that could not be written) if it failed.
-    pub fn stop(mut self) -> Result<(), ControlError> {
-        self.shutdown()
-    }
-
-    fn shutdown(&mut self) -> Result<(), ControlError> {
+    /// Stops this member and waits for its Raft thread; its error (a log that could not be
+    /// written) if it failed. Later calls find it stopped.
+    pub fn stop(&self) -> Result<(), ControlError> {
         let _ = self.events.send(Event::Stop);
-        let result = match self.thread.take() {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let result = match thread {
             Some(t) => match t.join() {
                 Ok(r) => r.map_err(ControlError::from),
                 Err(_) => Err(ControlError::Rpc("the Raft thread panicked".into())),
             },
             None => Ok(()),
         };
-        if let Some(rt) = self.rt.take() {
+        if let Some(rt) = self.rt.lock().unwrap_or_else(|p| p.into_inner()).take() {
             rt.shutdown_background();
         }
         result
@@ -305,7 +358,7 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
-        let _ = self.shutdown();
+        let _ = self.stop();
     }
 }
 
@@ -550,6 +603,10 @@ impl Service {
                     check(self.ask(|r| Event::Change(MemberChange::Remove { name: name.clone() }, r)).await?)?;
                     Ok(AdminReply::Done { message: format!("{name} removed") })
                 }
+                AdminRequest::Placement { model } => {
+                    let (state, _) = self.ask(Event::Read).await?;
+                    Ok(AdminReply::Placement { record: state.placements.get(&model).and_then(|p| p.active.clone()) })
+                }
                 AdminRequest::Token => Ok(AdminReply::Token {
                     token: ClusterToken::pinned(self.trust.token().secret(), &self.ca.cert_der).map(|t| t.to_token_string()).map_err(|e| e.to_string())?,
                 }),
@@ -588,7 +645,17 @@ fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> Stat
                 draining: m.draining,
             })
             .collect(),
-        placements: state.placements.iter().map(|(model, p)| PlacementView { model: model.clone(), epoch: p.epoch }).collect(),
+        placements: state
+            .placements
+            .iter()
+            .map(|(model, p)| PlacementView {
+                model: model.clone(),
+                epoch: p.epoch(),
+                workers: p.active.as_ref().map(|a| a.placement.workers.iter().map(|w| w.name.clone()).collect()).unwrap_or_default(),
+                proposed: p.proposed.as_ref().map(|r| r.epoch),
+                ready: p.ready.len(),
+            })
+            .collect(),
         answered_by: answered_by.to_string(),
     }
 }
@@ -804,6 +871,7 @@ impl Driver {
             let mut sh = lock(&self.shared);
             if out.applied {
                 sh.state = self.node.state.clone();
+                sh.version += 1;
             }
             sh.live = live.clone();
         }

@@ -365,25 +365,36 @@ impl ExpertStore {
     pub fn preload(&self) -> Result<usize, DispatchError> {
         let inner = &self.inner;
         let slots = inner.telemetry_base.slots_per_layer.min(inner.num_experts);
+        let wanted: Vec<(usize, usize)> =
+            inner.moe_position.iter().enumerate().filter(|(_, p)| p.is_some()).flat_map(|(layer, _)| (0..slots).map(move |e| (layer, e))).collect();
+        self.load(&wanted)
+    }
+
+    /// Reads the given (layer, expert) pairs that are not in RAM now, as far as the cache policy
+    /// keeps them, and waits for them (a worker taking on a new share of a placement); returns
+    /// how many were read. Pairs that are not experts of this model are skipped.
+    pub fn load(&self, wanted: &[(usize, usize)]) -> Result<usize, DispatchError> {
+        let inner = &self.inner;
         let mut jobs = Vec::new();
         {
             let mut st = lock(&inner.state);
-            for (layer, pos) in inner.moe_position.iter().enumerate() {
-                let Some(pos) = *pos else { continue };
-                for e in 0..slots {
-                    let key = (pos, e as u16);
-                    if st.slots.contains_key(&key) {
-                        continue;
-                    }
-                    let d = st.policy.decide(key);
-                    if let Some(ev) = d.evicted {
-                        st.slots.remove(&ev);
-                    }
-                    if d.kept {
-                        let pending = Pending::new();
-                        st.slots.insert(key, Slot::Loading(pending.clone()));
-                        jobs.push(Job { key, layer, expert: e, pending, prefetch: false });
-                    }
+            for &(layer, e) in wanted {
+                let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { continue };
+                if e >= inner.num_experts {
+                    continue;
+                }
+                let key = (pos, e as u16);
+                if st.slots.contains_key(&key) {
+                    continue;
+                }
+                let d = st.policy.decide(key);
+                if let Some(ev) = d.evicted {
+                    st.slots.remove(&ev);
+                }
+                if d.kept {
+                    let pending = Pending::new();
+                    st.slots.insert(key, Slot::Loading(pending.clone()));
+                    jobs.push(Job { key, layer, expert: e, pending, prefetch: false });
                 }
             }
         }
