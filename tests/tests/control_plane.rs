@@ -2,7 +2,11 @@
 //! by token; `shimmer cluster status --json` shows one leader and three voters up; kill -9 of the
 //! leader → a new leader, and the killed node restarted on its `--data-dir` (no --join) rejoins;
 //! a node with the wrong token cannot join, nor can an admin call with it; a corrupted or
-//! truncated Raft log is refused with an error naming the file.
+//! truncated Raft log is refused with an error naming the file. And the cluster in use: three
+//! workers and a coordinator member joined by token give the single box's tokens with no placement
+//! file (the leader places the model by itself), a client `generate --join` too; kill -9 of the
+//! leader mid-stream → the answer completes unchanged and the placement moves off the dead worker;
+//! a fourth worker joins → an epoch with it, adopted by the coordinator between requests.
 
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -167,4 +171,185 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
         assert!(err.contains("raft.redb"), "{what}: the error names the log: {err}");
     }
     drop(last);
+}
+
+/// A `shimmer coordinator` member, with its HTTP port; killed when dropped.
+struct Coordinator {
+    child: Child,
+    http: u16,
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_coordinator(dir: &std::path::Path, listen: &str, join: &str) -> Coordinator {
+    let http = free_port("127.0.0.1");
+    let mut child = Command::new(shimmer_tests::shimmer_bin())
+        .args(["coordinator", "--model"])
+        .arg(shimmer_tests::fixture("qwen3_moe"))
+        .args(["--listen", listen, "--data-dir"])
+        .arg(dir)
+        .args(["--join", join, "--host", "127.0.0.1", "--port", &http.to_string(), "--no-usage", "--worker-timeout-s", "2", "--connect-timeout-s", "1"])
+        .env("SHIMMER_JOIN_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) => {
+                let ready = l.contains("shimmer: serving");
+                seen.push(l);
+                if ready {
+                    break;
+                }
+            }
+            _ => panic!("the coordinator exited before serving:\n{}", seen.join("\n")),
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Coordinator { child, http }
+}
+
+/// One HTTP/1.1 request to the coordinator; the response body. `on_first_data` runs once the
+/// first server-sent event of a stream has arrived.
+fn http(port: u16, method: &str, path: &str, body: &str, mut on_first_data: impl FnMut()) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut fired = false;
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+        if !fired && got.windows(6).any(|w| w == b"data: ") {
+            fired = true;
+            on_first_data();
+        }
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "{method} {path}: {head}");
+    body.to_string()
+}
+
+/// The text of a streamed completion (chunked transfer encoding undone by keeping only the
+/// events' JSON).
+fn streamed_text(body: &str) -> String {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+fn generate(extra: &[&str], prompt: &str, max_tokens: usize) -> Value {
+    let out = Command::new(shimmer_tests::shimmer_bin())
+        .args(["generate", "--model"])
+        .arg(shimmer_tests::fixture("qwen3_moe"))
+        .args(["--prompt", prompt, "--max-tokens", &max_tokens.to_string(), "--json", "--no-usage"])
+        .args(extra)
+        .env("SHIMMER_JOIN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "generate {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn placement_of(v: &Value) -> Option<(u64, Vec<String>)> {
+    let p = v["placements"].as_array()?.first()?;
+    let workers = p["workers"].as_array()?.iter().filter_map(|w| w.as_str().map(String::from)).collect();
+    (p["proposed"].is_null()).then(|| (p["epoch"].as_u64().unwrap_or(0), workers))
+}
+
+#[test]
+fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_through_leader_loss_and_a_join() {
+    let tmp = tempfile::tempdir().unwrap();
+    let listens: Vec<String> = (2..=5).map(|i| format!("127.0.0.{i}:{}", free_port(&format!("127.0.0.{i}")))).collect();
+    let addrs: Vec<&str> = listens.iter().map(String::as_str).collect();
+    let dir = |i: usize| tmp.path().join(format!("node{i}"));
+    let mut nodes: Vec<Option<Node>> = vec![Some(start(&dir(0), addrs[0], &["--bootstrap"]))];
+    for i in 1..3 {
+        nodes.push(Some(start(&dir(i), addrs[i], &["--join", addrs[0]])));
+    }
+    // No coordinator and no admin command: the leader places the model over the three.
+    let three: Vec<String> = addrs[..3].iter().map(|s| s.to_string()).collect();
+    let v = wait_status(&addrs[..3], "a placement over the three workers", |v| placement_of(v).is_some_and(|(e, w)| e >= 1 && w == three));
+    let first_epoch = placement_of(&v).unwrap().0;
+
+    let coordinator_listen = format!("127.0.0.6:{}", free_port("127.0.0.6"));
+    let coordinator = start_coordinator(&tmp.path().join("coordinator"), &coordinator_listen, addrs[1]);
+    let v = wait_status(&addrs[..3], "the coordinator as a member", |v| {
+        v["members"].as_array().unwrap().iter().any(|m| m["name"] == coordinator_listen.as_str() && m["kind"] == "coordinator" && m["up"] == true)
+    });
+    let leader = v["leader"].as_str().unwrap().to_string();
+
+    let prompt = "The tide came in and";
+    let max_tokens = 160;
+    let single = generate(&[], prompt, max_tokens);
+    let want = single["text"].as_str().unwrap().to_string();
+    // A client of the cluster (not a member) gets the same tokens.
+    let client = generate(&["--join", &addrs[..3].join(",")], prompt, max_tokens);
+    assert_eq!(client["output_ids"], single["output_ids"], "generate --join");
+
+    // kill -9 of the leader (a worker: every expert has another holder) while the coordinator
+    // streams an answer: the answer completes, token for token the single box's.
+    let k = addrs.iter().position(|a| *a == leader).unwrap();
+    let mut killed = nodes[k].take().unwrap();
+    let request = serde_json::json!({"model": "qwen3_moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true}).to_string();
+    let body = http(coordinator.http, "POST", "/v1/completions", &request, || {
+        killed.child.kill().unwrap();
+        killed.child.wait().unwrap();
+    });
+    assert_eq!(streamed_text(&body), want, "the answer streamed across the leader's kill");
+    let metrics = http(coordinator.http, "GET", "/metrics", "", || {});
+    let failovers = metrics.lines().find_map(|l| l.strip_prefix("shimmer_expert_failovers_total ")).and_then(|n| n.trim().parse::<f64>().ok());
+    assert!(failovers.is_some_and(|f| f > 0.0), "the kill landed after the answer was made (no failovers): {failovers:?}");
+    let survivors: Vec<&str> = addrs[..3].iter().copied().filter(|a| *a != leader).collect();
+    // A new leader; the placement moves off the dead worker (an epoch up) by itself.
+    let two: Vec<String> = survivors.iter().map(|s| s.to_string()).collect();
+    let v = wait_status(&survivors, "a new leader and a placement without the dead worker", |v| {
+        v["leader"].as_str().is_some_and(|l| l != leader) && placement_of(v).is_some_and(|(e, w)| e > first_epoch && w == two)
+    });
+    let after_loss = placement_of(&v).unwrap().0;
+
+    // A fourth worker joins: the placement includes it (epoch up), the coordinator moves to it
+    // between requests, and the tokens stay the single box's.
+    nodes.push(Some(start(&dir(3), addrs[3], &["--join", survivors[0]])));
+    let with_fourth: Vec<String> = survivors.iter().map(|s| s.to_string()).chain([addrs[3].to_string()]).collect();
+    let v = wait_status(&survivors, "a placement including the fourth worker", |v| placement_of(v).is_some_and(|(e, w)| e > after_loss && w == with_fourth));
+    let epoch = placement_of(&v).unwrap().0;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let request = serde_json::json!({"model": "qwen3_moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string();
+        let body = http(coordinator.http, "POST", "/v1/completions", &request, || {});
+        let text = serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(text, want, "an answer during or after the move");
+        let metrics = http(coordinator.http, "GET", "/metrics", "", || {});
+        let routed = metrics.lines().find_map(|l| l.strip_prefix("shimmer_placement_epoch ")).and_then(|e| e.trim().parse::<u64>().ok());
+        if routed == Some(epoch) {
+            let fourth = metrics.lines().find(|l| l.starts_with("shimmer_worker_selections_total") && l.contains(addrs[3])).unwrap_or("");
+            let served: f64 = fourth.rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or(0.0);
+            assert!(served > 0.0, "the fourth worker served nothing: {fourth}");
+            break;
+        }
+        assert!(Instant::now() < until, "the coordinator still routes by epoch {routed:?}, not {epoch}");
+    }
+    drop(killed);
 }
