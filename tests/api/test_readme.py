@@ -12,8 +12,9 @@ substituted, and each substitution is listed in `SUBSTITUTIONS` with its reason.
 - `cargo run --release -- generate --prompt ...` streams a continuation.
 - The streaming block: `convert` writes a container, `chat --model MODEL_DIR --ram-gb 4
   --direct-io` answers from it.
-- The pooling block: `plan`, two `worker`s and a `coordinator` on 127.0.0.x answer a chat
-  completion with the single box's text (greedy).
+- The pooling block: a `worker` that bootstraps the cluster, one that joins it and a
+  `coordinator` that joins too, on 127.0.0.x, answer a chat completion with the single box's
+  text (greedy); the inline `cluster status` shows them while they run; each stops on Ctrl-C.
 
 The checkout lives under the main target directory (`readme-checkout/`), so a developer's second
 run reuses its build; CI's clean clone builds it once (a release build).
@@ -48,6 +49,19 @@ SUBSTITUTIONS = {
     "192.168.1.10": "127.0.0.2",
     "192.168.1.11": "127.0.0.3",
 }
+
+# The pooling block's nodes run on one machine here: each gets its own loopback address in place
+# of the README's every-interface one (a LAN machine has one of its own), and its own data
+# directory in place of the README's one per machine.
+POOL_NODES = {
+    "bootstrap": ("0.0.0.0:7070", "127.0.0.2:7070", "work/node-2"),
+    "join": ("0.0.0.0:7070", "127.0.0.3:7070", "work/node-3"),
+}
+# The coordinator's control plane listens on every interface by default and advertises this
+# machine's address on its default route; a machine without one (a CI box) says where with
+# --listen.
+COORDINATOR_LISTEN = "127.0.0.4:7071"
+POOL_DATA_DIR = "shimmer-node"
 
 
 def fenced_blocks(text: str) -> list[list[str]]:
@@ -187,7 +201,8 @@ def test_every_inline_readme_command_runs(checkout):
     _, inline = readme()
     verbs = {shlex.split(c)[4] for c in inline}
     assert {"chat", "generate"} <= verbs, inline
-    for cmd in inline:
+    # `cluster` needs a running cluster: the pooling block's test runs it.
+    for cmd in (c for c in inline if shlex.split(c)[4] != "cluster"):
         verb = shlex.split(cmd)[4]
         if verb == "chat":
             one_turn(cmd, checkout, user_env(), "Who made the earth?")
@@ -219,28 +234,42 @@ def test_the_pooling_block_answers_as_the_single_box(checkout):
             env[name] = shlex.split(value)[0]
         else:
             commands.append(substitute(line))
-    plan, worker, coordinator = commands
-    assert " plan " in plan and " worker " in worker and " coordinator " in coordinator, block
+    first, joiner, coordinator = commands
+    assert " --bootstrap" in first and " --join " in joiner and " coordinator " in coordinator, block
     assert "SHIMMER_JOIN_TOKEN" in env
     if not (checkout / "work" / "model").exists():
         test_the_streaming_block_converts_and_chats_from_the_container(checkout)
-    out = subprocess.run(shlex.split(plan), cwd=checkout, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    assert out.returncode == 0, f"`{plan}`:\n{out.stderr[-4000:]}"
-    # The README's worker listens on 0.0.0.0 on its own machine; two on one machine each take
-    # their own loopback address from the placement instead.
-    workers = []
+    for d in ("node-2", "node-3", "node-4"):
+        shutil.rmtree(checkout / "work" / d, ignore_errors=True)
+    _, inline = readme()
+    status_cmds = [substitute(c) for c in inline if shlex.split(c)[4] == "cluster"]
+    assert status_cmds, "the README shows `cluster status`"
+    nodes = []
     try:
-        for addr in ("127.0.0.2:7070", "127.0.0.3:7070"):
-            workers.append(Running(worker.replace("0.0.0.0:7070", addr), checkout, env, "worker serving", BUILD_TIMEOUT_S))
-        server, url = serve(coordinator, checkout, env)
-        try:
-            prompt = "Who made the earth?"
-            got = complete(url, prompt)
-        finally:
-            assert server.interrupt() == 0, "".join(server.log[-20:])
+        for cmd, role in ((first, "bootstrap"), (joiner, "join")):
+            everywhere, addr, data_dir = POOL_NODES[role]
+            assert everywhere in cmd and POOL_DATA_DIR in cmd, cmd
+            nodes.append(Running(cmd.replace(everywhere, addr).replace(POOL_DATA_DIR, data_dir), checkout, env, "control plane on", BUILD_TIMEOUT_S))
+        assert POOL_DATA_DIR in coordinator, coordinator
+        server, url = serve(coordinator.replace(POOL_DATA_DIR, "work/node-4") + f" --listen {COORDINATOR_LISTEN}", checkout, env)
+        nodes.append(server)
+        prompt = "Who made the earth?"
+        got = complete(url, prompt)
+        for cmd in status_cmds:
+            out = subprocess.run(shlex.split(cmd), cwd=checkout, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            assert out.returncode == 0, f"`{cmd}`:\n{out.stderr[-4000:]}"
+            for name in ("127.0.0.2:7070", "127.0.0.3:7070", COORDINATOR_LISTEN):
+                assert name in out.stdout, f"`{cmd}` does not show {name}:\n{out.stdout}"
+            assert "leader " in out.stdout and "placement epoch" in out.stdout, out.stdout
     finally:
-        for w in workers:
-            w.interrupt()
+        codes = []
+        for n in reversed(nodes):
+            try:
+                codes.append((n.cmd, n.interrupt(), "".join(n.log[-20:])))
+            except subprocess.TimeoutExpired:
+                codes.append((n.cmd, "no exit within a minute", "".join(n.log[-20:])))
+    for cmd, rc, log in codes:
+        assert rc == 0, f"`{cmd}` exited {rc} on Ctrl-C:\n{log}"
     single = subprocess.run(
         shlex.split("cargo run --release -- generate --model work/model --chat --temperature 0 --max-tokens 16 --json --prompt") + [prompt],
         cwd=checkout, env=user_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
