@@ -155,13 +155,14 @@ impl Worker {
 
     /// Serves until Ctrl-C or SIGTERM, then stops taking connections.
     pub fn serve_until_signal(self) {
-        self.serve_until_signal_or(|| false);
+        self.wait_for_signal_or(|| false);
+        self.stop();
     }
 
     /// Serves until Ctrl-C or SIGTERM, or until `failed` (polled twice a second) says a part of
-    /// the node it depends on stopped; returns whether that was why.
-    pub fn serve_until_signal_or(self, failed: impl Fn() -> bool) -> bool {
-        let why = self.rt.block_on(async {
+    /// the node it depends on stopped; says which.
+    pub fn wait_for_signal_or(&self, failed: impl Fn() -> bool) -> Stopped {
+        self.rt.block_on(async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
             let watch = async {
                 loop {
@@ -172,14 +173,156 @@ impl Worker {
                 }
             };
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => false,
-                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => false,
-                _ = watch => true,
+                _ = tokio::signal::ctrl_c() => Stopped::Interrupted,
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => Stopped::Terminated,
+                _ = watch => Stopped::Failed,
+            }
+        })
+    }
+
+    /// Serves on until `done` (polled every 200 ms) or `within` passes; a Ctrl-C or another
+    /// SIGTERM ends it at once. Says how it ended.
+    pub fn serve_until(&self, done: impl Fn() -> bool, within: std::time::Duration) -> Drained {
+        self.rt.block_on(async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            let watch = async {
+                let deadline = tokio::time::Instant::now() + within;
+                loop {
+                    if done() {
+                        return Drained::Done;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return Drained::TimedOut;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => Drained::Stopped,
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => Drained::Stopped,
+                d = watch => d,
+            }
+        })
+    }
+
+    /// Stops taking connections.
+    pub fn stop(self) {
+        self.endpoint.close(0u32.into(), b"worker stopping");
+    }
+}
+
+/// In a member's data directory while it drains on SIGTERM: the next start clears the draining
+/// mark it set (an operator's `cluster drain` stays).
+pub const DRAINING_ON_EXIT: &str = "draining-on-exit";
+
+/// The most a drain waits for the cluster to move a worker's experts off it.
+pub const DRAIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(120);
+/// A drained worker serves on until coordinators sent it nothing for this long (requests in
+/// flight on the previous epoch finish).
+const DRAIN_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How a drain went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DrainOutcome {
+    /// No placement names it any more and no request came for `DRAIN_QUIET`.
+    Moved,
+    /// Stopped before that: a second signal, or `within` passed (`why`).
+    Cut(String),
+}
+
+/// SIGTERM on a member worker: marks it draining (the leader then places its model without it),
+/// serves until no active or proposed placement names it and requests stopped coming, then
+/// returns — within `within`; a Ctrl-C or second SIGTERM cuts it short.
+pub fn drain(worker: &Worker, control: &Arc<ControlPlane>, data_dir: &Path, within: std::time::Duration) -> DrainOutcome {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let name = worker.state.name.clone();
+    let _ = std::fs::write(data_dir.join(DRAINING_ON_EXIT), name.as_bytes());
+    let marked = Arc::new(AtomicBool::new(false));
+    let give_up = Arc::new(AtomicBool::new(false));
+    {
+        let (control, marked, give_up, name) = (control.clone(), marked.clone(), give_up.clone(), name.clone());
+        std::thread::spawn(move || {
+            while !give_up.load(Ordering::SeqCst) && !control.stopped() {
+                match control.propose(shimmer_control::Command::SetDraining { name: name.clone(), draining: true }) {
+                    Ok(shimmer_control::Outcome::Applied) => {
+                        marked.store(true, Ordering::SeqCst);
+                        return;
+                    }
+                    Ok(shimmer_control::Outcome::Rejected(why)) => {
+                        tracing::warn!("cannot mark {name} draining: {why}");
+                        return;
+                    }
+                    Err(e) => tracing::warn!("marking {name} draining, again: {e}"),
+                }
+                std::thread::sleep(std::time::Duration::from_millis(500));
             }
         });
-        self.endpoint.close(0u32.into(), b"worker stopping");
-        why
     }
+    let names_me = |r: &Option<shimmer_control::PlacementRecord>| r.as_ref().is_some_and(|r| r.worker_names().contains(name.as_str()));
+    let last_request = std::sync::Mutex::new((worker.state.requests.load(Ordering::Relaxed), std::time::Instant::now()));
+    let moved = || {
+        if !marked.load(Ordering::SeqCst) {
+            return false;
+        }
+        let (_, placement) = control.placement(&worker.fingerprint);
+        let covered = placement.is_none_or(|p| !names_me(&p.active) && !names_me(&p.proposed));
+        let now = std::time::Instant::now();
+        let mut last = last_request.lock().unwrap_or_else(|p| p.into_inner());
+        let requests = worker.state.requests.load(Ordering::Relaxed);
+        if requests != last.0 {
+            *last = (requests, now);
+        }
+        covered && now.duration_since(last.1) >= DRAIN_QUIET
+    };
+    let outcome = match worker.serve_until(moved, within) {
+        Drained::Done => DrainOutcome::Moved,
+        Drained::TimedOut => {
+            DrainOutcome::Cut(format!("after {} s its experts still have no other holder, or coordinators still send it requests", within.as_secs()))
+        }
+        Drained::Stopped => DrainOutcome::Cut("stopped at once by a second signal".into()),
+    };
+    give_up.store(true, Ordering::SeqCst);
+    outcome
+}
+
+/// A member restarted after draining on SIGTERM is no longer draining (in a thread, until the
+/// cluster applied it).
+pub fn undrain_after_restart(control: &Arc<ControlPlane>, name: &str, data_dir: &Path) {
+    let marker = data_dir.join(DRAINING_ON_EXIT);
+    if !marker.exists() {
+        return;
+    }
+    let (control, name) = (control.clone(), name.to_string());
+    std::thread::spawn(move || {
+        while !control.stopped() {
+            match control.propose(shimmer_control::Command::SetDraining { name: name.clone(), draining: false }) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(&marker);
+                    return;
+                }
+                Err(e) => tracing::debug!("clearing {name}'s draining mark, again: {e}"),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    });
+}
+
+/// Why a worker stopped serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    Interrupted,
+    Terminated,
+    /// A part it depends on (the control plane) stopped.
+    Failed,
+}
+
+/// How serving on until something is done ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drained {
+    Done,
+    TimedOut,
+    /// Ctrl-C or SIGTERM again.
+    Stopped,
 }
 
 /// The placement's worker this one is: the one whose address is `listen`; else, listening on

@@ -6,7 +6,8 @@
 //! workers and a coordinator member joined by token give the single box's tokens with no placement
 //! file (the leader places the model by itself), a client `generate --join` too; kill -9 of the
 //! leader mid-stream → the answer completes unchanged and the placement moves off the dead worker;
-//! a fourth worker joins → an epoch with it, adopted by the coordinator between requests.
+//! a fourth worker joins → an epoch with it, adopted by the coordinator between requests; SIGTERM
+//! drains it (it stops only once no placement names it), and restarted it is placed again.
 
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -351,5 +352,34 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
         }
         assert!(Instant::now() < until, "the coordinator still routes by epoch {routed:?}, not {epoch}");
     }
+
+    // SIGTERM drains: the fourth worker marks itself draining, the leader places the model
+    // without it, and it stops only once no placement names it — answers unchanged throughout.
+    let mut fourth = nodes[3].take().unwrap();
+    let pid = fourth.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let request = serde_json::json!({"model": "qwen3_moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string();
+    let body = http(coordinator.http, "POST", "/v1/completions", &request, || {});
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["text"].as_str(), Some(want.as_str()), "an answer during the drain");
+    let until = Instant::now() + Duration::from_secs(60);
+    let code = loop {
+        if let Some(code) = fourth.child.try_wait().unwrap() {
+            break code;
+        }
+        assert!(Instant::now() < until, "the drained worker did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(code.success(), "a drained worker exits 0: {code:?}");
+    let v = status(&survivors, TOKEN).unwrap();
+    let (after_drain, workers) = placement_of(&v).expect("no placement pending once it stopped");
+    assert!(after_drain > epoch && workers == two, "it stopped while a placement still named it: {v}");
+    assert!(v["members"].as_array().unwrap().iter().any(|m| m["name"] == addrs[3] && m["draining"] == true), "{v}");
+    // Restarted on its data directory it is no longer draining, and is placed again.
+    nodes[3] = Some(start(&fourth.dir, &fourth.listen, &[]));
+    drop(fourth);
+    wait_status(&survivors, "the restarted worker placed again", |v| {
+        placement_of(v).is_some_and(|(e, w)| e > after_drain && w == with_fourth)
+            && v["members"].as_array().unwrap().iter().any(|m| m["name"] == addrs[3] && m["draining"] == false)
+    });
     drop(killed);
 }

@@ -37,6 +37,10 @@ pub(super) struct WorkerArgs {
     /// address of their --listen unless they set --control-listen).
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
     pub(super) join: Vec<String>,
+    /// On SIGTERM a member drains (its experts move to other workers, requests in flight finish)
+    /// for at most this many seconds before it stops.
+    #[arg(long, default_value_t = crate::node::DRAIN_WITHIN.as_secs_f64())]
+    pub(super) drain_timeout_s: f64,
 }
 
 pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
@@ -62,6 +66,9 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
     };
     if a.name.is_some() && a.placement.is_none() && a.member.data_dir.is_none() {
         bail!("--name names this worker in a --placement or in the cluster (--data-dir)");
+    }
+    if !(a.drain_timeout_s >= 0.0 && a.drain_timeout_s <= 86_400.0) {
+        bail!("--drain-timeout-s must be in [0, 86400], got {}", a.drain_timeout_s);
     }
     if a.member.data_dir.is_some() && a.placement.is_some() {
         bail!("a cluster member (--data-dir) serves the cluster's placement, not a --placement file");
@@ -119,12 +126,25 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
                 draining: false,
             };
             let control = std::sync::Arc::new(a.member.start(me, &a.listen, &a.join, token)?);
+            if let Some(dir) = &a.member.data_dir {
+                crate::node::undrain_after_restart(&control, &worker.state.name, dir);
+            }
             worker.follow(control.clone(), stop_following.clone());
             Some(control)
         }
         None => None,
     };
-    let failed = worker.serve_until_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
+    let why = worker.wait_for_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
+    if let (crate::node::Stopped::Terminated, Some(c), Some(dir)) = (why, &control, &a.member.data_dir) {
+        eprintln!("shimmer: worker draining: its experts move to other workers first (Ctrl-C or SIGTERM again stops at once)");
+        let within = std::time::Duration::from_secs_f64(a.drain_timeout_s);
+        match crate::node::drain(&worker, c, dir, within) {
+            crate::node::DrainOutcome::Moved => eprintln!("shimmer: worker drained: no placement names it"),
+            crate::node::DrainOutcome::Cut(why) => eprintln!("shimmer: worker stopping before it drained: {why}"),
+        }
+    }
+    let failed = why == crate::node::Stopped::Failed;
+    worker.stop();
     eprintln!("shimmer: worker stopping");
     stop_following.store(true, std::sync::atomic::Ordering::SeqCst);
     if let Some(c) = control {
