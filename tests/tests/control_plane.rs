@@ -150,6 +150,20 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
     nodes[k] = Some(start(&killed.dir, &killed.listen, &[]));
     drop(killed);
     wait_status(&addrs, "the restarted node up again", |v| members(v).iter().all(|(_, role, up)| role == "voter" && *up == Some(true)));
+    // An operator's drain, and its undoing, through any member.
+    let drain = |extra: &[&str]| {
+        let out = Command::new(shimmer_tests::shimmer_bin())
+            .args(["cluster", "drain", addrs[1], "--join", addrs[2], "--join-token", TOKEN])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let draining = |v: &Value| v["members"].as_array().unwrap().iter().find(|m| m["name"] == addrs[1]).map(|m| m["draining"] == true);
+    drain(&[]);
+    wait_status(&addrs, "the node marked draining", |v| draining(v) == Some(true));
+    drain(&["--undo"]);
+    wait_status(&addrs, "the mark taken off", |v| draining(v) == Some(false));
     let token = Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "token", "--join", addrs[0], "--join-token", TOKEN]).output().unwrap();
     let token = String::from_utf8(token.stdout).unwrap();
     assert!(token.starts_with("SHM1") && token.trim_end().ends_with(&format!("::{TOKEN}")), "{token}");

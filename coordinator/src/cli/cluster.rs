@@ -13,9 +13,13 @@ pub(super) enum ClusterCommand {
     Members(ClusterConn),
     /// Each model's placement epoch.
     Placement(ClusterConn),
-    /// Mark NODE draining (it keeps serving until its experts are covered elsewhere).
+    /// Mark NODE draining: the cluster places its models without it (it keeps serving until
+    /// then).
     Drain {
         node: String,
+        /// Take the mark off: NODE is placed again.
+        #[arg(long)]
+        undo: bool,
         #[command(flatten)]
         conn: ClusterConn,
     },
@@ -99,7 +103,7 @@ pub(super) fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
                 }
             }
         }
-        ClusterCommand::Drain { node, conn } => done(&conn, &AdminRequest::Drain { name: node, draining: true })?,
+        ClusterCommand::Drain { node, undo, conn } => done(&conn, &AdminRequest::Drain { name: node, draining: !undo })?,
         ClusterCommand::Remove { node, conn } => done(&conn, &AdminRequest::Remove { name: node })?,
         ClusterCommand::Token(c) => match c.ask(&AdminRequest::Token)? {
             AdminReply::Token { token } if c.json => println!("{}", serde_json::to_string(&json!({"token": token}))?),
