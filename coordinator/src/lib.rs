@@ -13,6 +13,7 @@ pub mod demo;
 pub mod engine;
 pub mod model_dir;
 pub mod node;
+pub mod node_http;
 pub mod routing;
 pub mod sampling;
 pub mod server;

@@ -205,6 +205,11 @@ impl Worker {
         })
     }
 
+    /// The runtime the worker serves on (its HTTP endpoints run there too).
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.rt.handle().clone()
+    }
+
     /// Stops taking connections.
     pub fn stop(self) {
         self.endpoint.close(0u32.into(), b"worker stopping");

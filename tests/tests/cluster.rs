@@ -272,6 +272,13 @@ fn spawn_worker_with(model: &std::path::Path, args: &[&str]) -> WorkerProcess {
     spawn_worker_args(Some(model), args)
 }
 
+/// A free port on the host of the `--listen` among `args`.
+fn http_listen_beside(args: &[&str]) -> String {
+    let listen = args.iter().position(|a| *a == "--listen").and_then(|i| args.get(i + 1)).copied().unwrap_or("127.0.0.1:0");
+    let host = listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+    format!("{host}:0")
+}
+
 /// A `shimmer worker` of `model` (the demo when `None`).
 fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerProcess {
     use std::io::BufRead;
@@ -281,6 +288,8 @@ fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerPr
         // The fixtures are committed: no routing heat is written beside them.
         .arg("--no-usage")
         .args(args)
+        // Tests run side by side: each worker's HTTP endpoints on a free port of its address.
+        .args(if args.contains(&"--http-listen") { vec![] } else { vec!["--http-listen".to_string(), http_listen_beside(args)] })
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -21,6 +21,8 @@ struct Node {
     child: Child,
     listen: String,
     dir: std::path::PathBuf,
+    /// Where its /health, /ready and /metrics are.
+    http: String,
 }
 
 impl Drop for Node {
@@ -47,6 +49,7 @@ fn worker_cmd(dir: &std::path::Path, listen: &str, extra: &[&str], token: &str) 
         .arg(shimmer_tests::fixture("qwen3_moe"))
         .args(["--listen", listen, "--no-usage", "--data-dir"])
         .arg(dir)
+        .args(["--http-listen", &format!("{}:0", listen.rsplit_once(':').unwrap().0)])
         .args(extra)
         .env("SHIMMER_JOIN_TOKEN", token)
         .stdout(Stdio::null())
@@ -59,21 +62,22 @@ fn start(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Node {
     let mut child = worker_cmd(dir, listen, extra, TOKEN).spawn().unwrap();
     let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let mut seen = Vec::new();
-    loop {
+    let http = loop {
         match lines.next() {
             Some(Ok(l)) => {
-                let ready = l.contains("control plane on");
+                let http = l.split_once("health, readiness and metrics on http://").map(|(_, a)| a.trim().to_string());
                 seen.push(l);
-                if ready {
-                    break;
+                if let Some(http) = http {
+                    break http;
                 }
             }
-            _ => panic!("worker {listen} exited before its control plane started:\n{}", seen.join("\n")),
+            _ => panic!("worker {listen} exited before its control plane and endpoints started:\n{}", seen.join("\n")),
         }
-    }
+    };
+    assert!(seen.iter().any(|l| l.contains("control plane on")), "{seen:?}");
     // Keep draining stderr so the process never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
-    Node { child, listen: listen.to_string(), dir: dir.to_path_buf() }
+    Node { child, listen: listen.to_string(), dir: dir.to_path_buf(), http }
 }
 
 fn status(addrs: &[&str], token: &str) -> Result<Value, String> {
@@ -234,9 +238,16 @@ fn start_coordinator(dir: &std::path::Path, listen: &str, join: &str) -> Coordin
 
 /// One HTTP/1.1 request to the coordinator; the response body. `on_first_data` runs once the
 /// first server-sent event of a stream has arrived.
-fn http(port: u16, method: &str, path: &str, body: &str, mut on_first_data: impl FnMut()) -> String {
+fn http(port: u16, method: &str, path: &str, body: &str, on_first_data: impl FnMut()) -> String {
+    let (code, body) = http_at(&format!("127.0.0.1:{port}"), method, path, body, on_first_data);
+    assert_eq!(code, 200, "{method} {path}: {body}");
+    body
+}
+
+/// `http` to any address; the status code and body.
+fn http_at(addr: &str, method: &str, path: &str, body: &str, mut on_first_data: impl FnMut()) -> (u16, String) {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     write!(
         s,
@@ -260,8 +271,8 @@ fn http(port: u16, method: &str, path: &str, body: &str, mut on_first_data: impl
     }
     let text = String::from_utf8_lossy(&got).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    assert!(head.starts_with("HTTP/1.1 200"), "{method} {path}: {head}");
-    body.to_string()
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, body.to_string())
 }
 
 /// The text of a streamed completion (chunked transfer encoding undone by keeping only the
@@ -307,6 +318,24 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
     let three: Vec<String> = addrs[..3].iter().map(|s| s.to_string()).collect();
     let v = wait_status(&addrs[..3], "a placement over the three workers", |v| placement_of(v).is_some_and(|(e, w)| e >= 1 && w == three));
     let first_epoch = placement_of(&v).unwrap().0;
+    // Each worker's endpoints: alive, ready once it answers for the active epoch, its series and Raft's.
+    for node in nodes.iter().flatten() {
+        assert_eq!(http_at(&node.http, "GET", "/health", "", || {}).0, 200);
+        let until = Instant::now() + Duration::from_secs(10);
+        let ready = loop {
+            let (code, body) = http_at(&node.http, "GET", "/ready", "", || {});
+            if code == 200 || Instant::now() > until {
+                break (code, body);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert_eq!(ready.0, 200, "{} not ready: {}", node.listen, ready.1);
+        let (_, metrics) = http_at(&node.http, "GET", "/metrics", "", || {});
+        for series in ["shimmer_raft_term ", "shimmer_raft_commit_index ", "shimmer_raft_members{role=\"voter\"} 3", "shimmer_worker_requests_total "] {
+            assert!(metrics.contains(series), "{}: no {series} in\n{metrics}", node.listen);
+        }
+        assert!(metrics.contains(&format!("shimmer_worker_epoch {first_epoch}")), "{}: {metrics}", node.listen);
+    }
 
     let coordinator_listen = format!("127.0.0.6:{}", free_port("127.0.0.6"));
     let coordinator = start_coordinator(&tmp.path().join("coordinator"), &coordinator_listen, addrs[1]);
@@ -336,6 +365,7 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
     let metrics = http(coordinator.http, "GET", "/metrics", "", || {});
     let failovers = metrics.lines().find_map(|l| l.strip_prefix("shimmer_expert_failovers_total ")).and_then(|n| n.trim().parse::<f64>().ok());
     assert!(failovers.is_some_and(|f| f > 0.0), "the kill landed after the answer was made (no failovers): {failovers:?}");
+    assert!(metrics.contains("shimmer_raft_term ") && metrics.contains("shimmer_cluster_placement_epoch{"), "the coordinator member's Raft series: {metrics}");
     let survivors: Vec<&str> = addrs[..3].iter().copied().filter(|a| *a != leader).collect();
     // A new leader; the placement moves off the dead worker (an epoch up) by itself.
     let two: Vec<String> = survivors.iter().map(|s| s.to_string()).collect();
@@ -375,6 +405,16 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
     let request = serde_json::json!({"model": "qwen3_moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string();
     let body = http(coordinator.http, "POST", "/v1/completions", &request, || {});
     assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["text"].as_str(), Some(want.as_str()), "an answer during the drain");
+    // While it drains it says so (orchestrators stop counting on it).
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (code, body) = http_at(&fourth.http, "GET", "/ready", "", || {});
+        if code == 503 && body.contains("draining") {
+            break;
+        }
+        assert!(Instant::now() < until && fourth.child.try_wait().unwrap().is_none(), "never unready while draining: {code} {body}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let until = Instant::now() + Duration::from_secs(60);
     let code = loop {
         if let Some(code) = fourth.child.try_wait().unwrap() {

@@ -108,6 +108,7 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
             max_body_bytes: 4 << 20,
             model_id,
             expert_bytes,
+            control: control.clone(),
         },
     )?;
     if let Some(c) = control {

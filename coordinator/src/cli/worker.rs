@@ -37,6 +37,10 @@ pub(super) struct WorkerArgs {
     /// address of their --listen unless they set --control-listen).
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
     pub(super) join: Vec<String>,
+    /// Where `/health`, `/ready` and `/metrics` listen (HTTP; default: --listen's host, port
+    /// 7080; port 0 picks one).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(super) http_listen: Option<String>,
     /// On SIGTERM a member drains (its experts move to other workers, requests in flight finish)
     /// for at most this many seconds before it stops.
     #[arg(long, default_value_t = crate::node::DRAIN_WITHIN.as_secs_f64())]
@@ -134,6 +138,13 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         }
         None => None,
     };
+    let http_listen = a.http_listen.clone().unwrap_or_else(|| {
+        let host = a.listen.rsplit_once(':').map_or("0.0.0.0", |(h, _)| h);
+        format!("{host}:{}", crate::node_http::DEFAULT_HTTP_PORT)
+    });
+    let http = crate::node_http::start(&worker.runtime(), &http_listen, worker.state.clone(), worker.fingerprint.clone(), control.clone())
+        .map_err(|e| anyhow::anyhow!(e))?;
+    eprintln!("shimmer: worker health, readiness and metrics on http://{http}");
     let why = worker.wait_for_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
     if let (crate::node::Stopped::Terminated, Some(c), Some(dir)) = (why, &control, &a.member.data_dir) {
         eprintln!("shimmer: worker draining: its experts move to other workers first (Ctrl-C or SIGTERM again stops at once)");

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use prometheus::core::Desc;
 use prometheus::proto::{self, LabelPair, MetricType};
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use shimmer_cluster::{ClusterTelemetry, WorkerLink, RTT_BUCKETS};
 use shimmer_store::StoreTelemetry;
 
@@ -162,6 +162,42 @@ impl Metrics {
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
     }
+}
+
+/// A control-plane member's Raft series (`shimmer_raft_*`, and each model's active placement
+/// epoch as the replicated state has it), in the text format. The coordinator's and the
+/// worker's `/metrics` both append them.
+pub fn render_raft(m: &shimmer_worker::control::RaftMetrics) -> Result<String, prometheus::Error> {
+    let registry = Registry::new();
+    let gauge = |name: &str, help: &str, v: i64| -> Result<(), prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        g.set(v);
+        registry.register(Box::new(g))
+    };
+    let counter = |name: &str, help: &str, v: u64| -> Result<(), prometheus::Error> {
+        let c = IntCounter::new(name, help)?;
+        c.inc_by(v);
+        registry.register(Box::new(c))
+    };
+    gauge("shimmer_raft_term", "The Raft term this member is in", m.term as i64)?;
+    gauge("shimmer_raft_is_leader", "Whether this member leads the control plane", i64::from(m.is_leader))?;
+    gauge("shimmer_raft_commit_index", "The highest log index this member knows committed", m.commit as i64)?;
+    gauge("shimmer_raft_applied_index", "The highest log index this member applied", m.applied as i64)?;
+    gauge("shimmer_raft_apply_lag", "Committed entries not applied yet", m.commit.saturating_sub(m.applied) as i64)?;
+    counter("shimmer_raft_leader_changes_total", "Leader changes this member saw since it started", m.leader_changes)?;
+    counter("shimmer_raft_failed_proposals_total", "Proposals refused before they reached the log (no leader, a change in progress)", m.failed_proposals)?;
+    let members = IntGaugeVec::new(Opts::new("shimmer_raft_members", "Members of the control plane by Raft role"), &["role"])?;
+    members.with_label_values(&["voter"]).set(m.voters as i64);
+    members.with_label_values(&["learner"]).set(m.learners as i64);
+    registry.register(Box::new(members))?;
+    let epochs = IntGaugeVec::new(Opts::new("shimmer_cluster_placement_epoch", "Each model's active placement epoch in the replicated state"), &["model"])?;
+    for (model, epoch) in &m.placements {
+        epochs.with_label_values(&[model.as_str()]).set(*epoch as i64);
+    }
+    registry.register(Box::new(epochs))?;
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&registry.gather(), &mut buf)?;
+    String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
 }
 
 /// The cluster's series, collected from the remote dispatcher's telemetry when Prometheus
@@ -322,6 +358,33 @@ mod tests {
             rtt_buckets,
             rtt_sum_s: 0.25,
             status: None,
+        }
+    }
+
+    #[test]
+    fn raft_series_are_rendered_with_roles_and_epochs() {
+        let m = shimmer_worker::control::RaftMetrics {
+            term: 4,
+            is_leader: true,
+            leader: Some("a:1".into()),
+            commit: 12,
+            applied: 10,
+            leader_changes: 2,
+            failed_proposals: 1,
+            voters: 3,
+            learners: 1,
+            placements: vec![("m\"x".into(), 3)],
+        };
+        let text = render_raft(&m).unwrap();
+        for line in [
+            "shimmer_raft_term 4",
+            "shimmer_raft_is_leader 1",
+            "shimmer_raft_apply_lag 2",
+            "shimmer_raft_leader_changes_total 2",
+            "shimmer_raft_members{role=\"learner\"} 1",
+            "shimmer_cluster_placement_epoch{model=\"m\\\"x\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
         }
     }
 

@@ -47,6 +47,8 @@ pub struct ServerConfig {
     pub model_id: String,
     /// One routed expert's bytes (the dashboard's bytes-served tiers).
     pub expert_bytes: u64,
+    /// The control plane, when this coordinator is a cluster member (its Raft series on `/metrics`).
+    pub control: Option<Arc<shimmer_worker::control::ControlPlane>>,
 }
 
 pub struct AppState {
@@ -57,6 +59,7 @@ pub struct AppState {
     pub created: u64,
     pub metrics: Arc<Metrics>,
     pub dashboard: Arc<std::sync::Mutex<dashboard::Dashboard>>,
+    pub control: Option<Arc<shimmer_worker::control::ControlPlane>>,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -143,9 +146,12 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let store = state.engine.store_telemetry();
     let cluster = state.engine.cluster_telemetry();
-    match state.metrics.render(&st, store.as_ref(), cluster.as_ref()) {
-        Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text).into_response(),
-        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}")).kind("server_error").into_response(),
+    let raft = state.control.as_ref().map(|c| metrics::render_raft(&c.metrics()));
+    match (state.metrics.render(&st, store.as_ref(), cluster.as_ref()), raft.transpose()) {
+        (Ok(text), Ok(raft)) => ([("content-type", "text/plain; version=0.0.4")], text + &raft.unwrap_or_default()).into_response(),
+        (Err(e), _) | (_, Err(e)) => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}")).kind("server_error").into_response()
+        }
     }
 }
 
@@ -165,6 +171,7 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         created,
         metrics,
         dashboard: dash,
+        control: cfg.control.clone(),
     });
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;

@@ -177,6 +177,27 @@ struct Liveness {
     commit: u64,
     is_leader: bool,
     up: BTreeMap<NodeId, bool>,
+    leader_changes: u64,
+    failed_proposals: u64,
+}
+
+/// This member's Raft figures, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RaftMetrics {
+    pub term: u64,
+    pub is_leader: bool,
+    /// The leader's name, when one is known.
+    pub leader: Option<String>,
+    pub commit: u64,
+    pub applied: u64,
+    /// Leader changes this member has seen since it started.
+    pub leader_changes: u64,
+    /// Proposals refused before they were appended (no leader, a change in progress).
+    pub failed_proposals: u64,
+    pub voters: usize,
+    pub learners: usize,
+    /// Per model, its active placement epoch.
+    pub placements: Vec<(String, u64)>,
 }
 
 /// What the service reads without asking the node thread.
@@ -314,6 +335,29 @@ impl ControlPlane {
     pub fn placement(&self, model: &str) -> (u64, Option<ModelPlacement>) {
         let sh = lock(&self.shared);
         (sh.version, sh.state.placements.get(model).cloned())
+    }
+
+    pub fn metrics(&self) -> RaftMetrics {
+        let sh = lock(&self.shared);
+        RaftMetrics {
+            term: sh.live.term,
+            is_leader: sh.live.is_leader,
+            leader: sh.state.members.get(&sh.live.leader).map(|m| m.name.clone()),
+            commit: sh.live.commit,
+            applied: sh.state.applied,
+            leader_changes: sh.live.leader_changes,
+            failed_proposals: sh.live.failed_proposals,
+            voters: sh.state.voters.len(),
+            learners: sh.state.learners.len(),
+            placements: sh.state.placements.iter().map(|(m, p)| (m.clone(), p.epoch())).collect(),
+        }
+    }
+
+    /// Whether this node is in the cluster's membership with a leader known (what `/ready`
+    /// asks of a member).
+    pub fn is_member_with_leader(&self) -> bool {
+        let sh = lock(&self.shared);
+        sh.live.leader != 0 && sh.state.members.values().any(|m| m.name == self.name)
     }
 
     /// How many times the applied state changed (cheap to poll).
@@ -866,7 +910,15 @@ impl Driver {
             }
         }
         let st = self.node.status();
-        let live = Liveness { leader: st.leader, term: st.term, commit: st.commit, is_leader: st.role == StateRole::Leader, up: self.node.liveness() };
+        let live = Liveness {
+            leader: st.leader,
+            term: st.term,
+            commit: st.commit,
+            is_leader: st.role == StateRole::Leader,
+            up: self.node.liveness(),
+            leader_changes: self.node.leader_changes,
+            failed_proposals: self.node.failed_proposals,
+        };
         {
             let mut sh = lock(&self.shared);
             if out.applied {

@@ -1,0 +1,116 @@
+//! A worker node's HTTP endpoints, for orchestrators and Prometheus: `/health` (the process
+//! answers), `/ready` (it serves what it is given: as a cluster member, it belongs to a cluster
+//! with a leader, answers for the active placement epoch that names it, and is not draining)
+//! and `/metrics` (its own series, and Raft's when it is a member).
+//!
+//! Must never: change the node (every endpoint is a read), or serve the model's API.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use prometheus::{Encoder, IntCounter, IntGauge, Registry, TextEncoder};
+use shimmer_worker::control::ControlPlane;
+use shimmer_worker::server::WorkerState;
+
+/// The port of `/health`, `/ready` and `/metrics` unless `--http-listen` says otherwise.
+pub const DEFAULT_HTTP_PORT: u16 = 7080;
+
+#[derive(Clone)]
+struct Node {
+    state: Arc<WorkerState>,
+    fingerprint: String,
+    control: Option<Arc<ControlPlane>>,
+}
+
+/// Starts the endpoints on `rt`; returns the address they listen on.
+pub fn start(
+    rt: &tokio::runtime::Handle,
+    addr: &str,
+    state: Arc<WorkerState>,
+    fingerprint: String,
+    control: Option<Arc<ControlPlane>>,
+) -> Result<SocketAddr, String> {
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|e| format!("cannot listen on {addr} (HTTP: /health, /ready, /metrics): {e}; choose another with --http-listen"))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let app = Router::new().route("/health", get(|| async { "ok\n" })).route("/ready", get(ready)).route("/metrics", get(metrics)).with_state(Node {
+        state,
+        fingerprint,
+        control,
+    });
+    rt.spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("the worker's HTTP endpoints stopped: {e}");
+        }
+    });
+    Ok(local)
+}
+
+/// Why the node is not ready, if it is not.
+fn not_ready(node: &Node) -> Option<String> {
+    let control = node.control.as_ref()?;
+    if control.stopped() {
+        return Some("its control plane stopped".into());
+    }
+    if !control.is_member_with_leader() {
+        return Some("not yet a member of a cluster with a leader".into());
+    }
+    let me = &node.state.name;
+    let (_, placement) = control.placement(&node.fingerprint);
+    let placement = placement?;
+    if placement.active.as_ref().is_some_and(|a| a.worker_names().contains(me.as_str())) && node.state.epochs().active != placement.epoch() {
+        return Some(format!("still moving to placement epoch {}", placement.epoch()));
+    }
+    None
+}
+
+async fn ready(State(node): State<Node>) -> Response {
+    let draining = node.control.as_ref().is_some_and(|c| c.state().member_named(&node.state.name).is_some_and(|m| m.draining));
+    let why = not_ready(&node).or(draining.then(|| "draining".to_string()));
+    let body = serde_json::json!({"ready": why.is_none(), "why": why});
+    let code = if why.is_none() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, [("content-type", "application/json")], body.to_string() + "\n").into_response()
+}
+
+fn render(node: &Node) -> Result<String, prometheus::Error> {
+    let status = node.state.status();
+    let registry = Registry::new();
+    let gauge = |name: &str, help: &str, v: i64| -> Result<(), prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        g.set(v);
+        registry.register(Box::new(g))
+    };
+    let counter = |name: &str, help: &str, v: u64| -> Result<(), prometheus::Error> {
+        let c = IntCounter::new(name, help)?;
+        c.inc_by(v);
+        registry.register(Box::new(c))
+    };
+    counter("shimmer_worker_requests_total", "Expert requests this worker answered", node.state.requests.load(Ordering::Relaxed))?;
+    counter("shimmer_worker_disk_reads_total", "Experts read from disk", status.disk_reads)?;
+    gauge("shimmer_worker_resident_experts", "Experts in RAM", status.resident_experts as i64)?;
+    gauge("shimmer_worker_capacity_experts", "Experts the RAM budget holds", status.capacity_experts as i64)?;
+    gauge("shimmer_worker_assigned_experts", "Experts the placement gives this worker", status.assigned_experts as i64)?;
+    gauge("shimmer_worker_budget_bytes", "RAM given to the expert cache", status.budget_bytes as i64)?;
+    gauge("shimmer_worker_epoch", "The placement epoch this worker reports (the active one)", status.epoch as i64)?;
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&registry.gather(), &mut buf)?;
+    let mut text = String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))?;
+    if let Some(c) = &node.control {
+        text += &crate::server::metrics::render_raft(&c.metrics())?;
+    }
+    Ok(text)
+}
+
+async fn metrics(State(node): State<Node>) -> Response {
+    match render(&node) {
+        Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}\n")).into_response(),
+    }
+}
