@@ -128,6 +128,28 @@ if [ "$MODE" = check ]; then
   [ "$got" = "$want" ] || { echo "FAIL: worker 2's link down: $got, single box $want" >&2; exit 1; }
   echo "ok: worker 2's veth down: the same tokens from the replicas"
   ip -n "$ID-w2" link set eth0 up
+  # A cluster found by mDNS on the LAN: the first worker starts it, the others and a client
+  # coordinator find its members as `--join mdns`, with no address and no placement file.
+  workers 0 none
+  for i in 1 2 3; do
+    : > "$WORK/member-$i.log"
+    how=(--join mdns); [ "$i" = 1 ] && how=(--bootstrap)
+    ip netns exec "$ID-w$i" "$SHIMMER" worker "${MODEL_ARGS[@]}" --listen "$NET.1$i:7070" --data-dir "$WORK/member-$i" "${how[@]}" \
+      --join-token "$TOKEN" --no-usage 2>"$WORK/member-$i.log" &
+    PIDS+=($!)
+    wait_for "$WORK/member-$i.log" "control plane on"
+  done
+  for _ in $(seq 300); do
+    placed="$(ip netns exec "$ID-c" "$SHIMMER" cluster status --json --join mdns --join-token "$TOKEN" 2>>"$WORK/status.log" \
+      | python3 -c 'import json,sys; p=json.load(sys.stdin)["placements"]; print(len(p[0]["workers"]) if p and p[0]["proposed"] is None else 0)' 2>/dev/null || echo 0)"
+    [ "$placed" = 3 ] && break
+    sleep 0.2
+  done
+  [ "$placed" = 3 ] || { echo "FAIL: the mDNS cluster never placed the model over its 3 workers" >&2; cat "$WORK"/member-*.log "$WORK/status.log" >&2; exit 1; }
+  got="$(ip netns exec "$ID-c" "$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens 24 --json \
+    --join mdns --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log" | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: over the mDNS cluster $got, single box $want" >&2; cat "$WORK/coordinator.log" >&2; exit 1; }
+  echo "ok: 3 workers joined by mDNS and placed by the cluster itself, a client found by mDNS: the single box's tokens"
   exit 0
 fi
 

@@ -265,9 +265,20 @@ pub fn drain(worker: &Worker, control: &Arc<ControlPlane>, data_dir: &Path, with
     }
     let names_me = |r: &Option<shimmer_control::PlacementRecord>| r.as_ref().is_some_and(|r| r.worker_names().contains(name.as_str()));
     let last_request = std::sync::Mutex::new((worker.state.requests.load(Ordering::Relaxed), std::time::Instant::now()));
+    let nowhere = std::cell::Cell::new(false);
     let moved = || {
         if !marked.load(Ordering::SeqCst) {
             return false;
+        }
+        // With every other holder of the model draining too (the whole cluster is stopping),
+        // its experts have nowhere to go: waiting would only delay the stop.
+        let state = control.state();
+        let others = state.members.values().filter(|m| {
+            m.name != name && !m.draining && m.kind == shimmer_control::NodeKind::Worker && m.models.iter().any(|d| d.fingerprint == worker.fingerprint)
+        });
+        if others.count() == 0 {
+            nowhere.set(true);
+            return true;
         }
         let (_, placement) = control.placement(&worker.fingerprint);
         let covered = placement.is_none_or(|p| !names_me(&p.active) && !names_me(&p.proposed));
@@ -280,6 +291,7 @@ pub fn drain(worker: &Worker, control: &Arc<ControlPlane>, data_dir: &Path, with
         covered && now.duration_since(last.1) >= DRAIN_QUIET
     };
     let outcome = match worker.serve_until(moved, within) {
+        Drained::Done if nowhere.get() => DrainOutcome::Cut("no other worker with this model is left to take its experts".into()),
         Drained::Done => DrainOutcome::Moved,
         Drained::TimedOut => {
             DrainOutcome::Cut(format!("after {} s its experts still have no other holder, or coordinators still send it requests", within.as_secs()))

@@ -29,6 +29,7 @@ fn member(addr: &str) -> Member {
 
 fn start(dir: &std::path::Path, addr: &str, start: Start, token: &str) -> Result<ControlPlane, shimmer_worker::control::ControlError> {
     ControlPlane::start(ControlOptions {
+        mdns: false,
         data_dir: dir.to_path_buf(),
         listen: addr.into(),
         member: member(addr),

@@ -36,7 +36,8 @@ pub(super) enum ClusterCommand {
 /// How the admin verbs reach the cluster.
 #[derive(Args)]
 pub(super) struct ClusterConn {
-    /// Members to ask (HOST:PORT of their control plane), in turn until one answers.
+    /// Members to ask (HOST:PORT of their control plane, `mdns`, or `dns:NAME[:PORT]`), in turn
+    /// until one answers.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", required = true)]
     join: Vec<String>,
     /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
@@ -52,9 +53,7 @@ impl ClusterConn {
         let t = self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
         let t = t.context("give the cluster's --join-token (or SHIMMER_JOIN_TOKEN)")?;
         let token = shimmer_control::ClusterToken::parse(&t).context("--join-token")?;
-        for j in &self.join {
-            shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
-        }
+        shimmer_worker::control::discovery::parse_seeds(&self.join).map_err(|e| anyhow::anyhow!(e))?;
         match admin_any(&self.join, token, req)? {
             AdminReply::Error { message } => bail!("{message}"),
             reply => Ok(reply),

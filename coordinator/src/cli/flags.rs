@@ -41,7 +41,8 @@ pub(super) struct ClusterArgs {
     #[arg(long, value_delimiter = ',', requires = "placement")]
     pub(super) workers: Vec<String>,
     /// Use the cluster's placement, asked of any of these members (HOST:PORT of their control
-    /// plane); with --data-dir, join the cluster through them.
+    /// plane, `mdns` for the members on this LAN, `dns:NAME[:PORT]` for every address a name
+    /// resolves to); with --data-dir, join the cluster through them.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", conflicts_with = "placement")]
     pub(super) join: Vec<String>,
     #[command(flatten)]
@@ -185,6 +186,9 @@ pub(super) struct MemberArgs {
     /// (default: this machine's address on its default route).
     #[arg(long, value_name = "HOST", requires = "data_dir")]
     pub(super) advertise: Option<String>,
+    /// Do not advertise this member on mDNS (`--join mdns` on the LAN then does not find it).
+    #[arg(long, requires = "data_dir")]
+    pub(super) no_mdns: bool,
     /// Voters wanted in the control plane; further members are learners.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=7))]
     pub(super) max_voters: u16,
@@ -246,16 +250,14 @@ impl MemberArgs {
             (false, true) if initialized => Start::Join(Vec::new()),
             (false, true) => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
         };
-        for j in join {
-            shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
-        }
+        shimmer_worker::control::discovery::parse_seeds(join).map_err(|e| anyhow::anyhow!(e))?;
         let node = shimmer_control::NodeConfig {
             max_voters: usize::from(self.max_voters),
             replace_after_ms: (self.replace_voter_after_s * 1000.0) as u64,
             ..shimmer_control::NodeConfig::default()
         };
         let control_listen = self.control_listen.clone().unwrap_or_else(|| listen.to_string());
-        let cp = ControlPlane::start(ControlOptions { data_dir: dir.clone(), listen: control_listen, member: me, start, token, node })
+        let cp = ControlPlane::start(ControlOptions { data_dir: dir.clone(), listen: control_listen, member: me, start, token, node, mdns: !self.no_mdns })
             .with_context(|| format!("cannot start the control plane (--data-dir {})", dir.display()))?;
         // Tests and scripts wait for this line.
         eprintln!("shimmer: control plane on {} (TCP), member {} of cluster {}", cp.local_addr, cp.name, cp.cluster_id);

@@ -159,9 +159,7 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
             Some(PlacementSource::File(placement))
         }
         (None, None) if !cluster.join.is_empty() => {
-            for j in &cluster.join {
-                shimmer_control::state::check_host_port(j).map_err(|e| anyhow::anyhow!("--join {j}: {e}"))?;
-            }
+            shimmer_worker::control::discovery::parse_seeds(&cluster.join).map_err(|e| anyhow::anyhow!(e))?;
             let t = cluster.auth.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
             let t = t.context("--join reaches the cluster's members: give its --join-token (or SHIMMER_JOIN_TOKEN)")?;
             Some(PlacementSource::Client { members: cluster.join.clone(), token: shimmer_control::ClusterToken::parse(&t).context("--join-token")? })

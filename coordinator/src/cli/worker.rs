@@ -33,8 +33,9 @@ pub(super) struct WorkerArgs {
     pub(super) store: StoreArgs,
     #[command(flatten)]
     pub(super) member: MemberArgs,
-    /// Join the cluster through any of these members (HOST:PORT of their control plane: the
-    /// address of their --listen unless they set --control-listen).
+    /// Join the cluster through any of these members: HOST:PORT of their control plane (the
+    /// address of their --listen unless they set --control-listen), `mdns` (the members on this
+    /// LAN), `dns:NAME[:PORT]` (every address NAME resolves to, e.g. a headless service).
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", requires = "data_dir")]
     pub(super) join: Vec<String>,
     /// Where `/health`, `/ready` and `/metrics` listen (HTTP; default: --listen's host, port

@@ -7,6 +7,7 @@
 //! node confirmed it with the leader (ReadIndex) or say a peer is up from a follower's view.
 
 pub mod codec;
+pub mod discovery;
 pub mod follow;
 pub mod tls;
 
@@ -73,6 +74,8 @@ pub struct ControlOptions {
     pub start: Start,
     pub token: ClusterToken,
     pub node: NodeConfig,
+    /// Advertise this member on mDNS (`_shimmer._udp.local.`), so `--join mdns` finds it.
+    pub mdns: bool,
 }
 
 /// What this node records about itself beside its log.
@@ -220,6 +223,7 @@ pub struct ControlPlane {
     pub cluster_id: String,
     ca: ClusterCa,
     trust: ControlTrust,
+    _mdns: Option<discovery::MdnsAdvert>,
 }
 
 impl ControlPlane {
@@ -308,6 +312,16 @@ impl ControlPlane {
                 driver.run(rx)
             })
             .map_err(|e| ControlError::Rpc(format!("cannot start the Raft thread: {e}")))?;
+        let mdns = match opts.mdns {
+            true => match discovery::MdnsAdvert::start(&me.name, &cluster_id_out, &me.control_addr) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    tracing::warn!("not advertised on mDNS (`--join mdns` will not find this member): {e}");
+                    None
+                }
+            },
+            false => None,
+        };
         Ok(ControlPlane {
             events,
             shared,
@@ -318,6 +332,7 @@ impl ControlPlane {
             cluster_id: cluster_id_out,
             ca,
             trust,
+            _mdns: mdns,
         })
     }
 
@@ -410,26 +425,36 @@ fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Asks the given members, in turn and again until `JOIN_TIMEOUT`, to add this node.
+/// Asks the members the seeds stand for (found again each round: members appear), in turn and
+/// again until `JOIN_TIMEOUT`, to add this node.
 async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<AdminReply, ControlError> {
     if seeds.is_empty() {
         return Err(ControlError::Join("this data directory holds no cluster yet and no member to join was given (--join)".into()));
     }
+    let parsed = discovery::parse_seeds(seeds).map_err(ControlError::Join)?;
     let deadline = Instant::now() + JOIN_TIMEOUT;
     let mut errors: BTreeMap<String, String> = BTreeMap::new();
     loop {
-        for seed in seeds {
-            match admin(seed, trust, &AdminRequest::Join { member: me.clone() }).await {
+        let (found, problems) = {
+            let parsed = parsed.clone();
+            tokio::task::spawn_blocking(move || discovery::resolve(&parsed)).await.unwrap_or_default()
+        };
+        for p in problems {
+            errors.insert("discovery".into(), p);
+        }
+        for (addr, discovered) in found.iter().filter(|(a, _)| *a != me.control_addr) {
+            match admin(addr, trust, &AdminRequest::Join { member: me.clone() }).await {
                 Ok(AdminReply::Error { message }) => {
-                    errors.insert(seed.clone(), message);
+                    errors.insert(addr.clone(), message);
                 }
                 Ok(reply) => return Ok(reply),
-                // A wrong token or another cluster's CA will not get better by waiting.
-                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) => {
+                // A wrong token or another cluster's CA at an address the user gave will not get
+                // better by waiting; one found on the LAN may be another cluster's.
+                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) if !discovered => {
                     return Err(ControlError::Join(format!("cannot join: {e}")))
                 }
                 Err(e) => {
-                    errors.insert(seed.clone(), e.to_string());
+                    errors.insert(addr.clone(), e.to_string());
                 }
             }
         }
@@ -475,16 +500,19 @@ pub async fn admin(addr: &str, trust: &ControlTrust, req: &AdminRequest) -> Resu
     serde_json::from_slice(reply.get_ref()).map_err(|e| ControlError::Rpc(format!("{addr}: not an admin reply: {e}")))
 }
 
-/// Asks members in turn (dead ones skipped) until one answers.
+/// Asks members in turn (dead ones skipped) until one answers. `addrs` are `--join` entries:
+/// HOST:PORT, `mdns` or `dns:NAME[:PORT]`.
 pub fn admin_any(addrs: &[String], token: ClusterToken, req: &AdminRequest) -> Result<AdminReply, ControlError> {
+    let seeds = discovery::parse_seeds(addrs).map_err(ControlError::Rpc)?;
+    let (found, problems) = discovery::resolve(&seeds);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| ControlError::Rpc(e.to_string()))?;
     let trust = ControlTrust::new(token);
     rt.block_on(async {
-        let mut errors = Vec::new();
-        for a in addrs {
+        let mut errors = problems;
+        for (a, discovered) in &found {
             match admin(a, &trust, req).await {
                 Ok(r) => return Ok(r),
-                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) => return Err(e),
+                Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) if !discovered => return Err(e),
                 Err(e) => errors.push(e.to_string()),
             }
         }
