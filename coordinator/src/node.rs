@@ -430,6 +430,31 @@ fn first_cluster_placement(source: &PlacementSource, fingerprint: &str) -> Resul
     }
 }
 
+/// A member coordinator's routing counts, proposed to the cluster every `every` (merged there into
+/// the model's heat, which placements weigh), on a thread of its own until the control plane stops.
+fn report_heat(control: Arc<ControlPlane>, heat: shimmer_worker::HeatCounter, model: String, every: std::time::Duration) {
+    std::thread::spawn(move || {
+        let mut next = std::time::Instant::now() + every;
+        while !control.stopped() {
+            std::thread::sleep(std::time::Duration::from_millis(200).min(every));
+            if std::time::Instant::now() < next {
+                continue;
+            }
+            next += every;
+            let counts = heat.take();
+            if counts.is_empty() {
+                continue;
+            }
+            let report = shimmer_control::Command::ReportHeat { model: model.clone(), by: control.name.clone(), counts };
+            match control.propose(report) {
+                Ok(shimmer_control::Outcome::Applied) => {}
+                Ok(shimmer_control::Outcome::Rejected(why)) => tracing::warn!("the cluster refused this coordinator's routing heat: {why}"),
+                Err(e) => tracing::warn!("routing heat not reported (dropped, the next report goes on): {e}"),
+            }
+        }
+    });
+}
+
 /// Checks a placement against the model.
 type PlacementCheck = Box<dyn Fn(&Placement) -> Result<(), String> + Send + Sync>;
 
@@ -458,6 +483,8 @@ pub struct ClusterOptions {
     pub timeouts: Timeouts,
     /// This node is also the placement's worker of this name, its experts held as the options say.
     pub hold: Option<(String, ExpertOptions)>,
+    /// How often a member coordinator reports its routing counts to the cluster.
+    pub report_heat_every: std::time::Duration,
 }
 
 /// Where a coordinator's routed experts are.
@@ -478,7 +505,7 @@ pub fn coordinator(dir: &Path, experts: ExpertsAt) -> Result<Engine, NodeError> 
     };
     let model = ModelDir::open(dir)?;
     let moe = moe_layers(&model);
-    let ClusterOptions { placement: source, creds, timeouts, hold } = cluster;
+    let ClusterOptions { placement: source, creds, timeouts, hold, report_heat_every } = cluster;
     let experts_per_layer = model.spec.moe.num_experts;
     let fingerprint = model.fingerprint.clone();
     let (placement, where_from) = match &source {
@@ -511,6 +538,7 @@ pub fn coordinator(dir: &Path, experts: ExpertsAt) -> Result<Engine, NodeError> 
             }))
         }
         PlacementSource::Member(control) => {
+            report_heat(control.clone(), remote.heat(), fingerprint.clone(), report_heat_every);
             let feed = MemberFeed { control: control.clone(), fingerprint: fingerprint.clone(), check: Box::new(check.clone()) };
             let reload_from = PlacementSource::Member(control);
             let fp = fingerprint.clone();

@@ -213,6 +213,7 @@ fn start_coordinator(dir: &std::path::Path, listen: &str, join: &str) -> Coordin
         .args(["--listen", listen, "--data-dir"])
         .arg(dir)
         .args(["--join", join, "--host", "127.0.0.1", "--port", &http.to_string(), "--no-usage", "--worker-timeout-s", "2", "--connect-timeout-s", "1"])
+        .args(["--report-heat-every-s", "1"])
         .env("SHIMMER_JOIN_TOKEN", TOKEN)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -296,6 +297,10 @@ fn generate(extra: &[&str], prompt: &str, max_tokens: usize) -> Value {
         .unwrap();
     assert!(out.status.success(), "generate {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn request_of(prompt: &str, max_tokens: usize) -> String {
+    serde_json::json!({"model": "qwen3_moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string()
 }
 
 fn placement_of(v: &Value) -> Option<(u64, Vec<String>)> {
@@ -396,6 +401,28 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
         }
         assert!(Instant::now() < until, "the coordinator still routes by epoch {routed:?}, not {epoch}");
     }
+
+    // The coordinator's routing heat reached the cluster: a rebalance by it, asked of any
+    // member, says what it would do; forced, it moves experts with the answers unchanged.
+    let rebalance = |extra: &[&str]| -> Value {
+        let out = Command::new(shimmer_tests::shimmer_bin())
+            .args(["cluster", "rebalance", "--json", "--join", survivors[1], "--join-token", TOKEN])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    wait_status(&survivors, "the coordinator's routing heat merged", |v| v["placements"][0]["heat_reports"].as_u64().unwrap_or(0) > 0);
+    let dry = rebalance(&["--dry-run"]);
+    let m = &dry["models"][0];
+    assert!(m["imbalance_now"].as_f64().unwrap() >= 1.0 && m["proposed"] == false, "{dry}");
+    let forced = rebalance(&[]);
+    let moved = forced["models"][0]["epoch"].as_u64();
+    let v = wait_status(&survivors, "the rebalanced placement active", |v| placement_of(v).is_some_and(|(e, _)| moved.is_none_or(|m| e >= m)));
+    let epoch = placement_of(&v).unwrap().0;
+    let body = http(coordinator.http, "POST", "/v1/completions", &request_of(prompt, max_tokens), || {});
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["text"].as_str(), Some(want.as_str()), "an answer after the rebalance");
 
     // SIGTERM drains: the fourth worker marks itself draining, the leader places the model
     // without it, and it stops only once no placement names it — answers unchanged throughout.

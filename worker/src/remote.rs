@@ -89,6 +89,27 @@ impl Dialer {
 /// Where a newer placement comes from when a worker says the coordinator's is stale.
 pub type Reload = Box<dyn Fn() -> Result<Placement, String> + Send + Sync>;
 
+/// Routing counts per (model layer, expert) since they were last taken: what a coordinator
+/// reports to the cluster as routing heat.
+#[derive(Clone, Default)]
+pub struct HeatCounter(Arc<Mutex<HashMap<(u32, u32), u64>>>);
+
+impl HeatCounter {
+    fn count(&self, layer: usize, experts: &[u32]) {
+        let mut h = lock(&self.0);
+        for &e in experts.iter().filter(|&&e| e != ELSEWHERE) {
+            *h.entry((layer as u32, e)).or_insert(0) += 1;
+        }
+    }
+
+    /// The counts so far, sorted, and zero from now on.
+    pub fn take(&self) -> Vec<(u32, u32, u64)> {
+        let mut v: Vec<(u32, u32, u64)> = std::mem::take(&mut *lock(&self.0)).into_iter().map(|((l, e), c)| (l, e, c)).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
 /// A source of placements that says when it has a new one (a member's replicated state): looked
 /// at before each layer's round, so the coordinator moves to a new epoch between rounds, never
 /// during one.
@@ -153,6 +174,7 @@ pub struct RemoteExperts {
     conns: Conns,
     reload: Option<Reload>,
     feed: Option<(Box<dyn PlacementFeed>, AtomicU64)>,
+    heat: HeatCounter,
     timeouts: Timeouts,
     /// The placement worker this process is, and its experts.
     local: Option<(String, Box<dyn ExpertDispatch>)>,
@@ -222,7 +244,7 @@ impl RemoteExperts {
         let core: Core = Arc::new(Mutex::new(cluster));
         let conns: Conns = Arc::new(Mutex::new(conns));
         rt.spawn(refresh_statuses(core.clone(), conns.clone(), dialer.ids.clone(), timeouts.answer));
-        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, timeouts, local })
+        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, heat: HeatCounter::default(), timeouts, local })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
@@ -236,6 +258,11 @@ impl RemoteExperts {
     pub fn with_feed(mut self, feed: Box<dyn PlacementFeed>) -> Self {
         self.feed = Some((feed, AtomicU64::new(0)));
         self
+    }
+
+    /// The routing counts this coordinator has made (shared: take them from another thread).
+    pub fn heat(&self) -> HeatCounter {
+        self.heat.clone()
     }
 
     fn follow_feed(&self) {
@@ -459,6 +486,7 @@ impl ExpertDispatch for RemoteExperts {
 
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
         self.follow_feed();
+        self.heat.count(batch.layer, batch.experts);
         let rows_bytes: Bytes = batch.rows.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         let mut layer = self.core().begin(batch.layer, batch.experts, batch.num_rows(), acc.len());
         // A response is the sums, or an error frame.

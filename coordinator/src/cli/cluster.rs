@@ -29,6 +29,15 @@ pub(super) enum ClusterCommand {
         #[command(flatten)]
         conn: ClusterConn,
     },
+    /// Re-plan every placed model by the routing heat the coordinators reported, now (whatever
+    /// the threshold and rate limit the leader keeps by itself).
+    Rebalance {
+        /// Say what it would do (the imbalance now and after), proposing nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        conn: ClusterConn,
+    },
     /// Print the cluster's join token, pinning its CA (`SHM1<ca-sha256>::<secret>`).
     Token(ClusterConn),
 }
@@ -104,6 +113,23 @@ pub(super) fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
         }
         ClusterCommand::Drain { node, undo, conn } => done(&conn, &AdminRequest::Drain { name: node, draining: !undo })?,
         ClusterCommand::Remove { node, conn } => done(&conn, &AdminRequest::Remove { name: node })?,
+        ClusterCommand::Rebalance { dry_run, conn } => match conn.ask(&AdminRequest::Rebalance { dry_run })? {
+            AdminReply::Rebalanced { models } if conn.json => println!("{}", serde_json::to_string(&json!({"dry_run": dry_run, "models": models}))?),
+            AdminReply::Rebalanced { models } => {
+                if models.is_empty() {
+                    println!("no placed models");
+                }
+                for m in &models {
+                    let what = match (m.epoch, m.proposed) {
+                        (None, _) => "the active placement is already the plan".to_string(),
+                        (Some(e), true) => format!("epoch {e} proposed"),
+                        (Some(e), false) => format!("would propose epoch {e}"),
+                    };
+                    println!("model {}: imbalance {:.2} now, {:.2} after: {what}", m.model, m.imbalance_now, m.imbalance_after);
+                }
+            }
+            other => bail!("unexpected answer: {other:?}"),
+        },
         ClusterCommand::Token(c) => match c.ask(&AdminRequest::Token)? {
             AdminReply::Token { token } if c.json => println!("{}", serde_json::to_string(&json!({"token": token}))?),
             AdminReply::Token { token } => println!("{token}"),

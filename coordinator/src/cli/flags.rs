@@ -53,6 +53,9 @@ pub(super) struct ClusterArgs {
     /// Seconds to wait for a worker's connection (at start, and when retrying a down one).
     #[arg(long, default_value_t = 3.0)]
     pub(super) connect_timeout_s: f64,
+    /// A member coordinator reports its routing counts to the cluster this often (seconds).
+    #[arg(long, default_value_t = 30.0)]
+    pub(super) report_heat_every_s: f64,
     /// This node is also the placement's worker NAME: its experts are computed here (from this
     /// machine's disk, under the store flags) instead of over the network.
     #[arg(long, value_name = "NAME", requires = "placement")]
@@ -195,6 +198,16 @@ pub(super) struct MemberArgs {
     /// Seconds a voter may be gone before a learner replaces it.
     #[arg(long, default_value_t = 30.0)]
     pub(super) replace_voter_after_s: f64,
+    /// Copies of every expert the cluster's placements make (fewer with fewer workers).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub(super) replicas: u16,
+    /// As leader, rebalance a model by its routing heat when that lowers the busiest worker's
+    /// share over the mean by at least this much.
+    #[arg(long, default_value_t = 0.15)]
+    pub(super) rebalance_gain: f64,
+    /// As leader, rebalance a model at most this often (seconds).
+    #[arg(long, default_value_t = 300.0)]
+    pub(super) rebalance_every_s: f64,
 }
 
 impl MemberArgs {
@@ -251,9 +264,18 @@ impl MemberArgs {
             (false, true) => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
         };
         shimmer_worker::control::discovery::parse_seeds(join).map_err(|e| anyhow::anyhow!(e))?;
+        if !(self.rebalance_gain > 0.0 && self.rebalance_gain.is_finite()) {
+            bail!("--rebalance-gain must be a positive number, got {}", self.rebalance_gain);
+        }
+        if !(self.rebalance_every_s >= 1.0 && self.rebalance_every_s <= 86_400.0 * 30.0) {
+            bail!("--rebalance-every-s must be in [1, 2592000], got {}", self.rebalance_every_s);
+        }
         let node = shimmer_control::NodeConfig {
             max_voters: usize::from(self.max_voters),
             replace_after_ms: (self.replace_voter_after_s * 1000.0) as u64,
+            replicas: usize::from(self.replicas),
+            rebalance_gain: self.rebalance_gain,
+            rebalance_every_ms: (self.rebalance_every_s * 1000.0) as u64,
             ..shimmer_control::NodeConfig::default()
         };
         let control_listen = self.control_listen.clone().unwrap_or_else(|| listen.to_string());

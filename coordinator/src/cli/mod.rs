@@ -187,9 +187,17 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
         if !json && !is_file {
             eprintln!("shimmer: waiting for {described} to place the model's experts");
         }
-        let engine =
-            crate::node::coordinator(dir, crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions { placement: source, creds, timeouts, hold })))
-                .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
+        let engine = crate::node::coordinator(
+            dir,
+            crate::node::ExpertsAt::Cluster(Box::new(crate::node::ClusterOptions {
+                placement: source,
+                creds,
+                timeouts,
+                hold,
+                report_heat_every: secs("--report-heat-every-s", cluster.report_heat_every_s)?,
+            })),
+        )
+        .with_context(|| format!("cannot load model {} over the cluster", dir.display()))?;
         if !json {
             if is_file {
                 eprintln!("shimmer: routed experts on the workers of {described}");

@@ -34,6 +34,10 @@ pub struct NodeConfig {
     pub snapshot_every: u64,
     /// Copies of every expert the leader's placements make (fewer with fewer workers).
     pub replicas: usize,
+    /// The drop in imbalance (busiest worker's share over the mean) a rebalance must bring.
+    pub rebalance_gain: f64,
+    /// The least time between two rebalances of a model the leader starts by itself.
+    pub rebalance_every_ms: u64,
 }
 
 impl Default for NodeConfig {
@@ -47,6 +51,8 @@ impl Default for NodeConfig {
             replace_after_ms: 30_000,
             snapshot_every: 1000,
             replicas: 2,
+            rebalance_gain: 0.15,
+            rebalance_every_ms: 300_000,
         }
     }
 }
@@ -122,6 +128,8 @@ pub struct ControlNode {
     now: u64,
     /// The leader's view: peers it is sending a snapshot, since when.
     snapshot_since: HashMap<NodeId, u64>,
+    /// When this leader last rebalanced each model (its rate limit; a new leader starts afresh).
+    last_rebalance: HashMap<String, u64>,
 }
 
 fn raft_config(id: NodeId, applied: u64, cfg: &NodeConfig) -> raft::Config {
@@ -182,6 +190,7 @@ impl ControlNode {
             last_heard: HashMap::new(),
             leader_since: None,
             snapshot_since: HashMap::new(),
+            last_rebalance: HashMap::new(),
             last_leader: 0,
             reads_asked: BTreeMap::new(),
             reads_waiting: Vec::new(),
@@ -210,6 +219,14 @@ impl ControlNode {
             applied: self.state.applied,
             last_index: r.raft_log.last_index(),
         }
+    }
+
+    /// The leader's view of how far each peer's log matches its own (empty on a follower).
+    pub fn matched(&self) -> BTreeMap<NodeId, u64> {
+        if !self.is_leader() {
+            return BTreeMap::new();
+        }
+        self.raw.raft.prs().iter().map(|(&id, p)| (id, p.matched)).collect()
     }
 
     pub fn is_leader(&self) -> bool {
@@ -436,8 +453,11 @@ impl ControlNode {
         if led_for < self.cfg.down_after_ms || self.raw.raft.raft_log.last_index() > self.state.applied {
             return Ok(());
         }
-        let cfg = crate::placer::PlacerConfig { replicas: self.cfg.replicas };
+        let cfg = self.placer_config();
         let decisions = crate::placer::decide(&self.state, &|id| self.is_up(id), cfg);
+        if decisions.is_empty() {
+            return self.rebalance_when_worth_it(cfg);
+        }
         for decision in decisions {
             match decision {
                 Ok(record) => {
@@ -451,6 +471,54 @@ impl ControlNode {
             }
         }
         Ok(())
+    }
+
+    fn placer_config(&self) -> crate::placer::PlacerConfig {
+        crate::placer::PlacerConfig { replicas: self.cfg.replicas, rebalance_gain: self.cfg.rebalance_gain }
+    }
+
+    /// A model whose heat says a new plan is worth `rebalance_gain`, and that this leader did
+    /// not rebalance within `rebalance_every_ms`, gets the next epoch.
+    fn rebalance_when_worth_it(&mut self, cfg: crate::placer::PlacerConfig) -> Result<(), NodeError> {
+        let since = self.leader_since.unwrap_or(self.now);
+        let models: Vec<String> = self.state.placements.iter().filter(|(_, p)| p.proposed.is_none()).map(|(m, _)| m.clone()).collect();
+        for model in models {
+            let last = self.last_rebalance.get(&model).copied().unwrap_or(since);
+            if self.now.saturating_sub(last) < self.cfg.rebalance_every_ms {
+                continue;
+            }
+            let Some(r) = crate::placer::rebalance(&self.state, &model, cfg) else { continue };
+            let Some(record) = r.record.filter(|_| r.imbalance_now - r.imbalance_after >= cfg.rebalance_gain) else { continue };
+            tracing::info!(%model, epoch = record.epoch, from = r.imbalance_now, to = r.imbalance_after, "rebalancing by routing heat");
+            self.last_rebalance.insert(model, self.now);
+            match self.append_proposal(Command::ProposePlacement { record }) {
+                Ok(_) | Err(NodeError::NoLeader) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// What rebalancing every placed model now would do, whatever the threshold and the rate
+    /// limit (`shimmer cluster rebalance`); unless `dry_run`, the leader proposes each new plan.
+    pub fn rebalance_now(&mut self, dry_run: bool) -> Result<(Vec<crate::placer::Rebalance>, Output), NodeError> {
+        if !self.is_leader() {
+            return Err(if self.raw.raft.leader_id == 0 { NodeError::NoLeader } else { NodeError::NotLeader(self.raw.raft.leader_id) });
+        }
+        let cfg = self.placer_config();
+        let models: Vec<String> = self.state.placements.keys().cloned().collect();
+        let mut reports = Vec::new();
+        for model in models {
+            let Some(r) = crate::placer::rebalance(&self.state, &model, cfg) else { continue };
+            if let (false, Some(record)) = (dry_run, r.record.clone()) {
+                self.last_rebalance.insert(model.clone(), self.now);
+                self.append_proposal(Command::ProposePlacement { record })?;
+            }
+            reports.push(r);
+        }
+        let mut out = Output::default();
+        self.advance(&mut out)?;
+        Ok((reports, out))
     }
 
     /// Handles every pending `Ready`: persist, then apply, then collect what to send.

@@ -8,6 +8,12 @@
 //! model's latest placement (proposed, else active), a new epoch is planned over it: so a join,
 //! a leave (a worker down or removed) and a drain each re-plan at once.
 //!
+//! Every plan weighs experts by the model's merged routing heat. Between membership changes the
+//! leader also *rebalances*: when the heat says a new plan would lower the busiest worker's
+//! share of first-asked selections (its imbalance: that share over the mean) by at least
+//! `rebalance_gain`, it is worth an epoch — the threshold is the hysteresis (small drifts of the
+//! heat never move experts back and forth), and the node rate-limits how often it asks.
+//!
 //! Must never: read a clock or the network; place a model on a worker that does not have it on
 //! disk; plan a placement with no workers (the last one going down keeps the placement it had).
 
@@ -22,6 +28,57 @@ use crate::state::{ClusterState, ModelOnDisk, ModelShape, NodeId, NodeKind, Plac
 pub struct PlacerConfig {
     /// Copies of every expert (fewer when there are fewer workers): 2 survives any one worker.
     pub replicas: usize,
+    /// The drop in imbalance a rebalance must bring (0.15: the busiest worker's share over the
+    /// mean falls by 0.15).
+    pub rebalance_gain: f64,
+}
+
+/// What a rebalance would do for a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rebalance {
+    pub model: String,
+    /// The busiest worker's first-asked share over the mean, under the merged heat: now, and
+    /// with the new plan.
+    pub imbalance_now: f64,
+    pub imbalance_after: f64,
+    /// The new placement (the next epoch), when it differs from the active one.
+    pub record: Option<PlacementRecord>,
+}
+
+/// The busiest worker's share of first-asked selections over the mean, for `placement` under
+/// `heat` (uniform when empty); 1.0 is perfectly even.
+pub fn imbalance(placement: &shimmer_cluster::Placement, heat: &HashMap<(usize, usize), u64>) -> f64 {
+    let mut load: BTreeMap<&str, f64> = placement.workers.iter().map(|w| (w.name.as_str(), 0.0)).collect();
+    for l in &placement.layers {
+        let total: u64 = (0..l.replicas.len()).map(|e| heat.get(&(l.layer, e)).copied().unwrap_or(0)).sum();
+        for (e, holders) in l.replicas.iter().enumerate() {
+            let share = if total == 0 { 1.0 / l.replicas.len() as f64 } else { heat.get(&(l.layer, e)).copied().unwrap_or(0) as f64 / total as f64 };
+            if let Some(first) = holders.first().and_then(|h| load.get_mut(h.as_str())) {
+                *first += share;
+            }
+        }
+    }
+    let n = load.len().max(1) as f64;
+    let sum: f64 = load.values().sum();
+    if sum <= 0.0 {
+        return 1.0;
+    }
+    load.values().copied().fold(0.0, f64::max) / (sum / n)
+}
+
+/// What re-planning `model` over its active placement's workers under the merged heat would
+/// bring (`None`: no active placement, or its workers no longer hold the model's shape).
+pub fn rebalance(state: &ClusterState, model: &str, cfg: PlacerConfig) -> Option<Rebalance> {
+    let placed = state.placements.get(model)?;
+    let active = placed.active.as_ref()?;
+    let disk = state.members.values().flat_map(|m| &m.models).find(|d| d.fingerprint == model)?;
+    let shape = disk.shape.as_ref()?;
+    let heat = state.heat.get(model).map(|h| h.as_map()).unwrap_or_default();
+    let epoch = placed.latest_epoch() + 1;
+    let planned = place(model, disk, shape, active.placement.workers.clone(), &heat, epoch, cfg).ok()?;
+    let (now, after) = (imbalance(&active.placement, &heat), imbalance(&planned.placement, &heat));
+    let same = planned.placement.layers == active.placement.layers;
+    Some(Rebalance { model: model.to_string(), imbalance_now: now, imbalance_after: after, record: (!same).then_some(planned) })
 }
 
 /// The new placements to propose, at most one per model, in fingerprint order.
@@ -56,12 +113,21 @@ pub fn decide(state: &ClusterState, up: &dyn Fn(NodeId) -> bool, cfg: PlacerConf
             continue;
         }
         let epoch = placed.map_or(0, |p| p.latest_epoch()) + 1;
-        out.push(place(fingerprint, disk, shape, holders.into_values().collect(), epoch, cfg));
+        let heat = state.heat.get(fingerprint).map(|h| h.as_map()).unwrap_or_default();
+        out.push(place(fingerprint, disk, shape, holders.into_values().collect(), &heat, epoch, cfg));
     }
     out
 }
 
-fn place(fingerprint: &str, disk: &ModelOnDisk, shape: &ModelShape, workers: Vec<Worker>, epoch: u64, cfg: PlacerConfig) -> Result<PlacementRecord, String> {
+fn place(
+    fingerprint: &str,
+    disk: &ModelOnDisk,
+    shape: &ModelShape,
+    workers: Vec<Worker>,
+    heat: &HashMap<(usize, usize), u64>,
+    epoch: u64,
+    cfg: PlacerConfig,
+) -> Result<PlacementRecord, String> {
     let moe_layers: Vec<usize> = shape.moe_layers.iter().map(|&l| l as usize).collect();
     let (mut placement, _) = plan(&PlanInput {
         model: fingerprint,
@@ -69,7 +135,7 @@ fn place(fingerprint: &str, disk: &ModelOnDisk, shape: &ModelShape, workers: Vec
         experts: shape.experts as usize,
         expert_bytes: disk.expert_bytes,
         workers: &workers,
-        heat: &HashMap::new(),
+        heat,
         replicas: cfg.replicas.clamp(1, workers.len()),
         replicate_fraction: 1.0,
         top_k: shape.top_k as usize,
@@ -108,7 +174,7 @@ mod tests {
         s
     }
 
-    const CFG: PlacerConfig = PlacerConfig { replicas: 2 };
+    const CFG: PlacerConfig = PlacerConfig { replicas: 2, rebalance_gain: 0.15 };
 
     fn decide_all_up(s: &ClusterState) -> Vec<PlacementRecord> {
         decide(s, &|_| true, CFG).into_iter().map(|r| r.unwrap()).collect()
@@ -164,5 +230,33 @@ mod tests {
         let next: Vec<_> = decide(&s, &|id| id != b, CFG).into_iter().map(|r| r.unwrap()).collect();
         assert_eq!((next[0].epoch, next[0].worker_names()), (2, BTreeSet::from(["a:1"])));
         assert!(next[0].placement.layers.iter().all(|l| l.replicas.iter().all(|h| h == &["a:1".to_string()])));
+    }
+
+    #[test]
+    fn skewed_heat_makes_a_rebalance_worth_it_and_even_heat_does_not() {
+        let mut s = with_members(&[worker("a:1", Some("m")), worker("b:1", Some("m")), worker("c:1", Some("m"))]);
+        let first = decide_all_up(&s).remove(0);
+        commit_and_activate(&mut s, first);
+        let even = rebalance(&s, "m", CFG).unwrap();
+        assert!(even.imbalance_now < 1.2 && even.record.is_none(), "{even:?}");
+        // Traffic lands on the experts the first worker is asked first for.
+        let active = s.placements["m"].active.clone().unwrap();
+        let mut counts = Vec::new();
+        for l in &active.placement.layers {
+            for (e, h) in l.replicas.iter().enumerate() {
+                counts.push((l.layer as u32, e as u32, if h[0] == "a:1" { 1000 } else { 1 }));
+            }
+        }
+        assert_eq!(s.apply_command(500, &Command::ReportHeat { model: "m".into(), by: "a:1".into(), counts }), Outcome::Applied);
+        let skewed = rebalance(&s, "m", CFG).unwrap();
+        assert!(skewed.imbalance_now > 2.5, "{skewed:?}");
+        assert!(skewed.imbalance_now - skewed.imbalance_after >= CFG.rebalance_gain, "{skewed:?}");
+        let record = skewed.record.unwrap();
+        assert_eq!(record.epoch, 2);
+        record.placement.validate("m", &[1, 2], 8).unwrap();
+        // Once adopted, the same heat asks for nothing more (no moving back and forth).
+        commit_and_activate(&mut s, record);
+        let settled = rebalance(&s, "m", CFG).unwrap();
+        assert!(settled.imbalance_now - settled.imbalance_after < CFG.rebalance_gain, "{settled:?}");
     }
 }

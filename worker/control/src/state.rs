@@ -161,6 +161,34 @@ impl PlacementRecord {
     }
 }
 
+/// A model's routing heat: per MoE layer, per expert, selections counted by coordinators, each
+/// report decaying what came before by `HEAT_DECAY` (so recent traffic weighs most).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelHeat {
+    pub layers: BTreeMap<u32, Vec<u64>>,
+    pub reports: u64,
+}
+
+/// Each heat report keeps this fraction of the counts before it (as `1 - 1/n`).
+pub const HEAT_DECAY_DIVISOR: u64 = 16;
+/// Entries in one heat report at most.
+pub const MAX_HEAT_ENTRIES: usize = 1 << 20;
+
+impl ModelHeat {
+    /// The counts keyed by (model layer, expert), as the planner takes them.
+    pub fn as_map(&self) -> std::collections::HashMap<(usize, usize), u64> {
+        let mut m = std::collections::HashMap::new();
+        for (&l, counts) in &self.layers {
+            for (e, &c) in counts.iter().enumerate() {
+                if c > 0 {
+                    m.insert((l as usize, e), c);
+                }
+            }
+        }
+        m
+    }
+}
+
 /// One model's placements: the active one, the one being prepared, and the epoch before.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelPlacement {
@@ -205,6 +233,9 @@ pub struct ClusterState {
     pub learners: BTreeSet<NodeId>,
     /// Per model fingerprint, its placements.
     pub placements: BTreeMap<String, ModelPlacement>,
+    /// Per model fingerprint, the routing heat coordinators reported (decayed counts).
+    #[serde(default)]
+    pub heat: BTreeMap<String, ModelHeat>,
     /// The index of the last entry applied.
     pub applied: u64,
 }
@@ -225,6 +256,12 @@ pub enum Command {
     /// epoch is above every epoch of the model so far and its workers are members.
     ProposePlacement {
         record: PlacementRecord,
+    },
+    /// A coordinator's routing counts since its last report: (model layer, expert, count).
+    ReportHeat {
+        model: String,
+        by: String,
+        counts: Vec<(u32, u32, u64)>,
     },
     /// A worker of a proposed placement holds its experts.
     PlacementReady {
@@ -287,6 +324,11 @@ impl ClusterState {
         self.members.get(&node_id(name))
     }
 
+    /// A model's shape as its first holder (by id) reports it.
+    pub fn shape_of(&self, model: &str) -> Option<&ModelShape> {
+        self.members.values().flat_map(|m| &m.models).find(|d| d.fingerprint == model).and_then(|d| d.shape.as_ref())
+    }
+
     /// Applies a normal entry's command.
     pub fn apply_command(&mut self, index: u64, command: &Command) -> Outcome {
         self.applied = self.applied.max(index);
@@ -331,6 +373,34 @@ impl ClusterState {
                 let entry = self.placements.entry(model.clone()).or_default();
                 entry.proposed = Some(record.clone());
                 entry.ready.clear();
+                Outcome::Applied
+            }
+            Command::ReportHeat { model, by, counts } => {
+                if counts.len() > MAX_HEAT_ENTRIES {
+                    return Outcome::Rejected(format!("a heat report of {} entries (limit {MAX_HEAT_ENTRIES})", counts.len()));
+                }
+                if self.member_named(by).is_none_or(|m| &m.name != by) {
+                    return Outcome::Rejected(format!("{by} is not a member"));
+                }
+                let Some(shape) = self.shape_of(model).cloned() else {
+                    return Outcome::Rejected(format!("no member has model {model} on disk"));
+                };
+                if let Some(&(l, e, _)) = counts.iter().find(|(l, e, _)| !shape.moe_layers.contains(l) || *e >= shape.experts) {
+                    return Outcome::Rejected(format!("layer {l} expert {e} is not a routed expert of model {model}"));
+                }
+                let heat = self.heat.entry(model.clone()).or_default();
+                for layer in heat.layers.values_mut() {
+                    for c in layer.iter_mut() {
+                        *c -= *c / HEAT_DECAY_DIVISOR;
+                    }
+                }
+                for &(l, e, n) in counts {
+                    let layer = heat.layers.entry(l).or_insert_with(|| vec![0; shape.experts as usize]);
+                    if let Some(c) = layer.get_mut(e as usize) {
+                        *c = c.saturating_add(n);
+                    }
+                }
+                heat.reports += 1;
                 Outcome::Applied
             }
             Command::PlacementReady { model, epoch, worker } => {
@@ -503,6 +573,26 @@ mod tests {
         assert!(s.placements["m"].ready.is_empty());
         assert!(matches!(s.apply_command(12, &ready(4, "b:1")), Outcome::Rejected(_)));
         assert_eq!(s.placements["m"].epoch(), 3);
+    }
+
+    #[test]
+    fn heat_reports_decay_what_came_before_and_are_checked_against_the_model() {
+        let mut s = ClusterState::default();
+        let mut w = member("w:1");
+        w.models.push(ModelOnDisk { fingerprint: "m".into(), expert_bytes: 1, shape: Some(ModelShape { moe_layers: vec![1, 3], experts: 4, top_k: 2 }) });
+        s.apply_member_change(1, &MemberChange::Add { member: w.clone() }, &[w.id()], &[]);
+        let report = |counts: Vec<(u32, u32, u64)>| Command::ReportHeat { model: "m".into(), by: "w:1".into(), counts };
+        assert_eq!(s.apply_command(2, &report(vec![(1, 0, 160), (3, 3, 16)])), Outcome::Applied);
+        assert_eq!(s.apply_command(3, &report(vec![(1, 1, 10)])), Outcome::Applied);
+        let h = &s.heat["m"];
+        assert_eq!((h.layers[&1].clone(), h.layers[&3].clone(), h.reports), (vec![150, 10, 0, 0], vec![0, 0, 0, 15], 2));
+        assert_eq!(h.as_map()[&(1, 0)], 150);
+        assert!(matches!(s.apply_command(4, &report(vec![(2, 0, 1)])), Outcome::Rejected(_)), "layer 2 is dense");
+        assert!(matches!(s.apply_command(4, &report(vec![(1, 4, 1)])), Outcome::Rejected(_)), "expert 4 of 4");
+        let stranger = Command::ReportHeat { model: "m".into(), by: "x:1".into(), counts: vec![] };
+        assert!(matches!(s.apply_command(4, &stranger), Outcome::Rejected(_)));
+        let other = Command::ReportHeat { model: "other".into(), by: "w:1".into(), counts: vec![] };
+        assert!(matches!(s.apply_command(4, &other), Outcome::Rejected(_)));
     }
 
     #[test]

@@ -12,7 +12,13 @@
 //! index hold the same state (so committed entries are never lost or reordered); a node's
 //! applied index and the active and latest placement epochs it holds never go down, not even
 //! across restarts; every active placement gives every expert a holder among the members; a
-//! partitioned minority of the voters commits nothing beyond what was committed before. At the
+//! partitioned minority of the voters commits nothing beyond what a majority held when it was
+//! cut off (crediting the minority with anything its leader can hand it); a committed index is
+//! held by a majority of the voters at every moment.
+//!
+//! The network, faults and proposals are seeded; raft-rs draws its randomised election timeouts
+//! from its own thread RNG, so two runs of one seed may elect differently (the checks hold for
+//! every interleaving; a failure prints the seed's schedule state to start from). At the
 //! end, healed: every node converges to the same state, with the wanted number of voters and
 //! the model placed over every node.
 
@@ -78,6 +84,8 @@ struct Sim {
     /// When each node last said it was ready for a proposed epoch.
     last_ready: Vec<u64>,
     activations: u64,
+    /// The highest commit index already checked against the logs.
+    checked_commit: u64,
     minority_commit: Option<(Vec<usize>, Vec<u64>)>,
     done: u64,
     delivered: u64,
@@ -110,6 +118,7 @@ impl Sim {
             epoch_floor: vec![(0, 0); n],
             last_ready: vec![0; n],
             activations: 0,
+            checked_commit: 0,
             minority_commit: None,
             done: 0,
             delivered: 0,
@@ -213,6 +222,16 @@ impl Sim {
                 active.placement.validate("m", &layers, shape().experts as usize).unwrap_or_else(|e| panic!("{}: active placement: {e}", self.names[i]));
             }
         }
+        // Committed means held by a majority of the voters, at every moment.
+        for i in 0..self.nodes.len() {
+            let Some(n) = &self.nodes[i] else { continue };
+            let commit = n.status().commit;
+            if commit > self.checked_commit {
+                let held = self.held_by_majority(&n.state.voters, &[]);
+                assert!(commit <= held, "{} committed {commit}, but a majority of the voters hold only up to {held}", self.names[i]);
+                self.checked_commit = commit;
+            }
+        }
         if let Some((minority, commits)) = &self.minority_commit {
             for (k, &i) in minority.iter().enumerate() {
                 if let Some(n) = &self.nodes[i] {
@@ -228,6 +247,28 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// The highest index at which a majority of `voters` hold the same entry (same term),
+    /// counting the voters in `credited` as holding everything (a minority's leader can hand them
+    /// any entry it has).
+    fn held_by_majority(&self, voters: &BTreeSet<u64>, credited: &[usize]) -> u64 {
+        let credited_ids: BTreeSet<u64> = credited.iter().map(|&i| self.ids[i]).filter(|id| voters.contains(id)).collect();
+        let logs: Vec<&RaftLog> = voters.iter().filter(|id| !credited_ids.contains(id)).filter_map(|id| self.index_of(*id)).map(|i| &self.logs[i]).collect();
+        let quorum = (voters.len() / 2 + 1).saturating_sub(credited_ids.len());
+        let top = logs.iter().map(|l| raft::Storage::last_index(*l).unwrap_or(0)).max().unwrap_or(0);
+        (1..=top)
+            .rev()
+            .find(|&i| {
+                let mut terms: BTreeMap<u64, usize> = BTreeMap::new();
+                for l in &logs {
+                    if let Ok(t) = raft::Storage::term(*l, i) {
+                        *terms.entry(t).or_default() += 1;
+                    }
+                }
+                quorum == 0 || terms.values().any(|&c| c >= quorum)
+            })
+            .unwrap_or(0)
     }
 
     fn leader(&self) -> Option<usize> {
@@ -334,11 +375,12 @@ fn schedule(seed: u64, n: usize, max_voters: usize) -> (u64, u64) {
                 let voters = sim.nodes.iter().flatten().map(|x| x.state.voters.clone()).max_by_key(|v| v.len()).unwrap_or_default();
                 let inside = minority.iter().filter(|&&i| voters.contains(&sim.ids[i])).count();
                 if inside < voters.len() / 2 + 1 {
-                    // Everything committed anywhere so far (a minority node may still learn of
-                    // that from a minority leader that knew it), and nothing beyond.
+                    // What a majority of the voters held when cut off (the minority's leader may
+                    // still count acks it had for it, and tell the others), and nothing beyond.
                     let live = sim.nodes.iter().flatten().map(|x| x.status().commit);
                     let persisted = sim.logs.iter().map(|l| l.hard_state().commit);
-                    let committed = live.chain(persisted).max().unwrap_or(0);
+                    let held = sim.held_by_majority(&voters, &minority);
+                    let committed = live.chain(persisted).max().unwrap_or(0).max(held);
                     let commits = vec![committed; minority.len()];
                     sim.minority_commit = Some((minority, commits));
                 }

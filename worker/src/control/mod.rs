@@ -109,6 +109,8 @@ pub struct PlacementView {
     /// An epoch being prepared, and how many of its workers are ready.
     pub proposed: Option<u64>,
     pub ready: usize,
+    /// Routing heat reports merged for the model so far.
+    pub heat_reports: u64,
 }
 
 /// The answer to `cluster status`: the replicated state as of a ReadIndex read, with the
@@ -148,6 +150,22 @@ pub enum AdminRequest {
     Placement {
         model: String,
     },
+    /// Re-plan every placed model by its routing heat now (the leader answers).
+    Rebalance {
+        dry_run: bool,
+    },
+}
+
+/// What a rebalance did or would do for one model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebalanceView {
+    pub model: String,
+    /// The busiest worker's share of first-asked selections over the mean (1.0: even).
+    pub imbalance_now: f64,
+    pub imbalance_after: f64,
+    /// The epoch proposed (or, with --dry-run, that would be); `None`: the plan is the active one.
+    pub epoch: Option<u64>,
+    pub proposed: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -158,6 +176,7 @@ pub enum AdminReply {
     Done { message: String },
     Token { token: String },
     Placement { record: Option<PlacementRecord> },
+    Rebalanced { models: Vec<RebalanceView> },
     Error { message: String },
 }
 
@@ -168,6 +187,7 @@ enum Event {
     Propose(Command, Reply<Outcome>),
     Change(MemberChange, Reply<Outcome>),
     Read(Reply<(ClusterState, Liveness)>),
+    Rebalance(bool, Reply<Vec<RebalanceView>>),
     Unreachable(NodeId),
     Stop,
 }
@@ -630,7 +650,7 @@ impl Service {
     }
 
     async fn handle(&self, req: AdminRequest) -> AdminReply {
-        if matches!(req, AdminRequest::Join { .. } | AdminRequest::Remove { .. }) {
+        if matches!(req, AdminRequest::Join { .. } | AdminRequest::Remove { .. } | AdminRequest::Rebalance { .. }) {
             if let Some(reply) = self.on_leader(&req).await {
                 return reply;
             }
@@ -675,6 +695,7 @@ impl Service {
                     check(self.ask(|r| Event::Change(MemberChange::Remove { name: name.clone() }, r)).await?)?;
                     Ok(AdminReply::Done { message: format!("{name} removed") })
                 }
+                AdminRequest::Rebalance { dry_run } => Ok(AdminReply::Rebalanced { models: self.ask(|r| Event::Rebalance(dry_run, r)).await? }),
                 AdminRequest::Placement { model } => {
                     let (state, _) = self.ask(Event::Read).await?;
                     Ok(AdminReply::Placement { record: state.placements.get(&model).and_then(|p| p.active.clone()) })
@@ -726,6 +747,7 @@ fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> Stat
                 workers: p.active.as_ref().map(|a| a.placement.workers.iter().map(|w| w.name.clone()).collect()).unwrap_or_default(),
                 proposed: p.proposed.as_ref().map(|r| r.epoch),
                 ready: p.ready.len(),
+                heat_reports: state.heat.get(model).map_or(0, |h| h.reports),
             })
             .collect(),
         answered_by: answered_by.to_string(),
@@ -839,6 +861,25 @@ impl Driver {
                 self.carry_out(out);
             }
             Event::Unreachable(id) => self.node.report_unreachable(id),
+            Event::Rebalance(dry_run, reply) => match self.node.rebalance_now(dry_run) {
+                Ok((reports, out)) => {
+                    let views = reports
+                        .into_iter()
+                        .map(|r| RebalanceView {
+                            model: r.model,
+                            imbalance_now: r.imbalance_now,
+                            imbalance_after: r.imbalance_after,
+                            epoch: r.record.as_ref().map(|x| x.epoch),
+                            proposed: !dry_run && r.record.is_some(),
+                        })
+                        .collect();
+                    let _ = reply.send(Ok(views));
+                    self.carry_out(out);
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e.to_string()));
+                }
+            },
             Event::Read(reply) => {
                 self.next_read += 1;
                 let id = self.next_read;
