@@ -23,6 +23,8 @@ struct Node {
     dir: std::path::PathBuf,
     /// Where its /health, /ready and /metrics are.
     http: String,
+    /// Its stderr so far.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Drop for Node {
@@ -76,8 +78,14 @@ fn start(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Node {
     };
     assert!(seen.iter().any(|l| l.contains("control plane on")), "{seen:?}");
     // Keep draining stderr so the process never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Node { child, listen: listen.to_string(), dir: dir.to_path_buf(), http }
+    let log = std::sync::Arc::new(std::sync::Mutex::new(seen));
+    let keep = log.clone();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            keep.lock().unwrap().push(l);
+        }
+    });
+    Node { child, listen: listen.to_string(), dir: dir.to_path_buf(), http, log }
 }
 
 fn status(addrs: &[&str], token: &str) -> Result<Value, String> {
@@ -463,4 +471,67 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
             && v["members"].as_array().unwrap().iter().any(|m| m["name"] == addrs[3] && m["draining"] == false)
     });
     drop(killed);
+}
+
+/// The effective user id is 0 (from `/proc/self/status`).
+fn running_as_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|ids| ids.split_whitespace().nth(1)).is_some_and(|euid| euid == "0")
+}
+
+/// A small tmpfs, unmounted when dropped.
+struct SmallDisk(std::path::PathBuf);
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_stops_a_member_with_an_error_naming_its_log_and_it_resumes_once_there_is_room() {
+    if !running_as_root() {
+        eprintln!("skipped (not root, so no tmpfs of our own to fill)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = tmp.path().join("disk");
+    std::fs::create_dir(&mnt).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=3m", "tmpfs"]).arg(&mnt).status().unwrap();
+    assert!(mounted.success(), "mount tmpfs as root");
+    let _disk = SmallDisk(mnt.clone());
+    let dir = mnt.join("data");
+    let listen = format!("127.0.0.7:{}", free_port("127.0.0.7"));
+    let mut node = start(&dir, &listen, &["--bootstrap", "--no-mdns"]);
+    wait_status(&[&listen], "the node leading", |v| v["leader"] == listen.as_str());
+    // Fill the disk, then make the log grow: the member stops with an error naming its log.
+    let fill = std::fs::File::create(mnt.join("fill")).unwrap();
+    let mut w = std::io::BufWriter::new(fill);
+    while std::io::Write::write_all(&mut w, &[0u8; 65536]).is_ok() {}
+    drop(w);
+    let until = Instant::now() + Duration::from_secs(60);
+    let code = loop {
+        if let Some(code) = node.child.try_wait().unwrap() {
+            break code;
+        }
+        assert!(Instant::now() < until, "the member kept going on a full disk");
+        for undo in [false, true] {
+            let mut c = Command::new(shimmer_tests::shimmer_bin());
+            c.args(["cluster", "drain", &listen, "--join", &listen, "--join-token", TOKEN]);
+            if undo {
+                c.arg("--undo");
+            }
+            let _ = c.output();
+        }
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let err = node.log.lock().unwrap().join("\n");
+    assert!(!code.success() && code.code() != Some(101), "a full disk: {code:?}\n{err}");
+    assert!(err.contains("raft.redb") && err.contains("cannot write the Raft log"), "the error names the log:\n{err}");
+    // With room again, it resumes from its log where it was (no fork, no loss).
+    std::fs::remove_file(mnt.join("fill")).unwrap();
+    drop(node);
+    let node = start(&dir, &listen, &["--no-mdns"]);
+    wait_status(&[&listen], "the node resumed and leading", |v| v["leader"] == listen.as_str() && v["members"].as_array().is_some_and(|m| m.len() == 1));
+    drop(node);
 }

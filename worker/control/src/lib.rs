@@ -11,6 +11,7 @@
 //! Must never: read a clock, open a socket, or start a thread or runtime; apply an entry
 //! differently on two members; drop an entry raft-rs was told is persisted.
 
+pub mod envelope;
 pub mod log_store;
 pub mod node;
 pub mod placer;

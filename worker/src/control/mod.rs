@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use generated::control_client::ControlClient;
 use generated::control_server::{Control, ControlServer};
-use protobuf::Message as _;
 use serde::{Deserialize, Serialize};
 use shimmer_control::state::{Command, Member, MemberChange, NodeId, Outcome};
 use shimmer_control::{ClusterState, ClusterToken, ControlNode, ModelPlacement, NodeConfig, NodeError, PlacementRecord, RaftLog, RaftMessage, StateRole};
@@ -564,33 +563,6 @@ async fn serve(listener: tokio::net::TcpListener, acceptor: tokio_rustls::TlsAcc
     }
 }
 
-/// A Raft message on the wire: the cluster id, the sender's control address (so a node that has
-/// not yet applied the membership can answer), then raft-rs's protobuf bytes.
-fn encode_envelope(cluster_id: &str, from_addr: &str, msg: &RaftMessage) -> Vec<u8> {
-    let body = msg.write_to_bytes().unwrap_or_default();
-    let mut out = Vec::with_capacity(4 + cluster_id.len() + from_addr.len() + body.len());
-    for s in [cluster_id, from_addr] {
-        out.extend_from_slice(&(s.len().min(u16::MAX as usize) as u16).to_le_bytes());
-        out.extend_from_slice(&s.as_bytes()[..s.len().min(u16::MAX as usize)]);
-    }
-    out.extend_from_slice(&body);
-    out
-}
-
-fn decode_envelope(b: &[u8]) -> Result<(String, String, RaftMessage), String> {
-    let mut at = 0usize;
-    let mut field = || -> Result<String, String> {
-        let n = u16::from_le_bytes(b.get(at..at + 2).ok_or("short envelope")?.try_into().map_err(|_| "short envelope")?) as usize;
-        let s = b.get(at + 2..at + 2 + n).ok_or("short envelope")?;
-        at += 2 + n;
-        String::from_utf8(s.to_vec()).map_err(|_| "envelope field is not UTF-8".to_string())
-    };
-    let cluster = field()?;
-    let from = field()?;
-    let msg = RaftMessage::parse_from_bytes(&b[at..]).map_err(|e| format!("not a Raft message: {e}"))?;
-    Ok((cluster, from, msg))
-}
-
 #[derive(Clone)]
 struct Service {
     events: std_mpsc::Sender<Event>,
@@ -757,7 +729,7 @@ fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> Stat
 #[tonic::async_trait]
 impl Control for Service {
     async fn raft(&self, request: tonic::Request<Vec<u8>>) -> Result<tonic::Response<Vec<u8>>, tonic::Status> {
-        let (cluster, from, msg) = decode_envelope(request.get_ref()).map_err(tonic::Status::invalid_argument)?;
+        let (cluster, from, msg) = shimmer_control::envelope::decode(request.get_ref()).map_err(tonic::Status::invalid_argument)?;
         if cluster != self.cluster_id {
             return Err(tonic::Status::failed_precondition(format!("this node is in cluster {}, not {cluster}", self.cluster_id)));
         }
@@ -1006,7 +978,7 @@ impl Driver {
             let to = msg.to;
             let addr = self.node.state.members.get(&to).map(|m| m.control_addr.clone()).or_else(|| self.addr_hints.get(&to).cloned());
             let Some(addr) = addr else { continue };
-            let bytes = encode_envelope(&cluster_id, &self.me.control_addr, &msg);
+            let bytes = shimmer_control::envelope::encode(&cluster_id, &self.me.control_addr, &msg);
             let sender = match self.peers.get(&to) {
                 Some((a, s)) if *a == addr && !s.is_closed() => s.clone(),
                 _ => {
@@ -1052,20 +1024,5 @@ impl Driver {
             }
         });
         tx
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn envelopes_round_trip_and_garbage_is_refused() {
-        let msg = RaftMessage { from: 7, to: 9, term: 3, ..Default::default() };
-        let b = encode_envelope("cluster-1", "10.0.0.1:7070", &msg);
-        let (c, f, m) = decode_envelope(&b).unwrap();
-        assert_eq!((c.as_str(), f.as_str(), m), ("cluster-1", "10.0.0.1:7070", msg));
-        assert!(decode_envelope(&b[..3]).is_err());
-        assert!(decode_envelope(&[0xff, 0xff, 1]).is_err());
     }
 }
