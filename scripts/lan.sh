@@ -150,6 +150,32 @@ if [ "$MODE" = check ]; then
     --join mdns --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log" | ids)"
   [ "$got" = "$want" ] || { echo "FAIL: over the mDNS cluster $got, single box $want" >&2; cat "$WORK/coordinator.log" >&2; exit 1; }
   echo "ok: 3 workers joined by mDNS and placed by the cluster itself, a client found by mDNS: the single box's tokens"
+  # A member cut off (its link down): the majority serves on, the minority cannot write, and
+  # healed, it catches up with what was committed meanwhile.
+  status_of() { # status_of NS MEMBER_ADDR: one status line as that member answers it
+    ip netns exec "$ID-$1" "$SHIMMER" cluster status --json --join "$2" --join-token "$TOKEN" 2>>"$WORK/status.log"
+  }
+  field() { python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"; }
+  ip -n "$ID-w3" link set eth0 down
+  for _ in $(seq 100); do
+    ip netns exec "$ID-w1" "$SHIMMER" cluster drain "$NET.12:7070" --join "$NET.11:7070" --join-token "$TOKEN" >/dev/null 2>>"$WORK/status.log" && break
+    sleep 0.2
+  done
+  got="$(ip netns exec "$ID-c" "$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens 24 --json \
+    --join "$NET.11:7070" --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log" | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: with a member cut off $got, single box $want" >&2; exit 1; }
+  if ip netns exec "$ID-w3" "$SHIMMER" cluster drain "$NET.11:7070" --join "$NET.13:7070" --join-token "$TOKEN" >/dev/null 2>"$WORK/minority.log"; then
+    echo "FAIL: the cut-off member committed a write" >&2; exit 1
+  fi
+  majority_commit="$(status_of w1 "$NET.11:7070" | field commit)"
+  ip -n "$ID-w3" link set eth0 up
+  for _ in $(seq 150); do
+    healed="$(status_of w3 "$NET.13:7070" | field applied 2>/dev/null || echo 0)"
+    [ "$healed" -ge "$majority_commit" ] 2>/dev/null && break
+    sleep 0.2
+  done
+  [ "$healed" -ge "$majority_commit" ] || { echo "FAIL: healed, the member applied $healed of $majority_commit" >&2; cat "$WORK/minority.log" >&2; exit 1; }
+  echo "ok: a member cut off: the majority wrote and served the single box's tokens, the minority refused ($(tr -d '\n' < "$WORK/minority.log" | cut -c1-80)), healed it caught up to $majority_commit"
   exit 0
 fi
 

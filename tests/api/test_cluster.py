@@ -46,7 +46,12 @@ class Worker:
         self.start()
 
     def start(self):
-        self.proc = subprocess.Popen([shimmer_bin(), "worker", "--listen", self.addr, "--join-token", TOKEN, *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Several workers share an address here: each its own free port for /health, /ready, /metrics.
+        http = self.addr.rsplit(":", 1)[0] + ":0"
+        self.proc = subprocess.Popen(
+            [shimmer_bin(), "worker", "--listen", self.addr, "--http-listen", http, "--join-token", TOKEN, *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
         self.log = []
         deadline = time.time() + 60
         while time.time() < deadline:
