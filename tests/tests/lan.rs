@@ -24,7 +24,8 @@ fn a_lan_of_namespaces_gives_the_single_box_tokens_through_loss_and_partitions()
         return;
     }
     assert!(out.status.success(), "scripts/lan.sh check failed:\n{stdout}\n{stderr}");
-    for line in ["1 ms one way, 0.5 % loss: the single box's tokens", "worker 1 partitioned", "worker 2's veth down", "joined by mDNS", "the minority refused"] {
+    for line in ["1 ms one way, 0.5 % loss: the single box's tokens", "worker 1 partitioned", "worker 2's veth down", "joined by mDNS", "the minority refused"]
+    {
         assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
     }
 }

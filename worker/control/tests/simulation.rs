@@ -16,6 +16,10 @@
 //! cut off (crediting the minority with anything its leader can hand it); what a leader commits
 //! is held by a majority of its voters.
 //!
+//! Clients read the placement (ReadIndex reads from any node); the history of reads and
+//! activations is checked for linearizability (`check_register`, shown to reject known-bad
+//! histories).
+//!
 //! The network, faults and proposals are seeded; raft-rs draws its randomised election timeouts
 //! from its own thread RNG, so two runs of one seed may elect differently (the checks hold for
 //! every interleaving; a failure prints the seed's schedule state to start from). At the
@@ -60,6 +64,44 @@ fn shape() -> ModelShape {
     ModelShape { moe_layers: vec![1, 3], experts: 8, top_k: 2 }
 }
 
+/// One operation on a model's placement register as a client saw it: a ReadIndex read (invoked,
+/// answered, the active epoch it returned), or a write (an epoch becoming active, timed when a
+/// member first applied it — no later than it took effect anywhere).
+#[derive(Debug, Clone, Copy)]
+enum RegisterOp {
+    Read { invoked: u64, answered: u64, epoch: u64 },
+    Activated { at: u64, epoch: u64 },
+}
+
+/// Checks a history of the placement register (a max-register: epochs only grow) for
+/// linearizability: every read returns at least every epoch activated before it was invoked and
+/// every epoch an earlier read (answered before it was invoked) returned, and nothing activated
+/// only after it was answered.
+fn check_register(history: &[RegisterOp]) -> Result<(), String> {
+    for op in history {
+        let RegisterOp::Read { invoked, answered, epoch } = *op else { continue };
+        for other in history {
+            match *other {
+                RegisterOp::Activated { at, epoch: e } if at < invoked && e > epoch => {
+                    return Err(format!("a read invoked at {invoked} returned epoch {epoch}, but {e} was active from {at}"));
+                }
+                RegisterOp::Read { answered: a, epoch: e, .. } if a < invoked && e > epoch => {
+                    return Err(format!("a read invoked at {invoked} returned epoch {epoch} after a read answered at {a} returned {e}"));
+                }
+                _ => {}
+            }
+        }
+        let known = history.iter().filter_map(|o| match *o {
+            RegisterOp::Activated { at, epoch: e } if at <= answered => Some(e),
+            _ => None,
+        });
+        if epoch > known.max().unwrap_or(0) {
+            return Err(format!("a read answered at {answered} returned epoch {epoch}, not active yet"));
+        }
+    }
+    Ok(())
+}
+
 struct Sim {
     rng: Rng,
     now: u64,
@@ -84,6 +126,10 @@ struct Sim {
     /// When each node last said it was ready for a proposed epoch.
     last_ready: Vec<u64>,
     activations: u64,
+    /// The placement register's history, and reads in flight (id → node, invoked at).
+    register: Vec<RegisterOp>,
+    reads: HashMap<u64, (usize, u64)>,
+    next_read: u64,
     /// The highest commit index already checked against the logs, under these voters.
     checked_commit: u64,
     checked_voters: BTreeSet<u64>,
@@ -119,6 +165,9 @@ impl Sim {
             epoch_floor: vec![(0, 0); n],
             last_ready: vec![0; n],
             activations: 0,
+            register: Vec::new(),
+            reads: HashMap::new(),
+            next_read: 0,
             checked_commit: 0,
             checked_voters: BTreeSet::new(),
             minority_commit: None,
@@ -133,6 +182,13 @@ impl Sim {
 
     fn route(&mut self, from: usize, out: Output) {
         self.done += out.done.len() as u64;
+        for id in &out.reads {
+            if let (Some((node, invoked)), Some(n)) = (self.reads.remove(id), self.nodes[from].as_ref()) {
+                assert_eq!(node, from, "a read answered by another node");
+                let epoch = n.state.placements.get("m").map_or(0, |p| p.epoch());
+                self.register.push(RegisterOp::Read { invoked, answered: self.now, epoch });
+            }
+        }
         for m in out.messages {
             let Some(to) = self.index_of(m.to) else { continue };
             if self.group[from] != self.group[to] || self.rng.chance(self.loss) {
@@ -160,6 +216,7 @@ impl Sim {
 
     fn crash(&mut self, i: usize) {
         self.nodes[i] = None;
+        self.reads.retain(|_, (n, _)| *n != i);
         let id = self.ids[i];
         self.wire.retain(|(_, _, m)| m.to != id);
     }
@@ -217,6 +274,10 @@ impl Sim {
             assert!(epochs.0 >= floor.0 && epochs.1 >= floor.1, "{}: placement epochs went down from {floor:?} to {epochs:?}", self.names[i]);
             if epochs.0 > floor.0 {
                 self.activations += 1;
+                let seen = self.register.iter().any(|o| matches!(o, RegisterOp::Activated { epoch, .. } if *epoch == epochs.0));
+                if !seen {
+                    self.register.push(RegisterOp::Activated { at: self.now, epoch: epochs.0 });
+                }
             }
             self.epoch_floor[i] = epochs;
             if let Some(active) = n.state.placements.get("m").and_then(|p| p.active.as_ref()) {
@@ -310,6 +371,11 @@ impl Sim {
         if self.nodes[i].is_none() {
             return;
         }
+        // A linearizable read of the placement, from wherever the client happens to ask.
+        self.next_read += 1;
+        let id = self.next_read;
+        self.reads.insert(id, (i, self.now));
+        self.run_node(i, |n, now| n.read(id, now));
         let who = self.rng.below(self.names.len() as u64) as usize;
         let cmd = Command::SetDraining { name: self.names[who].clone(), draining: self.rng.chance(0.3) };
         self.run_node(i, |n, _| n.propose(cmd).map(|(_, o)| o));
@@ -450,6 +516,9 @@ fn schedule(seed: u64, n: usize, max_voters: usize) -> (u64, u64) {
     let leaders: BTreeMap<u64, u64> = sim.leader_of_term.iter().map(|(k, v)| (*k, *v)).collect();
     assert!(!leaders.is_empty());
     assert!(sim.activations > 0);
+    let reads = sim.register.iter().filter(|o| matches!(o, RegisterOp::Read { .. })).count();
+    assert!(reads > 0, "seed {seed}: no read was answered");
+    check_register(&sim.register).unwrap_or_else(|e| panic!("seed {seed}: the placement register is not linearizable: {e}"));
     (sim.done, sim.delivered)
 }
 
@@ -504,4 +573,28 @@ fn a_voter_gone_too_long_is_replaced_by_a_learner() {
     assert!(st.voters.contains(&learner), "the learner was not promoted: {st:?}");
     assert!(!st.voters.contains(&sim.ids[victim]) && st.learners.contains(&sim.ids[victim]), "the dead voter was not demoted");
     assert_eq!(st.voters.len(), 3);
+}
+
+#[test]
+fn the_register_checker_rejects_stale_reads_and_reads_of_the_future() {
+    use RegisterOp::*;
+    let good = [
+        Activated { at: 10, epoch: 1 },
+        Read { invoked: 5, answered: 12, epoch: 0 },
+        Read { invoked: 11, answered: 20, epoch: 1 },
+        Activated { at: 30, epoch: 2 },
+    ];
+    check_register(&good).unwrap();
+    // Invoked after epoch 2 was active, yet it says 1.
+    assert!(check_register(&[Activated { at: 10, epoch: 2 }, Read { invoked: 11, answered: 12, epoch: 1 }]).is_err());
+    // After an earlier read saw 2, a later one says 1.
+    assert!(check_register(&[
+        Activated { at: 1, epoch: 1 },
+        Activated { at: 5, epoch: 2 },
+        Read { invoked: 6, answered: 7, epoch: 2 },
+        Read { invoked: 8, answered: 9, epoch: 1 }
+    ])
+    .is_err());
+    // An epoch nobody had yet.
+    assert!(check_register(&[Read { invoked: 1, answered: 2, epoch: 3 }, Activated { at: 5, epoch: 3 }]).is_err());
 }
