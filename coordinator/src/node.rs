@@ -153,12 +153,6 @@ impl Worker {
         std::thread::spawn(move || shimmer_worker::control::follow::follow(control, state, model, moe, stop))
     }
 
-    /// Serves until Ctrl-C or SIGTERM, then stops taking connections.
-    pub fn serve_until_signal(self) {
-        self.wait_for_signal_or(|| false);
-        self.stop();
-    }
-
     /// Serves until Ctrl-C or SIGTERM, or until `failed` (polled twice a second) says a part of
     /// the node it depends on stopped; says which.
     pub fn wait_for_signal_or(&self, failed: impl Fn() -> bool) -> Stopped {
@@ -538,11 +532,12 @@ pub fn coordinator(dir: &Path, experts: ExpertsAt) -> Result<Engine, NodeError> 
             }))
         }
         PlacementSource::Member(control) => {
-            report_heat(control.clone(), remote.heat(), fingerprint.clone(), report_heat_every);
+            let heat = shimmer_worker::HeatCounter::default();
+            report_heat(control.clone(), heat.clone(), fingerprint.clone(), report_heat_every);
             let feed = MemberFeed { control: control.clone(), fingerprint: fingerprint.clone(), check: Box::new(check.clone()) };
             let reload_from = PlacementSource::Member(control);
             let fp = fingerprint.clone();
-            remote.with_feed(Box::new(feed)).with_reload(Box::new(move || {
+            remote.counting_heat(heat).with_feed(Box::new(feed)).with_reload(Box::new(move || {
                 let p = cluster_placement(&reload_from, &fp)?.ok_or("the cluster has no placement of this model")?;
                 check(&p).map(|()| p)
             }))

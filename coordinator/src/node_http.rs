@@ -6,7 +6,6 @@
 //! Must never: change the node (every endpoint is a read), or serve the model's API.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -14,7 +13,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use prometheus::{Encoder, IntCounter, IntGauge, Registry, TextEncoder};
 use shimmer_worker::control::ControlPlane;
 use shimmer_worker::server::WorkerState;
 
@@ -81,27 +79,15 @@ async fn ready(State(node): State<Node>) -> Response {
 
 fn render(node: &Node) -> Result<String, prometheus::Error> {
     let status = node.state.status();
-    let registry = Registry::new();
-    let gauge = |name: &str, help: &str, v: i64| -> Result<(), prometheus::Error> {
-        let g = IntGauge::new(name, help)?;
-        g.set(v);
-        registry.register(Box::new(g))
-    };
-    let counter = |name: &str, help: &str, v: u64| -> Result<(), prometheus::Error> {
-        let c = IntCounter::new(name, help)?;
-        c.inc_by(v);
-        registry.register(Box::new(c))
-    };
-    counter("shimmer_worker_requests_total", "Expert requests this worker answered", node.state.requests.load(Ordering::Relaxed))?;
-    counter("shimmer_worker_disk_reads_total", "Experts read from disk", status.disk_reads)?;
-    gauge("shimmer_worker_resident_experts", "Experts in RAM", status.resident_experts as i64)?;
-    gauge("shimmer_worker_capacity_experts", "Experts the RAM budget holds", status.capacity_experts as i64)?;
-    gauge("shimmer_worker_assigned_experts", "Experts the placement gives this worker", status.assigned_experts as i64)?;
-    gauge("shimmer_worker_budget_bytes", "RAM given to the expert cache", status.budget_bytes as i64)?;
-    gauge("shimmer_worker_epoch", "The placement epoch this worker reports (the active one)", status.epoch as i64)?;
-    let mut buf = Vec::new();
-    TextEncoder::new().encode(&registry.gather(), &mut buf)?;
-    let mut text = String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))?;
+    let series = crate::server::metrics::Snapshot::new();
+    series.counter("shimmer_worker_requests_total", "Expert requests this worker answered", status.requests)?;
+    series.counter("shimmer_worker_disk_reads_total", "Experts read from disk", status.disk_reads)?;
+    series.gauge("shimmer_worker_resident_experts", "Experts in RAM", status.resident_experts as i64)?;
+    series.gauge("shimmer_worker_capacity_experts", "Experts the RAM budget holds", status.capacity_experts as i64)?;
+    series.gauge("shimmer_worker_assigned_experts", "Experts the placement gives this worker", status.assigned_experts as i64)?;
+    series.gauge("shimmer_worker_budget_bytes", "RAM given to the expert cache", status.budget_bytes as i64)?;
+    series.gauge("shimmer_worker_epoch", "The placement epoch this worker reports (the active one)", status.epoch as i64)?;
+    let mut text = series.render()?;
     if let Some(c) = &node.control {
         text += &crate::server::metrics::render_raft(&c.metrics())?;
     }

@@ -174,7 +174,8 @@ pub struct RemoteExperts {
     conns: Conns,
     reload: Option<Reload>,
     feed: Option<(Box<dyn PlacementFeed>, AtomicU64)>,
-    heat: HeatCounter,
+    /// Routing counts, when someone reports them (a cluster member).
+    heat: Option<HeatCounter>,
     timeouts: Timeouts,
     /// The placement worker this process is, and its experts.
     local: Option<(String, Box<dyn ExpertDispatch>)>,
@@ -244,7 +245,7 @@ impl RemoteExperts {
         let core: Core = Arc::new(Mutex::new(cluster));
         let conns: Conns = Arc::new(Mutex::new(conns));
         rt.spawn(refresh_statuses(core.clone(), conns.clone(), dialer.ids.clone(), timeouts.answer));
-        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, heat: HeatCounter::default(), timeouts, local })
+        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, heat: None, timeouts, local })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
@@ -260,9 +261,10 @@ impl RemoteExperts {
         self
     }
 
-    /// The routing counts this coordinator has made (shared: take them from another thread).
-    pub fn heat(&self) -> HeatCounter {
-        self.heat.clone()
+    /// Counts the selections it routes into `heat` (take them from another thread).
+    pub fn counting_heat(mut self, heat: HeatCounter) -> Self {
+        self.heat = Some(heat);
+        self
     }
 
     fn follow_feed(&self) {
@@ -486,7 +488,9 @@ impl ExpertDispatch for RemoteExperts {
 
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
         self.follow_feed();
-        self.heat.count(batch.layer, batch.experts);
+        if let Some(heat) = &self.heat {
+            heat.count(batch.layer, batch.experts);
+        }
         let rows_bytes: Bytes = batch.rows.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         let mut layer = self.core().begin(batch.layer, batch.experts, batch.num_rows(), acc.len());
         // A response is the sums, or an error frame.

@@ -218,8 +218,9 @@ impl MemberArgs {
         shimmer_control::ClusterToken::parse(&t).context("--join-token")
     }
 
-    /// `addr` (HOST:PORT) as other nodes reach it: a host that means every interface becomes
-    /// --advertise, else this machine's address on its default route.
+    /// `addr` (HOST:PORT) as other nodes reach it: as given, unless its host means every
+    /// interface — then --advertise, else this machine's address on its default route. Also a
+    /// member's default name.
     pub(super) fn reachable(&self, addr: &str) -> Result<String> {
         let (host, port) = addr.rsplit_once(':').with_context(|| format!("`{addr}` is not HOST:PORT"))?;
         if port == "0" {

@@ -56,9 +56,10 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
         Some(_) => {
             let token = a.member.token(&cluster.auth)?;
             let control_addr = a.member.control_addr(&a.listen).context("--listen")?;
-            let everywhere =
-                a.listen.rsplit_once(':').is_some_and(|(h, _)| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()));
-            let name = a.name.clone().unwrap_or_else(|| if everywhere { control_addr.clone() } else { a.listen.clone() });
+            let name = match &a.name {
+                Some(n) => n.clone(),
+                None => a.member.reachable(&a.listen).context("--listen")?,
+            };
             let me = shimmer_control::Member {
                 name,
                 kind: shimmer_control::NodeKind::Coordinator,

@@ -85,8 +85,8 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
             let token = a.member.token(&a.auth)?;
             let data_addr = a.member.reachable(&a.listen).context("--listen")?;
             let control_addr = a.member.control_addr(&a.listen).context("--control-listen")?;
-            let everywhere = listen.ip().is_unspecified();
-            let name = a.name.clone().unwrap_or_else(|| if everywhere { data_addr.clone() } else { a.listen.clone() });
+            // `reachable` is --listen as given unless that is every interface.
+            let name = a.name.clone().unwrap_or_else(|| data_addr.clone());
             Some((token, name, data_addr, control_addr))
         }
         None => None,

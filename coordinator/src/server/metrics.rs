@@ -168,36 +168,69 @@ impl Metrics {
 /// epoch as the replicated state has it), in the text format. The coordinator's and the
 /// worker's `/metrics` both append them.
 pub fn render_raft(m: &shimmer_worker::control::RaftMetrics) -> Result<String, prometheus::Error> {
-    let registry = Registry::new();
-    let gauge = |name: &str, help: &str, v: i64| -> Result<(), prometheus::Error> {
-        let g = IntGauge::new(name, help)?;
-        g.set(v);
-        registry.register(Box::new(g))
-    };
-    let counter = |name: &str, help: &str, v: u64| -> Result<(), prometheus::Error> {
-        let c = IntCounter::new(name, help)?;
-        c.inc_by(v);
-        registry.register(Box::new(c))
-    };
-    gauge("shimmer_raft_term", "The Raft term this member is in", m.term as i64)?;
-    gauge("shimmer_raft_is_leader", "Whether this member leads the control plane", i64::from(m.is_leader))?;
-    gauge("shimmer_raft_commit_index", "The highest log index this member knows committed", m.commit as i64)?;
-    gauge("shimmer_raft_applied_index", "The highest log index this member applied", m.applied as i64)?;
-    gauge("shimmer_raft_apply_lag", "Committed entries not applied yet", m.commit.saturating_sub(m.applied) as i64)?;
-    counter("shimmer_raft_leader_changes_total", "Leader changes this member saw since it started", m.leader_changes)?;
-    counter("shimmer_raft_failed_proposals_total", "Proposals refused before they reached the log (no leader, a change in progress)", m.failed_proposals)?;
+    let series = Snapshot::new();
+    series.gauge("shimmer_raft_term", "The Raft term this member is in", m.term as i64)?;
+    series.gauge("shimmer_raft_is_leader", "Whether this member leads the control plane", i64::from(m.is_leader))?;
+    series.gauge("shimmer_raft_commit_index", "The highest log index this member knows committed", m.commit as i64)?;
+    series.gauge("shimmer_raft_applied_index", "The highest log index this member applied", m.applied as i64)?;
+    series.gauge("shimmer_raft_apply_lag", "Committed entries not applied yet", m.commit.saturating_sub(m.applied) as i64)?;
+    series.counter("shimmer_raft_leader_changes_total", "Leader changes this member saw since it started", m.leader_changes)?;
+    series.counter(
+        "shimmer_raft_failed_proposals_total",
+        "Proposals refused before they reached the log (no leader, a change in progress)",
+        m.failed_proposals,
+    )?;
     let members = IntGaugeVec::new(Opts::new("shimmer_raft_members", "Members of the control plane by Raft role"), &["role"])?;
     members.with_label_values(&["voter"]).set(m.voters as i64);
     members.with_label_values(&["learner"]).set(m.learners as i64);
-    registry.register(Box::new(members))?;
+    series.register(Box::new(members))?;
     let epochs = IntGaugeVec::new(Opts::new("shimmer_cluster_placement_epoch", "Each model's active placement epoch in the replicated state"), &["model"])?;
     for (model, epoch) in &m.placements {
         epochs.with_label_values(&[model.as_str()]).set(*epoch as i64);
     }
-    registry.register(Box::new(epochs))?;
-    let mut buf = Vec::new();
-    TextEncoder::new().encode(&registry.gather(), &mut buf)?;
-    String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    series.register(Box::new(epochs))?;
+    series.render()
+}
+
+/// Series whose values are read once per scrape (running totals, current figures): each scrape
+/// builds a registry of them and renders it.
+pub struct Snapshot {
+    registry: Registry,
+}
+
+impl Snapshot {
+    pub fn new() -> Self {
+        Snapshot { registry: Registry::new() }
+    }
+
+    pub fn gauge(&self, name: &str, help: &str, v: i64) -> Result<(), prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        g.set(v);
+        self.registry.register(Box::new(g))
+    }
+
+    /// A counter at the running total `v`.
+    pub fn counter(&self, name: &str, help: &str, v: u64) -> Result<(), prometheus::Error> {
+        let c = IntCounter::new(name, help)?;
+        c.inc_by(v);
+        self.registry.register(Box::new(c))
+    }
+
+    pub fn register(&self, c: Box<dyn prometheus::core::Collector>) -> Result<(), prometheus::Error> {
+        self.registry.register(c)
+    }
+
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}
+
+impl Default for Snapshot {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// The cluster's series, collected from the remote dispatcher's telemetry when Prometheus
