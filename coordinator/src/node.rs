@@ -230,7 +230,8 @@ pub enum DrainOutcome {
 }
 
 /// SIGTERM on a member worker: marks it draining (the leader then places its model without it),
-/// serves until no active or proposed placement names it and requests stopped coming, then
+/// serves until no active or proposed placement names it, the epoch before is retired (every
+/// coordinator has moved) and requests stopped coming, then
 /// returns — within `within`; a Ctrl-C or second SIGTERM cuts it short.
 pub fn drain(worker: &Worker, control: &Arc<ControlPlane>, data_dir: &Path, within: std::time::Duration) -> DrainOutcome {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -275,7 +276,8 @@ pub fn drain(worker: &Worker, control: &Arc<ControlPlane>, data_dir: &Path, with
             return true;
         }
         let (_, placement) = control.placement(&worker.fingerprint);
-        let covered = placement.is_none_or(|p| !names_me(&p.active) && !names_me(&p.proposed));
+        // Covered elsewhere, and no coordinator still routes by an epoch that named it.
+        let covered = placement.is_none_or(|p| !names_me(&p.active) && !names_me(&p.proposed) && p.previous.is_none());
         let now = std::time::Instant::now();
         let mut last = last_request.lock().unwrap_or_else(|p| p.into_inner());
         let requests = worker.state.requests.load(Ordering::Relaxed);
@@ -449,6 +451,31 @@ fn report_heat(control: Arc<ControlPlane>, heat: shimmer_worker::HeatCounter, mo
     });
 }
 
+/// A member coordinator's word on which epoch of `model` it routes by (once no layer round is in
+/// flight on an older one), on a thread of its own until the control plane stops: the leader
+/// retires an epoch's predecessor only once every coordinator has moved.
+fn report_routed(control: Arc<ControlPlane>, rounds: shimmer_worker::RoundGate, model: String) {
+    std::thread::spawn(move || {
+        let mut reported = 0;
+        while !control.stopped() {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let latest = control.placement(&model).1.map_or(0, |p| p.epoch());
+            if latest <= reported || !rounds.settled_at(latest) {
+                continue;
+            }
+            let command = shimmer_control::Command::Routed { model: model.clone(), by: control.name.clone(), epoch: latest };
+            match control.propose(command) {
+                Ok(shimmer_control::Outcome::Applied) => reported = latest,
+                Ok(shimmer_control::Outcome::Rejected(why)) => {
+                    tracing::warn!("the cluster refused this coordinator's routed epoch: {why}");
+                    reported = latest;
+                }
+                Err(e) => tracing::debug!("routed epoch {latest} not reported yet: {e}"),
+            }
+        }
+    });
+}
+
 /// Checks a placement against the model.
 type PlacementCheck = Box<dyn Fn(&Placement) -> Result<(), String> + Send + Sync>;
 
@@ -534,6 +561,7 @@ pub fn coordinator(dir: &Path, experts: ExpertsAt) -> Result<Engine, NodeError> 
         PlacementSource::Member(control) => {
             let heat = shimmer_worker::HeatCounter::default();
             report_heat(control.clone(), heat.clone(), fingerprint.clone(), report_heat_every);
+            report_routed(control.clone(), remote.rounds(), fingerprint.clone());
             let feed = MemberFeed { control: control.clone(), fingerprint: fingerprint.clone(), check: Box::new(check.clone()) };
             let reload_from = PlacementSource::Member(control);
             let fp = fingerprint.clone();

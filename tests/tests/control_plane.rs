@@ -387,6 +387,13 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
     });
     let after_loss = placement_of(&v).unwrap().0;
 
+    let gauge = |http: &str, name: &str| -> u64 {
+        let (_, metrics) = http_at(http, "GET", "/metrics", "", || {});
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|n| n.trim().parse().ok()).unwrap_or(u64::MAX)
+    };
+    let survivor_http: Vec<String> = nodes.iter().flatten().filter(|n| survivors.contains(&n.listen.as_str())).map(|n| n.http.clone()).collect();
+    let assigned_before: Vec<u64> = survivor_http.iter().map(|h| gauge(h, "shimmer_worker_assigned_experts")).collect();
+
     // A fourth worker joins: the placement includes it (epoch up), the coordinator moves to it
     // between requests, and the tokens stay the single box's.
     nodes.push(Some(start(&dir(3), addrs[3], &["--join", survivors[0]])));
@@ -408,6 +415,23 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
             break;
         }
         assert!(Instant::now() < until, "the coordinator still routes by epoch {routed:?}, not {epoch}");
+    }
+    // Once the coordinator says it routes by the new epoch, the one before is retired, and the
+    // old holders drop what only it gave them (their shares shrank with a third holder).
+    wait_status(&survivors, "the epoch before retired once the coordinator moved", |v| {
+        let p = &v["placements"][0];
+        p["previous"].is_null() && p["routed"][coordinator_listen.as_str()].as_u64().is_some_and(|e| e >= epoch)
+    });
+    let until = Instant::now() + Duration::from_secs(10);
+    for (http, before) in survivor_http.iter().zip(&assigned_before) {
+        loop {
+            let (assigned, resident) = (gauge(http, "shimmer_worker_assigned_experts"), gauge(http, "shimmer_worker_resident_experts"));
+            if assigned < *before && resident <= assigned {
+                break;
+            }
+            assert!(Instant::now() < until, "{http}: {assigned} assigned (before the join {before}), {resident} in RAM");
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     // The coordinator's routing heat reached the cluster: a rebalance by it, asked of any

@@ -220,3 +220,26 @@ fn an_fp8_checkpoint_streams_its_experts_as_they_are_with_identical_answers() {
     let tt = tight.store_telemetry().unwrap();
     assert!(tt.disk_misses > 0 && tt.capacity_experts < t.capacity_experts, "{tt:?}");
 }
+
+/// A worker whose share shrank drops the experts only the old share gave it: released pairs
+/// leave RAM (and only they), a later load reads them again, and pairs not resident or not
+/// experts are skipped.
+#[test]
+fn released_experts_leave_ram_and_are_read_again_when_asked_for() {
+    let model = shimmer_coordinator::model_dir::ModelDir::open(&demo()).unwrap();
+    let store = model.expert_store(&opts(1.0), 0).unwrap();
+    let moe: Vec<usize> = (0..model.spec.num_layers).filter(|l| model.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    let share: Vec<(usize, usize)> = moe.iter().flat_map(|&l| (0..3).map(move |e| (l, e))).collect();
+    assert_eq!(store.load(&share).unwrap(), share.len());
+    assert_eq!(store.telemetry().resident_experts, share.len());
+    let old_only: Vec<(usize, usize)> = share.iter().copied().filter(|&(_, e)| e == 0).collect();
+    let dense_layer = (0..model.spec.num_layers).find(|l| !moe.contains(l)).unwrap_or(usize::MAX);
+    let mut asked = old_only.clone();
+    asked.extend([(moe[0], 7), (dense_layer, 0)]);
+    assert_eq!(store.release(&asked), old_only.len(), "only resident experts are dropped");
+    assert_eq!(store.telemetry().resident_experts, share.len() - old_only.len());
+    for &(l, e) in &share {
+        assert_eq!(store.resident(l).unwrap()[e], e != 0, "layer {l} expert {e}");
+    }
+    assert_eq!(store.load(&share).unwrap(), old_only.len(), "released experts are read again");
+}

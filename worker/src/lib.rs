@@ -14,4 +14,4 @@ pub mod remote;
 pub mod server;
 pub mod transport;
 
-pub use remote::{HeatCounter, PlacementFeed, RemoteExperts, Timeouts};
+pub use remote::{HeatCounter, PlacementFeed, RemoteExperts, RoundGate, Timeouts};

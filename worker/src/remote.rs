@@ -13,7 +13,7 @@
 //! Must never: decide anything the core decides (routing, failover, merging, backoff); block the
 //! forward pass on a background redial; read more of an answer than the question can need.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -110,6 +110,45 @@ impl HeatCounter {
     }
 }
 
+/// The placement epochs of the layer rounds in flight: what a member coordinator looks at to say
+/// which epoch it routes by with nothing in flight on an older one (the cluster retires the
+/// epoch before once every coordinator has). A round takes its epoch under the gate's lock
+/// after adopting the feed's newest placement, so a check under the same lock cannot miss it.
+#[derive(Clone, Default)]
+pub struct RoundGate(Arc<Mutex<BTreeMap<u64, usize>>>);
+
+impl RoundGate {
+    fn begin(&self, adopt: impl FnOnce() -> u64) -> Round<'_> {
+        let mut in_flight = lock(&self.0);
+        let epoch = adopt();
+        *in_flight.entry(epoch).or_default() += 1;
+        Round { gate: self, epoch }
+    }
+
+    /// Whether no round is in flight on an epoch below `epoch`. Asked after `epoch` became
+    /// the feed's newest, a true answer means every round from now on routes by it or later.
+    pub fn settled_at(&self, epoch: u64) -> bool {
+        lock(&self.0).keys().next().is_none_or(|&oldest| oldest >= epoch)
+    }
+}
+
+struct Round<'a> {
+    gate: &'a RoundGate,
+    epoch: u64,
+}
+
+impl Drop for Round<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = lock(&self.gate.0);
+        if let Some(n) = in_flight.get_mut(&self.epoch) {
+            *n -= 1;
+            if *n == 0 {
+                in_flight.remove(&self.epoch);
+            }
+        }
+    }
+}
+
 /// A source of placements that says when it has a new one (a member's replicated state): looked
 /// at before each layer's round, so the coordinator moves to a new epoch between rounds, never
 /// during one.
@@ -174,6 +213,7 @@ pub struct RemoteExperts {
     conns: Conns,
     reload: Option<Reload>,
     feed: Option<(Box<dyn PlacementFeed>, AtomicU64)>,
+    rounds: RoundGate,
     /// Routing counts, when someone reports them (a cluster member).
     heat: Option<HeatCounter>,
     timeouts: Timeouts,
@@ -245,7 +285,18 @@ impl RemoteExperts {
         let core: Core = Arc::new(Mutex::new(cluster));
         let conns: Conns = Arc::new(Mutex::new(conns));
         rt.spawn(refresh_statuses(core.clone(), conns.clone(), dialer.ids.clone(), timeouts.answer));
-        Ok(RemoteExperts { rt: OwnedRuntime(Some(rt)), dialer, core, conns, reload: None, feed: None, heat: None, timeouts, local })
+        Ok(RemoteExperts {
+            rt: OwnedRuntime(Some(rt)),
+            dialer,
+            core,
+            conns,
+            reload: None,
+            feed: None,
+            rounds: RoundGate::default(),
+            heat: None,
+            timeouts,
+            local,
+        })
     }
 
     /// Where to look for a newer placement when a worker answers `Moved`.
@@ -259,6 +310,11 @@ impl RemoteExperts {
     pub fn with_feed(mut self, feed: Box<dyn PlacementFeed>) -> Self {
         self.feed = Some((feed, AtomicU64::new(0)));
         self
+    }
+
+    /// The epochs of its rounds in flight (look at it from another thread).
+    pub fn rounds(&self) -> RoundGate {
+        self.rounds.clone()
     }
 
     /// Counts the selections it routes into `heat` (take them from another thread).
@@ -487,7 +543,10 @@ impl ExpertDispatch for RemoteExperts {
     }
 
     fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
-        self.follow_feed();
+        let _round = self.rounds.begin(|| {
+            self.follow_feed();
+            lock(&self.core).placement().epoch
+        });
         if let Some(heat) = &self.heat {
             heat.count(batch.layer, batch.experts);
         }

@@ -107,7 +107,14 @@ pub(super) fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
                 println!("no placements yet");
             } else {
                 for p in &s.placements {
-                    println!("model {}: epoch {}", p.model, p.epoch);
+                    let mut line = format!("model {}: epoch {} over {}", p.model, p.epoch, p.workers.join(", "));
+                    if let Some(prev) = p.previous {
+                        line += &format!("; epoch {prev} still answered");
+                    }
+                    if let Some(next) = p.proposed {
+                        line += &format!("; epoch {next} proposed ({} ready)", p.ready);
+                    }
+                    println!("{line}");
                 }
             }
         }

@@ -453,6 +453,13 @@ impl ControlNode {
         if led_for < self.cfg.down_after_ms || self.raw.raft.raft_log.last_index() > self.state.applied {
             return Ok(());
         }
+        for (model, epoch) in self.state.retirable(&|id| self.is_up(id)) {
+            tracing::info!(%model, epoch, "every coordinator routes by epoch {epoch}: the one before it is retired");
+            match self.append_proposal(Command::RetirePrevious { model, epoch }) {
+                Ok(_) | Err(NodeError::NoLeader) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let cfg = self.placer_config();
         let decisions = crate::placer::decide(&self.state, &|id| self.is_up(id), cfg);
         if decisions.is_empty() {

@@ -5,7 +5,8 @@
 //! A placement changes make-before-break: a new epoch is first *proposed*; each of its workers
 //! says it is *ready* once it holds its experts; when all have, it becomes *active* (what
 //! coordinators route by) and the one before it *previous* (still answered, so a request in
-//! flight finishes on its epoch).
+//! flight finishes on its epoch) until every coordinator routing the model says it has moved;
+//! then the leader retires it and its holders drop what only it gave them.
 //!
 //! `apply` is a pure function of the state and one committed entry: every member applies the
 //! same entries in the same order and so holds the same state, bit for bit. Liveness (up/down)
@@ -198,8 +199,13 @@ pub struct ModelPlacement {
     pub proposed: Option<PlacementRecord>,
     /// Workers of `proposed` that hold their experts.
     pub ready: BTreeSet<String>,
-    /// The active epoch before this one: workers still answer for it.
+    /// The active epoch before this one: workers still answer for it, until every coordinator
+    /// routing the model has moved (`Command::RetirePrevious`).
     pub previous: Option<u64>,
+    /// Per member coordinator, the epoch it routes this model by with nothing in flight on an
+    /// older one (what it last reported).
+    #[serde(default)]
+    pub routed: BTreeMap<String, u64>,
 }
 
 impl ModelPlacement {
@@ -268,6 +274,19 @@ pub enum Command {
         model: String,
         epoch: u64,
         worker: String,
+    },
+    /// A member coordinator routes `model` by `epoch` (or a later one) with no request in flight
+    /// on an older one.
+    Routed {
+        model: String,
+        by: String,
+        epoch: u64,
+    },
+    /// Workers stop answering for the epoch before `epoch` (the active one) and drop the experts
+    /// only it gave them: the leader's decision once every coordinator has moved.
+    RetirePrevious {
+        model: String,
+        epoch: u64,
     },
 }
 
@@ -422,7 +441,50 @@ impl ClusterState {
                 }
                 Outcome::Applied
             }
+            Command::Routed { model, by, epoch } => {
+                if self.member_named(by).is_none_or(|m| &m.name != by || m.kind != NodeKind::Coordinator) {
+                    return Outcome::Rejected(format!("{by} is not a coordinator of the cluster"));
+                }
+                let Some(entry) = self.placements.get_mut(model) else {
+                    return Outcome::Rejected(format!("model {model} has no placement"));
+                };
+                if *epoch == 0 || *epoch > entry.epoch() {
+                    return Outcome::Rejected(format!("{by} cannot route model {model} by epoch {epoch}: the active one is {}", entry.epoch()));
+                }
+                let routed = entry.routed.entry(by.clone()).or_default();
+                *routed = (*routed).max(*epoch);
+                Outcome::Applied
+            }
+            Command::RetirePrevious { model, epoch } => {
+                let Some(entry) = self.placements.get_mut(model) else {
+                    return Outcome::Rejected(format!("model {model} has no placement"));
+                };
+                if entry.epoch() != *epoch || entry.previous.is_none() {
+                    return Outcome::Rejected(format!("model {model} has no epoch before an active {epoch} to retire"));
+                }
+                entry.previous = None;
+                Outcome::Applied
+            }
         }
+    }
+
+    /// The models whose previous epoch every up coordinator routing them has moved off, with
+    /// their active epoch: what the leader retires. Coordinators that never said they route a
+    /// model (they read the active placement when they start) and ones that are down do not hold
+    /// it up; a client coordinator (not a member) that is still on it is told `Moved` and reads
+    /// the placement again.
+    pub fn retirable(&self, is_up: &dyn Fn(NodeId) -> bool) -> Vec<(String, u64)> {
+        self.placements
+            .iter()
+            .filter(|(_, p)| p.previous.is_some())
+            .filter(|(_, p)| {
+                p.routed.iter().all(|(name, &epoch)| {
+                    let member = self.member_named(name).filter(|m| &m.name == name);
+                    epoch >= p.epoch() || member.is_none_or(|m| !is_up(m.id()))
+                })
+            })
+            .map(|(model, p)| (model.clone(), p.epoch()))
+            .collect()
     }
 
     /// Applies a committed membership change. `voters`/`learners` are the Raft configuration
@@ -573,6 +635,46 @@ mod tests {
         assert!(s.placements["m"].ready.is_empty());
         assert!(matches!(s.apply_command(12, &ready(4, "b:1")), Outcome::Rejected(_)));
         assert_eq!(s.placements["m"].epoch(), 3);
+    }
+
+    #[test]
+    fn the_previous_epoch_is_retired_once_every_up_coordinator_routing_the_model_has_moved() {
+        let mut s = ClusterState::default();
+        let (a, mut c, mut d) = (member("a:1"), member("c:1"), member("d:1"));
+        c.kind = NodeKind::Coordinator;
+        d.kind = NodeKind::Coordinator;
+        for (i, m) in [&a, &c, &d].into_iter().enumerate() {
+            let ids: Vec<NodeId> = [&a, &c, &d][..=i].iter().map(|m| m.id()).collect();
+            s.apply_member_change(i as u64 + 1, &MemberChange::Add { member: m.clone() }, &ids, &[]);
+        }
+        let routed = |by: &str, epoch| Command::Routed { model: "m".into(), by: by.into(), epoch };
+        assert!(matches!(s.apply_command(4, &routed("c:1", 1)), Outcome::Rejected(_)), "no placement yet");
+        s.apply_command(5, &placement_over(1, &["a:1"]));
+        s.apply_command(6, &ready(1, "a:1"));
+        assert!(matches!(s.apply_command(7, &routed("a:1", 1)), Outcome::Rejected(_)), "a worker does not route");
+        assert!(matches!(s.apply_command(7, &routed("c:1", 2)), Outcome::Rejected(_)), "not the active epoch yet");
+        assert_eq!(s.apply_command(7, &routed("c:1", 1)), Outcome::Applied);
+        assert_eq!(s.apply_command(8, &routed("d:1", 1)), Outcome::Applied);
+        s.apply_command(9, &placement_over(2, &["a:1"]));
+        s.apply_command(10, &ready(2, "a:1"));
+        let all_up = |_: NodeId| true;
+        assert!(s.retirable(&all_up).is_empty(), "c and d still route by epoch 1");
+        assert_eq!(s.apply_command(11, &routed("c:1", 2)), Outcome::Applied);
+        assert_eq!(s.apply_command(12, &routed("c:1", 1)), Outcome::Applied, "a late report does not go back");
+        assert_eq!(s.placements["m"].routed["c:1"], 2);
+        assert!(s.retirable(&all_up).is_empty(), "d still routes by epoch 1");
+        let d_down = |id: NodeId| id != d.id();
+        assert_eq!(s.retirable(&d_down), vec![("m".to_string(), 2)], "a coordinator that is down holds nothing up");
+        assert_eq!(s.apply_command(13, &routed("d:1", 2)), Outcome::Applied);
+        assert_eq!(s.retirable(&all_up), vec![("m".to_string(), 2)]);
+        let retire = |epoch| Command::RetirePrevious { model: "m".into(), epoch };
+        assert!(matches!(s.apply_command(14, &retire(1)), Outcome::Rejected(_)), "1 is not the active epoch");
+        assert_eq!(s.apply_command(14, &retire(2)), Outcome::Applied);
+        let m = &s.placements["m"];
+        assert!(m.previous.is_none() && !m.answers("a:1", 1) && m.answers("a:1", 2));
+        assert!(matches!(s.apply_command(15, &retire(2)), Outcome::Rejected(_)), "nothing left to retire");
+        assert!(s.retirable(&all_up).is_empty());
+        assert_eq!(ClusterState::decode(&s.encode()).unwrap(), s);
     }
 
     #[test]

@@ -6,9 +6,14 @@
 //! `view` is the decision (pure, tested here); `follow` is the loop that carries it out on a
 //! thread of its own, polling the member's applied state.
 //!
-//! Must never: say ready before its share is read; answer for an epoch the cluster does not
+//! Once the cluster retires the epoch before the active one (every coordinator has moved off
+//! it), the worker stops answering for it and drops from RAM the experts only it gave it.
+//!
+//! Must never: say ready before its share is read; drop an expert a share it still answers
+//! for holds; answer for an epoch the cluster does not
 //! (active, the one before it, or a proposed one naming it); block the data plane.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +22,7 @@ use shimmer_control::state::Command;
 use shimmer_control::{ModelPlacement, Outcome, PlacementRecord};
 
 use super::ControlPlane;
-use crate::server::{EpochWindow, WorkerState};
+use crate::server::{Assigned, EpochWindow, WorkerState};
 
 const POLL: Duration = Duration::from_millis(200);
 /// How soon a failed preparation (a read error, a proposal that timed out) is tried again.
@@ -44,13 +49,50 @@ pub fn view<'a>(placement: &'a ModelPlacement, me: &str) -> WorkerView<'a> {
     }
 }
 
+/// The shares of the epochs a worker answers for, and what to drop when an epoch leaves its
+/// window: a worker keeps every share it answers for (so a coordinator still on the previous
+/// epoch is served as before) and drops the experts only a retired epoch gave it.
+#[derive(Debug, Default)]
+pub struct Shares(BTreeMap<u64, Assigned>);
+
+impl Shares {
+    pub fn insert(&mut self, epoch: u64, share: Assigned) {
+        self.0.entry(epoch).or_insert(share);
+    }
+
+    pub fn has(&self, epoch: u64) -> bool {
+        self.0.contains_key(&epoch)
+    }
+
+    /// Forgets the shares of epochs outside `window`; returns the (layer, expert) pairs that no
+    /// remaining share holds, sorted.
+    pub fn retain(&mut self, window: &EpochWindow) -> Vec<(u32, u32)> {
+        let gone: Vec<Assigned> = {
+            let (keep, gone): (BTreeMap<u64, Assigned>, BTreeMap<u64, Assigned>) =
+                std::mem::take(&mut self.0).into_iter().partition(|(e, _)| window.accepts(*e));
+            self.0 = keep;
+            gone.into_values().collect()
+        };
+        let held = self.union();
+        let mut dropped: Vec<(u32, u32)> = gone.into_iter().flatten().filter(|p| !held.contains(p)).collect();
+        dropped.sort_unstable();
+        dropped.dedup();
+        dropped
+    }
+
+    /// Every pair some share holds: what the worker is assigned.
+    pub fn union(&self) -> Assigned {
+        self.0.values().flatten().copied().collect()
+    }
+}
+
 /// Follows `model`'s placements until `stop` is set: moves `state`'s epoch window and
-/// assignment, and prepares proposed epochs (reading the share from `state.store` when it has
-/// one) before saying ready.
+/// assignment, prepares proposed epochs (reading the share from `state.store` when it has one)
+/// before saying ready, and drops from RAM what only a retired epoch gave it.
 pub fn follow(control: Arc<ControlPlane>, state: Arc<WorkerState>, model: String, moe_layers: Vec<usize>, stop: Arc<AtomicBool>) {
     let me = state.name.clone();
     let mut seen_version = 0;
-    let mut assigned_epoch = None;
+    let mut shares = Shares::default();
     let mut retry_at: Option<Instant> = None;
     // The epoch it last said ready for: said once, unless saying it failed.
     let mut said_ready = None;
@@ -65,18 +107,31 @@ pub fn follow(control: Arc<ControlPlane>, state: Arc<WorkerState>, model: String
         retry_at = None;
         let Some(placement) = placement else { continue };
         let v = view(&placement, &me);
-        if let Some(record) = v.assignment {
-            if assigned_epoch != Some(record.epoch) {
-                match record.placement.slice(&me, &moe_layers) {
-                    Ok(slice) => {
-                        state.set_assigned(Some(slice.assigned));
-                        assigned_epoch = Some(record.epoch);
-                    }
-                    Err(e) => tracing::warn!(epoch = record.epoch, "the cluster's placement does not fit this worker: {e}"),
-                }
+        for record in [placement.active.as_ref(), v.assignment].into_iter().flatten() {
+            if shares.has(record.epoch) || !record.worker_names().contains(me.as_str()) {
+                continue;
+            }
+            match record.placement.slice(&me, &moe_layers) {
+                Ok(slice) => shares.insert(record.epoch, slice.assigned),
+                Err(e) => tracing::warn!(epoch = record.epoch, "the cluster's placement does not fit this worker: {e}"),
             }
         }
-        state.set_epochs(v.window);
+        // Widen before narrowing: the assignment grows before the window takes a new epoch, and
+        // shrinks only after the window has let the old one go.
+        let dropped = {
+            let mut wider = shares.union();
+            state.set_assigned(Some(wider.clone()));
+            state.set_epochs(v.window);
+            let dropped = shares.retain(&v.window);
+            wider = shares.union();
+            state.set_assigned(Some(wider));
+            dropped
+        };
+        if !dropped.is_empty() {
+            let pairs: Vec<(usize, usize)> = dropped.iter().map(|&(l, e)| (l as usize, e as usize)).collect();
+            let released = state.store.as_ref().map_or(0, |s| s.release(&pairs));
+            tracing::info!(epoch = v.window.active, no_longer_held = pairs.len(), released, "dropped what only a retired placement epoch gave it");
+        }
         let (Some(epoch), Some(record)) = (v.prepare, v.assignment) else { continue };
         if said_ready == Some(epoch) && !due {
             continue;
@@ -150,5 +205,20 @@ mod tests {
         p = ModelPlacement { active: Some(record(2, &["a"])), previous: Some(1), ..Default::default() };
         let b = view(&p, "b");
         assert!(b.window.accepts(1) && b.window.accepts(2) && b.assignment.is_none());
+    }
+
+    #[test]
+    fn a_worker_keeps_every_share_it_answers_for_and_drops_only_what_a_retired_one_alone_held() {
+        let share = |pairs: &[(u32, u32)]| pairs.iter().copied().collect::<Assigned>();
+        let mut shares = Shares::default();
+        shares.insert(1, share(&[(1, 0), (1, 1), (3, 2)]));
+        shares.insert(2, share(&[(1, 1), (3, 5)]));
+        shares.insert(2, share(&[(9, 9)]));
+        assert_eq!(shares.union(), share(&[(1, 0), (1, 1), (3, 2), (3, 5)]), "a share, once taken, is not replaced");
+        let moved = EpochWindow { active: 2, previous: Some(1), proposed: None };
+        assert!(shares.retain(&moved).is_empty(), "epoch 1 is still answered");
+        assert_eq!(shares.retain(&EpochWindow::only(2)), vec![(1, 0), (3, 2)], "(1, 1) is epoch 2's too");
+        assert_eq!(shares.union(), share(&[(1, 1), (3, 5)]));
+        assert!(!shares.has(1) && shares.has(2));
     }
 }

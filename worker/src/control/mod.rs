@@ -108,6 +108,12 @@ pub struct PlacementView {
     /// An epoch being prepared, and how many of its workers are ready.
     pub proposed: Option<u64>,
     pub ready: usize,
+    /// The epoch before the active one, while a coordinator may still route by it.
+    #[serde(default)]
+    pub previous: Option<u64>,
+    /// Per member coordinator, the epoch it says it routes by.
+    #[serde(default)]
+    pub routed: std::collections::BTreeMap<String, u64>,
     /// Routing heat reports merged for the model so far.
     pub heat_reports: u64,
 }
@@ -719,6 +725,8 @@ fn status_view(state: &ClusterState, live: &Liveness, answered_by: &str) -> Stat
                 workers: p.active.as_ref().map(|a| a.placement.workers.iter().map(|w| w.name.clone()).collect()).unwrap_or_default(),
                 proposed: p.proposed.as_ref().map(|r| r.epoch),
                 ready: p.ready.len(),
+                previous: p.previous,
+                routed: p.routed.clone(),
                 heat_reports: state.heat.get(model).map_or(0, |h| h.reports),
             })
             .collect(),

@@ -411,6 +411,28 @@ impl ExpertStore {
     }
 }
 
+impl ExpertStore {
+    /// Drops the given (layer, expert) pairs from RAM (a worker whose share of a placement
+    /// shrank, once no coordinator routes by the old one): their slots go back to the cache,
+    /// a later access reads them again. Pairs being read now, or not resident, are left; returns
+    /// how many were dropped.
+    pub fn release(&self, pairs: &[(usize, usize)]) -> usize {
+        let inner = &self.inner;
+        let mut st = lock(&inner.state);
+        let mut dropped = 0;
+        for &(layer, e) in pairs {
+            let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { continue };
+            let key = (pos, e.min(u16::MAX as usize) as u16);
+            if matches!(st.slots.get(&key), Some(Slot::Ready(_))) {
+                st.slots.remove(&key);
+                st.policy.forget(key);
+                dropped += 1;
+            }
+        }
+        dropped
+    }
+}
+
 impl Drop for ExpertStore {
     fn drop(&mut self) {
         lock(&self.inner.queues).shutdown = true;
