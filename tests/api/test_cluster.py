@@ -238,6 +238,49 @@ def test_the_dashboard_shows_the_cluster_view(replicated):
     assert metric(coord, "shimmer_placement_epoch") == 1
 
 
+def test_the_dashboard_of_a_member_coordinator_shows_raft_roles_and_the_epoch():
+    """Three workers joined into a cluster (--bootstrap / --join) and a member coordinator: its
+    dashboard shows the leader, the term, each member's Raft role and the placement epoch, as
+    `cluster status` reports them."""
+    import asyncio
+
+    from test_dashboard import CHROMIUM, drive
+
+    assert CHROMIUM, "chromium is not installed (scripts/test installs Debian's chromium package)"
+    tmp = Path(tempfile.mkdtemp())
+    addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3, 4)]
+    workers = [Worker(addrs[0], "--data-dir", str(tmp / "w0"), "--bootstrap", "--no-mdns")]
+    workers += [Worker(a, "--data-dir", str(tmp / f"w{i + 1}"), "--join", addrs[0], "--no-mdns") for i, a in enumerate(addrs[1:])]
+    coord_listen = f"127.0.0.5:{free_port('127.0.0.5')}"
+    coord = None
+    try:
+        coord = Server("--host", "127.0.0.1", "--listen", coord_listen, "--data-dir", str(tmp / "coordinator"), "--join", addrs[0], "--join-token", TOKEN,
+                       "--no-mdns", "--worker-timeout-s", "2", "--connect-timeout-s", "1", verb="coordinator")
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+            facts, errors = asyncio.run(drive(coord.url + "/", profile, shot="dashboard-raft.png", cluster_rows=len(addrs)))
+        assert errors == [], errors
+        r = subprocess.run([shimmer_bin(), "cluster", "status", "--json", "--join", ",".join(addrs), "--join-token", TOKEN], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        status = json.loads(r.stdout)
+        assert not facts["raft_hidden"], facts
+        rows = {row[0]: row[1:] for row in facts["raft"]}
+        assert set(rows) == set(addrs) | {coord_listen}, facts["raft"]
+        for m in status["members"]:
+            kind, role, _ = rows[m["name"]]
+            assert kind == m["kind"], (m, rows[m["name"]])
+            assert role == (f"{m['role']} (leader)" if m["name"] == status["leader"] else m["role"]), (m, rows[m["name"]])
+        assert sorted(role for _, role, _ in rows.values()).count("learner") == 1, "three voters and the coordinator a learner"
+        epoch = status["placements"][0]["epoch"]
+        assert f"leader {status['leader']}" in facts["raft_facts"] and f"placement epoch {epoch}" in facts["raft_facts"], facts["raft_facts"]
+        assert f"term {status['term']}" in facts["raft_facts"], facts["raft_facts"]
+    finally:
+        if coord:
+            coord.stop()
+        for w in workers:
+            w.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_new_placement_is_adopted_when_the_workers_move_to_it(server):
     tmp = Path(tempfile.mkdtemp())
     addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3)]

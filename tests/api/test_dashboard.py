@@ -100,6 +100,9 @@ async def drive(url: str, profile: str, shot: str = "dashboard.png", cluster_row
             facts = await page.eval("""({
                 cluster: [...document.querySelectorAll('#cluster tbody tr')].map((tr) => [...tr.children].map((td) => td.textContent)),
                 cluster_facts: document.getElementById('cluster-facts').textContent,
+                raft: [...document.querySelectorAll('#raft tbody tr')].map((tr) => [...tr.children].map((td) => td.textContent)),
+                raft_facts: document.getElementById('raft-facts').textContent,
+                raft_hidden: document.getElementById('raft-panel').hidden,
                 breakdown: document.getElementById('breakdown-legend').textContent,
                 answer: [...document.querySelectorAll('.msg.assistant')].pop().textContent,
                 error: document.querySelectorAll('.msg.error').length,
@@ -127,4 +130,5 @@ def test_the_dashboard_chats_and_shows_live_figures(server):
     assert facts["error"] == 0 and len(facts["answer"].strip()) > 0, facts
     assert facts["toks"] > 0 and facts["ttft"].endswith("ms"), facts
     assert facts["brain"] > 0 and "RAM" in facts["tiers"], facts
+    assert facts["raft_hidden"] and facts["raft"] == [], "a single box has no control plane to show"
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

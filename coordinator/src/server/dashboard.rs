@@ -2,7 +2,8 @@
 //! token and the queue; the last finished turn's time by phase; the bytes experts were served
 //! from, by tier; and the Brain — every (MoE layer, expert) with its routing heat and whether
 //! the last step routed to it; on a cluster, the nodes (up or down, the experts each holds and
-//! serves, link RTTs, bytes per token). `GET /api/dashboard` returns it as JSON, `GET
+//! serves, link RTTs, bytes per token) and, on a member coordinator, the control plane (leader,
+//! term, each member's Raft role, the placement epochs). `GET /api/dashboard` returns it as JSON, `GET
 //! /api/dashboard/events` streams it (docs/api.md).
 //!
 //! Must never: slow the forward pass beyond counting (the observer only increments counters).
@@ -82,6 +83,9 @@ pub struct Snapshot {
     /// On a cluster, per (row, expert): the worker that first serves it (an index into
     /// `cluster.workers`); empty on a single box.
     pub node: Vec<u16>,
+    /// On a member coordinator, the control plane as this member applied it: the leader, the
+    /// term, each member's Raft role, each model's epochs (no ReadIndex: a view, not a read).
+    pub control: Option<shimmer_worker::control::StatusView>,
 }
 
 /// Throughput window.
@@ -186,6 +190,7 @@ impl Dashboard {
                 None => Vec::new(),
             },
             cluster,
+            control: None,
         }
     }
 }

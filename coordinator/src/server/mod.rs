@@ -88,7 +88,10 @@ fn snapshot(state: &AppState) -> dashboard::Snapshot {
     let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let engine = state.engine.clone();
     let dash = state.dashboard.lock().unwrap_or_else(|e| e.into_inner());
-    dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer), engine.cluster_telemetry(), &|layer| engine.first_holders(layer))
+    let mut snap =
+        dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer), engine.cluster_telemetry(), &|layer| engine.first_holders(layer));
+    snap.control = state.control.as_ref().map(|c| c.local_status());
+    snap
 }
 
 async fn dashboard_json(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -377,6 +377,13 @@ impl ControlPlane {
         (sh.version, sh.state.placements.get(model).cloned())
     }
 
+    /// The cluster as this member last applied it, with its own liveness view (`up` only when
+    /// it leads): for displays; `cluster status` reads through the leader instead.
+    pub fn local_status(&self) -> StatusView {
+        let sh = lock(&self.shared);
+        status_view(&sh.state, &sh.live, &self.name)
+    }
+
     pub fn metrics(&self) -> RaftMetrics {
         let sh = lock(&self.shared);
         RaftMetrics {

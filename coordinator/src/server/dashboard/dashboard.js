@@ -206,6 +206,24 @@ function renderCluster(c) {
     .join("");
 }
 
+// The control plane as this member coordinator applied it (hidden unless it is a member).
+function renderRaft(c) {
+  const panel = $("raft-panel");
+  panel.hidden = !c;
+  if (!c) return;
+  const epochs = c.placements
+    .map((p) => `placement epoch ${p.epoch}` + (p.previous != null ? ` (epoch ${p.previous} still answered)` : "") + (p.proposed != null ? ` (epoch ${p.proposed} proposed, ${p.ready} ready)` : ""))
+    .join(" · ");
+  $("raft-facts").textContent = `leader ${c.leader ?? "none"} · term ${c.term} · commit ${c.commit} · ${epochs || "no placement yet"}`;
+  $("raft").tBodies[0].innerHTML = c.members
+    .map((m) => {
+      const role = m.name === c.leader ? `${m.role} (leader)` : m.role;
+      const state = m.draining ? "draining" : m.up == null ? "" : m.up ? "up" : "down";
+      return `<tr data-member="${escapeHtml(m.name)}"><td>${escapeHtml(m.name)}</td><td>${escapeHtml(m.kind)}</td><td>${escapeHtml(role)}</td><td>${state}</td></tr>`;
+    })
+    .join("");
+}
+
 function render(s) {
   $("model").textContent = s.model;
   $("toks").textContent = s.tok_s.toFixed(1);
@@ -221,6 +239,7 @@ function render(s) {
   }
   stackedBar($("tiers"), $("tiers-legend"), TIERS, s.tiers, fmtBytes);
   renderCluster(s.cluster);
+  renderRaft(s.control);
   drawBrain(s);
 }
 
