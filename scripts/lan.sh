@@ -32,7 +32,7 @@ cleanup() {
   set +e
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$ID-"); do ip netns del "$ns"; done
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$ID-"); do ip netns del "$ns"; rm -rf "/etc/netns/$ns"; done
   rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
@@ -150,6 +150,21 @@ if [ "$MODE" = check ]; then
     --join mdns --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log" | ids)"
   [ "$got" = "$want" ] || { echo "FAIL: over the mDNS cluster $got, single box $want" >&2; cat "$WORK/coordinator.log" >&2; exit 1; }
   echo "ok: 3 workers joined by mDNS and placed by the cluster itself, a client found by mDNS: the single box's tokens"
+  # A client that finds the members by DNS SRV records (as a Kubernetes headless service's named
+  # port lists its pods), asked of a real DNS server: dnsmasq on the LAN, named in the client
+  # namespace's resolv.conf (`ip netns exec` mounts /etc/netns/NS/resolv.conf over the host's).
+  DNSMASQ="$(command -v dnsmasq || echo /usr/sbin/dnsmasq)"
+  srv=()
+  for i in 1 2 3; do srv+=(--srv-host="_control._tcp.shimmer.lan,w$i.shimmer.lan,7070,0,10" --host-record="w$i.shimmer.lan,$NET.1$i"); done
+  ip netns exec "$ID-c" "$DNSMASQ" --keep-in-foreground --no-resolv --no-hosts --user=root --bind-interfaces --listen-address="$NET.1" \
+    --pid-file="$WORK/dnsmasq.pid" "${srv[@]}" 2>"$WORK/dnsmasq.log" &
+  PIDS+=($!)
+  mkdir -p "/etc/netns/$ID-c"
+  echo "nameserver $NET.1" > "/etc/netns/$ID-c/resolv.conf"
+  got="$(ip netns exec "$ID-c" "$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens 24 --json \
+    --join dns:_control._tcp.shimmer.lan --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log" | ids)"
+  [ "$got" = "$want" ] || { echo "FAIL: found by SRV records $got, single box $want" >&2; cat "$WORK/dnsmasq.log" "$WORK/coordinator.log" >&2; exit 1; }
+  echo "ok: a client found the members by DNS SRV records (dnsmasq): the single box's tokens"
   # A member cut off (its link down): the majority serves on, the minority cannot write, and
   # healed, it catches up with what was committed meanwhile.
   status_of() { # status_of NS MEMBER_ADDR: one status line as that member answers it

@@ -2,7 +2,8 @@
 //! three workers each in its own namespace, veth pairs capped at 1 Gbit/s, 1 ms one way and 0.5 %
 //! loss from user-space UDP relays; the single box's tokens over the LAN, with one worker
 //! partitioned, and with another's link down; then a cluster whose members find each other by
-//! mDNS on that LAN (`--join mdns`), placed by itself, serving a client that found it the same way;
+//! mDNS on that LAN (`--join mdns`), placed by itself, serving a client that found it the same way
+//! and one that found it by DNS SRV records (a real dnsmasq on the LAN, `--join dns:_control._tcp.…`);
 //! one of its members cut off: the majority writes and serves on, the minority refuses writes,
 //! and healed it catches up. As root on Linux (CI, the project's machines) the
 //! namespaces must work and a refusal fails the test; elsewhere (no root) it skips, printing why.
@@ -24,8 +25,14 @@ fn a_lan_of_namespaces_gives_the_single_box_tokens_through_loss_and_partitions()
         return;
     }
     assert!(out.status.success(), "scripts/lan.sh check failed:\n{stdout}\n{stderr}");
-    for line in ["1 ms one way, 0.5 % loss: the single box's tokens", "worker 1 partitioned", "worker 2's veth down", "joined by mDNS", "the minority refused"]
-    {
+    for line in [
+        "1 ms one way, 0.5 % loss: the single box's tokens",
+        "worker 1 partitioned",
+        "worker 2's veth down",
+        "joined by mDNS",
+        "by DNS SRV records",
+        "the minority refused",
+    ] {
         assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
     }
 }

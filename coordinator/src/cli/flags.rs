@@ -42,7 +42,8 @@ pub(super) struct ClusterArgs {
     pub(super) workers: Vec<String>,
     /// Use the cluster's placement, asked of any of these members (HOST:PORT of their control
     /// plane, `mdns` for the members on this LAN, `dns:NAME[:PORT]` for every address a name
-    /// resolves to); with --data-dir, join the cluster through them.
+    /// resolves to, `dns:_SERVICE._PROTO.NAME` for the targets of SRV records); with
+    /// --data-dir, join the cluster through them.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", conflicts_with = "placement")]
     pub(super) join: Vec<String>,
     #[command(flatten)]

@@ -1,7 +1,8 @@
 //! How a node finds the cluster's members: `--join` takes HOST:PORT addresses, `mdns` (members
-//! on this LAN, found by multicast DNS as `_shimmer._udp.local.`) and `dns:NAME[:PORT]` (every
-//! address the name resolves to — a Kubernetes headless service lists its pods so). A member
-//! advertises itself on mDNS unless told not to.
+//! on this LAN, found by multicast DNS as `_shimmer._udp.local.`), `dns:NAME[:PORT]` (every
+//! address the name resolves to — a Kubernetes headless service lists its pods so) and
+//! `dns:_SERVICE._PROTO.NAME` (an SRV name: every target it lists, on the target's own port — a
+//! headless service's named port). A member advertises itself on mDNS unless told not to.
 //!
 //! Must never: trust what it finds (every address found is only a place to try: the join token
 //! is proven on every connection before anything is said), or fail a node because multicast is
@@ -25,7 +26,14 @@ const MAX_FOUND: usize = 256;
 pub enum Seed {
     Addr(String),
     Mdns,
-    Dns { name: String, port: u16 },
+    Dns {
+        name: String,
+        port: u16,
+    },
+    /// An SRV name (`_control._tcp.shimmer.default.svc.cluster.local`): its targets and ports.
+    Srv {
+        name: String,
+    },
 }
 
 impl Seed {
@@ -36,7 +44,7 @@ impl Seed {
     }
 }
 
-/// Parses `--join` entries: `HOST:PORT`, `mdns`, `dns:NAME` or `dns:NAME:PORT`.
+/// Parses `--join` entries: `HOST:PORT`, `mdns`, `dns:NAME`, `dns:NAME:PORT` or `dns:_SRV-NAME`.
 pub fn parse_seeds(list: &[String]) -> Result<Vec<Seed>, String> {
     list.iter()
         .map(|s| {
@@ -45,6 +53,12 @@ pub fn parse_seeds(list: &[String]) -> Result<Vec<Seed>, String> {
                 return Ok(Seed::Mdns);
             }
             if let Some(rest) = s.strip_prefix("dns:") {
+                if rest.starts_with('_') {
+                    if rest.len() > 253 || rest.contains(':') || !rest.trim_end_matches('.').contains('.') {
+                        return Err(format!("--join {s}: an SRV name is _SERVICE._PROTO.NAME (at most 253 bytes), its records carry the ports"));
+                    }
+                    return Ok(Seed::Srv { name: rest.to_string() });
+                }
                 let (name, port) = match rest.rsplit_once(':') {
                     Some((n, p)) => (n, p.parse::<u16>().map_err(|_| format!("--join {s}: `{p}` is not a port number"))?),
                     None => (rest, DEFAULT_PORT),
@@ -76,6 +90,17 @@ pub fn resolve(seeds: &[Seed]) -> (Vec<(String, bool)>, Vec<String>) {
                     Vec::new()
                 }
             },
+            Seed::Srv { name } => match lookup_srv(name) {
+                Ok(addrs) if addrs.is_empty() => {
+                    problems.push(format!("dns:{name}: the SRV records list no target with an address"));
+                    addrs
+                }
+                Ok(addrs) => addrs,
+                Err(e) => {
+                    problems.push(format!("dns:{name}: {e}"));
+                    Vec::new()
+                }
+            },
             Seed::Mdns => match browse_mdns(MDNS_BROWSE) {
                 Ok(addrs) if addrs.is_empty() => {
                     problems.push(format!("mdns: no member answered on this LAN within {} s", MDNS_BROWSE.as_secs()));
@@ -95,6 +120,41 @@ pub fn resolve(seeds: &[Seed]) -> (Vec<(String, bool)>, Vec<String>) {
         }
     }
     (found, problems)
+}
+
+/// Bound on one SRV lookup with its targets' addresses (the resolver retries within it).
+const SRV_WITHIN: Duration = Duration::from_secs(10);
+
+/// The addresses an SRV name's records point at: each target resolved (A/AAAA) with the record's
+/// port, in the records' priority order. Asked of the system's resolver (`/etc/resolv.conf`:
+/// its nameservers, search domains and `ndots`, as a Kubernetes pod has them) on a runtime of
+/// its own, so it may be called from any thread.
+fn lookup_srv(name: &str) -> Result<Vec<String>, String> {
+    let name = name.to_string();
+    let thread = std::thread::Builder::new().name("dns-srv".into()).spawn(move || -> Result<Vec<String>, String> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("no runtime for DNS: {e}"))?;
+        rt.block_on(async {
+            let resolver =
+                hickory_resolver::TokioAsyncResolver::tokio_from_system_conf().map_err(|e| format!("cannot read the system's DNS configuration: {e}"))?;
+            let lookup = async {
+                let srv = resolver.srv_lookup(name.as_str()).await.map_err(|e| e.to_string())?;
+                let mut records: Vec<(u16, u16, String, u16)> =
+                    srv.iter().take(MAX_FOUND).map(|r| (r.priority(), u16::MAX - r.weight(), r.target().to_utf8(), r.port())).collect();
+                records.sort();
+                let mut found = Vec::new();
+                for (_, _, target, port) in records {
+                    match resolver.lookup_ip(target.as_str()).await {
+                        Ok(ips) => found.extend(ips.iter().take(MAX_FOUND).map(|ip| host_port(ip, port))),
+                        Err(e) => tracing::warn!("dns:{name}: target {target}: {e}"),
+                    }
+                }
+                found.truncate(MAX_FOUND);
+                Ok::<_, String>(found)
+            };
+            tokio::time::timeout(SRV_WITHIN, lookup).await.map_err(|_| format!("no answer within {} s", SRV_WITHIN.as_secs()))?
+        })
+    });
+    thread.map_err(|e| format!("no thread for DNS: {e}"))?.join().map_err(|_| "the DNS lookup failed".to_string())?
 }
 
 /// Members' control addresses heard on mDNS within `within`.
@@ -186,6 +246,9 @@ mod tests {
         assert!(s(&["no-port"]).unwrap_err().contains("mdns"));
         assert!(s(&["dns:"]).is_err());
         assert!(s(&["dns:x:notaport"]).unwrap_err().contains("not a port"));
+        assert_eq!(s(&["dns:_control._tcp.shimmer.default.svc"]).unwrap(), vec![Seed::Srv { name: "_control._tcp.shimmer.default.svc".into() }]);
+        assert!(s(&["dns:_control._tcp.shimmer:7070"]).unwrap_err().contains("SRV"), "an SRV record carries its port");
+        assert!(s(&["dns:_control"]).unwrap_err().contains("SRV"));
     }
 
     #[test]
@@ -196,5 +259,10 @@ mod tests {
         assert!(problems.is_empty(), "{problems:?}");
         let (found, problems) = resolve(&[Seed::Dns { name: "no-such-host.invalid".into(), port: 1 }]);
         assert!(found.is_empty() && problems[0].contains("no-such-host.invalid"), "{problems:?}");
+        // `.invalid` never resolves (RFC 6761): the SRV lookup says why, naming the name. (SRV
+        // records that do resolve are checked against a real DNS server, dnsmasq, in
+        // `scripts/lan.sh check`.)
+        let (found, problems) = resolve(&[Seed::Srv { name: "_control._tcp.no-such-service.invalid".into() }]);
+        assert!(found.is_empty() && problems[0].starts_with("dns:_control._tcp.no-such-service.invalid: "), "{problems:?}");
     }
 }
