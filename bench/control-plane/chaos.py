@@ -199,7 +199,8 @@ def main():
         pending_restarts = []
         k = 0
         while time.time() - t_start < duration:
-            next_kill = t_start + (k + 1) * args.kill_every
+            # Kills half a period into each period: MINUTES × 60 / KILL_EVERY of them in the run.
+            next_kill = t_start + (k + 0.5) * args.kill_every
             while time.time() < next_kill and time.time() - t_start < duration:
                 for r in [r for r in pending_restarts if r[0] <= time.time()]:
                     cluster.start_worker(r[1])
