@@ -371,7 +371,7 @@ pub enum PlacementSource {
     /// This node's replicated state: it is a member of the cluster.
     Member(Arc<ControlPlane>),
     /// The cluster's members at these control addresses: this node is a client.
-    Client { members: Vec<String>, token: shimmer_control::ClusterToken },
+    Client { members: Vec<String>, trust: shimmer_worker::control::ControlTrust },
 }
 
 /// How long a coordinator waits at start for the cluster to place its model.
@@ -393,8 +393,8 @@ fn cluster_placement(source: &PlacementSource, fingerprint: &str) -> Result<Opti
     match source {
         PlacementSource::File(_) => Ok(None),
         PlacementSource::Member(c) => Ok(c.placement(fingerprint).1.and_then(|p| p.active).map(|r| r.placement)),
-        PlacementSource::Client { members, token } => {
-            match shimmer_worker::control::admin_any(members, token.clone(), &AdminRequest::Placement { model: fingerprint.to_string() }) {
+        PlacementSource::Client { members, trust } => {
+            match shimmer_worker::control::admin_any(members, trust, &AdminRequest::Placement { model: fingerprint.to_string() }) {
                 Ok(AdminReply::Placement { record }) => Ok(record.map(|r| r.placement)),
                 Ok(AdminReply::Error { message }) => Err(message),
                 Ok(_) => Err("unexpected answer to a placement request".into()),

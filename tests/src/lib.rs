@@ -167,3 +167,32 @@ pub fn engine_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantSc
     let (dense, _) = model.dense().unwrap();
     shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(Box::new(experts))).unwrap()
 }
+
+/// An operator's CA in `dir` and, per label, a certificate it signs for `hosts` (IP addresses or
+/// names; usable by a server and a client): PEM paths (ca, [(cert, key)]).
+pub fn operator_ca(dir: &std::path::Path, ca_label: &str, leaves: &[&str], hosts: &[&str]) -> (String, Vec<(String, String)>) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let write = |name: String, text: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, format!("{ca_label} CA"));
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let ca_path = write(format!("{ca_label}-ca.pem"), ca_cert.pem());
+    let leaves = leaves
+        .iter()
+        .map(|label| {
+            let key = KeyPair::generate().unwrap();
+            let mut p = CertificateParams::new(hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, label.to_string());
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = p.signed_by(&key, &ca_cert, &ca_key).unwrap();
+            (write(format!("{label}.pem"), cert.pem()), write(format!("{label}-key.pem"), key.serialize_pem()))
+        })
+        .collect();
+    (ca_path, leaves)
+}

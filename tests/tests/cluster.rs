@@ -427,42 +427,13 @@ fn garbage_wrong_model_and_stale_epoch_frames_get_error_codes_and_the_worker_kee
     });
 }
 
-/// An operator's CA in `dir` and, per label, a certificate it signs for 127.0.0.1 (usable by a
-/// server and a client): PEM paths (ca, [(cert, key)]).
-fn operator_ca(dir: &std::path::Path, ca_label: &str, leaves: &[&str]) -> (String, Vec<(String, String)>) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
-    let write = |name: String, text: String| {
-        let p = dir.join(name);
-        std::fs::write(&p, text).unwrap();
-        p.to_str().unwrap().to_string()
-    };
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, format!("{ca_label} CA"));
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let ca_path = write(format!("{ca_label}-ca.pem"), ca_cert.pem());
-    let leaves = leaves
-        .iter()
-        .map(|label| {
-            let key = KeyPair::generate().unwrap();
-            let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-            p.distinguished_name.push(DnType::CommonName, label.to_string());
-            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-            let cert = p.signed_by(&key, &ca_cert, &ca_key).unwrap();
-            (write(format!("{label}.pem"), cert.pem()), write(format!("{label}-key.pem"), key.serialize_pem()))
-        })
-        .collect();
-    (ca_path, leaves)
-}
-
 #[test]
 fn operator_certificates_from_the_cluster_ca_work_and_strangers_are_refused_both_ways() {
     let dir = fixture("qwen3_moe");
     let d = dir.to_str().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let (ca, ours) = operator_ca(tmp.path(), "cluster", &["worker", "coordinator"]);
-    let (other_ca, theirs) = operator_ca(tmp.path(), "elsewhere", &["stranger"]);
+    let (ca, ours) = shimmer_tests::operator_ca(tmp.path(), "cluster", &["worker", "coordinator"], &["127.0.0.1"]);
+    let (other_ca, theirs) = shimmer_tests::operator_ca(tmp.path(), "elsewhere", &["stranger"], &["127.0.0.1"]);
     let (w, c, s) = (&ours[0], &ours[1], &theirs[0]);
     let worker = spawn_worker_with(&dir, &["--listen", "127.0.0.1:0", "--tls-cert", &w.0, "--tls-key", &w.1, "--tls-ca", &ca]);
     let placement = tmp.path().join("p.json");

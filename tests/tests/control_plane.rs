@@ -61,7 +61,12 @@ fn worker_cmd(dir: &std::path::Path, listen: &str, extra: &[&str], token: &str) 
 
 /// Starts a member and waits for its control plane to listen.
 fn start(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Node {
-    let mut child = worker_cmd(dir, listen, extra, TOKEN).spawn().unwrap();
+    start_with(dir, listen, extra, TOKEN)
+}
+
+/// `start`, proving `token` ("": none).
+fn start_with(dir: &std::path::Path, listen: &str, extra: &[&str], token: &str) -> Node {
+    let mut child = worker_cmd(dir, listen, extra, token).spawn().unwrap();
     let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let mut seen = Vec::new();
     let http = loop {
@@ -558,4 +563,66 @@ fn a_full_disk_stops_a_member_with_an_error_naming_its_log_and_it_resumes_once_t
     let node = start(&dir, &listen, &["--no-mdns"]);
     wait_status(&[&listen], "the node resumed and leading", |v| v["leader"] == listen.as_str() && v["members"].as_array().is_some_and(|m| m.len() == 1));
     drop(node);
+}
+
+/// Operator-managed mutual TLS on the control plane, without a join token: members joined by
+/// their certificates alone are placed and serve a client the single box's tokens; admin
+/// commands need a certificate from the operator's CA — one from another CA, or the join token
+/// alone, is refused — and there is no join token to print.
+#[test]
+fn members_joined_by_operator_certificates_alone_serve_and_refuse_strangers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"];
+    let (ca, ours) = shimmer_tests::operator_ca(tmp.path(), "operator", &["w0", "w1", "admin"], &hosts);
+    let (_, theirs) = shimmer_tests::operator_ca(tmp.path(), "elsewhere", &["stranger"], &hosts);
+    let tls =
+        |c: &(String, String), ca: &str| -> Vec<String> { ["--tls-cert", &c.0, "--tls-key", &c.1, "--tls-ca", ca].iter().map(|s| s.to_string()).collect() };
+    let listens: Vec<String> = ["127.0.0.2", "127.0.0.3"].iter().map(|ip| format!("{ip}:{}", free_port(ip))).collect();
+    let flags = |i: usize, how: &[&str]| -> Vec<String> { how.iter().map(|s| s.to_string()).chain(tls(&ours[i], &ca)).collect() };
+    let f0 = flags(0, &["--bootstrap"]);
+    let _w0 = start_with(&tmp.path().join("w0"), &listens[0], &f0.iter().map(String::as_str).collect::<Vec<_>>(), "");
+    let f1 = flags(1, &["--join", &listens[0]]);
+    let _w1 = start_with(&tmp.path().join("w1"), &listens[1], &f1.iter().map(String::as_str).collect::<Vec<_>>(), "");
+    let cli =
+        |args: &[&str], creds: &[String]| Command::new(shimmer_tests::shimmer_bin()).args(args).args(creds).env_remove("SHIMMER_JOIN_TOKEN").output().unwrap();
+    let admin = tls(&ours[2], &ca);
+    let join = listens.join(",");
+    let until = Instant::now() + Duration::from_secs(60);
+    let placed = loop {
+        let out = cli(&["cluster", "status", "--json", "--join", &join], &admin);
+        if out.status.success() {
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            if placement_of(&v).is_some_and(|(e, w)| e >= 1 && w.len() == 2) {
+                break v;
+            }
+        }
+        assert!(Instant::now() < until, "no placement over the two members: {}", String::from_utf8_lossy(&out.stderr));
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(placed["members"].as_array().unwrap().len(), 2, "{placed}");
+    // A client of the cluster by certificate: the single box's tokens.
+    let single = generate(&[], "The tide came in and", 24);
+    let model = shimmer_tests::fixture("qwen3_moe");
+    let mut args =
+        vec!["generate", "--model", model.to_str().unwrap(), "--prompt", "The tide came in and", "--max-tokens", "24", "--json", "--no-usage", "--join", &join];
+    args.extend(["--worker-timeout-s", "2"]);
+    let out = cli(&args, &admin);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(serde_json::from_slice::<Value>(&out.stdout).unwrap()["output_ids"], single["output_ids"]);
+    // Strangers are refused: another CA's certificate, the token alone, nothing at all.
+    let status = ["cluster", "status", "--join", listens[0].as_str()];
+    shimmer_tests::assert_clean_failure(&cli(&status, &tls(&theirs[0], &ca)), &["from another CA"]);
+    shimmer_tests::assert_clean_failure(&cli(&status, &["--join-token".to_string(), TOKEN.to_string()]), &["operator certificates missing"]);
+    shimmer_tests::assert_clean_failure(&cli(&status, &[]), &["--join-token", "--tls-cert"]);
+    // Nor can a stranger join.
+    let stranger_listen = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let fs: Vec<String> = ["--join", listens[0].as_str()].iter().map(|s| s.to_string()).chain(tls(&theirs[0], &ca)).collect();
+    let out = worker_cmd(&tmp.path().join("stranger"), &stranger_listen, &fs.iter().map(String::as_str).collect::<Vec<_>>(), "")
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.status.code() != Some(101) && err.contains("refused this node"), "a stranger joined, or failed unclearly: {err}");
+    // There is no join token to print, and `cluster token` says so.
+    shimmer_tests::assert_clean_failure(&cli(&["cluster", "token", "--join", &join], &admin), &["no join token"]);
 }

@@ -58,6 +58,16 @@ pub struct OperatorCerts {
 }
 
 impl OperatorCerts {
+    /// This node's chain (leaf first) and key, to present.
+    pub(crate) fn identity(&self) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        (self.chain.clone(), self.key.clone_key())
+    }
+
+    /// The CA peers' chains must verify against.
+    pub(crate) fn roots(&self) -> Arc<rustls::RootCertStore> {
+        self.roots.clone()
+    }
+
     /// Reads PEM files: the certificate chain (leaf first), its private key, and the CA
     /// certificate(s).
     pub fn load(cert: &Path, key: &Path, ca: &Path) -> Result<Self, TransportError> {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use shimmer_control::state::{Capacity, Member, NodeKind};
 use shimmer_control::{ClusterToken, NodeConfig};
-use shimmer_worker::control::{admin_any, AdminReply, AdminRequest, ControlOptions, ControlPlane, Start, StatusView};
+use shimmer_worker::control::{admin_any, AdminReply, AdminRequest, ControlOptions, ControlPlane, ControlTrust, Start, StatusView};
 
 const SECRET: &str = "the-cluster-secret-1";
 
@@ -34,13 +34,13 @@ fn start(dir: &std::path::Path, addr: &str, start: Start, token: &str) -> Result
         listen: addr.into(),
         member: member(addr),
         start,
-        token: ClusterToken::parse(token).unwrap(),
+        trust: ControlTrust::with_token(ClusterToken::parse(token).unwrap()),
         node: NodeConfig { down_after_ms: 1500, ..NodeConfig::default() },
     })
 }
 
 fn status(addrs: &[String]) -> StatusView {
-    match admin_any(addrs, ClusterToken::parse(SECRET).unwrap(), &AdminRequest::Status { forwarded: false }) {
+    match admin_any(addrs, &ControlTrust::with_token(ClusterToken::parse(SECRET).unwrap()), &AdminRequest::Status { forwarded: false }) {
         Ok(AdminReply::Status { status }) => status,
         other => panic!("status: {other:?}"),
     }
@@ -63,7 +63,7 @@ fn three_nodes_join_by_token_and_agree_and_strangers_are_refused() {
     let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
     let addrs: Vec<String> = (0..4).map(|_| format!("127.0.0.1:{}", free_port())).collect();
     let a = start(dirs[0].path(), &addrs[0], Start::Bootstrap, SECRET).unwrap();
-    let pinned = a.token();
+    let pinned = a.token().expect("a member given a token prints one");
     assert!(pinned.starts_with("SHM1") && pinned.ends_with(SECRET), "{pinned}");
     let b = start(dirs[1].path(), &addrs[1], Start::Join(vec![addrs[0].clone()]), SECRET).unwrap();
     let c = start(dirs[2].path(), &addrs[2], Start::Join(vec!["127.0.0.1:1".into(), addrs[1].clone()]), &pinned).unwrap();

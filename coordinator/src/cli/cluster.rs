@@ -49,9 +49,8 @@ pub(super) struct ClusterConn {
     /// until one answers.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...", required = true)]
     join: Vec<String>,
-    /// The cluster's join token (also SHIMMER_JOIN_TOKEN).
-    #[arg(long)]
-    join_token: Option<String>,
+    #[command(flatten)]
+    auth: super::flags::ClusterAuthArgs,
     /// One JSON object on one line instead of text.
     #[arg(long)]
     json: bool,
@@ -59,11 +58,9 @@ pub(super) struct ClusterConn {
 
 impl ClusterConn {
     fn ask(&self, req: &AdminRequest) -> Result<AdminReply> {
-        let t = self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
-        let t = t.context("give the cluster's --join-token (or SHIMMER_JOIN_TOKEN)")?;
-        let token = shimmer_control::ClusterToken::parse(&t).context("--join-token")?;
+        let trust = self.auth.control_trust("shimmer cluster asks the members")?;
         shimmer_worker::control::discovery::parse_seeds(&self.join).map_err(|e| anyhow::anyhow!(e))?;
-        match admin_any(&self.join, token, req)? {
+        match admin_any(&self.join, &trust, req)? {
             AdminReply::Error { message } => bail!("{message}"),
             reply => Ok(reply),
         }

@@ -107,6 +107,23 @@ impl ClusterAuthArgs {
         };
         Credentials::new(token, certs).context("give --join-token (or SHIMMER_JOIN_TOKEN), or --tls-cert, --tls-key and --tls-ca")
     }
+
+    /// How this node proves itself on the control plane: the token (flag or SHIMMER_JOIN_TOKEN)
+    /// and/or the operator certificates; `what` says why one is needed.
+    pub(super) fn control_trust(&self, what: &str) -> Result<shimmer_worker::control::ControlTrust> {
+        let token = match self.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty()) {
+            Some(t) => Some(shimmer_control::ClusterToken::parse(&t).context("--join-token")?),
+            None => None,
+        };
+        let certs = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(ca)) => Some(std::sync::Arc::new(shimmer_worker::transport::OperatorCerts::load(c, k, ca)?)),
+            _ => None,
+        };
+        if token.is_none() && certs.is_none() {
+            bail!("{what}: give the cluster's --join-token (or SHIMMER_JOIN_TOKEN), or operator certificates (--tls-cert, --tls-key, --tls-ca)");
+        }
+        Ok(shimmer_worker::control::ControlTrust::new(token, certs)?)
+    }
 }
 
 impl StoreArgs {
@@ -212,11 +229,10 @@ pub(super) struct MemberArgs {
 }
 
 impl MemberArgs {
-    /// The control plane's token: the cluster's join token, which members must have.
-    pub(super) fn token(&self, auth: &ClusterAuthArgs) -> Result<shimmer_control::ClusterToken> {
-        let t = auth.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
-        let t = t.context("--data-dir makes this node a cluster member: give the cluster's --join-token (or SHIMMER_JOIN_TOKEN)")?;
-        shimmer_control::ClusterToken::parse(&t).context("--join-token")
+    /// How this member proves itself on the control plane: the join token and/or operator
+    /// certificates.
+    pub(super) fn trust(&self, auth: &ClusterAuthArgs) -> Result<shimmer_worker::control::ControlTrust> {
+        auth.control_trust("--data-dir makes this node a cluster member")
     }
 
     /// `addr` (HOST:PORT) as other nodes reach it: as given, unless its host means every
@@ -251,7 +267,7 @@ impl MemberArgs {
         me: shimmer_control::Member,
         listen: &str,
         join: &[String],
-        token: shimmer_control::ClusterToken,
+        trust: shimmer_worker::control::ControlTrust,
     ) -> Result<shimmer_worker::control::ControlPlane> {
         use shimmer_worker::control::{ControlOptions, ControlPlane, Start};
         let Some(dir) = &self.data_dir else { bail!("no --data-dir") };
@@ -281,7 +297,7 @@ impl MemberArgs {
             ..shimmer_control::NodeConfig::default()
         };
         let control_listen = self.control_listen.clone().unwrap_or_else(|| listen.to_string());
-        let cp = ControlPlane::start(ControlOptions { data_dir: dir.clone(), listen: control_listen, member: me, start, token, node, mdns: !self.no_mdns })
+        let cp = ControlPlane::start(ControlOptions { data_dir: dir.clone(), listen: control_listen, member: me, start, trust, node, mdns: !self.no_mdns })
             .with_context(|| format!("cannot start the control plane (--data-dir {})", dir.display()))?;
         // Tests and scripts wait for this line.
         eprintln!("shimmer: control plane on {} (TCP), member {} of cluster {}", cp.local_addr, cp.name, cp.cluster_id);

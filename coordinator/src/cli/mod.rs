@@ -160,9 +160,8 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
         }
         (None, None) if !cluster.join.is_empty() => {
             shimmer_worker::control::discovery::parse_seeds(&cluster.join).map_err(|e| anyhow::anyhow!(e))?;
-            let t = cluster.auth.join_token.clone().or_else(|| std::env::var("SHIMMER_JOIN_TOKEN").ok()).filter(|t| !t.is_empty());
-            let t = t.context("--join reaches the cluster's members: give its --join-token (or SHIMMER_JOIN_TOKEN)")?;
-            Some(PlacementSource::Client { members: cluster.join.clone(), token: shimmer_control::ClusterToken::parse(&t).context("--join-token")? })
+            let trust = cluster.auth.control_trust("--join reaches the cluster's members")?;
+            Some(PlacementSource::Client { members: cluster.join.clone(), trust })
         }
         (None, None) => None,
     };

@@ -54,7 +54,7 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     let dir = model_dir(&a.model)?;
     let control = match &a.member.data_dir {
         Some(_) => {
-            let token = a.member.token(&cluster.auth)?;
+            let trust = a.member.trust(&cluster.auth)?;
             let control_addr = a.member.control_addr(&a.listen).context("--listen")?;
             let name = match &a.name {
                 Some(n) => n.clone(),
@@ -69,7 +69,7 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
                 models: Vec::new(),
                 draining: false,
             };
-            Some(std::sync::Arc::new(a.member.start(me, &a.listen, &cluster.join, token)?))
+            Some(std::sync::Arc::new(a.member.start(me, &a.listen, &cluster.join, trust)?))
         }
         None => None,
     };

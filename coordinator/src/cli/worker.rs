@@ -82,12 +82,12 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
     // interface), and advertises where others reach it.
     let member = match &a.member.data_dir {
         Some(_) => {
-            let token = a.member.token(&a.auth)?;
+            let trust = a.member.trust(&a.auth)?;
             let data_addr = a.member.reachable(&a.listen).context("--listen")?;
             let control_addr = a.member.control_addr(&a.listen).context("--control-listen")?;
             // `reachable` is --listen as given unless that is every interface.
             let name = a.name.clone().unwrap_or_else(|| data_addr.clone());
-            Some((token, name, data_addr, control_addr))
+            Some((trust, name, data_addr, control_addr))
         }
         None => None,
     };
@@ -116,7 +116,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
     );
     let stop_following = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let control = match member {
-        Some((token, name, data_addr, control_addr)) => {
+        Some((trust, name, data_addr, control_addr)) => {
             let me = shimmer_control::Member {
                 name,
                 kind: shimmer_control::NodeKind::Worker,
@@ -130,7 +130,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
                 }],
                 draining: false,
             };
-            let control = std::sync::Arc::new(a.member.start(me, &a.listen, &a.join, token)?);
+            let control = std::sync::Arc::new(a.member.start(me, &a.listen, &a.join, trust)?);
             if let Some(dir) = &a.member.data_dir {
                 crate::node::undrain_after_restart(&control, &worker.state.name, dir);
             }

@@ -71,7 +71,8 @@ pub struct ControlOptions {
     /// This node as the others see it (its name, control address, data address, capacity).
     pub member: Member,
     pub start: Start,
-    pub token: ClusterToken,
+    /// The join token and/or operator certificates members prove each other with.
+    pub trust: ControlTrust,
     pub node: NodeConfig,
     /// Advertise this member on mDNS (`_shimmer._udp.local.`), so `--join mdns` finds it.
     pub mdns: bool,
@@ -261,7 +262,7 @@ impl ControlPlane {
             .enable_all()
             .build()
             .map_err(|e| ControlError::Rpc(format!("cannot start the control plane's runtime: {e}")))?;
-        let trust = ControlTrust::new(opts.token.clone());
+        let trust = opts.trust.clone();
         let (log, record) = RaftLog::open(&opts.data_dir).map_err(NodeError::from)?;
         let record: Option<NodeRecord> = match record {
             Some(b) => Some(
@@ -300,7 +301,7 @@ impl ControlPlane {
                     return Err(ControlError::Join("unexpected answer to a join".into()));
                 };
                 let ca = ClusterCa { cert_der: ca_cert_der, key_pem: ca_key_pem };
-                if let Some(pin) = opts.token.ca_sha256() {
+                if let Some(pin) = trust.token().and_then(|t| t.ca_sha256()) {
                     if ca.sha256() != pin {
                         return Err(ControlError::Join("the cluster's CA is not the one the join token pins".into()));
                     }
@@ -325,7 +326,7 @@ impl ControlPlane {
             cluster_id: cluster_id.clone(),
         };
         let cluster_id_out = cluster_id.clone();
-        let acceptor = tls::acceptor(&ca)?;
+        let acceptor = tls::acceptor(&ca, &trust)?;
         rt.spawn(serve(listener, acceptor, trust.clone(), service));
         let handle = rt.handle().clone();
         let (thread_events, thread_shared, thread_trust) = (events.clone(), shared.clone(), trust.clone());
@@ -361,9 +362,10 @@ impl ControlPlane {
         })
     }
 
-    /// The cluster's join token, pinning its CA.
-    pub fn token(&self) -> String {
-        ClusterToken::pinned(self.trust.token().secret(), &self.ca.cert_der).map(|t| t.to_token_string()).unwrap_or_default()
+    /// The cluster's join token, pinning its CA (none when members trust operator certificates
+    /// alone).
+    pub fn token(&self) -> Option<String> {
+        pinned_token(&self.trust, &self.ca).ok()
     }
 
     /// The state as this member last applied it (not a linearizable read).
@@ -521,6 +523,12 @@ async fn client(addr: &str, trust: &ControlTrust) -> Result<ControlClient<tonic:
     Ok(ControlClient::new(channel).max_decoding_message_size(codec::MAX_MESSAGE_BYTES).max_encoding_message_size(codec::MAX_MESSAGE_BYTES))
 }
 
+/// The join token that pins the cluster's CA, from the secret this member has.
+fn pinned_token(trust: &ControlTrust, ca: &ClusterCa) -> Result<String, String> {
+    let token = trust.token().ok_or("this cluster's members trust operator certificates and were given no join token; there is none to print")?;
+    ClusterToken::pinned(token.secret(), &ca.cert_der).map(|t| t.to_token_string()).map_err(|e| e.to_string())
+}
+
 /// One admin call to a member.
 pub async fn admin(addr: &str, trust: &ControlTrust, req: &AdminRequest) -> Result<AdminReply, ControlError> {
     let mut c = client(addr, trust).await?;
@@ -534,15 +542,14 @@ pub async fn admin(addr: &str, trust: &ControlTrust, req: &AdminRequest) -> Resu
 
 /// Asks members in turn (dead ones skipped) until one answers. `addrs` are `--join` entries:
 /// HOST:PORT, `mdns` or `dns:NAME[:PORT]`.
-pub fn admin_any(addrs: &[String], token: ClusterToken, req: &AdminRequest) -> Result<AdminReply, ControlError> {
+pub fn admin_any(addrs: &[String], trust: &ControlTrust, req: &AdminRequest) -> Result<AdminReply, ControlError> {
     let seeds = discovery::parse_seeds(addrs).map_err(ControlError::Rpc)?;
     let (found, problems) = discovery::resolve(&seeds);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| ControlError::Rpc(e.to_string()))?;
-    let trust = ControlTrust::new(token);
     rt.block_on(async {
         let mut errors = problems;
         for (a, discovered) in &found {
-            match admin(a, &trust, req).await {
+            match admin(a, trust, req).await {
                 Ok(r) => return Ok(r),
                 Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) if !discovered => return Err(e),
                 Err(e) => errors.push(e.to_string()),
@@ -685,9 +692,7 @@ impl Service {
                     let (state, _) = self.ask(Event::Read).await?;
                     Ok(AdminReply::Placement { record: state.placements.get(&model).and_then(|p| p.active.clone()) })
                 }
-                AdminRequest::Token => Ok(AdminReply::Token {
-                    token: ClusterToken::pinned(self.trust.token().secret(), &self.ca.cert_der).map(|t| t.to_token_string()).map_err(|e| e.to_string())?,
-                }),
+                AdminRequest::Token => Ok(AdminReply::Token { token: pinned_token(&self.trust, &self.ca)? }),
             }
         }
         .await;

@@ -4,7 +4,9 @@
 //! bootstrap, handed to members when they join); a joining node given a `SHM1…` token checks that
 //! the server's chain holds the CA the token pins, so it authenticates the cluster before it
 //! says anything. With a plain secret the proof alone authenticates both sides (k3s without the
-//! CA hash).
+//! CA hash). With operator certificates (`--tls-cert/--tls-key/--tls-ca`) both sides present
+//! chains that must verify against the operator's CA — the server's for the host dialled — and
+//! the handshake refuses strangers; given a token too, the proofs are exchanged as well.
 //!
 //! Must never: hand a connection to gRPC before both proofs checked out; compare proofs in
 //! variable time; accept a chain without the pinned CA when the token pins one.
@@ -24,6 +26,8 @@ use tokio::net::TcpStream;
 const ALPN: &[u8] = b"shimmer-control/1";
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-shimmer-control/1 join";
 const PROOF_LEN: usize = 32;
+/// What a server trusting operator certificates alone sends once the client's chain verified.
+const ACCEPTED: u8 = 0x01;
 /// The name in every member's certificate (members are told apart by the proof, not by name).
 const SERVER_NAME: &str = "shimmer";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -39,7 +43,7 @@ pub enum TrustError {
     File { path: String, reason: String },
     #[error("{addr}: {reason}")]
     Connect { addr: String, reason: String },
-    #[error("{addr} did not prove the cluster's join token (wrong token, or not a shimmer control plane)")]
+    #[error("{addr} refused this node or did not prove the cluster's join token (a wrong token, operator certificates missing or from another CA, or not a shimmer control plane)")]
     Refused { addr: String },
     #[error("{addr}: {WRONG_CA}")]
     WrongCa { addr: String },
@@ -146,31 +150,46 @@ fn pem_encode(label: &str, der: &[u8]) -> String {
     out
 }
 
-/// How this node proves itself and checks peers on the control plane.
+/// How this node proves itself and checks peers on the control plane: the join token (proven
+/// over the session), operator certificates (mutual TLS against the operator's CA), or both —
+/// then a connection must pass both, as on the data plane.
 #[derive(Clone)]
 pub struct ControlTrust {
-    token: ClusterToken,
-    key: Arc<ring::hmac::Key>,
+    token: Option<(ClusterToken, Arc<ring::hmac::Key>)>,
+    certs: Option<Arc<crate::transport::OperatorCerts>>,
 }
 
 impl ControlTrust {
-    pub fn new(token: ClusterToken) -> ControlTrust {
+    pub fn new(token: Option<ClusterToken>, certs: Option<Arc<crate::transport::OperatorCerts>>) -> Result<ControlTrust, TrustError> {
+        if token.is_none() && certs.is_none() {
+            return Err(TrustError::Tls("the control plane needs the cluster's join token or operator certificates (--tls-cert, --tls-key, --tls-ca)".into()));
+        }
+        if certs.is_some() && token.as_ref().is_some_and(|t| t.ca_sha256().is_some()) {
+            return Err(TrustError::Tls(
+                "a SHM1 join token pins the cluster CA, which operator certificates replace on the control plane: give its plain secret (the part after `::`) or no token".into(),
+            ));
+        }
+        let token = token.map(|t| {
+            let key = Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, t.secret().as_bytes()));
+            (t, key)
+        });
+        Ok(ControlTrust { token, certs })
+    }
+
+    /// Trust by the join token alone.
+    pub fn with_token(token: ClusterToken) -> ControlTrust {
         let key = Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.secret().as_bytes()));
-        ControlTrust { token, key }
+        ControlTrust { token: Some((token, key)), certs: None }
     }
 
-    pub fn token(&self) -> &ClusterToken {
-        &self.token
+    pub fn token(&self) -> Option<&ClusterToken> {
+        self.token.as_ref().map(|(t, _)| t)
     }
 
-    fn proof(&self, exporter: &[u8; 32]) -> [u8; PROOF_LEN] {
+    fn proof(key: &ring::hmac::Key, exporter: &[u8; 32]) -> [u8; PROOF_LEN] {
         let mut out = [0u8; PROOF_LEN];
-        out.copy_from_slice(ring::hmac::sign(&self.key, exporter).as_ref());
+        out.copy_from_slice(ring::hmac::sign(key, exporter).as_ref());
         out
-    }
-
-    fn check(&self, exporter: &[u8; 32], proof: &[u8]) -> bool {
-        ring::hmac::verify(&self.key, exporter, proof).is_ok()
     }
 }
 
@@ -178,16 +197,22 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// A server-side TLS acceptor presenting a fresh CA-signed identity.
-pub fn acceptor(ca: &ClusterCa) -> Result<tokio_rustls::TlsAcceptor, TrustError> {
+/// A server-side TLS acceptor: with operator certificates, presenting them and requiring a
+/// client chain from the operator's CA; otherwise presenting a fresh cluster-CA-signed identity.
+pub fn acceptor(ca: &ClusterCa, trust: &ControlTrust) -> Result<tokio_rustls::TlsAcceptor, TrustError> {
     let tls = |e: &dyn std::fmt::Display| TrustError::Tls(e.to_string());
-    let (chain, key) = ca.leaf()?;
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| tls(&e))?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .map_err(|e| tls(&e))?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider()).with_protocol_versions(&[&rustls::version::TLS13]).map_err(|e| tls(&e))?;
+    let mut cfg = match &trust.certs {
+        Some(op) => {
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(op.roots(), provider()).build().map_err(|e| tls(&e))?;
+            let (chain, key) = op.identity();
+            builder.with_client_cert_verifier(verifier).with_single_cert(chain, key).map_err(|e| tls(&e))?
+        }
+        None => {
+            let (chain, key) = ca.leaf()?;
+            builder.with_no_client_auth().with_single_cert(chain, key).map_err(|e| tls(&e))?
+        }
+    };
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))
 }
@@ -228,16 +253,23 @@ pub async fn accept(
 ) -> Result<Authed<tokio_rustls::server::TlsStream<TcpStream>>, String> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let mut tls = acceptor.accept(tcp).await.map_err(|e| format!("TLS: {e}"))?;
+        // Operator certificates alone: the handshake verified the client's chain; one byte says
+        // so, so that a client whose chain was refused learns it at once, not from gRPC.
+        let Some((_, key)) = &trust.token else {
+            tls.write_all(&[ACCEPTED]).await.map_err(|e| e.to_string())?;
+            tls.flush().await.map_err(|e| e.to_string())?;
+            return Ok(Authed(tls));
+        };
         let mut secret = [0u8; 32];
         tls.get_ref().1.export_keying_material(&mut secret, EXPORTER_LABEL, Some(b"client")).map_err(|e| e.to_string())?;
         let mut theirs = [0u8; PROOF_LEN];
         tls.read_exact(&mut theirs).await.map_err(|e| format!("no proof: {e}"))?;
-        if !trust.check(&secret, &theirs) {
+        if ring::hmac::verify(key, &secret, &theirs).is_err() {
             return Err("the peer did not prove the join token".to_string());
         }
         let mut ours = [0u8; 32];
         tls.get_ref().1.export_keying_material(&mut ours, EXPORTER_LABEL, Some(b"server")).map_err(|e| e.to_string())?;
-        tls.write_all(&trust.proof(&ours)).await.map_err(|e| e.to_string())?;
+        tls.write_all(&ControlTrust::proof(key, &ours)).await.map_err(|e| e.to_string())?;
         tls.flush().await.map_err(|e| e.to_string())?;
         Ok(Authed(tls))
     })
@@ -245,24 +277,33 @@ pub async fn accept(
     .map_err(|_| "no proof within 10 s".to_string())?
 }
 
-/// Dials a member (HOST:PORT; hostnames resolve), checks the CA the token pins (if it pins one),
-/// and exchanges proofs.
+/// Dials a member (HOST:PORT; hostnames resolve), checks the server's chain (against the
+/// operator's CA, or for the CA the token pins if it pins one), and exchanges proofs (with a
+/// token).
 pub async fn dial(addr: &str, trust: &ControlTrust) -> Result<Authed<tokio_rustls::client::TlsStream<TcpStream>>, TrustError> {
     let fail = |reason: String| TrustError::Connect { addr: addr.to_string(), reason };
     let tls_cfg = |e: &dyn std::fmt::Display| TrustError::Tls(e.to_string());
-    let verifier: Arc<dyn rustls::client::danger::ServerCertVerifier> = match trust.token.ca_sha256() {
-        Some(pin) => Arc::new(PinnedCa { pin, provider: provider(), signatures: crate::transport::TokenBound(provider()) }),
-        None => Arc::new(crate::transport::TokenBound(provider())),
+    let builder = rustls::ClientConfig::builder_with_provider(provider()).with_protocol_versions(&[&rustls::version::TLS13]).map_err(|e| tls_cfg(&e))?;
+    let (mut cfg, name) = match &trust.certs {
+        // Operator certificates: the server's chain verifies against the operator's CA for the
+        // host dialled, and this node presents its own.
+        Some(op) => {
+            let (chain, key) = op.identity();
+            let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+            let name = ServerName::try_from(host.to_string()).map_err(|e| fail(format!("`{host}` is not a name a certificate can hold: {e}")))?;
+            (builder.with_root_certificates(op.roots()).with_client_auth_cert(chain, key).map_err(|e| tls_cfg(&e))?, name)
+        }
+        None => {
+            let verifier: Arc<dyn rustls::client::danger::ServerCertVerifier> = match trust.token().and_then(|t| t.ca_sha256()) {
+                Some(pin) => Arc::new(PinnedCa { pin, provider: provider(), signatures: crate::transport::TokenBound(provider()) }),
+                None => Arc::new(crate::transport::TokenBound(provider())),
+            };
+            let name = ServerName::try_from(SERVER_NAME).map_err(|e| tls_cfg(&e))?;
+            (builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth(), name)
+        }
     };
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| tls_cfg(&e))?
-        .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
-    let name = ServerName::try_from(SERVER_NAME).map_err(|e| tls_cfg(&e))?;
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let tcp = TcpStream::connect(addr).await.map_err(|e| fail(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
@@ -274,9 +315,16 @@ pub async fn dial(addr: &str, trust: &ControlTrust) -> Result<Authed<tokio_rustl
                 fail(format!("TLS: {e}"))
             }
         })?;
+        let Some((_, key)) = &trust.token else {
+            let mut byte = [0u8; 1];
+            return match tls.read_exact(&mut byte).await {
+                Ok(_) if byte[0] == ACCEPTED => Ok(Authed(tls)),
+                _ => Err(TrustError::Refused { addr: addr.to_string() }),
+            };
+        };
         let mut secret = [0u8; 32];
         tls.get_ref().1.export_keying_material(&mut secret, EXPORTER_LABEL, Some(b"client")).map_err(|e| fail(e.to_string()))?;
-        tls.write_all(&trust.proof(&secret)).await.map_err(|e| fail(e.to_string()))?;
+        tls.write_all(&ControlTrust::proof(key, &secret)).await.map_err(|e| fail(e.to_string()))?;
         tls.flush().await.map_err(|e| fail(e.to_string()))?;
         let mut theirs = [0u8; PROOF_LEN];
         // A server that refuses our proof closes the connection.
@@ -285,7 +333,7 @@ pub async fn dial(addr: &str, trust: &ControlTrust) -> Result<Authed<tokio_rustl
         }
         let mut want = [0u8; 32];
         tls.get_ref().1.export_keying_material(&mut want, EXPORTER_LABEL, Some(b"server")).map_err(|e| fail(e.to_string()))?;
-        if !trust.check(&want, &theirs) {
+        if ring::hmac::verify(key, &want, &theirs).is_err() {
             return Err(TrustError::Refused { addr: addr.to_string() });
         }
         Ok(Authed(tls))
