@@ -670,3 +670,25 @@ impl ExpertDispatch for RemoteExperts {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_round_gate_is_settled_at_an_epoch_once_no_round_is_in_flight_on_an_older_one() {
+        let gate = RoundGate::default();
+        assert!(gate.settled_at(5), "nothing in flight: every next round adopts the newest first");
+        let old = gate.begin(|| 1);
+        assert!(gate.settled_at(1) && !gate.settled_at(2));
+        let new = gate.begin(|| 2);
+        let again = gate.begin(|| 2);
+        assert!(!gate.settled_at(2), "a round on epoch 1 is still in flight");
+        drop(old);
+        assert!(gate.settled_at(2) && !gate.settled_at(3));
+        drop(new);
+        assert!(!gate.settled_at(3), "one round on epoch 2 remains");
+        drop(again);
+        assert!(gate.settled_at(3));
+    }
+}

@@ -8,8 +8,9 @@
 //! chains that must verify against the operator's CA — the server's for the host dialled — and
 //! the handshake refuses strangers; given a token too, the proofs are exchanged as well.
 //!
-//! Must never: hand a connection to gRPC before both proofs checked out; compare proofs in
-//! variable time; accept a chain without the pinned CA when the token pins one.
+//! Must never: hand a connection to gRPC before both proofs checked out (with a token) or the
+//! peer's chain verified (with operator certificates); compare proofs in variable time; accept a
+//! chain without the pinned CA when the token pins one.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -169,17 +170,17 @@ impl ControlTrust {
                 "a SHM1 join token pins the cluster CA, which operator certificates replace on the control plane: give its plain secret (the part after `::`) or no token".into(),
             ));
         }
-        let token = token.map(|t| {
-            let key = Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, t.secret().as_bytes()));
-            (t, key)
-        });
-        Ok(ControlTrust { token, certs })
+        Ok(ControlTrust { token: token.map(Self::keyed), certs })
     }
 
     /// Trust by the join token alone.
     pub fn with_token(token: ClusterToken) -> ControlTrust {
+        ControlTrust { token: Some(Self::keyed(token)), certs: None }
+    }
+
+    fn keyed(token: ClusterToken) -> (ClusterToken, Arc<ring::hmac::Key>) {
         let key = Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.secret().as_bytes()));
-        ControlTrust { token: Some((token, key)), certs: None }
+        (token, key)
     }
 
     pub fn token(&self) -> Option<&ClusterToken> {
