@@ -1,12 +1,19 @@
-//! A user-space UDP relay for the LAN tests and benchmarks: the kernel here has no `netem`, so
-//! latency and loss come from this process sitting on a path. It listens on one address and
-//! forwards every datagram to another (one upstream socket per client, so replies find their
-//! way back), delaying each by a fixed time in each direction and dropping a fraction of them
-//! (a seeded generator: runs repeat). While the partition file exists, it drops everything.
+//! A user-space UDP (and TCP) relay for the LAN tests and benchmarks: the kernel here has no
+//! `netem`, so latency and loss come from this process sitting on a path. It listens on one
+//! address and forwards every datagram to another (one upstream socket per client, so replies
+//! find their way back), delaying each by a fixed time in each direction and dropping a fraction
+//! of them (a seeded generator: runs repeat). While the partition file exists, it drops
+//! everything.
 //!
-//! `shimmer-udp-relay --listen ADDR --to ADDR [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
+//! With `--tcp` it relays TCP connections instead (llama.cpp's RPC backend speaks TCP): each
+//! accepted connection gets its own upstream connection, and every chunk read is written on
+//! after the delay, in order; there is no loss (TCP would retransmit it), and while the
+//! partition file exists nothing is forwarded (a pulled cable: the bytes wait).
 //!
-//! Must never: reorder datagrams of one direction (the delay is constant, so a queue keeps order).
+//! `shimmer-udp-relay --listen ADDR --to ADDR [--tcp] [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
+//!
+//! Must never: reorder datagrams of one direction, or bytes of a connection (the delay is
+//! constant, so a queue keeps order).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, UdpSocket};
@@ -22,11 +29,12 @@ struct Options {
     loss: f64,
     seed: u64,
     partition: Option<PathBuf>,
+    tcp: bool,
 }
 
 fn parse() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
-    let (mut listen, mut to, mut delay, mut loss, mut seed, mut partition) = (None, None, 0.0f64, 0.0f64, 1u64, None);
+    let (mut listen, mut to, mut delay, mut loss, mut seed, mut partition, mut tcp) = (None, None, 0.0f64, 0.0f64, 1u64, None, false);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -36,11 +44,15 @@ fn parse() -> Result<Options, String> {
             "--loss" => loss = value()?.parse().map_err(|e| format!("--loss: {e}"))?,
             "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
             "--partition-file" => partition = Some(PathBuf::from(value()?)),
+            "--tcp" => tcp = true,
             other => return Err(format!("unknown flag {other}")),
         }
     }
     if !(0.0..=1.0).contains(&loss) || !(0.0..=10_000.0).contains(&delay) {
         return Err("--loss must be in [0, 1] and --delay-ms in [0, 10000]".into());
+    }
+    if tcp && loss > 0.0 {
+        return Err("--loss applies to UDP only: TCP retransmits what a link loses".into());
     }
     Ok(Options {
         listen: listen.ok_or("--listen is required")?,
@@ -49,6 +61,7 @@ fn parse() -> Result<Options, String> {
         loss,
         seed,
         partition,
+        tcp,
     })
 }
 
@@ -122,13 +135,6 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let front = match UdpSocket::bind(o.listen) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("shimmer-udp-relay: cannot listen on {}: {e}", o.listen);
-            std::process::exit(1);
-        }
-    };
     let partitioned = Arc::new(AtomicBool::new(false));
     if let Some(p) = o.partition.clone() {
         let flag = partitioned.clone();
@@ -137,6 +143,16 @@ fn main() {
             std::thread::sleep(Duration::from_millis(20));
         });
     }
+    if o.tcp {
+        relay_tcp(&o, partitioned);
+    }
+    let front = match UdpSocket::bind(o.listen) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("shimmer-udp-relay: cannot listen on {}: {e}", o.listen);
+            std::process::exit(1);
+        }
+    };
     let path = Arc::new(Path { loss: o.loss, delay: o.delay, rng: AtomicU64::new(o.seed.max(1)), partitioned });
     let to_clients = Delayed::start(front.try_clone().expect("clone the listening socket"));
     let mut upstreams: HashMap<SocketAddr, Arc<Delayed>> = HashMap::new();
@@ -165,4 +181,72 @@ fn main() {
             upstream.push(arrived + path.delay, buf[..n].to_vec(), o.to);
         }
     }
+}
+
+/// Relays TCP connections from `o.listen` to `o.to` until killed.
+fn relay_tcp(o: &Options, partitioned: Arc<AtomicBool>) -> ! {
+    let listener = match std::net::TcpListener::bind(o.listen) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("shimmer-udp-relay: cannot listen on {} (TCP): {e}", o.listen);
+            std::process::exit(1);
+        }
+    };
+    eprintln!("shimmer-udp-relay: {} -> {} over TCP (delay {:?} each way)", o.listen, o.to, o.delay);
+    let (to, delay) = (o.to, o.delay);
+    for client in listener.incoming() {
+        let Ok(client) = client else { continue };
+        let partitioned = partitioned.clone();
+        std::thread::spawn(move || {
+            let Ok(server) = std::net::TcpStream::connect(to) else { return };
+            for s in [&client, &server] {
+                let _ = s.set_nodelay(true);
+            }
+            let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else { return };
+            pump(c2, server, delay, partitioned.clone());
+            pump(s2, client, delay, partitioned);
+        });
+    }
+    std::process::exit(1)
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read, in order; at the end of
+/// `from`, shuts `to`'s sending side.
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Duration, partitioned: Arc<AtomicBool>) {
+    use std::io::{Read, Write};
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Option<Vec<u8>>)>();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    let _ = tx.send((Instant::now() + delay, None));
+                    return;
+                }
+                Ok(n) => {
+                    if tx.send((Instant::now() + delay, Some(buf[..n].to_vec()))).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        while let Ok((due, chunk)) = rx.recv() {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            while partitioned.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            match chunk {
+                Some(bytes) if to.write_all(&bytes).is_ok() => {}
+                _ => {
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+            }
+        }
+    });
 }

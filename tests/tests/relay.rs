@@ -1,0 +1,100 @@
+//! The LAN tests' relay (`shimmer-udp-relay`) in its TCP mode, the one a TCP peer (llama.cpp's
+//! RPC backend) is measured through: bytes arrive whole and in order, each direction at least
+//! the delay late, held while the partition file exists and delivered once it is gone; loss is
+//! refused for TCP.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Relay(std::process::Child);
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn relay(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shimmer-udp-relay"));
+    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    c
+}
+
+/// An echo server on a free port: every connection gets back what it sends.
+fn echo_server() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn connect(addr: &str) -> TcpStream {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return s,
+            Err(e) => assert!(Instant::now() < until, "the relay never listened on {addr}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn tcp_through_the_relay_arrives_whole_in_order_late_by_the_delay_and_waits_out_a_partition() {
+    let tmp = tempfile::tempdir().unwrap();
+    let partition = tmp.path().join("partition");
+    let upstream = echo_server();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{port}");
+    let _relay =
+        Relay(relay(&["--tcp", "--listen", &listen, "--to", &upstream, "--delay-ms", "40", "--partition-file", partition.to_str().unwrap()]).spawn().unwrap());
+    let mut s = connect(&listen);
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // 1 MiB of a counting pattern, written by one thread while this one reads the echo.
+    let sent: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let t0 = Instant::now();
+    let writer = {
+        let (mut w, sent) = (s.try_clone().unwrap(), sent.clone());
+        std::thread::spawn(move || w.write_all(&sent).unwrap())
+    };
+    let mut got = vec![0u8; sent.len()];
+    s.read_exact(&mut got).unwrap();
+    let took = t0.elapsed();
+    writer.join().unwrap();
+    assert!(got == sent, "the echo differs from what was sent");
+    assert!(took >= Duration::from_millis(80), "a round trip through a 40 ms relay took {took:?}");
+    // Partitioned, bytes wait; healed, they arrive.
+    std::fs::write(&partition, b"").unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    s.write_all(b"held").unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(400))).unwrap();
+    let mut four = [0u8; 4];
+    assert!(s.read_exact(&mut four).is_err(), "bytes crossed a partition");
+    std::fs::remove_file(&partition).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.read_exact(&mut four).unwrap();
+    assert_eq!(&four, b"held");
+}
+
+#[test]
+fn loss_on_tcp_is_refused_with_a_reason() {
+    let out = relay(&["--tcp", "--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--loss", "0.1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--loss applies to UDP only"), "{err}");
+}
