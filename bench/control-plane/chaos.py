@@ -86,6 +86,17 @@ def wait_for(what, ok, within=120):
     raise SystemExit(f"chaos: gave up waiting for {what}")
 
 
+def single_box_answers(bin_path, port, bodies, log):
+    """The single box's answer to each request body (a `shimmer run` on the same model)."""
+    single = subprocess.Popen([bin_path, "run", "--port", str(port), "--host", "127.0.0.1", "--no-usage"], stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    try:
+        wait_for("the single box", lambda: post(port, {"prompt": "x", "max_tokens": 1}) is not None)
+        return [post(port, b) for b in bodies]
+    finally:
+        single.kill()
+        single.wait()
+
+
 class Cluster:
     def __init__(self, args, work):
         self.args, self.work = args, work
@@ -100,6 +111,23 @@ class Cluster:
         host = self.addrs[i].rsplit(":", 1)[0]
         cmd = [self.args.bin, "worker", "--listen", self.addrs[i], "--data-dir", d, "--no-usage", "--no-mdns", "--http-listen", f"{host}:0", *extra]
         self.procs[i] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+
+    def start_members(self, n):
+        """Workers 0..n, the first bootstrapping and the rest joining it, until they are placed."""
+        self.start_worker(0, ["--bootstrap"])
+        wait_for("the first member", lambda: self.status() is not None)
+        for i in range(1, n):
+            self.start_worker(i, ["--join", self.addrs[0]])
+        wait_for(f"a placement over {n} workers", lambda: self.placed(n))
+
+    def start_coordinator(self, listen, api):
+        """A coordinator member serving the API on 127.0.0.1:`api`, once it answers."""
+        p = subprocess.Popen(
+            [self.args.bin, "coordinator", "--listen", listen, "--data-dir", os.path.join(self.work, "coordinator"), "--join", self.addrs[0],
+             "--host", "127.0.0.1", "--port", str(api), "--no-usage", "--no-mdns", "--worker-timeout-s", "2", "--connect-timeout-s", "1"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.work, "coordinator.log"), "wb"))
+        self.procs["coordinator"] = p
+        wait_for("the coordinator's API", lambda: post(api, {"prompt": "x", "max_tokens": 1}) is not None)
 
     def status(self):
         out = subprocess.run([self.args.bin, "cluster", "status", "--json", "--join", ",".join(self.addrs)], env=self.env, capture_output=True, timeout=30)
@@ -133,29 +161,13 @@ def main():
     work = tempfile.mkdtemp(prefix="shimmer-chaos-")
     api, single_port = 18431, 18432
 
-    # The single box's answers.
-    single = subprocess.Popen([args.bin, "run", "--port", str(single_port), "--host", "127.0.0.1", "--no-usage"], stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "single.log"), "wb"))
-    try:
-        wait_for("the single box", lambda: post(single_port, {"prompt": "x", "max_tokens": 1}) is not None)
-        reference = {p: post(single_port, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0}) for p in prompts}
-    finally:
-        single.kill()
-        single.wait()
+    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in prompts]
+    reference = dict(zip(prompts, single_box_answers(args.bin, single_port, bodies, os.path.join(work, "single.log"))))
 
     cluster = Cluster(args, work)
-    coordinator = None
     try:
-        cluster.start_worker(0, ["--bootstrap"])
-        wait_for("the first member", lambda: cluster.status() is not None)
-        for i in range(1, args.workers):
-            cluster.start_worker(i, ["--join", cluster.addrs[0]])
-        wait_for(f"a placement over {args.workers} workers", lambda: cluster.placed(args.workers))
-        coord_listen = f"127.0.0.{args.workers + 2}:{PORT}"
-        coordinator = subprocess.Popen(
-            [args.bin, "coordinator", "--listen", coord_listen, "--data-dir", os.path.join(work, "coordinator"), "--join", cluster.addrs[0],
-             "--host", "127.0.0.1", "--port", str(api), "--no-usage", "--no-mdns", "--worker-timeout-s", "2", "--connect-timeout-s", "1"],
-            env=cluster.env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "coordinator.log"), "wb"))
-        wait_for("the coordinator's API", lambda: post(api, {"prompt": "x", "max_tokens": 1}) is not None)
+        cluster.start_members(args.workers)
+        cluster.start_coordinator(f"127.0.0.{args.workers + 2}:{PORT}", api)
         first_epoch = cluster.status()["placements"][0]["epoch"]
 
         stop = threading.Event()
@@ -262,9 +274,6 @@ def main():
                 json.dump(summary, f)
         sys.exit(0 if results["failed"] == 0 and results["altered"] == 0 and results["ok"] > 0 else 1)
     finally:
-        if coordinator:
-            coordinator.kill()
-            coordinator.wait()
         cluster.stop()
         print(f"logs in {work}", file=sys.stderr)
 

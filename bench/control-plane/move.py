@@ -21,14 +21,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chaos import Cluster, post, wait_for  # noqa: E402
+from chaos import Cluster, single_box_answers, wait_for  # noqa: E402
 
 PROMPT = "The tide came in and"
 
@@ -75,29 +74,14 @@ def main():
     work = tempfile.mkdtemp(prefix="shimmer-move-")
     api, single_port = 18441, 18442
     body = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
-    single = subprocess.Popen([args.bin, "run", "--port", str(single_port), "--host", "127.0.0.1", "--no-usage"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for("the single box", lambda: post(single_port, {"prompt": "x", "max_tokens": 1}) is not None)
-        want = post(single_port, body)
-    finally:
-        single.kill()
-        single.wait()
+    [want] = single_box_answers(args.bin, single_port, [body], os.path.join(work, "single.log"))
 
     cluster = Cluster(argparse.Namespace(bin=args.bin, workers=4), work)
-    coordinator = None
     arrivals, problems, answers = [], [], [0]
     stop = threading.Event()
     try:
-        cluster.start_worker(0, ["--bootstrap"])
-        wait_for("the first member", lambda: cluster.status() is not None)
-        for i in (1, 2):
-            cluster.start_worker(i, ["--join", cluster.addrs[0]])
-        wait_for("a placement over 3 workers", lambda: cluster.placed(3))
-        coordinator = subprocess.Popen(
-            [args.bin, "coordinator", "--listen", f"127.0.0.7:{7431}", "--data-dir", os.path.join(work, "coordinator"), "--join", cluster.addrs[0],
-             "--host", "127.0.0.1", "--port", str(api), "--no-usage", "--no-mdns", "--worker-timeout-s", "2", "--connect-timeout-s", "1"],
-            env=cluster.env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "coordinator.log"), "wb"))
-        wait_for("the coordinator's API", lambda: post(api, {"prompt": "x", "max_tokens": 1}) is not None)
+        cluster.start_members(3)
+        cluster.start_coordinator("127.0.0.7:7431", api)
 
         def client():
             while not stop.is_set():
@@ -157,9 +141,6 @@ def main():
         sys.exit(0 if not problems and answers[0] > 0 else 1)
     finally:
         stop.set()
-        if coordinator:
-            coordinator.kill()
-            coordinator.wait()
         cluster.stop()
         print(f"logs in {work}", file=sys.stderr)
 
