@@ -11,6 +11,8 @@
 #                          loss), with worker 1 partitioned by its relay, with worker 2's link down
 #   scripts/lan.sh bench   decode tok/s and network cost per token for 1–3 workers at 0/1/5 ms
 #                          one way, and 8 concurrent streams (docs/benchmarks.md)
+#   scripts/lan.sh rpc     the same LAN with llama.cpp's RPC backend beside shimmer (LLAMA_BIN,
+#                          GGUF): decode tok/s of three workers at 0/1/5 ms, one stream
 #
 # Needs root (namespaces), SHIMMER_BIN and RELAY_BIN (the shimmer and shimmer-udp-relay
 # binaries), python3. MODEL (default: the bundled demo). Exits 77 with a message when the kernel
@@ -251,5 +253,51 @@ print(f"| {n} | {where} | {tok_s:.1f} | {wait_ms:.2f} ms | {floor_ms:.0f} ms | {
   exit 0
 fi
 
-echo "usage: scripts/lan.sh check|bench" >&2
+if [ "$MODE" = rpc ]; then
+  # shimmer's expert sharding against llama.cpp's RPC backend (its layer split) on the same LAN:
+  # three workers, one stream, decode tok/s at each one-way delay. llama.cpp's `ggml-rpc-server`
+  # runs in each worker namespace; its TCP paths get the same delay from `shimmer-udp-relay
+  # --tcp` in the coordinator's namespace. Needs LLAMA_BIN (llama.cpp's build/bin with
+  # ggml-rpc-server and llama-bench, built with -DGGML_RPC=ON) and GGUF (the same model).
+  LLAMA="${LLAMA_BIN:?set LLAMA_BIN to the build/bin of llama.cpp built with GGML_RPC=ON}"
+  GGUF="${GGUF:?set GGUF to the model as GGUF}"
+  TOKENS="${TOKENS:-64}"
+  for i in 1 2 3; do
+    ip netns exec "$ID-w$i" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/ggml-rpc-server" -H "$NET.1$i" -p 50052 -t 1 >"$WORK/rpc-$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  echo "| one-way delay | shimmer decode tok/s (3 workers, experts sharded) | round trips / token | llama.cpp RPC decode tok/s (3 rpc-servers, layer split) | shimmer ÷ llama.cpp |"
+  echo "|---|---|---|---|---|"
+  for delay in direct 0 1 5; do
+    tcp=()
+    rpc="$(seq -s, -f "$NET.1%g:50052" 1 3)"
+    if [ "$delay" != direct ]; then
+      relays "$delay" 0
+      for i in 1 2 3; do
+        ip netns exec "$ID-c" "$RELAY" --tcp --listen "$NET.1:720$i" --to "$NET.1$i:50052" --delay-ms "$delay" 2>>"$WORK/tcp-relay-$i.log" &
+        tcp+=($!); PIDS+=($!)
+      done
+      rpc="$(seq -s, -f "$NET.1:720%g" 1 3)"
+      sleep 0.2
+    fi
+    mode=""; [ "$delay" = direct ] && mode=direct
+    plan 3 1 "$WORK/p.json" "$mode"
+    workers 3 "$WORK/p.json" "$mode"
+    shimmer_out="$(generate_cluster "$TOKENS")"
+    llama_out="$(ip netns exec "$ID-c" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/llama-bench" -m "$GGUF" --rpc "$rpc" -ngl 99 -p 0 -n "$TOKENS" -t 2 -r 3 -o json 2>>"$WORK/llama-bench.log")"
+    for p in "${tcp[@]}"; do kill "$p"; wait "$p" 2>/dev/null || true; done
+    python3 -c '
+import json, sys
+s, l, delay = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+t = s["timings"]; c = t["cluster"]
+ours, theirs = t["decode_tok_s"], l[0]["avg_ts"]
+trips = c["round_trips"] / max(1, c["tokens"])
+where = "none (no relay)" if delay == "direct" else f"{delay} ms"
+print(f"| {where} | {ours:.1f} | {trips:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
+' "$shimmer_out" "$llama_out" "$delay"
+  done
+  exit 0
+fi
+
+echo "usage: scripts/lan.sh check|bench|rpc" >&2
 exit 2
