@@ -118,15 +118,10 @@ pub fn follow(control: Arc<ControlPlane>, state: Arc<WorkerState>, model: String
         }
         // Widen before narrowing: the assignment grows before the window takes a new epoch, and
         // shrinks only after the window has let the old one go.
-        let dropped = {
-            let mut wider = shares.union();
-            state.set_assigned(Some(wider.clone()));
-            state.set_epochs(v.window);
-            let dropped = shares.retain(&v.window);
-            wider = shares.union();
-            state.set_assigned(Some(wider));
-            dropped
-        };
+        state.set_assigned(Some(shares.union()));
+        state.set_epochs(v.window);
+        let dropped = shares.retain(&v.window);
+        state.set_assigned(Some(shares.union()));
         if !dropped.is_empty() {
             let pairs: Vec<(usize, usize)> = dropped.iter().map(|&(l, e)| (l as usize, e as usize)).collect();
             let released = state.store.as_ref().map_or(0, |s| s.release(&pairs));
