@@ -12,10 +12,11 @@
 #   scripts/lan.sh bench   decode tok/s and network cost per token for 1–3 workers at 0/1/5 ms
 #                          one way, and 8 concurrent streams (docs/benchmarks.md)
 #   scripts/lan.sh rpc     the same LAN with llama.cpp's RPC backend beside shimmer (LLAMA_BIN,
-#                          GGUF): decode tok/s of three workers at 0/1/5 ms, one stream
+#                          GGUF): decode tok/s of three workers at 0/1/5 ms, one stream and 8,
+#                          round trips per token, a worker killed mid-answer
 #
 # Needs root (namespaces), SHIMMER_BIN and RELAY_BIN (the shimmer and shimmer-udp-relay
-# binaries), python3. MODEL (default: the bundled demo). Exits 77 with a message when the kernel
+# binaries), python3. MODEL (default: the bundled demo). KEEP_WORK=1 keeps the logs. Exits 77 with a message when the kernel
 # refuses network namespaces.
 set -euo pipefail
 
@@ -35,7 +36,7 @@ cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
   for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$ID-"); do ip netns del "$ns"; rm -rf "/etc/netns/$ns"; done
-  rm -rf "$WORK"
+  if [ -n "${KEEP_WORK:-}" ]; then echo "logs kept in $WORK" >&2; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT INT TERM
 
@@ -110,6 +111,38 @@ ids() { python3 -c 'import json,sys; print(json.load(sys.stdin)["output_ids"])';
 generate_cluster() {
   ip netns exec "$ID-c" "$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens "${1:-24}" --json \
     --placement "$WORK/p.json" --join-token "$TOKEN" --worker-timeout-s 2 --connect-timeout-s 2 2>>"$WORK/coordinator.log"
+}
+
+# eight_streams PLACEMENT TOKENS: completion tokens per second of wall time of 8 concurrent chat
+# completions (TOKENS each, greedy) through a coordinator in the coordinator's namespace.
+eight_streams() {
+  : > "$WORK/coord.log"
+  ip netns exec "$ID-c" "$SHIMMER" coordinator "${MODEL_ARGS[@]}" --host 127.0.0.1 --port 0 --placement "$1" --join-token "$TOKEN" \
+    --worker-timeout-s 2 --connect-timeout-s 2 >/dev/null 2>"$WORK/coord.log" &
+  local cpid=$! rc=0
+  wait_for "$WORK/coord.log" "http://"
+  local url; url="$(grep -o 'http://[0-9.]*:[0-9]*' "$WORK/coord.log" | head -1)"
+  ip netns exec "$ID-c" python3 - "$url" "$2" <<'PY' || rc=$?
+import json, sys, threading, time, urllib.request
+url, tokens = sys.argv[1], int(sys.argv[2])
+model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+done, failed = [], []
+def one(i):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Verse {i}: and the LORD said"}], "max_tokens": tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+    try:
+        done.append(json.load(urllib.request.urlopen(req, timeout=600))["usage"]["completion_tokens"])
+    except Exception as e:
+        failed.append(f"stream {i}: {e}")
+t0 = time.time()
+ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+if failed:
+    sys.exit("eight streams: " + "; ".join(failed))
+print(f"{sum(done) / (time.time() - t0):.1f}")
+PY
+  kill "$cpid"; wait "$cpid" 2>/dev/null || true
+  return "$rc"
 }
 
 if [ "$MODE" = check ]; then
@@ -210,28 +243,7 @@ if [ "$MODE" = bench ]; then
       plan "$n" 1 "$WORK/p.json" "$delay"
       workers "$n" "$WORK/p.json" "$delay"
       out="$(generate_cluster "$TOKENS")"
-      # Eight concurrent streams through a coordinator in the same namespace.
-      : > "$WORK/coord.log"
-      ip netns exec "$ID-c" "$SHIMMER" coordinator "${MODEL_ARGS[@]}" --host 127.0.0.1 --port 0 --placement "$WORK/p.json" --join-token "$TOKEN" 2>"$WORK/coord.log" &
-      cpid=$!; PIDS+=($cpid)
-      wait_for "$WORK/coord.log" "http://"
-      url="$(grep -o 'http://[0-9.]*:[0-9]*' "$WORK/coord.log" | head -1)"
-      agg="$(ip netns exec "$ID-c" python3 - "$url" "$TOKENS" <<'PY'
-import json, sys, threading, time, urllib.request
-url, tokens = sys.argv[1], int(sys.argv[2])
-model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
-done = []
-def one(i):
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Verse {i}: and the LORD said"}], "max_tokens": tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
-    done.append(json.load(urllib.request.urlopen(req, timeout=600))["usage"]["completion_tokens"])
-t0 = time.time()
-ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-[t.start() for t in ts]; [t.join() for t in ts]
-print(f"{sum(done) / (time.time() - t0):.1f}")
-PY
-)"
-      kill "$cpid"; wait "$cpid" 2>/dev/null || true
+      agg="$(eight_streams "$WORK/p.json" "$TOKENS")"
       echo "$out" | python3 -c '
 import json, sys
 o = json.load(sys.stdin); t = o["timings"]; c = t["cluster"]
@@ -255,26 +267,34 @@ fi
 
 if [ "$MODE" = rpc ]; then
   # shimmer's expert sharding against llama.cpp's RPC backend (its layer split) on the same LAN:
-  # three workers, one stream, decode tok/s at each one-way delay. llama.cpp's `ggml-rpc-server`
+  # three workers, decode tok/s of one stream and of eight at each one-way delay, round trips per
+  # token, and what each does when a worker is killed mid-answer. llama.cpp's `ggml-rpc-server`
   # runs in each worker namespace; its TCP paths get the same delay from `shimmer-udp-relay
-  # --tcp` in the coordinator's namespace. Needs LLAMA_BIN (llama.cpp's build/bin with
-  # ggml-rpc-server and llama-bench, built with -DGGML_RPC=ON) and GGUF (the same model).
+  # --tcp` in the coordinator's namespace, which also counts their round trips. Needs LLAMA_BIN
+  # (llama.cpp's build/bin with ggml-rpc-server, llama-bench and llama-batched-bench, built with
+  # -DGGML_RPC=ON: bench/vs-llama-cpp/build-rpc.sh) and GGUF (the same model).
   LLAMA="${LLAMA_BIN:?set LLAMA_BIN to the build/bin of llama.cpp built with GGML_RPC=ON}"
   GGUF="${GGUF:?set GGUF to the model as GGUF}"
   TOKENS="${TOKENS:-64}"
-  for i in 1 2 3; do
-    ip netns exec "$ID-w$i" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/ggml-rpc-server" -H "$NET.1$i" -p 50052 -t 1 >"$WORK/rpc-$i.log" 2>&1 &
-    PIDS+=($!)
-  done
-  echo "| one-way delay | shimmer decode tok/s (3 workers, experts sharded) | round trips / token | llama.cpp RPC decode tok/s (3 rpc-servers, layer split) | shimmer ÷ llama.cpp |"
-  echo "|---|---|---|---|---|"
+  llama() { ip netns exec "$ID-c" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/$1" -m "$GGUF" "${@:2}"; }
+  rpc_server() { # rpc_server I: worker I's ggml-rpc-server, its pid in RPC_PID[I]
+    ip netns exec "$ID-w$1" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/ggml-rpc-server" -H "$NET.1$1" -p 50052 -t 1 >>"$WORK/rpc-$1.log" 2>&1 &
+    RPC_PID[$1]=$!; PIDS+=($!)
+  }
+  trips() { cat "$WORK"/trips-* 2>/dev/null | awk '{ s += $1 } END { print s + 0 }'; }
+  declare -A RPC_PID
+  for i in 1 2 3; do rpc_server "$i"; done
+  sleep 0.5
+  echo "| one-way delay | shimmer decode tok/s (3 workers, experts sharded) | round trips / token | llama.cpp RPC decode tok/s (3 rpc-servers, layer split) | round trips / token | shimmer ÷ llama.cpp | 8 streams: shimmer tok/s | 8 streams: llama.cpp tok/s | shimmer ÷ llama.cpp |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   for delay in direct 0 1 5; do
     tcp=()
     rpc="$(seq -s, -f "$NET.1%g:50052" 1 3)"
     if [ "$delay" != direct ]; then
       relays "$delay" 0
+      rm -f "$WORK"/trips-*
       for i in 1 2 3; do
-        ip netns exec "$ID-c" "$RELAY" --tcp --listen "$NET.1:720$i" --to "$NET.1$i:50052" --delay-ms "$delay" 2>>"$WORK/tcp-relay-$i.log" &
+        ip netns exec "$ID-c" "$RELAY" --tcp --listen "$NET.1:720$i" --to "$NET.1$i:50052" --delay-ms "$delay" --count-file "$WORK/trips-$i" 2>>"$WORK/tcp-relay-$i.log" &
         tcp+=($!); PIDS+=($!)
       done
       rpc="$(seq -s, -f "$NET.1:720%g" 1 3)"
@@ -284,18 +304,75 @@ if [ "$MODE" = rpc ]; then
     plan 3 1 "$WORK/p.json" "$mode"
     workers 3 "$WORK/p.json" "$mode"
     shimmer_out="$(generate_cluster "$TOKENS")"
-    llama_out="$(ip netns exec "$ID-c" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/llama-bench" -m "$GGUF" --rpc "$rpc" -ngl 99 -p 0 -n "$TOKENS" -t 2 -r 3 -o json 2>>"$WORK/llama-bench.log")"
+    shimmer_eight="$(eight_streams "$WORK/p.json" "$TOKENS")"
+    llama_out="$(llama llama-bench --rpc "$rpc" -ngl 99 -p 0 -n "$TOKENS" -t 2 -r 3 -o json 2>>"$WORK/llama-bench.log")"
+    # llama.cpp's round trips per token: the relays' count over two runs that differ only in the
+    # tokens generated, so loading the model and warming up cancel out.
+    llama_trips=nan
+    if [ "$delay" != direct ]; then
+      sleep 0.3; t0="$(trips)"
+      llama llama-bench --rpc "$rpc" -ngl 99 -p 0 -n 16 -t 2 -r 1 -o json >/dev/null 2>>"$WORK/llama-bench.log"; sleep 0.3; t1="$(trips)"
+      llama llama-bench --rpc "$rpc" -ngl 99 -p 0 -n 48 -t 2 -r 1 -o json >/dev/null 2>>"$WORK/llama-bench.log"; sleep 0.3; t2="$(trips)"
+      llama_trips="$(( (t2 - t1) - (t1 - t0) ))"
+    fi
+    # Eight sequences decoding together (16-token prompts), the same count of completion tokens
+    # per wall second as shimmer's eight streams.
+    llama_eight="$(llama llama-batched-bench --rpc "$rpc" -ngl 99 -npp 16 -ntg "$TOKENS" -npl 8 -c 4096 -t 2 --output-format jsonl 2>>"$WORK/llama-batched.log" | grep '^{' | tail -1)"
     for p in "${tcp[@]}"; do kill "$p"; wait "$p" 2>/dev/null || true; done
     python3 -c '
 import json, sys
-s, l, delay = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+s, l, delay, s8, l8, ltrips = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4]), json.loads(sys.argv[5]), sys.argv[6]
 t = s["timings"]; c = t["cluster"]
 ours, theirs = t["decode_tok_s"], l[0]["avg_ts"]
 trips = c["round_trips"] / max(1, c["tokens"])
+their_trips = "–" if ltrips == "nan" else f"{float(ltrips) / 32:.1f}"
+their8 = l8["pl"] * l8["tg"] / l8["t"]
 where = "none (no relay)" if delay == "direct" else f"{delay} ms"
-print(f"| {where} | {ours:.1f} | {trips:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
-' "$shimmer_out" "$llama_out" "$delay"
+print(f"| {where} | {ours:.1f} | {trips:.1f} | {theirs:.1f} | {their_trips} | {ours / theirs:.2f} | {s8:.1f} | {their8:.1f} | {s8 / their8:.2f} |")
+' "$shimmer_out" "$llama_out" "$delay" "$shimmer_eight" "$llama_eight" "$llama_trips"
   done
+  # A worker killed mid-answer, at 1 ms one way. shimmer: every expert on two of the three
+  # workers (R=2); the answer must be the single box's. llama.cpp: its layer split holds each
+  # layer once; what it does is reported as it happens.
+  echo
+  echo "A worker killed (kill -9) mid-answer, 1 ms one way, up to $(( TOKENS * 4 )) tokens:"
+  relays 1 0
+  for i in 1 2 3; do
+    ip netns exec "$ID-c" "$RELAY" --tcp --listen "$NET.1:720$i" --to "$NET.1$i:50052" --delay-ms 1 2>>"$WORK/tcp-relay-$i.log" &
+    PIDS+=($!)
+  done
+  sleep 0.2
+  want="$("$SHIMMER" generate "${MODEL_ARGS[@]}" --prompt-ids "$PROMPT_IDS" --max-tokens "$(( TOKENS * 4 ))" --json 2>>"$WORK/single.log" | ids)"
+  plan 3 2 "$WORK/p.json"
+  workers 3 "$WORK/p.json"
+  generate_cluster "$(( TOKENS * 4 ))" >"$WORK/killed.json" &
+  gen=$!
+  sleep 0.8
+  kill -9 "${WORKER_PIDS[1]}"; wait "${WORKER_PIDS[1]}" 2>/dev/null || true
+  if wait "$gen" && [ "$(ids < "$WORK/killed.json")" = "$want" ]; then
+    python3 -c '
+import json, sys
+o = json.load(open(sys.argv[1]))
+n, failovers = len(o["output_ids"]), o["timings"]["cluster"]["failovers"]
+print(f"- shimmer (R=2): worker 2 killed 0.8 s in; the answer completed, all {n} tokens identical to the single box ({failovers} requests answered by the other holder)")
+' "$WORK/killed.json"
+  else
+    echo "- shimmer (R=2): worker 2 killed 0.8 s in; FAILED: $(tail -c 300 "$WORK/coordinator.log")"
+  fi
+  timeout 60 ip netns exec "$ID-c" env LD_LIBRARY_PATH="$LLAMA" "$LLAMA/llama-bench" -m "$GGUF" --rpc "$(seq -s, -f "$NET.1:720%g" 1 3)" \
+    -ngl 99 -p 0 -n "$(( TOKENS * 16 ))" -t 2 -r 1 -o json >"$WORK/llama-killed.json" 2>"$WORK/llama-killed.log" &
+  gen=$!
+  sleep 1.5
+  kill -9 "${RPC_PID[2]}"; wait "${RPC_PID[2]}" 2>/dev/null || true
+  rc=0; wait "$gen" 2>/dev/null || rc=$?
+  said="$(grep -m1 -i 'rpc' "$WORK/llama-killed.log" | sed 's|^.*/ggml-rpc/||' | cut -c1-160)"
+  if [ "$rc" = 0 ]; then
+    echo "- llama.cpp RPC (layer split): rpc-server 2 killed 1.5 s in; llama-bench completed (exit 0)"
+  elif [ "$rc" = 124 ]; then
+    echo "- llama.cpp RPC (layer split): rpc-server 2 killed 1.5 s in; llama-bench hung, stopped by a 60 s timeout: $said"
+  else
+    echo "- llama.cpp RPC (layer split): rpc-server 2 killed 1.5 s in; llama-bench ended with exit $rc: $said"
+  fi
   exit 0
 fi
 

@@ -17,52 +17,11 @@ THREADS="${THREADS:-2}"
 RUNS="${RUNS:-5}"
 PROMPT="${PROMPT:-64}"
 GEN="${GEN:-32}"
-LLAMA_CPP_PYTHON=0.3.36
-mkdir -p "$WORK"
-say() { echo "== $*" >&2; }
-
-# 1. Tools: a compiler and cmake (Debian), a pinned Python environment.
-if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
-  say "installing cmake and a C++ compiler"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
-  $SUDO apt-get update -q && $SUDO apt-get install -y -q cmake build-essential python3-venv
-fi
-if [ ! -x "$WORK/venv/bin/python" ]; then
-  say "Python environment (pinned: tests/oracle/requirements.txt + PyYAML)"
-  python3 -m venv "$WORK/venv"
-  "$WORK/venv/bin/pip" install -q -r "$ROOT/tests/oracle/requirements.txt" pyyaml==6.0.4
-fi
-PY="$WORK/venv/bin/python"
-
-# 2. llama.cpp from the llama-cpp-python sdist.
-LLAMA="$WORK/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
-if [ ! -d "$LLAMA" ]; then
-  say "fetching llama-cpp-python $LLAMA_CPP_PYTHON (source)"
-  "$WORK/venv/bin/pip" download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$WORK/sdist"
-  tar xzf "$WORK/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$WORK"
-fi
-"$WORK/venv/bin/pip" install -q "$LLAMA/gguf-py"
+# 1-2. Tools (cmake, a compiler, a pinned Python environment) and llama.cpp (llama-cpp.sh).
+. "$HERE/llama-cpp.sh"
+llama_cpp_tools
+llama_cpp_build build -DLLAMA_BUILD_SERVER=OFF -- llama-bench llama-quantize
 BIN="$LLAMA/build/bin"
-if [ ! -x "$BIN/llama-bench" ] || [ ! -x "$BIN/llama-quantize" ]; then
-  say "building llama.cpp (CPU, Release; ~5-10 minutes)"
-  # Every x86 SIMD level the CPU has, but no AMX: on these virtual machines ggml's AMX path
-  # (which -march=native would enable) crashes in ggml_backend_amx_mul_mat.
-  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-  flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-  has() { [[ " $flags " == *" $1 "* ]]; }
-  has avx && ISA_FLAGS+=(-DGGML_AVX=ON)
-  has avx2 && ISA_FLAGS+=(-DGGML_AVX2=ON)
-  has fma && ISA_FLAGS+=(-DGGML_FMA=ON)
-  has f16c && ISA_FLAGS+=(-DGGML_F16C=ON)
-  has avx_vnni && ISA_FLAGS+=(-DGGML_AVX_VNNI=ON)
-  has avx512f && ISA_FLAGS+=(-DGGML_AVX512=ON)
-  has avx512vbmi && ISA_FLAGS+=(-DGGML_AVX512_VBMI=ON)
-  has avx512_vnni && ISA_FLAGS+=(-DGGML_AVX512_VNNI=ON)
-  has avx512_bf16 && ISA_FLAGS+=(-DGGML_AVX512_BF16=ON)
-  cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF "${ISA_FLAGS[@]}" >/dev/null
-  cmake --build "$LLAMA/build" -j"$(nproc)" --target llama-bench llama-quantize >/dev/null
-fi
 
 # 3. shimmer.
 say "building shimmer (release)"

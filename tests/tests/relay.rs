@@ -43,6 +43,36 @@ fn echo_server() -> String {
     addr
 }
 
+/// A request/reply server on a free port: each newline-ended request is answered, in two
+/// writes, with its length.
+fn line_server() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let _ = conn.set_nodelay(true);
+                let (mut line, mut byte) = (0usize, [0u8; 1]);
+                while conn.read_exact(&mut byte).is_ok() {
+                    line += 1;
+                    if byte[0] == b'\n' {
+                        let ok = conn.write_all(b"length ").is_ok() && {
+                            std::thread::sleep(Duration::from_millis(5));
+                            conn.write_all(format!("{line}\n").as_bytes()).is_ok()
+                        };
+                        if !ok {
+                            return;
+                        }
+                        line = 0;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
 fn connect(addr: &str) -> TcpStream {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
@@ -97,4 +127,45 @@ fn loss_on_tcp_is_refused_with_a_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--loss applies to UDP only"), "{err}");
+}
+
+#[test]
+fn the_count_file_holds_the_round_trips_of_every_connection() {
+    let tmp = tempfile::tempdir().unwrap();
+    let count_file = tmp.path().join("round-trips");
+    let upstream = line_server();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{port}");
+    let _relay = Relay(relay(&["--tcp", "--listen", &listen, "--to", &upstream, "--count-file", count_file.to_str().unwrap()]).spawn().unwrap());
+    // 5 exchanges on one connection and 3 on another; a request sent as two writes, and a reply
+    // written in two, are still one.
+    for (exchanges, conn) in [(5, connect(&listen)), (3, connect(&listen))] {
+        let mut conn = conn;
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        for i in 0..exchanges {
+            conn.write_all(format!("request {i} ").as_bytes()).unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+            conn.write_all(b"second half\n").unwrap();
+            let want = format!("length {}\n", format!("request {i} second half\n").len());
+            let mut got = vec![0u8; want.len()];
+            conn.read_exact(&mut got).unwrap();
+            assert_eq!(got, want.as_bytes());
+        }
+    }
+    let read = || std::fs::read_to_string(&count_file).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let until = Instant::now() + Duration::from_secs(10);
+    while read() != Some(8) {
+        assert!(Instant::now() < until, "the count file says {:?}, not 8 round trips", read());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(read(), Some(8), "the count moved with nothing sent");
+}
+
+#[test]
+fn counting_needs_tcp() {
+    let out = relay(&["--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--count-file", "/tmp/x"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("needs --tcp"), "{err}");
 }

@@ -8,9 +8,12 @@
 //! With `--tcp` it relays TCP connections instead (llama.cpp's RPC backend speaks TCP): each
 //! accepted connection gets its own upstream connection, and every chunk read is written on
 //! after the delay, in order; there is no loss (TCP would retransmit it), and while the
-//! partition file exists nothing is forwarded (a pulled cable: the bytes wait).
+//! partition file exists nothing is forwarded (a pulled cable: the bytes wait). `--count-file`
+//! keeps there the number of round trips seen so far, over every connection: a round trip is a
+//! turn of the conversation, the far side answering after the near side spoke, which is how often
+//! a request/reply peer waits out the path's delay (a reply sent in several reads is one).
 //!
-//! `shimmer-udp-relay --listen ADDR --to ADDR [--tcp] [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
+//! `shimmer-udp-relay --listen ADDR --to ADDR [--tcp] [--count-file PATH] [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
 //!
 //! Must never: reorder datagrams of one direction, or bytes of a connection (the delay is
 //! constant, so a queue keeps order).
@@ -30,11 +33,13 @@ struct Options {
     seed: u64,
     partition: Option<PathBuf>,
     tcp: bool,
+    count_file: Option<PathBuf>,
 }
 
 fn parse() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
     let (mut listen, mut to, mut delay, mut loss, mut seed, mut partition, mut tcp) = (None, None, 0.0f64, 0.0f64, 1u64, None, false);
+    let mut count_file = None;
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -45,6 +50,7 @@ fn parse() -> Result<Options, String> {
             "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
             "--partition-file" => partition = Some(PathBuf::from(value()?)),
             "--tcp" => tcp = true,
+            "--count-file" => count_file = Some(PathBuf::from(value()?)),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -54,6 +60,9 @@ fn parse() -> Result<Options, String> {
     if tcp && loss > 0.0 {
         return Err("--loss applies to UDP only: TCP retransmits what a link loses".into());
     }
+    if count_file.is_some() && !tcp {
+        return Err("--count-file counts the turns of TCP conversations; it needs --tcp".into());
+    }
     Ok(Options {
         listen: listen.ok_or("--listen is required")?,
         to: to.ok_or("--to is required")?,
@@ -62,6 +71,7 @@ fn parse() -> Result<Options, String> {
         seed,
         partition,
         tcp,
+        count_file,
     })
 }
 
@@ -183,6 +193,49 @@ fn main() {
     }
 }
 
+/// Round trips over every relayed connection, kept in `--count-file` as they happen.
+struct TurnCounter {
+    round_trips: AtomicU64,
+}
+
+impl TurnCounter {
+    /// Rewrites `path` (through a temporary name, so a reader never sees half a number) whenever
+    /// the count has moved, every 50 ms.
+    fn start(path: Option<PathBuf>) -> Arc<Self> {
+        let counter = Arc::new(TurnCounter { round_trips: AtomicU64::new(0) });
+        if let Some(path) = path {
+            let me = counter.clone();
+            let tmp = path.with_extension("tmp");
+            std::thread::spawn(move || {
+                let mut written = None;
+                loop {
+                    let now = me.round_trips.load(Ordering::Relaxed);
+                    if written != Some(now) && std::fs::write(&tmp, format!("{now}\n")).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
+                        written = Some(now);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+        }
+        counter
+    }
+}
+
+/// Which side of one connection spoke last: a reply read after the near side spoke is a turn.
+struct Conversation {
+    far_side_spoke_last: AtomicBool,
+    counter: Arc<TurnCounter>,
+}
+
+impl Conversation {
+    fn heard(&self, from_far_side: bool) {
+        let before = self.far_side_spoke_last.swap(from_far_side, Ordering::Relaxed);
+        if from_far_side && !before {
+            self.counter.round_trips.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Relays TCP connections from `o.listen` to `o.to` until killed.
 fn relay_tcp(o: &Options, partitioned: Arc<AtomicBool>) -> ! {
     let listener = match std::net::TcpListener::bind(o.listen) {
@@ -194,25 +247,29 @@ fn relay_tcp(o: &Options, partitioned: Arc<AtomicBool>) -> ! {
     };
     eprintln!("shimmer-udp-relay: {} -> {} over TCP (delay {:?} each way)", o.listen, o.to, o.delay);
     let (to, delay) = (o.to, o.delay);
+    let counter = TurnCounter::start(o.count_file.clone());
     for client in listener.incoming() {
         let Ok(client) = client else { continue };
-        let partitioned = partitioned.clone();
+        let (partitioned, counter) = (partitioned.clone(), counter.clone());
         std::thread::spawn(move || {
             let Ok(server) = std::net::TcpStream::connect(to) else { return };
             for s in [&client, &server] {
                 let _ = s.set_nodelay(true);
             }
             let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else { return };
-            pump(c2, server, delay, partitioned.clone());
-            pump(s2, client, delay, partitioned);
+            // Starts as if the far side had spoken, so the first reply counts.
+            let talk = Arc::new(Conversation { far_side_spoke_last: AtomicBool::new(true), counter });
+            pump(c2, server, delay, partitioned.clone(), (talk.clone(), false));
+            pump(s2, client, delay, partitioned, (talk, true));
         });
     }
     std::process::exit(1)
 }
 
 /// Copies `from` to `to`, each chunk written `delay` after it was read, in order; at the end of
-/// `from`, shuts `to`'s sending side.
-fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Duration, partitioned: Arc<AtomicBool>) {
+/// `from`, shuts `to`'s sending side. `side` is the conversation and whether `from` is its far
+/// side (the server).
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Duration, partitioned: Arc<AtomicBool>, side: (Arc<Conversation>, bool)) {
     use std::io::{Read, Write};
     let (tx, rx) = std::sync::mpsc::channel::<(Instant, Option<Vec<u8>>)>();
     std::thread::spawn(move || {
@@ -224,6 +281,7 @@ fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Durat
                     return;
                 }
                 Ok(n) => {
+                    side.0.heard(side.1);
                     if tx.send((Instant::now() + delay, Some(buf[..n].to_vec()))).is_err() {
                         return;
                     }
