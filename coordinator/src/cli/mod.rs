@@ -22,6 +22,7 @@ mod convert;
 mod flags;
 mod generate;
 mod plan;
+mod probe;
 mod quant_eval;
 mod routing;
 mod run;
@@ -36,6 +37,7 @@ use convert::*;
 use flags::*;
 use generate::*;
 use plan::*;
+use probe::*;
 use quant_eval::*;
 use routing::*;
 use run::*;
@@ -86,6 +88,9 @@ enum Command {
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+    /// Exit 0 when an HTTP URL answers 2xx within a timeout: the health check of the container
+    /// image, which has no curl.
+    Probe(ProbeArgs),
 }
 
 pub fn run() -> Result<ExitCode> {
@@ -108,6 +113,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Convert(a) => convert(a),
         Command::Bench(a) => bench(a),
         Command::QuantEval(a) => quant_eval(a),
+        Command::Probe(a) => probe(a),
     }
 }
 
