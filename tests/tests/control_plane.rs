@@ -7,7 +7,9 @@
 //! file (the leader places the model by itself), a client `generate --join` too; kill -9 of the
 //! leader mid-stream → the answer completes unchanged and the placement moves off the dead worker;
 //! a fourth worker joins → an epoch with it, adopted by the coordinator between requests; SIGTERM
-//! drains it (it stops only once no placement names it), and restarted it is placed again.
+//! drains it (it stops only once no placement names it), and restarted it is placed again. One
+//! set of flags for every node (`--bootstrap-on`, as a StatefulSet gives them) forms one cluster,
+//! and the named node back without its data joins it instead of founding another.
 
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -203,6 +205,47 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
         assert!(err.contains("raft.redb"), "{what}: the error names the log: {err}");
     }
     drop(last);
+}
+
+#[test]
+fn one_set_of_flags_for_every_node_bootstraps_one_cluster_and_a_node_back_without_its_data_joins_it() {
+    // As a StatefulSet runs them: every node the same flags, started together; the one that
+    // --bootstrap-on names starts the cluster once nobody answers, the others join it.
+    let tmp = tempfile::tempdir().unwrap();
+    let listens: Vec<String> = (2..=4).map(|i| format!("127.0.0.{i}:{}", free_port(&format!("127.0.0.{i}")))).collect();
+    let addrs: Vec<&str> = listens.iter().map(String::as_str).collect();
+    let seeds = addrs.join(",");
+    let flags = ["--bootstrap-on", "127.0.0.2", "--join", seeds.as_str()];
+    let dir = |i: usize| tmp.path().join(format!("node{i}"));
+    let nodes: Vec<Node> = std::thread::scope(|s| {
+        let (addrs, flags, dir) = (&addrs, &flags, &dir);
+        let started: Vec<_> = (0..3).map(|i| s.spawn(move || start(&dir(i), addrs[i], flags))).collect();
+        started.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let one_cluster = |v: &Value| members(v).len() == 3 && members(v).iter().all(|(_, role, up)| role == "voter" && *up == Some(true));
+    let cluster_ids: Vec<String> = addrs
+        .iter()
+        .map(|a| wait_status(&[a], "every node a member of the same three-voter cluster", one_cluster)["cluster_id"].as_str().unwrap().to_string())
+        .collect();
+    assert!(cluster_ids.iter().all(|c| *c == cluster_ids[0]), "{cluster_ids:?}");
+
+    // The bootstrap node killed and its data directory lost: back with the same flags, it finds
+    // the running cluster and joins it rather than founding a second one.
+    let mut nodes = nodes.into_iter();
+    let first = nodes.next().unwrap();
+    drop(first);
+    std::fs::remove_dir_all(dir(0)).unwrap();
+    let _back = start(&dir(0), addrs[0], &flags);
+    let v = wait_status(&[addrs[0]], "the node back in the same cluster, every member up", one_cluster);
+    assert_eq!(v["cluster_id"].as_str(), Some(cluster_ids[0].as_str()), "{v}");
+    let others: Vec<Node> = nodes.collect();
+    assert_eq!(others.len(), 2);
+
+    // A node that is not the one named, with nobody to join, says what to do.
+    let out =
+        worker_cmd(&tmp.path().join("alone"), &format!("127.0.0.5:{}", free_port("127.0.0.5")), &["--bootstrap-on", "127.0.0.2"], TOKEN).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is not --bootstrap-on 127.0.0.2") && err.contains("--join"), "{err}");
 }
 
 /// A `shimmer coordinator` member, with its HTTP port; killed when dropped.

@@ -200,6 +200,11 @@ pub(super) struct MemberArgs {
     /// Start a new cluster with this node as its first member (with a new --data-dir).
     #[arg(long, requires = "data_dir", conflicts_with = "join")]
     pub(super) bootstrap: bool,
+    /// Start a new cluster if this node's host (--advertise, else --listen's) is HOST and no
+    /// --join seed answers within 5 s; every other node joins. One set of flags for every pod
+    /// of a StatefulSet: `--bootstrap-on NAME-0.SERVICE.NAMESPACE.svc.cluster.local`.
+    #[arg(long, value_name = "HOST", requires = "data_dir", conflicts_with = "bootstrap")]
+    pub(super) bootstrap_on: Option<String>,
     /// The control plane's TCP address (default: the host and port of --listen).
     #[arg(long, value_name = "HOST:PORT", requires = "data_dir")]
     pub(super) control_listen: Option<String>,
@@ -275,11 +280,20 @@ impl MemberArgs {
             bail!("--replace-voter-after-s must be in (0, 86400], got {}", self.replace_voter_after_s);
         }
         let initialized = dir.join(shimmer_control::log_store::FILE_NAME).exists();
-        let start = match (self.bootstrap, join.is_empty()) {
-            (true, _) => Start::Bootstrap,
-            (false, false) => Start::Join(join.to_vec()),
-            (false, true) if initialized => Start::Join(Vec::new()),
-            (false, true) => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
+        let named = self.bootstrap_on.as_deref().is_some_and(|host| same_host(host, &me.control_addr));
+        let start = match (self.bootstrap, named, join.is_empty()) {
+            (true, _, _) | (false, true, true) => Start::Bootstrap,
+            (false, true, false) => Start::JoinOrBootstrap(join.to_vec()),
+            (false, false, false) => Start::Join(join.to_vec()),
+            (false, false, true) if initialized => Start::Join(Vec::new()),
+            (false, false, true) => match &self.bootstrap_on {
+                Some(host) => bail!(
+                    "{} holds no cluster yet and this node ({}) is not --bootstrap-on {host}: give --join HOST:PORT (the members to join)",
+                    dir.display(),
+                    me.control_addr
+                ),
+                None => bail!("{} holds no cluster yet: give --bootstrap (a new cluster) or --join HOST:PORT (an existing one)", dir.display()),
+            },
         };
         shimmer_worker::control::discovery::parse_seeds(join).map_err(|e| anyhow::anyhow!(e))?;
         if !(self.rebalance_gain > 0.0 && self.rebalance_gain.is_finite()) {
@@ -305,6 +319,14 @@ impl MemberArgs {
     }
 }
 
+/// Whether `host` is the host of `addr` (HOST:PORT): names compare without case or a trailing
+/// dot, IPv6 without brackets.
+fn same_host(host: &str, addr: &str) -> bool {
+    let bare = |h: &str| h.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.').to_ascii_lowercase();
+    let addr_host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    !host.is_empty() && bare(host) == bare(addr_host)
+}
+
 /// This machine's address on its default route (no packet is sent: a UDP socket is only
 /// connected, which makes the kernel pick the source address).
 fn default_route_ip() -> Result<String> {
@@ -315,4 +337,19 @@ fn default_route_ip() -> Result<String> {
         bail!("this machine has no address on a default route");
     }
     Ok(ip.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_host;
+
+    #[test]
+    fn bootstrap_on_names_a_host_as_dns_and_ipv6_spell_it() {
+        assert!(same_host("shimmer-worker-0.shimmer-worker.default.svc.cluster.local", "shimmer-worker-0.shimmer-worker.default.svc.cluster.local:7070"));
+        assert!(same_host("Shimmer-Worker-0.example.", "shimmer-worker-0.example:7070"));
+        assert!(same_host("::1", "[::1]:7070"));
+        assert!(!same_host("shimmer-worker-0", "shimmer-worker-1:7070"));
+        assert!(!same_host("shimmer-worker-0", "shimmer-worker-0.svc:7070"));
+        assert!(!same_host("", ":7070"));
+    }
 }

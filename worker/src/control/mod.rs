@@ -62,7 +62,14 @@ pub enum ControlError {
 pub enum Start {
     Bootstrap,
     Join(Vec<String>),
+    /// Join through the seeds, or start a new cluster when none of them answers within
+    /// `ALONE_AFTER`: the node a StatefulSet names to bootstrap (`--bootstrap-on`), which must
+    /// not found a second cluster when it comes back without its data while the others run.
+    JoinOrBootstrap(Vec<String>),
 }
+
+/// How long a `JoinOrBootstrap` node waits for any seed to answer before it starts the cluster.
+const ALONE_AFTER: Duration = Duration::from_secs(5);
 
 pub struct ControlOptions {
     pub data_dir: PathBuf,
@@ -286,17 +293,13 @@ impl ControlPlane {
                     ClusterCa::load(&opts.data_dir)?.ok_or_else(|| ControlError::DataDir(format!("{}: the cluster CA is missing", opts.data_dir.display())))?;
                 (ControlNode::restart(log, opts.node.clone(), id)?, ca, rec.cluster_id)
             }
-            (None, Start::Bootstrap) => {
-                let ca = ClusterCa::generate()?;
-                ca.save(&opts.data_dir)?;
-                let cluster_id = tls::random_id();
-                let node = ControlNode::bootstrap(log.clone(), opts.node.clone(), me.clone(), cluster_id.clone())?;
-                log.set_node_record(&serde_json::to_vec(&NodeRecord { name: me.name.clone(), cluster_id: cluster_id.clone() }).unwrap_or_default())
-                    .map_err(NodeError::from)?;
-                (node, ca, cluster_id)
+            (None, Start::Bootstrap) => bootstrap(&log, &opts, &me)?,
+            (None, Start::JoinOrBootstrap(seeds)) if rt.block_on(join(seeds, &me, &trust, Some(ALONE_AFTER)))?.is_none() => {
+                tracing::info!("no member answered through {} within {ALONE_AFTER:?}: starting a new cluster", seeds.join(","));
+                bootstrap(&log, &opts, &me)?
             }
-            (None, Start::Join(seeds)) => {
-                let joined = rt.block_on(join(seeds, &me, &trust))?;
+            (None, Start::Join(seeds) | Start::JoinOrBootstrap(seeds)) => {
+                let joined = rt.block_on(join(seeds, &me, &trust, None))?.ok_or_else(|| ControlError::Join("no member answered".into()))?;
                 let AdminReply::Joined { cluster_id, ca_cert_der, ca_key_pem, .. } = joined else {
                     return Err(ControlError::Join("unexpected answer to a join".into()));
                 };
@@ -459,15 +462,30 @@ fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A new cluster with `me` as its first member: a new CA, a new cluster id.
+fn bootstrap(log: &RaftLog, opts: &ControlOptions, me: &Member) -> Result<(ControlNode, ClusterCa, String), ControlError> {
+    let ca = ClusterCa::generate()?;
+    ca.save(&opts.data_dir)?;
+    let cluster_id = tls::random_id();
+    let node = ControlNode::bootstrap(log.clone(), opts.node.clone(), me.clone(), cluster_id.clone())?;
+    log.set_node_record(&serde_json::to_vec(&NodeRecord { name: me.name.clone(), cluster_id: cluster_id.clone() }).unwrap_or_default())
+        .map_err(NodeError::from)?;
+    Ok((node, ca, cluster_id))
+}
+
 /// Asks the members the seeds stand for (found again each round: members appear), in turn and
-/// again until `JOIN_TIMEOUT`, to add this node.
-async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<AdminReply, ControlError> {
+/// again until `JOIN_TIMEOUT`, to add this node. With `alone_after`, `None` once that long has
+/// passed with nothing at any seed's address answering at all (a refusal or an error reply is an
+/// answer: a cluster is there).
+async fn join(seeds: &[String], me: &Member, trust: &ControlTrust, alone_after: Option<Duration>) -> Result<Option<AdminReply>, ControlError> {
     if seeds.is_empty() {
         return Err(ControlError::Join("this data directory holds no cluster yet and no member to join was given (--join)".into()));
     }
     let parsed = discovery::parse_seeds(seeds).map_err(ControlError::Join)?;
-    let deadline = Instant::now() + JOIN_TIMEOUT;
+    let started = Instant::now();
+    let deadline = started + JOIN_TIMEOUT;
     let mut errors: BTreeMap<String, String> = BTreeMap::new();
+    let mut answered = false;
     loop {
         let (found, problems) = {
             let parsed = parsed.clone();
@@ -477,11 +495,13 @@ async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<Adm
             errors.insert("discovery".into(), p);
         }
         for (addr, discovered) in found.iter().filter(|(a, _)| *a != me.control_addr) {
-            match admin(addr, trust, &AdminRequest::Join { member: me.clone() }).await {
+            let reply = admin(addr, trust, &AdminRequest::Join { member: me.clone() }).await;
+            answered |= !matches!(reply, Err(ControlError::Trust(TrustError::Connect { .. })));
+            match reply {
                 Ok(AdminReply::Error { message }) => {
                     errors.insert(addr.clone(), message);
                 }
-                Ok(reply) => return Ok(reply),
+                Ok(reply) => return Ok(Some(reply)),
                 // A wrong token or another cluster's CA at an address the user gave will not get
                 // better by waiting; one found on the LAN may be another cluster's.
                 Err(e @ ControlError::Trust(TrustError::Refused { .. } | TrustError::WrongCa { .. })) if !discovered => {
@@ -491,6 +511,9 @@ async fn join(seeds: &[String], me: &Member, trust: &ControlTrust) -> Result<Adm
                     errors.insert(addr.clone(), e.to_string());
                 }
             }
+        }
+        if alone_after.is_some_and(|wait| !answered && started.elapsed() >= wait) {
+            return Ok(None);
         }
         if Instant::now() >= deadline {
             let why: Vec<String> = errors.iter().map(|(k, v)| format!("{k}: {v}")).collect();
