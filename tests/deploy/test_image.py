@@ -142,7 +142,7 @@ print(json.dumps({"content": r.choices[0].message.content, "finish_reason": r.ch
 
 
 def test_the_container_answers_a_chat_completion_as_the_host_does(container):
-    ns, _, proc, _ = container
+    ns, name, proc, _ = container
     got = run(ns.cmd(sys.executable, "-c", CLIENT, PROMPT, str(MAX_TOKENS)), timeout=300)
     assert got.returncode == 0, got.stderr
     answer = json.loads(got.stdout)
@@ -151,6 +151,9 @@ def test_the_container_answers_a_chat_completion_as_the_host_does(container):
     assert answer["content"] == json.loads(want.stdout)["text"], (answer, want.stdout)
     # The server inside runs as the image's user, not root.
     assert uid_of_serving_process(proc.pid) == 10001
+    # The smoke test the chart's `helm test` pod runs, from inside the image.
+    smoke = run(ns.cmd(*BUILDAH, "run", "--isolation", "chroot", name, "--", "/usr/local/bin/shimmer", "probe", "--chat", "http://127.0.0.1:8080", "--timeout-s", "60"))
+    assert smoke.returncode == 0, smoke.stderr
 
 
 def uid_of_serving_process(root_pid: int) -> int:
