@@ -1,0 +1,171 @@
+"""The Helm chart (charts/shimmer), with Helm 3 and Helm 4 (conftest.py).
+
+`helm lint --strict` passes on the defaults; `helm template` over a matrix of values (the
+defaults, a single box, a LAN-like cluster with an API key and an Ingress, GPU workers, a Hugging
+Face checkpoint converted at start, a Gateway API route) renders objects that every one validate,
+strictly, against the Kubernetes OpenAPI schemas of three versions (PyPI's kubernetes-validate);
+bad values are refused by values.schema.json with a message naming the value; and the defaults
+render a cluster that can form: a generated join token every member reads, one node that may
+bootstrap (worker 0, as the others name it), the same seeds for everyone, probes on the ports the
+containers declare, a quorum-keeping disruption budget and a `helm test` hook.
+"""
+import base64
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts/shimmer"
+K8S_VERSIONS = ["1.30.0", "1.33.0", "1.37.0"]
+# Kinds outside Kubernetes itself (CRDs), with no schema in kubernetes-validate.
+CRD_KINDS = {"HTTPRoute"}
+
+MATRIX = {
+    "defaults": [],
+    "single-box": ["--set", "worker.replicas=1", "--set", "raft.maxVoters=1", "--set", "raft.replicas=1", "--set", "podDisruptionBudget.enabled=false"],
+    "lan-like": ["--set", "worker.replicas=5", "--set", "coordinator.replicas=2", "--set", "apiKeys.value=sk-local-test-key", "--set", "ingress.enabled=true",
+                 "--set", "ingress.className=nginx", "--set", "service.type=LoadBalancer"],
+    "gpu": ["--set", "worker.gpus=1", "--set-json", 'worker.resources={"limits":{"memory":"64Gi"},"requests":{"cpu":"8"}}', "--set", "worker.ramGb=48"],
+    "hf-model": ["--set", "model.source=hf", "--set-json", 'model.hf.volume={"persistentVolumeClaim":{"claimName":"hf-models","readOnly":true}}',
+                 "--set", "model.hf.path=Qwen3-30B-A3B", "--set", "model.hf.quant=int4-g32", "--set", "worker.persistence.enabled=false"],
+    "gateway": ["--set", "httpRoute.enabled=true", "--set-json", 'httpRoute.parentRefs=[{"name":"gateway","namespace":"gateways"}]',
+                "--set-json", 'httpRoute.hostnames=["llm.example.com"]', "--set", "networkPolicy.enabled=false"],
+}
+
+
+def render(helm: Path, *args: str) -> list[dict]:
+    out = subprocess.run([str(helm), "template", "rel", str(CHART), "--namespace", "llm", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def refused(helm: Path, *args: str) -> str:
+    out = subprocess.run([str(helm), "template", "rel", str(CHART), *args], capture_output=True, text=True)
+    assert out.returncode != 0, f"helm template {' '.join(args)} rendered:\n{out.stdout[:2000]}"
+    return out.stderr
+
+
+def test_lint_strict_passes_on_the_defaults(helm):
+    out = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_every_rendered_object_validates_against_three_kubernetes_versions(helm, case):
+    docs = render(helm, *MATRIX[case])
+    kinds = {d["kind"] for d in docs}
+    assert {"StatefulSet", "Service", "Secret"} <= kinds, kinds
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{case}: {doc['kind']}/{doc['metadata']['name']} is not valid Kubernetes {version}: {e}")
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def args_of(statefulset: dict) -> list[str]:
+    return statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_the_defaults_render_a_cluster_that_can_form(helm):
+    docs = render(helm)
+    sets, services, secrets = by_kind(docs, "StatefulSet"), by_kind(docs, "Service"), by_kind(docs, "Secret")
+    worker, coordinator = sets["rel-shimmer-worker"], sets["rel-shimmer-coordinator"]
+    assert worker["spec"]["replicas"] == 3 and coordinator["spec"]["replicas"] == 1
+    token = base64.b64decode(secrets["rel-shimmer-join-token"]["data"]["token"]).decode()
+    assert len(token) >= 16 and len(set(token)) >= 8, "a generated token the members accept"
+    again = base64.b64decode(by_kind(render(helm), "Secret")["rel-shimmer-join-token"]["data"]["token"]).decode()
+    assert again != token, "each install generates its own token: none is fixed in the chart"
+    for s in (worker, coordinator):
+        spec = s["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["SHIMMER_JOIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-shimmer-join-token", "key": "token"}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        headless = services[s["spec"]["serviceName"]]
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+        args = args_of(s)
+        assert flag(args, "--advertise") == f"$(POD_NAME).{s['spec']['serviceName']}.llm.svc.cluster.local"
+        # Every probe's port is one the container declares.
+        ports = {p["name"]: p for p in c["ports"]}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] in ports, (s["metadata"]["name"], probe)
+        assert spec["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["readOnlyRootFilesystem"] is True
+    # One node may start the cluster: worker 0, by the name it advertises; everyone has the same
+    # seeds, which name both headless Services.
+    w_args, c_args = args_of(worker), args_of(coordinator)
+    bootstrap = flag(w_args, "--bootstrap-on")
+    assert bootstrap == flag(w_args, "--advertise").replace("$(POD_NAME)", "rel-shimmer-worker-0")
+    assert flag(c_args, "--bootstrap-on") == bootstrap
+    assert flag(w_args, "--join") == flag(c_args, "--join")
+    seeds = flag(w_args, "--join").split(",")
+    assert seeds == [f"dns:rel-shimmer-{c}.llm.svc.cluster.local:7070" for c in ("worker", "coordinator")]
+    assert "--bootstrap" not in w_args + c_args
+    readiness = worker["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+    assert readiness["path"] == "/ready"
+    # The API Service selects the coordinators, on the port their container serves.
+    api = services["rel-shimmer"]
+    assert api["spec"]["selector"]["app.kubernetes.io/component"] == "coordinator"
+    pdb = by_kind(docs, "PodDisruptionBudget")["rel-shimmer"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and "app.kubernetes.io/component" not in pdb["spec"]["selector"]["matchLabels"]
+    test_pod = by_kind(docs, "Pod")["rel-shimmer-test-chat"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert test_pod["spec"]["containers"][0]["args"][:2] == ["probe", "--chat"]
+    assert "http://rel-shimmer.llm.svc.cluster.local:8080" in test_pod["spec"]["containers"][0]["args"]
+    assert not by_kind(docs, "Ingress") and not by_kind(docs, "HTTPRoute"), "Ingress and HTTPRoute are off by default"
+
+
+def test_values_shape_what_renders(helm):
+    gpu = by_kind(render(helm, *MATRIX["gpu"]), "StatefulSet")["rel-shimmer-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert gpu["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 1}
+    assert flag(gpu["args"], "--ram-gb") == "48"
+    hf = by_kind(render(helm, *MATRIX["hf-model"]), "StatefulSet")["rel-shimmer-worker"]["spec"]["template"]["spec"]
+    init = hf["initContainers"][0]
+    assert init["args"][:5] == ["convert", "--from", "/hf/Qwen3-30B-A3B", "--to", "/data/model"] and flag(init["args"], "--quant") == "int4-g32"
+    assert flag(hf["containers"][0]["args"], "--model") == "/data/model"
+    assert {"name": "data", "emptyDir": {}} in hf["volumes"]
+    lan = render(helm, *MATRIX["lan-like"])
+    coord = by_kind(lan, "StatefulSet")["rel-shimmer-coordinator"]["spec"]["template"]["spec"]["containers"][0]
+    key = {e["name"]: e for e in coord["env"]}["SHIMMER_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert base64.b64decode(by_kind(lan, "Secret")[key["name"]]["data"][key["key"]]).decode() == "sk-local-test-key"
+    assert by_kind(lan, "Ingress")["rel-shimmer"]["spec"]["ingressClassName"] == "nginx"
+    route = by_kind(render(helm, *MATRIX["gateway"]), "HTTPRoute")["rel-shimmer"]
+    assert route["spec"]["parentRefs"] == [{"name": "gateway", "namespace": "gateways"}] and route["spec"]["hostnames"] == ["llm.example.com"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "rel-shimmer", "port": 8080}]
+
+
+@pytest.mark.parametrize(
+    "args, paths",
+    [
+        (["--set", "worker.replicas=0"], ["worker.replicas"]),
+        (["--set", "joinToken.value=short"], ["joinToken.value"]),
+        (["--set", "model.source=gguf"], ["model.source"]),
+        (["--set", "model.source=hf"], ["model.hf.volume", "model.hf.path"]),
+        (["--set", "raft.maxVoters=9"], ["raft.maxVoters"]),
+        (["--set", "worker.ramGb=lots"], ["worker.ramGb"]),
+        (["--set", "worker.persistence.size=20 gigs"], ["worker.persistence.size"]),
+        (["--set", "httpRoute.enabled=true"], ["httpRoute.parentRefs"]),
+        (["--set", "workers.replicas=3"], ["workers"]),
+    ],
+    ids=["no-workers", "short-token", "unknown-source", "hf-without-volume", "too-many-voters", "ram-not-a-number", "size-not-a-quantity", "route-without-gateway", "misspelt-key"],
+)
+def test_bad_values_are_refused_naming_the_value(helm, args, paths):
+    err = refused(helm, *args)
+    assert "values don't meet the specifications of the schema" in err, err
+    for path in paths:
+        # Helm 3 writes worker.replicas, Helm 4 /worker/replicas.
+        assert re.search(r"[./ ']?".join(map(re.escape, path.split("."))), err), f"{args}: the error does not name {path}: {err}"
