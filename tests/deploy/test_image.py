@@ -10,8 +10,6 @@ image's unprivileged user. Where the machine refuses (not root, no buildah, no n
 namespaces), the test says so and why.
 """
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,58 +17,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import BUILDAH, Netns, config, host_bin, run
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILDAH = ["buildah", "--storage-driver", os.environ.get("BUILDAH_STORAGE_DRIVER", "vfs")]
 PROMPT = "Say something about the sea."
 MAX_TOKENS = 12
-
-
-def release_bin() -> str | None:
-    return os.environ.get("SHIMMER_RELEASE_BIN") or None
-
-
-def host_bin() -> str:
-    if os.environ.get("SHIMMER_BIN"):
-        return os.environ["SHIMMER_BIN"]
-    return str(Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "shimmer")
-
-
-def run(cmd, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def image():
-    if os.geteuid() != 0:
-        pytest.skip("building and running the image needs root here (buildah --isolation chroot, network namespaces)")
-    if shutil.which("buildah") is None:
-        pytest.skip("buildah is not installed (scripts/test installs Debian's)")
-    tag = f"localhost/shimmer:test-{uuid.uuid4().hex[:8]}"
-    # buildah 1.28 leaves the stages' images and a working container of each behind; the test
-    # removes what its build added, and nothing else.
-    before = storage()
-    env = dict(os.environ)
-    if release_bin():
-        env["SHIMMER_BIN"] = release_bin()
-    built = run([str(ROOT / "deploy/image/build.sh"), "--tag", tag], env=env, timeout=3600)
-    assert built.returncode == 0, f"deploy/image/build.sh failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}"
-    yield tag
-    containers, images = (now - was for now, was in zip(storage(), before))
-    if containers:
-        run([*BUILDAH, "rm", *containers])
-    run([*BUILDAH, "rmi", "-f", tag, *images])
-
-
-def storage() -> tuple[set[str], set[str]]:
-    """The ids of buildah's containers and images on this machine."""
-    return tuple(set(run([*BUILDAH, kind, "-q", "--no-trunc"]).stdout.split()) for kind in ("containers", "images"))
-
-
-def config(tag: str) -> dict:
-    out = run([*BUILDAH, "inspect", "--type", "image", tag])
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["Docker"]["config"]
 
 
 def test_the_image_says_how_it_runs(image):
@@ -85,21 +36,6 @@ def test_the_image_says_how_it_runs(image):
     assert labels["org.opencontainers.image.version"] == version
     head = run(["git", "rev-parse", "HEAD"], cwd=ROOT).stdout.strip()
     assert labels["org.opencontainers.image.revision"] == head
-
-
-class Netns:
-    def __init__(self):
-        self.name = f"shmimg{os.getpid()}"
-        out = run(["ip", "netns", "add", self.name])
-        if out.returncode != 0:
-            pytest.skip(f"this kernel refuses network namespaces: {out.stderr.strip()}")
-        run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
-
-    def cmd(self, *args: str) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *args]
-
-    def close(self):
-        run(["ip", "netns", "del", self.name])
 
 
 @pytest.fixture(scope="module")

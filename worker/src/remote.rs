@@ -58,8 +58,11 @@ type Dialled = Result<(quinn::Connection, Option<WorkerStatus>), TransportError>
 
 impl Dialer {
     /// A connection with its credentials checked, and the worker's status (if it answers).
-    async fn dial(self, addr: SocketAddr, epoch: u64) -> Dialled {
+    /// `addr` is HOST:PORT, looked up at every dial: a worker that comes back elsewhere under
+    /// its name (a Kubernetes pod restarted with a new IP) is found there.
+    async fn dial(self, addr: String, epoch: u64) -> Dialled {
         let within = self.within;
+        let addr = resolve(&addr, within).await?;
         let conn = tokio::time::timeout(within, transport::connect(&self.endpoint, addr, &self.creds))
             .await
             .map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
@@ -74,9 +77,9 @@ impl Dialer {
 
     /// Dials every `(name, addr)` in parallel, each bounded by the connect timeout; the results
     /// in the same order.
-    fn dial_all(&self, rt: &tokio::runtime::Runtime, targets: &[(String, SocketAddr)], epoch: u64) -> Vec<Dialled> {
+    fn dial_all(&self, rt: &tokio::runtime::Runtime, targets: &[(String, String)], epoch: u64) -> Vec<Dialled> {
         rt.block_on(async {
-            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(self.clone().dial(*addr, epoch))).collect();
+            let handles: Vec<_> = targets.iter().map(|(_, addr)| tokio::spawn(self.clone().dial(addr.clone(), epoch))).collect();
             let mut out = Vec::with_capacity(handles.len());
             for h in handles {
                 out.push(h.await.unwrap_or_else(|e| Err(TransportError::Tls(e.to_string()))));
@@ -159,8 +162,24 @@ pub trait PlacementFeed: Send + Sync {
     fn latest(&self) -> Option<Result<Placement, String>>;
 }
 
-fn parse_addr(name: &str, addr: &str) -> Result<SocketAddr, String> {
-    addr.parse().map_err(|e| format!("worker {name} address {addr:?}: {e}"))
+/// Checks a worker's address is HOST:PORT (a hostname or an IP); it is looked up when dialled.
+fn parse_addr(name: &str, addr: &str) -> Result<String, String> {
+    shimmer_control::state::check_host_port(addr).map_err(|e| format!("worker {name} address {addr:?}: {e}"))?;
+    Ok(addr.to_string())
+}
+
+/// The first address `addr` (HOST:PORT) stands for, within `within`: an IP literal as it is, a
+/// name through the system's resolver.
+async fn resolve(addr: &str, within: Duration) -> Result<SocketAddr, TransportError> {
+    if let Ok(ip) = addr.parse::<SocketAddr>() {
+        return Ok(ip);
+    }
+    let fail = |reason: String| TransportError::Resolve { addr: addr.to_string(), reason };
+    let mut found = tokio::time::timeout(within, tokio::net::lookup_host(addr))
+        .await
+        .map_err(|_| fail(format!("no answer from the resolver within {within:?}")))?
+        .map_err(|e| fail(e.to_string()))?;
+    found.next().ok_or_else(|| fail("the name has no address".into()))
 }
 
 /// The driver's runtime. Whoever drops the last engine handle may be inside another runtime
@@ -254,7 +273,7 @@ impl RemoteExperts {
         let endpoint = rt.block_on(async { transport::client(creds) })?;
         let mut targets = Vec::new();
         for (name, addr) in cluster.unconnected() {
-            let addr = parse_addr(&name, &addr).map_err(|reason| TransportError::Connect { addr: ([0, 0, 0, 0], 0).into(), reason })?;
+            let addr = parse_addr(&name, &addr).map_err(|reason| TransportError::Resolve { addr: addr.clone(), reason })?;
             targets.push((name, addr));
         }
         let dialer = Dialer { endpoint, creds: creds.clone(), within: timeouts.connect, model, ids: Arc::new(AtomicU64::new(1 << 62)) };
@@ -389,7 +408,7 @@ impl RemoteExperts {
 
     /// Dials `targets` now, in parallel, and reports each to the core.
     fn dial_now(&self, targets: &[(String, String)]) {
-        let parsed: Vec<(String, SocketAddr)> = targets.iter().filter_map(|(n, a)| parse_addr(n, a).ok().map(|a| (n.clone(), a))).collect();
+        let parsed: Vec<(String, String)> = targets.iter().filter_map(|(n, a)| parse_addr(n, a).ok().map(|a| (n.clone(), a))).collect();
         let epoch = lock(&self.core).placement().epoch;
         let attempts = self.dialer.dial_all(&self.rt, &parsed, epoch);
         let mut core = lock(&self.core);
@@ -674,6 +693,18 @@ impl ExpertDispatch for RemoteExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_addresses_are_names_or_ips_looked_up_when_dialled() {
+        assert_eq!(parse_addr("w", "worker-0.shimmer-worker.llm.svc.cluster.local:7070").as_deref(), Ok("worker-0.shimmer-worker.llm.svc.cluster.local:7070"));
+        assert!(parse_addr("w", "10.0.0.1").unwrap_err().contains("worker w address \"10.0.0.1\""));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let within = Duration::from_secs(5);
+        assert_eq!(rt.block_on(resolve("10.1.2.3:7070", within)).unwrap(), "10.1.2.3:7070".parse::<SocketAddr>().unwrap());
+        assert!(rt.block_on(resolve("localhost:7070", within)).unwrap().ip().is_loopback());
+        let err = rt.block_on(resolve("no-such-worker.invalid:7070", within)).unwrap_err().to_string();
+        assert!(err.contains("cannot find worker address no-such-worker.invalid:7070"), "{err}");
+    }
 
     #[test]
     fn the_round_gate_is_settled_at_an_epoch_once_no_round_is_in_flight_on_an_older_one() {

@@ -38,6 +38,8 @@ pub enum TransportError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error("cannot connect to {addr}: {reason}")]
     Connect { addr: SocketAddr, reason: String },
+    #[error("cannot find worker address {addr}: {reason}")]
+    Resolve { addr: String, reason: String },
     #[error("the peer did not prove the cluster's join token (wrong token, or not a shimmer node)")]
     Refused,
     #[error("authentication with {peer} failed: {reason}")]
