@@ -101,6 +101,16 @@ fn a_corrupt_blob_without_a_good_copy_names_layer_expert_and_file() {
         let out = score(c.path(), extra);
         assert_clean_failure(&out, &[&format!("layer {layer} expert {expert}"), "experts.safetensors", "checksum mismatch"]);
     }
+    // The store counts the failed read (what /metrics exports as shimmer_expert_read_errors_total
+    // and the ExpertReadErrors alert watches); good reads are not counted.
+    let dir = shimmer_coordinator::model_dir::ModelDir::open(c.path()).unwrap();
+    let opts = shimmer_coordinator::engine::ExpertOptions { usage: shimmer_coordinator::engine::UsageFile::Off, ..Default::default() };
+    let store = dir.expert_store(&opts, 0).unwrap();
+    let other = m.blobs.iter().find(|b| b.layer == layer && b.expert != expert).unwrap();
+    assert!(store.load(&[(layer, other.expert)]).is_ok());
+    assert_eq!(store.telemetry().read_errors, 0);
+    assert!(store.load(&[(layer, expert)]).is_err());
+    assert_eq!(store.telemetry().read_errors, 1);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `/metrics` in Prometheus' text format. Request series follow vLLM's names (with the
 //! `shimmer_` prefix) and buckets, so dashboards and autoscalers written for it carry over; the
-//! expert store's hits, misses and bytes are shimmer's own, and so are the cluster's series
+//! expert store's series (accesses per tier, bytes, prefetch use, I/O wait, read errors, resident
+//! and pinned experts) are shimmer's own, and so are the cluster's series
 //! (per worker: up, request round-trip histogram, path RTT, bytes each way, round trips,
 //! selections, errors, resident experts; overall: tokens through the MoE layers, network wait,
 //! failovers), collected from the dispatcher's running totals by a `Collector` at each scrape.
@@ -37,9 +38,55 @@ pub struct Metrics {
     kv_usage: prometheus::Gauge,
     prefix_hits: IntCounter,
     prefix_tokens: IntCounter,
+    store: StoreSeries,
     cluster: ClusterCollector,
     /// Counter values already exported (counters only go up; the sources are running totals).
-    seen: Mutex<[u64; 7]>,
+    seen: Mutex<[u64; SEEN]>,
+}
+
+/// Running totals `render` turns into counter increments (see `seen`).
+const SEEN: usize = 12;
+
+/// The expert store's series beyond accesses and bytes: prefetch use, time the forward pass
+/// waited for reads, failed reads, mirror fallbacks, and how many experts are resident and pinned.
+#[derive(Clone)]
+struct StoreSeries {
+    prefetch_issued: IntCounter,
+    prefetch_useful: IntCounter,
+    io_wait: prometheus::Counter,
+    read_errors: IntCounter,
+    mirror_fallbacks: IntCounter,
+    resident: IntGauge,
+    pinned: IntGauge,
+    capacity: IntGauge,
+}
+
+impl StoreSeries {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let s = StoreSeries {
+            prefetch_issued: IntCounter::new("shimmer_expert_prefetch_issued_total", "Experts read ahead of need by the prefetcher")?,
+            prefetch_useful: IntCounter::new("shimmer_expert_prefetch_useful_total", "Prefetched experts a later demand access used")?,
+            io_wait: prometheus::Counter::new("shimmer_expert_io_wait_seconds_total", "Time the forward pass waited for expert reads")?,
+            read_errors: IntCounter::new("shimmer_expert_read_errors_total", "Expert reads that failed (I/O errors, checksum mismatches)")?,
+            mirror_fallbacks: IntCounter::new("shimmer_expert_mirror_fallbacks_total", "Expert reads served from the mirror after the primary copy failed")?,
+            resident: IntGauge::new("shimmer_expert_resident", "Experts resident in RAM")?,
+            pinned: IntGauge::new("shimmer_expert_pinned", "Experts pinned in RAM (never evicted)")?,
+            capacity: IntGauge::new("shimmer_expert_cache_capacity", "Experts the RAM budget holds")?,
+        };
+        for c in [
+            Box::new(s.prefetch_issued.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(s.prefetch_useful.clone()),
+            Box::new(s.io_wait.clone()),
+            Box::new(s.read_errors.clone()),
+            Box::new(s.mirror_fallbacks.clone()),
+            Box::new(s.resident.clone()),
+            Box::new(s.pinned.clone()),
+            Box::new(s.capacity.clone()),
+        ] {
+            registry.register(c)?;
+        }
+        Ok(s)
+    }
 }
 
 impl Metrics {
@@ -85,6 +132,7 @@ impl Metrics {
         ] {
             registry.register(c)?;
         }
+        let store = StoreSeries::new(&registry)?;
         let cluster = ClusterCollector::new()?;
         registry.register(Box::new(cluster.clone()))?;
         Ok(Metrics {
@@ -103,8 +151,9 @@ impl Metrics {
             kv_usage,
             prefix_hits,
             prefix_tokens,
+            store,
             cluster,
-            seen: Mutex::new([0; 7]),
+            seen: Mutex::new([0; SEEN]),
         })
     }
 
@@ -133,16 +182,21 @@ impl Metrics {
         self.waiting.set(st.waiting as i64);
         {
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let now = [
+            let now: [u64; SEEN] = [
                 st.prompt_tokens,
                 st.generated_tokens,
-                store.map_or(0, |s| s.ram_hits + s.in_flight_hits),
+                store.map_or(0, |s| s.ram_hits),
                 store.map_or(0, |s| s.disk_misses),
                 store.map_or(0, |s| s.bytes_read),
                 st.prefix_hits,
                 st.prefix_reused_tokens,
+                store.map_or(0, |s| s.in_flight_hits),
+                store.map_or(0, |s| s.prefetch_issued),
+                store.map_or(0, |s| s.prefetch_useful),
+                store.map_or(0, |s| s.read_errors),
+                store.map_or(0, |s| s.mirror_fallbacks),
             ];
-            let bump = |i: usize, c: &IntCounter, seen: &mut [u64; 7]| {
+            let bump = |i: usize, c: &IntCounter, seen: &mut [u64; SEEN]| {
                 if now[i] > seen[i] {
                     c.inc_by(now[i] - seen[i]);
                     seen[i] = now[i];
@@ -155,6 +209,22 @@ impl Metrics {
             bump(4, &self.expert_bytes_read, &mut seen);
             bump(5, &self.prefix_hits, &mut seen);
             bump(6, &self.prefix_tokens, &mut seen);
+            // A demand access that joined a read already under way (usually a prefetch's).
+            bump(7, &self.expert_accesses.with_label_values(&["in_flight", "hit"]), &mut seen);
+            bump(8, &self.store.prefetch_issued, &mut seen);
+            bump(9, &self.store.prefetch_useful, &mut seen);
+            bump(10, &self.store.read_errors, &mut seen);
+            bump(11, &self.store.mirror_fallbacks, &mut seen);
+            if let Some(t) = store {
+                let waited = t.io_wait_ms / 1e3;
+                let exported = self.store.io_wait.get();
+                if waited > exported {
+                    self.store.io_wait.inc_by(waited - exported);
+                }
+                self.store.resident.set(t.resident_experts as i64);
+                self.store.pinned.set(t.pinned_experts as i64);
+                self.store.capacity.set(t.capacity_experts as i64);
+            }
             self.kv_usage.set(if st.kv_budget_bytes > 0 { st.kv_bytes as f64 / st.kv_budget_bytes as f64 } else { 0.0 });
         }
         self.cluster.set(cluster);
@@ -416,6 +486,45 @@ mod tests {
             "shimmer_raft_leader_changes_total 2",
             "shimmer_raft_members{role=\"learner\"} 1",
             "shimmer_cluster_placement_epoch{model=\"m\\\"x\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_store_series_follow_its_running_totals_per_tier() {
+        let m = Metrics::new().unwrap();
+        let stats = BatcherStats::default();
+        let mut t = StoreTelemetry {
+            ram_hits: 10,
+            in_flight_hits: 3,
+            disk_misses: 4,
+            prefetch_issued: 6,
+            prefetch_useful: 5,
+            io_wait_ms: 1500.0,
+            read_errors: 1,
+            mirror_fallbacks: 2,
+            resident_experts: 7,
+            pinned_experts: 2,
+            capacity_experts: 9,
+            ..Default::default()
+        };
+        m.render(&stats, Some(&t), None).unwrap();
+        t.ram_hits = 12;
+        t.io_wait_ms = 2000.0;
+        let text = m.render(&stats, Some(&t), None).unwrap();
+        for line in [
+            "shimmer_expert_accesses_total{result=\"hit\",tier=\"ram\"} 12",
+            "shimmer_expert_accesses_total{result=\"hit\",tier=\"in_flight\"} 3",
+            "shimmer_expert_accesses_total{result=\"miss\",tier=\"disk\"} 4",
+            "shimmer_expert_prefetch_issued_total 6",
+            "shimmer_expert_prefetch_useful_total 5",
+            "shimmer_expert_io_wait_seconds_total 2",
+            "shimmer_expert_read_errors_total 1",
+            "shimmer_expert_mirror_fallbacks_total 2",
+            "shimmer_expert_resident 7",
+            "shimmer_expert_pinned 2",
+            "shimmer_expert_cache_capacity 9",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
         }

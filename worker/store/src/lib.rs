@@ -110,6 +110,9 @@ pub struct StoreTelemetry {
     /// Time the forward pass waited for reads.
     pub io_wait_ms: f64,
     pub mirror_fallbacks: u64,
+    /// Reads that failed (an I/O error, a checksum that did not match): each one an expert this
+    /// store could not serve.
+    pub read_errors: u64,
     pub drives: Vec<(String, f64)>,
 }
 
@@ -221,6 +224,7 @@ struct Counters {
     prefetch_issued: AtomicU64,
     prefetch_useful: AtomicU64,
     io_wait_ns: AtomicU64,
+    read_errors: AtomicU64,
 }
 
 struct Inner {
@@ -502,7 +506,10 @@ impl Inner {
                 self.counters.bytes_read.fetch_add(bytes, Ordering::Relaxed);
                 Ok(Arc::new(e))
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => {
+                self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                Err(e.to_string())
+            }
         }
     }
 
@@ -561,6 +568,7 @@ impl Inner {
             prefetch_useful: c.prefetch_useful.load(Ordering::Relaxed),
             io_wait_ms: c.io_wait_ns.load(Ordering::Relaxed) as f64 / 1e6,
             mirror_fallbacks: self.source.mirror_fallbacks(),
+            read_errors: c.read_errors.load(Ordering::Relaxed),
             ..self.telemetry_base.clone()
         }
     }
