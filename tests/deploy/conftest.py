@@ -64,6 +64,32 @@ def helm_latest() -> Path:
     return helm_binary(max(HELMS))
 
 
+# The npm packages whose validators check the CRD kinds the chart renders (validate_crds.mjs).
+CRD_VALIDATORS = {"@kubernetes-models/prometheus-operator": "6.0.0", "@kubernetes-models/gateway-api": "0.5.1"}
+
+
+@pytest.fixture(scope="session")
+def crd_validator():
+    """validate(docs) -> (ok, lines): the CRD objects among docs checked against their schemas."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("node and npm are needed to check the chart's CRD objects (scripts/test installs Debian's nodejs and npm)")
+    pins = "-".join(f"{k.split('/')[-1]}{v}" for k, v in sorted(CRD_VALIDATORS.items()))
+    home = TOOLS / f"crd-validate-{pins}"
+    if not (home / "node_modules").exists():
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "package.json").write_text(json.dumps({"name": "shimmer-crd-validate", "private": True, "type": "module", "dependencies": CRD_VALIDATORS}))
+        out = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--save-exact"], cwd=home, capture_output=True, text=True)
+        assert out.returncode == 0, f"npm install of the CRD validators failed: {out.stderr[-2000:]}"
+    script = home / "validate_crds.mjs"
+    script.write_text((Path(__file__).parent / "validate_crds.mjs").read_text())
+
+    def validate(docs: list[dict]) -> tuple[bool, str]:
+        out = subprocess.run(["node", str(script)], input=json.dumps(docs), capture_output=True, text=True)
+        return out.returncode == 0, out.stdout + out.stderr
+
+    return validate
+
+
 def release_bin() -> str | None:
     return os.environ.get("SHIMMER_RELEASE_BIN") or None
 

@@ -10,8 +10,11 @@ bootstrap (worker 0, as the others name it), the same seeds for everyone, probes
 containers declare, a quorum-keeping disruption budget and a `helm test` hook.
 """
 import base64
+import json
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -21,8 +24,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/shimmer"
 K8S_VERSIONS = ["1.30.0", "1.33.0", "1.37.0"]
-# Kinds outside Kubernetes itself (CRDs), with no schema in kubernetes-validate.
-CRD_KINDS = {"HTTPRoute"}
+# Kinds outside Kubernetes itself (CRDs): checked against their CRDs' schemas instead
+# (validate_crds.mjs).
+CRD_KINDS = {"HTTPRoute", "ServiceMonitor", "PrometheusRule"}
+MONITORING_CRDS = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
 
 MATRIX = {
     "defaults": [],
@@ -32,6 +37,7 @@ MATRIX = {
     "gpu": ["--set", "worker.gpus=1", "--set-json", 'worker.resources={"limits":{"memory":"64Gi"},"requests":{"cpu":"8"}}', "--set", "worker.ramGb=48"],
     "hf-model": ["--set", "model.source=hf", "--set-json", 'model.hf.volume={"persistentVolumeClaim":{"claimName":"hf-models","readOnly":true}}',
                  "--set", "model.hf.path=Qwen3-30B-A3B", "--set", "model.hf.quant=int4-g32", "--set", "worker.persistence.enabled=false"],
+    "monitoring-crds": [*MONITORING_CRDS, "--set", "monitoring.vllmNames=true", "--set-json", 'monitoring.serviceMonitor.labels={"release":"kube-prometheus"}'],
     "gateway": ["--set", "httpRoute.enabled=true", "--set-json", 'httpRoute.parentRefs=[{"name":"gateway","namespace":"gateways"}]',
                 "--set-json", 'httpRoute.hostnames=["llm.example.com"]', "--set", "networkPolicy.enabled=false"],
 }
@@ -55,10 +61,14 @@ def test_lint_strict_passes_on_the_defaults(helm):
 
 
 @pytest.mark.parametrize("case", sorted(MATRIX))
-def test_every_rendered_object_validates_against_three_kubernetes_versions(helm, case):
+def test_every_rendered_object_validates_against_three_kubernetes_versions(helm, crd_validator, case):
     docs = render(helm, *MATRIX[case])
     kinds = {d["kind"] for d in docs}
     assert {"StatefulSet", "Service", "Secret"} <= kinds, kinds
+    crds = [d for d in docs if d["kind"] in CRD_KINDS]
+    ok, said = crd_validator(crds)
+    assert ok, f"{case}: {said}"
+    assert said.count("ok ") == len(crds), said
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             continue
@@ -160,8 +170,9 @@ def test_values_shape_what_renders(helm):
         (["--set", "worker.persistence.size=20 gigs"], ["worker.persistence.size"]),
         (["--set", "httpRoute.enabled=true"], ["httpRoute.parentRefs"]),
         (["--set", "workers.replicas=3"], ["workers"]),
+        (["--set", "monitoring.serviceMonitor.interval=often"], ["monitoring.serviceMonitor.interval"]),
     ],
-    ids=["no-workers", "short-token", "unknown-source", "hf-without-volume", "too-many-voters", "ram-not-a-number", "size-not-a-quantity", "route-without-gateway", "misspelt-key"],
+    ids=["no-workers", "short-token", "unknown-source", "hf-without-volume", "too-many-voters", "ram-not-a-number", "size-not-a-quantity", "route-without-gateway", "misspelt-key", "interval-not-a-duration"],
 )
 def test_bad_values_are_refused_naming_the_value(helm, args, paths):
     err = refused(helm, *args)
@@ -169,3 +180,45 @@ def test_bad_values_are_refused_naming_the_value(helm, args, paths):
     for path in paths:
         # Helm 3 writes worker.replicas, Helm 4 /worker/replicas.
         assert re.search(r"[./ ']?".join(map(re.escape, path.split("."))), err), f"{args}: the error does not name {path}: {err}"
+
+
+def test_monitoring_objects_render_whenever_their_crds_exist_and_carry_the_tested_rules(helm):
+    plain = render(helm)
+    assert not by_kind(plain, "ServiceMonitor") and not by_kind(plain, "PrometheusRule"), "no CRDs, no monitoring objects"
+    docs = render(helm, *MATRIX["monitoring-crds"])
+    monitor = by_kind(docs, "ServiceMonitor")["rel-shimmer"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    ports = [e["port"] for e in monitor["spec"]["endpoints"]]
+    assert ports == ["api", "http", "api"], ports
+    # The ports the endpoints name are the headless Services' ports for each kind of member.
+    services = by_kind(docs, "Service")
+    assert {"api"} <= {p["name"] for p in services["rel-shimmer-coordinator"]["spec"]["ports"]}
+    assert {"http"} <= {p["name"] for p in services["rel-shimmer-worker"]["spec"]["ports"]}
+    vllm = monitor["spec"]["endpoints"][2]["metricRelabelings"]
+    assert re.fullmatch(vllm[0]["regex"], "shimmer_num_requests_waiting") and not re.fullmatch(vllm[0]["regex"], "shimmer_raft_term")
+    assert vllm[1]["replacement"] == "vllm:$1"
+    rules = by_kind(docs, "PrometheusRule")["rel-shimmer"]["spec"]
+    assert rules == yaml.safe_load((CHART / "files/alerts.yaml").read_text()), "the PrometheusRule carries files/alerts.yaml unchanged"
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    assert alerts == {"ShimmerWorkerDown", "ShimmerNoRaftLeader", "ShimmerRaftQuorumAtRisk", "ShimmerTimeToFirstTokenHigh", "ShimmerExpertFailoversRising", "ShimmerStoreReadErrors"}
+    dashboards = {n: d for n, d in by_kind(docs, "ConfigMap").items() if d["metadata"]["labels"].get("grafana_dashboard") == "1"}
+    keys = sorted(k for d in dashboards.values() for k in d["data"])
+    assert keys == ["cluster.json", "experts.json", "serving.json"], keys
+    for d in dashboards.values():
+        ((key, text),) = d["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / key).read_text())
+    off = render(helm, "--set", "monitoring.dashboards.enabled=false")
+    assert not [d for d in by_kind(off, "ConfigMap").values() if "grafana_dashboard" in d["metadata"]["labels"]]
+
+
+def test_the_dashboards_are_what_their_source_makes():
+    out = subprocess.run([sys.executable, str(ROOT / "deploy/monitoring/dashboards.py"), "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_alert_rule_passes_its_promtool_unit_tests():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool comes with Debian's prometheus package (scripts/test installs it)"
+    out = subprocess.run([promtool, "test", "rules", "alerts_test.yaml"], cwd=ROOT / "deploy/monitoring", capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
