@@ -4,10 +4,10 @@ Every pod the rendered StatefulSets make (and the `helm test` pod) gets a networ
 like the pod, on one bridge, and runs its container — the image built by deploy/image/build.sh,
 through `buildah run --isolation chroot` — with the rendered args (`$(VAR)` expanded from its
 env), its env resolved from the rendered Secrets and the downward API, `/data` a volume of its
-own owned by the pod's fsGroup, `/tmp` an emptyDir. Cluster DNS is each namespace's
-/etc/netns/NAME/hosts (`ip netns exec` mounts it over /etc/hosts): every pod's name under its
-headless Service, each headless Service's name for all its pods, the API Service's name for the
-coordinators. Then: the members form one cluster through Raft by themselves (worker 0 starts it,
+own owned by the pod's fsGroup, `/tmp` an emptyDir. Cluster DNS is Debian's dnsmasq on the
+bridge (each namespace's /etc/netns/NAME/resolv.conf names it): every running pod's name under
+its headless Service, each headless Service's name for all its pods, the API Service's name for
+the coordinators — updated as pods start. Then: the members form one cluster through Raft by themselves (worker 0 starts it,
 the rest join by `dns:`); every probe the chart declares answers on the port it names; the `helm
 test` pod's command succeeds against the API Service's name; and a chat completion through that
 name equals `shimmer generate --chat` on the host.
@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,12 @@ PROMPT = "Say something about the sea."
 MAX_TOKENS = 12
 
 
+# Rendered with one worker more than starts at first: the last one is the scale-up.
+WORKERS = 4
+
+
 def rendered(helm: Path, release: str) -> list[dict]:
-    out = run([str(helm), "template", release, str(CHART), "--namespace", NAMESPACE])
+    out = run([str(helm), "template", release, str(CHART), "--namespace", NAMESPACE, "--set", f"worker.replicas={WORKERS}"])
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -106,16 +111,9 @@ def cluster(image, request):
             pytest.skip("this kernel (or user) refuses network namespaces: `ip netns add` failed")
         made.append(lan)
         sh("ip", "-n", lan, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", lan, "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
         sh("ip", "-n", lan, "link", "set", "br0", "up")
-        # Cluster DNS: the names a pod resolves, in every namespace's hosts file.
-        hosts = ["127.0.0.1 localhost"]
-        for p in pods:
-            hosts.append(f"{p.ip} {p.name}.{p.service}.{NAMESPACE}.svc.{DOMAIN}")
-            hosts.append(f"{p.ip} {p.service}.{NAMESPACE}.svc.{DOMAIN}")
-        for name, svc in services.items():
-            if svc["spec"].get("clusterIP") != "None":
-                component = svc["spec"]["selector"]["app.kubernetes.io/component"]
-                hosts += [f"{p.ip} {name}.{NAMESPACE}.svc.{DOMAIN}" for p in pods if p.service.endswith(f"-{component}")]
+        dns = Dns(lan, f"{SUBNET}.1", work)
         for k, p in enumerate([tester, *pods]):
             sh("ip", "netns", "add", p.name)
             made.append(p.name)
@@ -127,13 +125,19 @@ def cluster(image, request):
             sh("ip", "-n", p.name, "addr", "add", f"{p.ip}/24", "dev", veth + "a")
             sh("ip", "-n", p.name, "link", "set", veth + "a", "up")
             sh("ip", "-n", p.name, "link", "set", "lo", "up")
+            # `ip netns exec` mounts these over /etc (buildah copies them into the container).
             etc = Path("/etc/netns") / p.name
             etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text("\n".join(hosts) + "\n")
+            (etc / "resolv.conf").write_text(f"nameserver {SUBNET}.1\noptions timeout:1 attempts:2\n")
+            (etc / "hosts").write_text("127.0.0.1 localhost\n")
         image_config = config(image)
-        for p in pods:
+        scale_up = pods[-1]
+        assert scale_up.name.endswith(f"-worker-{WORKERS - 1}")
+        first = [p for p in pods if p is not scale_up]
+        publish_dns(first, services, dns)
+        for p in first:
             start(p, image, image_config, secrets, work)
-        yield pods, tester, image_config, secrets, work, image
+        yield first, tester, image_config, secrets, work, image, scale_up, services, dns
     finally:
         for p in [*pods, tester]:
             if p.proc is not None and p.proc.poll() is None:
@@ -144,10 +148,52 @@ def cluster(image, request):
                     p.proc.kill()
             if p.ctr:
                 run([*BUILDAH, "rm", p.ctr])
+        if "dns" in locals():
+            dns.stop()
         for ns in made:
             run(["ip", "netns", "del", ns])
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def publish_dns(running: list[Pod], services: dict[str, dict], dns: "Dns"):
+    """Cluster DNS for the pods that exist: each running pod under its headless Service, each
+    headless Service's name for all its pods, the API Service's name for the coordinators."""
+    hosts = []
+    for p in running:
+        hosts.append(f"{p.ip} {p.name}.{p.service}.{NAMESPACE}.svc.{DOMAIN}")
+        hosts.append(f"{p.ip} {p.service}.{NAMESPACE}.svc.{DOMAIN}")
+    for name, svc in services.items():
+        if svc["spec"].get("clusterIP") != "None":
+            component = svc["spec"]["selector"]["app.kubernetes.io/component"]
+            hosts += [f"{p.ip} {name}.{NAMESPACE}.svc.{DOMAIN}" for p in running if p.service.endswith(f"-{component}")]
+    dns.publish(hosts)
+
+
+class Dns:
+    """The cluster's DNS server: Debian's dnsmasq on the bridge, answering from a hosts file it
+    re-reads on SIGHUP (names appear as pods start, as CoreDNS would serve them)."""
+
+    def __init__(self, lan: str, ip: str, work: Path):
+        self.file = work / "cluster-hosts"
+        self.file.write_text("")
+        dnsmasq = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
+        assert Path(dnsmasq).exists(), "dnsmasq is not installed (scripts/test installs Debian's dnsmasq-base)"
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", lan, dnsmasq, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--user=root", "--bind-interfaces",
+             f"--listen-address={ip}", f"--addn-hosts={self.file}", f"--pid-file={work / 'dnsmasq.pid'}", "--log-facility=-"],
+            stdout=subprocess.DEVNULL, stderr=open(work / "dnsmasq.log", "w"))
+        self.ip = ip
+
+    def publish(self, lines: list[str]):
+        self.file.write_text("\n".join(lines) + "\n")
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 def start(p: Pod, image: str, image_config: dict, secrets: dict, work: Path, wait: bool = False) -> subprocess.CompletedProcess | None:
@@ -166,6 +212,8 @@ def start(p: Pod, image: str, image_config: dict, secrets: dict, work: Path, wai
         elif group is not None:
             os.chown(host, group, group)
         mounts += ["-v", f"{host}:{m['mountPath']}"]
+    if p.ctr:
+        run([*BUILDAH, "rm", p.ctr])
     out = run([*BUILDAH, "from", "--name", f"{p.name}-{uuid.uuid4().hex[:6]}", image])
     assert out.returncode == 0, out.stderr
     p.ctr = out.stdout.strip()
@@ -188,8 +236,16 @@ def from_tester(tester: Pod, *cmd: str, timeout: float = 60) -> subprocess.Compl
     return run(["ip", "netns", "exec", tester.name, *cmd], timeout=timeout)
 
 
+def cluster_status(tester: Pod, pods: list[Pod], secrets: dict) -> tuple[dict | None, str]:
+    token = resolve_env(pods[0], secrets)["SHIMMER_JOIN_TOKEN"]
+    worker0 = next(p for p in pods if p.name.endswith("-worker-0"))
+    seed = f"{worker0.name}.{worker0.service}.{NAMESPACE}.svc.{DOMAIN}:7070"
+    out = from_tester(tester, host_bin(), "cluster", "status", "--json", "--join", seed, "--join-token", token)
+    return (json.loads(out.stdout), out.stdout) if out.returncode == 0 else (None, out.stderr)
+
+
 def test_the_members_form_one_cluster_by_themselves(cluster):
-    pods, tester, _, secrets, _, _ = cluster
+    pods, tester, _, secrets, *_ = cluster
     token = resolve_env(pods[0], secrets)["SHIMMER_JOIN_TOKEN"]
     workers = [p for p in pods if "-worker-" in p.name]
     seed = f"{workers[0].name}.{workers[0].service}.{NAMESPACE}.svc.{DOMAIN}:7070"
@@ -231,7 +287,7 @@ def test_every_probe_answers_on_the_port_it_names(cluster):
 
 
 def test_the_helm_test_pod_succeeds_and_answers_match_the_single_box(cluster):
-    pods, tester, image_config, secrets, work, image = cluster
+    pods, tester, image_config, secrets, work, image, *_ = cluster
     done = start(tester, image, image_config, secrets, work, wait=True)
     assert done is not None and done.returncode == 0, f"the helm test pod failed: {done.stderr if done else ''}\n{logs(pods)}"
     api = next(a for a in tester.container["args"] if a.startswith("http://"))
@@ -246,3 +302,30 @@ print(json.dumps({{"content": r.choices[0].message.content}}))
     want = run([host_bin(), "generate", "--chat", "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"], timeout=300)
     assert want.returncode == 0, want.stderr
     assert json.loads(got.stdout)["content"] == json.loads(want.stdout)["text"]
+
+
+def test_a_scaled_up_worker_joins_and_the_placement_grows_with_the_same_answers(cluster):
+    pods, tester, image_config, secrets, work, image, new, services, dns = cluster
+    before, said = cluster_status(tester, pods, secrets)
+    assert before, said
+    epoch = max(p["epoch"] for p in before["placements"])
+    # `helm upgrade --set worker.replicas=4`: the StatefulSet's next pod, from the same template.
+    pods.append(new)
+    publish_dns(pods, services, dns)
+    start(new, image, image_config, secrets, work)
+    name = f"{new.name}.{new.service}.{NAMESPACE}.svc.{DOMAIN}:7070"
+    deadline, last = time.time() + 180, said
+    while time.time() < deadline:
+        v, last = cluster_status(tester, pods, secrets)
+        if v and any(m["name"] == name and m["up"] for m in v["members"]):
+            placed = [p for p in v["placements"] if p["epoch"] > epoch and p.get("proposed") is None and name in p.get("workers", [])]
+            if placed:
+                break
+        assert new.proc.poll() is None, f"{new.name} exited:\n{logs(pods)}"
+        time.sleep(1)
+    else:
+        pytest.fail(f"the scaled-up worker never joined a placement within 180 s; last: {last}\n{logs(pods)}")
+    probe = new.container["readinessProbe"]["httpGet"]
+    ready = from_tester(tester, host_bin(), "probe", f"http://{new.ip}:{new.port(probe['port'])}{probe['path']}")
+    assert ready.returncode == 0, ready.stderr
+    test_the_helm_test_pod_succeeds_and_answers_match_the_single_box(cluster)
