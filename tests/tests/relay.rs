@@ -23,54 +23,50 @@ fn relay(args: &[&str]) -> Command {
     c
 }
 
-/// An echo server on a free port: every connection gets back what it sends.
-fn echo_server() -> String {
+/// A server on a free port that hands every connection to `serve` on a thread of its own.
+fn server(serve: fn(TcpStream)) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        return;
-                    }
-                }
-            });
+            std::thread::spawn(move || serve(conn));
         }
     });
     addr
 }
 
-/// A request/reply server on a free port: each newline-ended request is answered, in two
-/// writes, with its length.
-fn line_server() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let _ = conn.set_nodelay(true);
-                let (mut line, mut byte) = (0usize, [0u8; 1]);
-                while conn.read_exact(&mut byte).is_ok() {
-                    line += 1;
-                    if byte[0] == b'\n' {
-                        let ok = conn.write_all(b"length ").is_ok() && {
-                            std::thread::sleep(Duration::from_millis(5));
-                            conn.write_all(format!("{line}\n").as_bytes()).is_ok()
-                        };
-                        if !ok {
-                            return;
-                        }
-                        line = 0;
-                    }
-                }
-            });
+/// An echo server: every connection gets back what it sends.
+fn echo_server() -> String {
+    server(|mut conn| {
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = conn.read(&mut buf) {
+            if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                return;
+            }
         }
-    });
-    addr
+    })
+}
+
+/// A request/reply server: each newline-ended request is answered, in two writes, with its
+/// length.
+fn line_server() -> String {
+    server(|mut conn| {
+        let _ = conn.set_nodelay(true);
+        let (mut line, mut byte) = (0usize, [0u8; 1]);
+        while conn.read_exact(&mut byte).is_ok() {
+            line += 1;
+            if byte[0] == b'\n' {
+                let ok = conn.write_all(b"length ").is_ok() && {
+                    std::thread::sleep(Duration::from_millis(5));
+                    conn.write_all(format!("{line}\n").as_bytes()).is_ok()
+                };
+                if !ok {
+                    return;
+                }
+                line = 0;
+            }
+        }
+    })
 }
 
 fn connect(addr: &str) -> TcpStream {
