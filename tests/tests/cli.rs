@@ -446,3 +446,42 @@ fn cluster_flags_in_the_wrong_place_are_refused_by_name() {
     let j = junk.to_str().unwrap();
     assert_clean_failure(&shimmer(&["worker", "--model", m, "--listen", "127.0.0.1:0", "--tls-cert", j, "--tls-key", j, "--tls-ca", j]), &["junk.pem"]);
 }
+
+/// A server on a free port answering every request with `status` and a short body, until the
+/// test ends.
+fn http_answering(status: &'static str) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = write!(conn, "HTTP/1.1 {status}\r\ncontent-length: 13\r\nconnection: close\r\n\r\nsecret body\r\n");
+        }
+    });
+    addr
+}
+
+#[test]
+fn probe_passes_on_2xx_and_otherwise_fails_saying_why_without_the_body() {
+    let ok = http_answering("200 OK");
+    let out = shimmer(&["probe", &format!("http://{ok}/health")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout.is_empty() && out.stderr.is_empty(), "a passing probe prints nothing");
+    let missing = http_answering("503 Service Unavailable");
+    let out = shimmer(&["probe", &format!("http://{missing}/ready")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("answered 503") && !err.contains("secret body"), "{err}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let out = shimmer(&["probe", &format!("http://{closed}/health"), "--timeout-s", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("did not answer"));
+    assert_clean_failure(&shimmer(&["probe", "ftp://example/"]), &["http:// or https://"]);
+    assert_clean_failure(&shimmer(&["probe", &format!("http://{ok}/"), "--timeout-s", "0"]), &["--timeout-s"]);
+    // --chat against something that is not an OpenAI server: a failure naming the URL.
+    let out = shimmer(&["probe", "--chat", &format!("http://{missing}")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("http://{missing}/v1/models answered 503")));
+}
