@@ -24,6 +24,8 @@ struct Node {
     state: Arc<WorkerState>,
     fingerprint: String,
     control: Option<Arc<ControlPlane>>,
+    /// The key /metrics requires, if any.
+    metrics_key: Option<String>,
 }
 
 /// Starts the endpoints on `rt`; returns the address they listen on.
@@ -33,6 +35,7 @@ pub fn start(
     state: Arc<WorkerState>,
     fingerprint: String,
     control: Option<Arc<ControlPlane>>,
+    metrics_key: Option<String>,
 ) -> Result<SocketAddr, String> {
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(addr))
@@ -42,6 +45,7 @@ pub fn start(
         state,
         fingerprint,
         control,
+        metrics_key,
     });
     rt.spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
@@ -94,7 +98,12 @@ fn render(node: &Node) -> Result<String, prometheus::Error> {
     Ok(text)
 }
 
-async fn metrics(State(node): State<Node>) -> Response {
+async fn metrics(State(node): State<Node>, headers: axum::http::HeaderMap) -> Response {
+    if let Some(key) = &node.metrics_key {
+        if let Err(e) = crate::server::openai::authorize(&headers, std::slice::from_ref(key)) {
+            return e.into_response();
+        }
+    }
     match render(&node) {
         Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot render metrics: {e}\n")).into_response(),

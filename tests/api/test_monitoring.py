@@ -5,7 +5,8 @@ coordinator`, under a short load through the `openai` client (sequential and con
 completions); Debian's Prometheus scrapes the coordinator's /metrics and both workers' every
 second, with charts/shimmer/files/alerts.yaml loaded. Then every query of every Grafana panel
 (deploy/monitoring/dashboards.py, `$__rate_interval` as 15s) returns data, every alert's
-expression evaluates without error, and Prometheus reports every rule healthy.
+expression evaluates without error, and Prometheus reports every rule healthy. And /metrics
+behind a key of its own (`--metrics-api-key`) on the API server and on a worker.
 """
 import importlib.util
 import re
@@ -120,3 +121,27 @@ def test_every_dashboard_query_returns_data_and_every_alert_evaluates():
         for w in workers:
             w.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_metrics_can_require_a_key_of_their_own_on_the_api_server_and_a_worker(make_server):
+    key = "metrics-only-key-0123456789"
+    s = make_server("--api-key", "the-api-key-0123456789", "--metrics-api-key", key)
+    assert httpx.get(s.url + "/metrics").status_code == 401
+    assert httpx.get(s.url + "/metrics", headers={"authorization": "Bearer the-api-key-0123456789"}).status_code == 401, "an API key does not open /metrics"
+    r = httpx.get(s.url + "/metrics", headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 200 and "shimmer_num_requests_running" in r.text
+    assert httpx.get(s.url + "/health").status_code == 200
+    # A worker: /metrics behind the key, /health and /ready open for probes.
+    worker = Worker(f"127.0.0.2:{free_port('127.0.0.2')}", "--metrics-api-key", key)
+    try:
+        base = http_of(worker)
+        assert httpx.get(base + "/metrics").status_code == 401
+        assert httpx.get(base + "/metrics", headers={"authorization": "Bearer wrong-key-0123456789"}).status_code == 401
+        r = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and "shimmer_worker_" in r.text, r.text[:500]
+        assert httpx.get(base + "/health").status_code == 200
+    finally:
+        worker.stop()
+    # Without the flag, as before: open.
+    open_server = make_server()
+    assert httpx.get(open_server.url + "/metrics").status_code == 200

@@ -188,7 +188,15 @@ def running(server):
     return httpx.get(server.url + "/health").json()["running"]
 
 
+def requests_total(server, outcome: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'shimmer_request_total{{outcome="{outcome}"}} '):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_a_client_that_disconnects_cancels_its_generation(server):
+    cancelled = requests_total(server, "cancelled")
     body = {"model": MODEL, "messages": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -199,6 +207,11 @@ def test_a_client_that_disconnects_cancels_its_generation(server):
     while running(server) > 0 and time.time() < deadline:
         time.sleep(0.05)
     assert running(server) == 0
+    # Counted once, as cancelled, on /metrics.
+    deadline = time.time() + 10
+    while requests_total(server, "cancelled") < cancelled + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert requests_total(server, "cancelled") == cancelled + 1
 
 
 def test_sigterm_ends_running_streams_and_exits_cleanly(make_server):

@@ -117,6 +117,17 @@ pub fn run() -> Result<ExitCode> {
     }
 }
 
+/// The key /metrics requires, from `--metrics-api-key` or SHIMMER_METRICS_API_KEY (the flag wins).
+fn metrics_api_key(flag: &Option<String>) -> Result<Option<String>> {
+    let key = flag.clone().or_else(|| std::env::var("SHIMMER_METRICS_API_KEY").ok().filter(|k| !k.is_empty()));
+    if let Some(k) = &key {
+        if k.trim().is_empty() || k.len() > 4096 {
+            bail!("--metrics-api-key must be 1 to 4096 characters and not blank");
+        }
+    }
+    Ok(key)
+}
+
 fn start_trace(engine: &Engine, path: &Option<PathBuf>) -> Result<()> {
     if let Some(p) = path {
         engine.record_trace(p)?;

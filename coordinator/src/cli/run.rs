@@ -15,6 +15,10 @@ pub(super) struct RunArgs {
     /// Require this API key (repeatable; also SHIMMER_API_KEY). Without one, no key is needed.
     #[arg(long = "api-key", value_name = "KEY")]
     pub(super) api_keys: Vec<String>,
+    /// Require this key (`Authorization: Bearer KEY`) on /metrics (also SHIMMER_METRICS_API_KEY);
+    /// the API keys do not open it. Without it /metrics is open, as Prometheus expects.
+    #[arg(long, value_name = "KEY")]
+    pub(super) metrics_api_key: Option<String>,
     /// Requests that may wait for a batch slot; beyond, 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub(super) max_queue: usize,
@@ -103,6 +107,7 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
             host,
             port: a.port,
             api_keys,
+            metrics_api_key: super::metrics_api_key(&a.metrics_api_key)?,
             max_queue: a.max_queue,
             max_batch: a.max_batch.max(1),
             kv_budget_bytes: (a.kv_gb * 1e9) as usize,

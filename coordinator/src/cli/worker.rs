@@ -42,6 +42,10 @@ pub(super) struct WorkerArgs {
     /// 7080; port 0 picks one).
     #[arg(long, value_name = "HOST:PORT")]
     pub(super) http_listen: Option<String>,
+    /// Require this key (`Authorization: Bearer KEY`) on /metrics (also
+    /// SHIMMER_METRICS_API_KEY); /health and /ready stay open for orchestrators' probes.
+    #[arg(long, value_name = "KEY")]
+    pub(super) metrics_api_key: Option<String>,
     /// On SIGTERM a member drains (its experts move to other workers, requests in flight finish)
     /// for at most this many seconds before it stops.
     #[arg(long, default_value_t = crate::node::DRAIN_WITHIN.as_secs_f64())]
@@ -143,7 +147,8 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         let host = a.listen.rsplit_once(':').map_or("0.0.0.0", |(h, _)| h);
         format!("{host}:{}", crate::node_http::DEFAULT_HTTP_PORT)
     });
-    let http = crate::node_http::start(&worker.runtime(), &http_listen, worker.state.clone(), worker.fingerprint.clone(), control.clone())
+    let metrics_key = super::metrics_api_key(&a.metrics_api_key)?;
+    let http = crate::node_http::start(&worker.runtime(), &http_listen, worker.state.clone(), worker.fingerprint.clone(), control.clone(), metrics_key)
         .map_err(|e| anyhow::anyhow!(e))?;
     eprintln!("shimmer: worker health, readiness and metrics on http://{http}");
     let why = worker.wait_for_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job};
 use super::errors::ApiError;
+use super::metrics::RequestTally;
 use super::openai::{async_stream, authorize, encode_conversation, parse_body, rand_seed, submit, Params};
 use super::tools::{ToolChoice, ToolSpec, Tools};
 use super::AppState;
@@ -240,6 +241,7 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     )?;
     let id = format!("msg_{:016x}", rand_seed());
     let t0 = Instant::now();
+    let mut tally = Some(RequestTally::new(state.metrics.clone()));
 
     if !stream {
         let mut text = String::new();
@@ -253,13 +255,17 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                 }
                 Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => break (finish, completion_tokens, stop_sequence),
                 Some(Event::Error { fault, message }) => {
-                    state.metrics.request_finished(t0.elapsed(), false);
+                    if let Some(t) = tally.take() {
+                        t.finish(false);
+                    }
                     return Err(ApiError::from_fault(fault, message));
                 }
                 None => return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the request was dropped (server shutting down)")),
             }
         };
-        state.metrics.request_finished(t0.elapsed(), true);
+        if let Some(t) = tally.take() {
+            t.finish(true);
+        }
         let (content, reason) = match calling.as_ref().and_then(|t| t.parse(&text)) {
             Some(calls) => (Value::Array(calls.iter().map(tool_use_block).collect()), "tool_use"),
             None => (json!([{ "type": "text", "text": text }]), stop_reason(finish, &stop_sequence)),
@@ -312,7 +318,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                     }
                 }
                 Some(Event::Done { finish, completion_tokens, stop_sequence, .. }) => {
-                    metrics.request_finished(t0.elapsed(), true);
+                    if let Some(t) = tally.take() {
+                        t.finish(true);
+                    }
                     let mut reason = stop_reason(finish, &stop_sequence);
                     match calling.as_ref().map(|t| t.parse(&held)) {
                         Some(Some(calls)) => {
@@ -343,7 +351,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                     return;
                 }
                 Some(Event::Error { message: e, .. }) => {
-                    metrics.request_finished(t0.elapsed(), false);
+                    if let Some(t) = tally.take() {
+                        t.finish(false);
+                    }
                     let _ = out.send(named("error", json!({ "type": "error", "error": { "type": "api_error", "message": e } })));
                     return;
                 }

@@ -171,6 +171,11 @@ impl Metrics {
         self.ttft.observe(after.as_secs_f64());
     }
 
+    /// A request the client gave up on (it disconnected, or the handler was cancelled).
+    pub fn request_cancelled(&self) {
+        self.requests.with_label_values(&["cancelled"]).inc();
+    }
+
     pub fn request_finished(&self, after: Duration, ok: bool) {
         self.e2e.observe(after.as_secs_f64());
         self.requests.with_label_values(&[if ok { "success" } else { "failure" }]).inc();
@@ -231,6 +236,34 @@ impl Metrics {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}
+
+/// One request's line on `shimmer_request_total`: `finish` says success or failure; dropped
+/// without it — the client left mid-stream, or the handler's future was dropped with the
+/// connection — it counts as `cancelled`, so every admitted request is counted once.
+pub struct RequestTally {
+    metrics: std::sync::Arc<Metrics>,
+    since: std::time::Instant,
+    done: bool,
+}
+
+impl RequestTally {
+    pub fn new(metrics: std::sync::Arc<Metrics>) -> Self {
+        RequestTally { metrics, since: std::time::Instant::now(), done: false }
+    }
+
+    pub fn finish(mut self, ok: bool) {
+        self.metrics.request_finished(self.since.elapsed(), ok);
+        self.done = true;
+    }
+}
+
+impl Drop for RequestTally {
+    fn drop(&mut self) {
+        if !self.done {
+            self.metrics.request_cancelled();
+        }
     }
 }
 
@@ -489,6 +522,22 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
         }
+    }
+
+    #[test]
+    fn every_request_is_counted_once_and_one_never_finished_as_cancelled() {
+        let m = std::sync::Arc::new(Metrics::new().unwrap());
+        RequestTally::new(m.clone()).finish(true);
+        RequestTally::new(m.clone()).finish(false);
+        drop(RequestTally::new(m.clone()));
+        drop(RequestTally::new(m.clone()));
+        let text = m.render(&BatcherStats::default(), None, None).unwrap();
+        for line in
+            ["shimmer_request_total{outcome=\"success\"} 1", "shimmer_request_total{outcome=\"failure\"} 1", "shimmer_request_total{outcome=\"cancelled\"} 2"]
+        {
+            assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
+        }
+        assert!(text.lines().any(|l| l == "shimmer_e2e_request_latency_seconds_count 2"), "cancelled requests have no end-to-end latency");
     }
 
     #[test]

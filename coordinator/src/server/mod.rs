@@ -35,6 +35,8 @@ pub struct ServerConfig {
     pub host: String,
     pub port: u16,
     pub api_keys: Vec<String>,
+    /// The key /metrics requires, if any (the API keys do not open it).
+    pub metrics_api_key: Option<String>,
     /// Requests that may wait for a batch slot before new ones get 429.
     pub max_queue: usize,
     /// Sequences decoded together.
@@ -55,6 +57,7 @@ pub struct AppState {
     pub engine: Arc<Engine>,
     pub batcher: Batcher,
     pub api_keys: Vec<String>,
+    pub metrics_api_key: Option<String>,
     pub model_id: String,
     pub created: u64,
     pub metrics: Arc<Metrics>,
@@ -145,7 +148,12 @@ async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     Json(body).into_response()
 }
 
-async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics_text(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Some(key) = &state.metrics_api_key {
+        if let Err(e) = openai::authorize(&headers, std::slice::from_ref(key)) {
+            return e.into_response();
+        }
+    }
     let st = state.batcher.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let store = state.engine.store_telemetry();
     let cluster = state.engine.cluster_telemetry();
@@ -170,6 +178,7 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         engine,
         batcher: batcher.clone(),
         api_keys: cfg.api_keys.clone(),
+        metrics_api_key: cfg.metrics_api_key.clone(),
         model_id: cfg.model_id.clone(),
         created,
         metrics,

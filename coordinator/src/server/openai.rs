@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job, SubmitError, TokenLogprob};
 use super::errors::ApiError;
+use super::metrics::RequestTally;
 use super::tools::{Call, ToolChoice, ToolSpec, Tools};
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
@@ -640,6 +641,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
     let created = now_secs();
     let object = if chat { "chat.completion" } else { "text_completion" };
     let t0 = Instant::now();
+    let mut tally = Some(RequestTally::new(state.metrics.clone()));
 
     if !c.stream {
         let (mut text, mut lps) = (String::new(), Vec::new());
@@ -654,16 +656,22 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                 }
                 Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
                 Some(Event::Error { fault, message }) => {
-                    state.metrics.request_finished(t0.elapsed(), false);
+                    if let Some(t) = tally.take() {
+                        t.finish(false);
+                    }
                     return Err(ApiError::from_fault(fault, message));
                 }
                 None => {
-                    state.metrics.request_finished(t0.elapsed(), false);
+                    if let Some(t) = tally.take() {
+                        t.finish(false);
+                    }
                     return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the request was dropped (server shutting down)").kind("server_error"));
                 }
             }
         };
-        state.metrics.request_finished(t0.elapsed(), true);
+        if let Some(t) = tally.take() {
+            t.finish(true);
+        }
         let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
         let choice = if chat {
             let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&state.engine, l)).collect::<Vec<_>>() }));
@@ -721,7 +729,9 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                     }
                 }
                 Some(Event::Done { finish, completion_tokens, .. }) => {
-                    metrics.request_finished(t0.elapsed(), true);
+                    if let Some(t) = tally.take() {
+                        t.finish(true);
+                    }
                     let mut finish_reason = finish_str(finish);
                     if let Some(cp) = &calling {
                         let delta = match cp.calls(&held) {
@@ -747,7 +757,9 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                     break;
                 }
                 Some(Event::Error { message: e, .. }) => {
-                    metrics.request_finished(t0.elapsed(), false);
+                    if let Some(t) = tally.take() {
+                        t.finish(false);
+                    }
                     let _ = out
                         .send(SseEvent::default().data(json!({ "error": { "message": e, "type": "server_error", "param": null, "code": null } }).to_string()));
                     break;
