@@ -303,3 +303,39 @@ def test_a_new_placement_is_adopted_when_the_workers_move_to_it(server):
         for w in workers:
             w.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_every_long_running_verb_exits_0_on_sigterm_single_box_and_clustered():
+    """No panic on shutdown: `run` (test_openai.py), and here a static coordinator and its
+    workers, then a member coordinator and member workers, each stopped by SIGTERM, exit 0."""
+    tmp = Path(tempfile.mkdtemp())
+    started: list = []
+    try:
+        addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3)]
+        p = placement(tmp, addrs, copies=2)
+        workers = [Worker(a, "--placement", str(p)) for a in addrs]
+        started += workers
+        coord = Server("--host", "127.0.0.1", "--placement", str(p), "--join-token", TOKEN, verb="coordinator")
+        started.append(coord)
+        greedy(client(coord), max_tokens=4)
+        assert coord.stop(signal.SIGTERM) == 0, "".join(coord.log[-20:])
+        for w in workers:
+            w.proc.send_signal(signal.SIGTERM)
+            assert w.proc.wait(timeout=30) == 0, "".join(w.log[-20:])
+        members = [Worker(addrs[0], "--data-dir", str(tmp / "m0"), "--bootstrap", "--no-mdns")]
+        members.append(Worker(addrs[1], "--data-dir", str(tmp / "m1"), "--join", addrs[0], "--no-mdns"))
+        started += members
+        member = Server("--host", "127.0.0.1", "--listen", f"127.0.0.5:{free_port('127.0.0.5')}", "--data-dir", str(tmp / "c"), "--join", addrs[0],
+                        "--join-token", TOKEN, "--no-mdns", verb="coordinator")
+        started.append(member)
+        greedy(client(member), max_tokens=4)
+        assert member.stop(signal.SIGTERM) == 0, "".join(member.log[-20:])
+        # A member worker drains on SIGTERM (its experts move to the other first), then exits 0.
+        members[1].proc.send_signal(signal.SIGTERM)
+        assert members[1].proc.wait(timeout=150) == 0, "".join(members[1].log[-20:])
+    finally:
+        for proc in (x.proc for x in started):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
