@@ -155,6 +155,12 @@ def test_client_mistakes_are_400s_that_say_what_is_wrong(server):
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and error_of(r)
+    # A known path with a method it does not take: 405 with a body saying so, and `allow`.
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    assert error_of(r)["code"] == "method_not_allowed" and "does not take GET" in error_of(r)["message"]
+    r = httpx.delete(server.url + "/health")
+    assert r.status_code == 405 and error_of(r)["code"] == "method_not_allowed"
 
 
 def test_a_wrong_or_missing_key_is_401(make_server):

@@ -79,6 +79,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
@@ -125,6 +126,12 @@ async fn dashboard_events(State(state): State<Arc<AppState>>, headers: HeaderMap
     });
     use futures_util::StreamExt;
     axum::response::sse::Sse::new(stream.map(Ok::<_, std::convert::Infallible>)).into_response()
+}
+
+/// A known path asked with a method it does not take: the error in the API's shape (axum adds
+/// the `allow` header).
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("{} does not take {method} (see docs/api.md)", uri.path())).code("method_not_allowed").into_response()
 }
 
 async fn not_found() -> Response {
