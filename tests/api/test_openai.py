@@ -404,3 +404,19 @@ def test_penalties_change_a_repetitive_greedy_answer(server):
         pen = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=60, temperature=0, **kw).choices[0].message.content.split()
         assert pen != words, kw
         assert len(set(pen)) / len(pen) > len(set(words)) / len(words), f"{kw}: more distinct words"
+
+
+def test_error_messages_quote_what_the_client_sent_never_debug_text(server):
+    cases = [
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 'got "wizard"'),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, "got nothing"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 'got type "image_url"'),
+        ("/v1/chat/completions", {"model": MODEL, "messages": PROMPT, "response_format": {"type": 7}}, "got 7"),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "wizard", "content": "hi"}]}, 'got "wizard"'),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 'type "image"'),
+    ]
+    for path, body, says in cases:
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        message = r.json()["error"]["message"]
+        assert says in message and "Some(" not in message and "None" not in message, (body, message)

@@ -88,7 +88,7 @@ fn turn(role: &str, content: &Value, at: &str) -> Result<Vec<Value>, ApiError> {
                 let body = if b.get("is_error") == Some(&Value::Bool(true)) { format!("Error: {body}") } else { body };
                 results.push(json!({ "role": "tool", "tool_call_id": id, "content": body }));
             }
-            (kind, _) => return Err(ApiError::param(&here, format!("a {role} turn cannot hold a block of type {kind:?}"))),
+            _ => return Err(ApiError::param(&here, format!("a {role} turn cannot hold a block of type {}", super::openai::given(b.get("type"))))),
         }
     }
     let mut out = results;
@@ -150,7 +150,12 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
                     (Some(kind @ ("tool_use" | "tool_result")), _) => {
                         return Err(ApiError::param(&format!("{at}[{j}]"), format!("`{kind}` blocks are not supported yet (tool use is not implemented)")))
                     }
-                    (kind, _) => return Err(ApiError::param(&format!("{at}[{j}]"), format!("only text blocks are supported, got type {kind:?}"))),
+                    _ => {
+                        return Err(ApiError::param(
+                            &format!("{at}[{j}]"),
+                            format!("only text blocks are supported, got type {}", super::openai::given(b.get("type"))),
+                        ))
+                    }
                 }
             }
             Ok(out)
@@ -193,7 +198,12 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         let at = format!("messages.{i}");
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
-            other => return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be user or assistant, got {other:?}"))),
+            _ => {
+                return Err(ApiError::param(
+                    &format!("{at}.role"),
+                    format!("`{at}.role` must be user or assistant, got {}", super::openai::given(m.get("role"))),
+                ))
+            }
         };
         msgs.extend(turn(role, m.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?);
     }

@@ -235,6 +235,11 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
     })
 }
 
+/// A value a request gave, as the client wrote it (JSON), for error messages; `nothing` when absent.
+pub(crate) fn given(v: Option<&Value>) -> String {
+    v.map_or_else(|| "nothing".to_string(), Value::to_string)
+}
+
 /// `response_format`: text (no constraint), `json_object` (any JSON object) or `json_schema`
 /// (JSON valid against the schema; the subset `shimmer_common::json_constraint` supports).
 fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
@@ -254,7 +259,7 @@ fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
                 .map(|s| Some(Arc::new(s)))
                 .map_err(|e| ApiError::param("response_format.json_schema.schema", format!("unsupported or invalid schema: {e}")).code("unsupported_schema"))
         }
-        other => Err(bad(format!("`response_format.type` must be text, json_object or json_schema, got {other:?}"))),
+        _ => Err(bad(format!("`response_format.type` must be text, json_object or json_schema, got {}", given(rf.get("type"))))),
     }
 }
 
@@ -311,8 +316,11 @@ fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
             Some("developer") => "system",
-            other => {
-                return Err(ApiError::param(&format!("{at}.role"), format!("`{at}.role` must be system, developer, user, assistant or tool, got {other:?}")))
+            _ => {
+                return Err(ApiError::param(
+                    &format!("{at}.role"),
+                    format!("`{at}.role` must be system, developer, user, assistant or tool, got {}", given(m.get("role"))),
+                ));
             }
         };
         let content = match m.get("content") {
@@ -322,8 +330,11 @@ fn messages(p: &Params<'_>) -> Result<Vec<Value>, ApiError> {
                 for (j, part) in parts.iter().enumerate() {
                     match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(t)) => text.push_str(t),
-                        (kind, _) => {
-                            return Err(ApiError::param(&format!("{at}.content[{j}]"), format!("only text content parts are supported, got type {kind:?}")))
+                        _ => {
+                            return Err(ApiError::param(
+                                &format!("{at}.content[{j}]"),
+                                format!("only text content parts are supported, got type {}", given(part.get("type"))),
+                            ))
                         }
                     }
                 }
