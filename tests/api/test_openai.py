@@ -420,3 +420,11 @@ def test_error_messages_quote_what_the_client_sent_never_debug_text(server):
         assert r.status_code == 400, (path, body, r.text)
         message = r.json()["error"]["message"]
         assert says in message and "Some(" not in message and "None" not in message, (body, message)
+
+
+def test_an_over_long_prompt_is_blamed_on_where_it_came_from(server):
+    long = "and it came to pass " * 400
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": long})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

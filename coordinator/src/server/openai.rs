@@ -271,11 +271,12 @@ pub(crate) fn rand_seed() -> u64 {
     h.finish()
 }
 
-/// `max_tokens` (or its newer name), bounded by what the context has left after the prompt.
-fn max_tokens(p: &Params<'_>, names: &[&str], prompt_len: usize, context: usize) -> Result<usize, ApiError> {
+/// `max_tokens` (or its newer name), bounded by what the context has left after the prompt
+/// (`prompt_param` names where the prompt came from: `messages` or `prompt`).
+fn max_tokens(p: &Params<'_>, names: &[&str], prompt_param: &str, prompt_len: usize, context: usize) -> Result<usize, ApiError> {
     if prompt_len >= context {
         return Err(ApiError::param(
-            "messages",
+            prompt_param,
             format!("the prompt is {prompt_len} tokens, and this model's context is {context}: nothing is left to generate"),
         )
         .code("context_length_exceeded"));
@@ -544,7 +545,7 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
         c.constraint = Some(Arc::new(schema));
     }
     let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
-    c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
+    c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], "messages", prompt.len(), state.engine.spec.max_position_embeddings)?);
     let calling = tools.filter(|t| t.active()).map(|t| CallParse { tools: Arc::new(t), parallel });
     run(state, c, prompt, logprobs, true, calling).await
 }
@@ -592,7 +593,7 @@ async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Resul
     if prompt.is_empty() {
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
-    c.max_tokens = Some(max_tokens(&p, &["max_tokens"], prompt.len(), state.engine.spec.max_position_embeddings)?);
+    c.max_tokens = Some(max_tokens(&p, &["max_tokens"], "prompt", prompt.len(), state.engine.spec.max_position_embeddings)?);
     run(state, c, prompt, logprobs, false, None).await
 }
 
