@@ -62,8 +62,10 @@ impl Dialer {
     /// its name (a Kubernetes pod restarted with a new IP) is found there.
     async fn dial(self, addr: String, epoch: u64) -> Dialled {
         let within = self.within;
+        // One budget for the lookup and the handshake together.
+        let started = Instant::now();
         let addr = resolve(&addr, within).await?;
-        let conn = tokio::time::timeout(within, transport::connect(&self.endpoint, addr, &self.creds))
+        let conn = tokio::time::timeout(within.saturating_sub(started.elapsed()), transport::connect(&self.endpoint, addr, &self.creds))
             .await
             .map_err(|_| TransportError::Connect { addr, reason: format!("no answer within {within:?}") })??;
         let status = ask_status(&conn, self.model, epoch, self.ids.fetch_add(1, Ordering::Relaxed), within).await;
