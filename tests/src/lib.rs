@@ -103,7 +103,111 @@ pub fn shimmer_bin() -> PathBuf {
 }
 
 pub fn shimmer(args: &[&str]) -> Output {
-    Command::new(shimmer_bin()).args(args).env_remove("SHIMMER_LOG").output().expect("run shimmer")
+    output_within(Command::new(shimmer_bin()).args(args).env_remove("SHIMMER_LOG"), COMMAND_LIMIT)
+}
+
+/// How long a command a test runs to completion may take before the test fails: generous for
+/// a loaded two-core machine, and far below CI's limit, so a hang fails one test with what the
+/// command printed instead of stalling the whole run.
+pub const COMMAND_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// `cmd.output()`, but bounded as `wait_within` is. The command runs in a process group of its
+/// own, so a timeout kills every process it started.
+pub fn output_within(cmd: &mut Command, limit: std::time::Duration) -> Output {
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    let shown = format!("{cmd:?}");
+    let child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0).spawn().unwrap_or_else(|e| panic!("cannot start {shown}: {e}"));
+    wait_within(child, limit)
+}
+
+/// `child.wait_with_output()`, but a child still running after `limit` is killed (with its
+/// process group, when it leads one) and the test fails, showing what it printed so far — so a
+/// hang fails one test instead of stalling the whole run to CI's limit.
+pub fn wait_within(mut child: std::process::Child, limit: std::time::Duration) -> Output {
+    use std::io::Read;
+    use std::sync::mpsc;
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            let _ = tx.send(bytes);
+        });
+        rx
+    };
+    drop(child.stdin.take());
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let until = std::time::Instant::now() + limit;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if std::time::Instant::now() < until => std::thread::sleep(std::time::Duration::from_millis(20)),
+            Ok(None) => {
+                let pid = child.id();
+                let _ = Command::new("kill").args(["-KILL", "--", &format!("-{pid}")]).stderr(std::process::Stdio::null()).status();
+                let _ = child.kill();
+                let _ = child.wait();
+                let err = stderr.recv_timeout(std::time::Duration::from_secs(5)).unwrap_or_default();
+                panic!("process {pid} still ran after {limit:?}, killed; its stderr:\n{}", String::from_utf8_lossy(&err));
+            }
+            Err(e) => panic!("waiting for process {}: {e}", child.id()),
+        }
+    };
+    // What it left running (a daemon holding the pipes) must not hang the test either.
+    let rest = || until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_secs(5));
+    Output { status, stdout: stdout.recv_timeout(rest()).unwrap_or_default(), stderr: stderr.recv_timeout(rest()).unwrap_or_default() }
+}
+
+/// A child's stderr, read line by line on a thread of its own for as long as the child runs (so
+/// it never blocks on a full pipe), with waits that have deadlines.
+pub struct StderrLines {
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl StderrLines {
+    /// Takes `child`'s piped stderr.
+    pub fn of(child: &mut std::process::Child) -> StderrLines {
+        use std::io::BufRead;
+        let pipe = child.stderr.take().expect("the child's stderr is piped");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                // Once nobody waits for lines, they are still read (and dropped).
+                let _ = tx.send(l);
+            }
+        });
+        StderrLines { lines }
+    }
+
+    /// The next line, or `None` when the child closed stderr or wrote nothing more for `limit`.
+    pub fn next_within(&self, limit: std::time::Duration) -> Option<String> {
+        self.lines.recv_timeout(limit).ok()
+    }
+
+    /// Lines up to and including the first `is_it` accepts, or an error with the lines seen when
+    /// the child stops writing or `limit` passes first.
+    pub fn until(&self, limit: std::time::Duration, is_it: impl Fn(&str) -> bool) -> Result<Vec<String>, String> {
+        let deadline = std::time::Instant::now() + limit;
+        let mut seen = Vec::new();
+        loop {
+            match self.lines.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+                Ok(l) => {
+                    let done = is_it(&l);
+                    seen.push(l);
+                    if done {
+                        return Ok(seen);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(format!("nothing matching after {limit:?}; seen:\n{}", seen.join("\n"))),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err(format!("exited first; seen:\n{}", seen.join("\n"))),
+            }
+        }
+    }
 }
 
 /// Copies a fixture into a fresh temporary directory that the caller may corrupt.

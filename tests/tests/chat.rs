@@ -19,7 +19,7 @@ fn chat_answers_like_generate_and_reset_clears_the_conversation() {
         .spawn()
         .unwrap();
     child.stdin.take().unwrap().write_all(b"Who made the earth?\nAnd the sea?\n/reset\nWho made the earth?\n").unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = shimmer_tests::wait_within(child, shimmer_tests::COMMAND_LIMIT);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
 

@@ -281,7 +281,6 @@ fn http_listen_beside(args: &[&str]) -> String {
 
 /// A `shimmer worker` of `model` (the demo when `None`).
 fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerProcess {
-    use std::io::BufRead;
     let mut child = std::process::Command::new(shimmer_tests::shimmer_bin())
         .arg("worker")
         .args(model.map(|m| vec!["--model", m.to_str().unwrap()]).unwrap_or_default())
@@ -294,18 +293,14 @@ fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerPr
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("worker exited before serving").unwrap();
-        if let Some(at) = line.find(" on ") {
-            if line.contains("worker serving") {
-                break line[at + 4..].split_whitespace().next().unwrap().to_string();
-            }
-        }
-    };
-    let holds = lines.next().expect("the worker's holdings line").unwrap();
-    // Keep reading stderr so the worker never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
+    let lines = shimmer_tests::StderrLines::of(&mut child);
+    let seen = lines.until(shimmer_tests::COMMAND_LIMIT, |l| l.contains("worker serving") && l.contains(" on ")).unwrap_or_else(|e| {
+        let _ = child.kill();
+        panic!("the worker did not start serving: {e}")
+    });
+    let line = seen.last().unwrap();
+    let addr = line[line.find(" on ").unwrap() + 4..].split_whitespace().next().unwrap().to_string();
+    let holds = lines.next_within(shimmer_tests::COMMAND_LIMIT).expect("the worker's holdings line");
     WorkerProcess { child, addr, holds }
 }
 

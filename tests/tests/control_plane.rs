@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 const TOKEN: &str = "control-plane-test-token";
+const LIMIT: Duration = shimmer_tests::COMMAND_LIMIT;
 
 struct Node {
     child: Child,
@@ -69,35 +70,38 @@ fn start(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Node {
 /// `start`, proving `token` ("": none).
 fn start_with(dir: &std::path::Path, listen: &str, extra: &[&str], token: &str) -> Node {
     let mut child = worker_cmd(dir, listen, extra, token).spawn().unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    let http = loop {
-        match lines.next() {
-            Some(Ok(l)) => {
-                let http = l.split_once("health, readiness and metrics on http://").map(|(_, a)| a.trim().to_string());
-                seen.push(l);
-                if let Some(http) = http {
-                    break http;
-                }
-            }
-            _ => panic!("worker {listen} exited before its control plane and endpoints started:\n{}", seen.join("\n")),
-        }
-    };
-    assert!(seen.iter().any(|l| l.contains("control plane on")), "{seen:?}");
-    // Keep draining stderr so the process never blocks on a full pipe.
-    let log = std::sync::Arc::new(std::sync::Mutex::new(seen));
+    let lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    // Its stderr is read on a thread for as long as it runs (so it never blocks on a full pipe),
+    // and the wait for its endpoints has a deadline (so a node that hangs fails the test).
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let keep = log.clone();
+    let (found, endpoints) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for l in lines.map_while(Result::ok) {
+            if let Some((_, a)) = l.split_once("health, readiness and metrics on http://") {
+                let _ = found.send(a.trim().to_string());
+            }
             keep.lock().unwrap().push(l);
         }
     });
+    let http = match endpoints.recv_timeout(LIMIT) {
+        Ok(http) => http,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("worker {listen} did not start its control plane and endpoints ({e}):\n{}", log.lock().unwrap().join("\n"));
+        }
+    };
+    let seen = log.lock().unwrap().clone();
+    assert!(seen.iter().any(|l| l.contains("control plane on")), "{seen:?}");
     Node { child, listen: listen.to_string(), dir: dir.to_path_buf(), http, log }
 }
 
 fn status(addrs: &[&str], token: &str) -> Result<Value, String> {
-    let out =
-        Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "status", "--json", "--join", &addrs.join(","), "--join-token", token]).output().unwrap();
+    let out = shimmer_tests::output_within(
+        Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "status", "--json", "--join", &addrs.join(","), "--join-token", token]),
+        LIMIT,
+    );
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
@@ -150,7 +154,8 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
     let refused = status(&addrs, "not-the-cluster-token-9").unwrap_err();
     assert!(refused.contains("did not prove the cluster's join token"), "{refused}");
     let stranger_listen = format!("127.0.0.5:{}", free_port("127.0.0.5"));
-    let out = worker_cmd(&tmp.path().join("stranger"), &stranger_listen, &["--join", addrs[0]], "not-the-cluster-token-9").output().unwrap();
+    let out =
+        shimmer_tests::output_within(&mut worker_cmd(&tmp.path().join("stranger"), &stranger_listen, &["--join", addrs[0]], "not-the-cluster-token-9"), LIMIT);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && out.status.code() != Some(101) && err.contains("did not prove the cluster's join token"), "{err}");
 
@@ -171,11 +176,10 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
     wait_status(&addrs, "the restarted node up again", |v| members(v).iter().all(|(_, role, up)| role == "voter" && *up == Some(true)));
     // An operator's drain, and its undoing, through any member.
     let drain = |extra: &[&str]| {
-        let out = Command::new(shimmer_tests::shimmer_bin())
-            .args(["cluster", "drain", addrs[1], "--join", addrs[2], "--join-token", TOKEN])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = shimmer_tests::output_within(
+            Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "drain", addrs[1], "--join", addrs[2], "--join-token", TOKEN]).args(extra),
+            LIMIT,
+        );
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     };
     let draining = |v: &Value| v["members"].as_array().unwrap().iter().find(|m| m["name"] == addrs[1]).map(|m| m["draining"] == true);
@@ -183,9 +187,64 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
     wait_status(&addrs, "the node marked draining", |v| draining(v) == Some(true));
     drain(&["--undo"]);
     wait_status(&addrs, "the mark taken off", |v| draining(v) == Some(false));
-    let token = Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "token", "--join", addrs[0], "--join-token", TOKEN]).output().unwrap();
+    let token =
+        shimmer_tests::output_within(Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "token", "--join", addrs[0], "--join-token", TOKEN]), LIMIT);
     let token = String::from_utf8(token.stdout).unwrap();
     assert!(token.starts_with("SHM1") && token.trim_end().ends_with(&format!("::{TOKEN}")), "{token}");
+
+    // A follower's data directory put back to an older copy (a restored backup): the leader
+    // remembers entries the node no longer has, and the node refuses to go on, saying what to
+    // do — it neither crashes unexplained nor silently serves a shortened log.
+    let v = wait_status(&addrs, "the restarted node caught up", |v| v["commit"] == v["applied"]);
+    let (leader, term) = (v["leader"].as_str().unwrap().to_string(), v["term"].as_u64().unwrap());
+    let f = addrs.iter().position(|a| *a != leader).unwrap();
+    let mut follower = nodes[f].take().unwrap();
+    follower.child.kill().unwrap();
+    follower.child.wait().unwrap();
+    let older = std::fs::read(follower.dir.join("raft.redb")).unwrap();
+    nodes[f] = Some(start(&follower.dir, &follower.listen, &[]));
+    let target = addrs[(f + 1) % 3];
+    let drain_via = |extra: &[&str]| {
+        let out = shimmer_tests::output_within(
+            Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "drain", target, "--join", addrs[f], "--join-token", TOKEN]).args(extra),
+            LIMIT,
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    drain_via(&[]);
+    drain_via(&["--undo"]);
+    let draining_of = |v: &Value| v["members"].as_array().unwrap().iter().find(|m| m["name"] == target).map(|m| m["draining"] == true);
+    let on_f = wait_status(&[addrs[f]], "the follower applying both changes", |v| draining_of(v) == Some(false) && v["commit"] == v["applied"]);
+    assert!(on_f["applied"].as_u64() > v["applied"].as_u64(), "{on_f}");
+    drop(nodes[f].take());
+    std::fs::write(follower.dir.join("raft.redb"), &older).unwrap();
+    let mut back = worker_cmd(&follower.dir, &follower.listen, &[], TOKEN).spawn().unwrap();
+    let until = Instant::now() + Duration::from_secs(60);
+    let exited = loop {
+        if let Some(code) = back.try_wait().unwrap() {
+            break Some(code);
+        }
+        if Instant::now() > until {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    match exited {
+        Some(code) => {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut back.stderr.take().unwrap(), &mut err).unwrap();
+            assert!(!code.success() && !err.contains("panicked") && err.contains("restored from an older copy"), "{err}");
+        }
+        None => {
+            // Only a leader elected meanwhile (a loaded machine can miss a heartbeat), which never
+            // saw the node's acknowledgements, may bring it up to date instead.
+            let _ = back.kill();
+            let _ = back.wait();
+            let now = status(&addrs, TOKEN).unwrap();
+            assert!(now["term"].as_u64().unwrap() > term, "the rolled-back node kept running under the leader of term {term}: {now}");
+        }
+    }
+    nodes[f] = Some(follower);
 
     // A stopped node's log, damaged: refused by name, never a panic or a silent fork.
     let mut last = nodes[2].take().unwrap();
@@ -193,13 +252,19 @@ fn members_join_by_token_and_a_killed_leader_is_replaced_and_rejoins() {
     last.child.wait().unwrap();
     let log = last.dir.join("raft.redb");
     let bytes = std::fs::read(&log).unwrap();
+    // Every copy of the member's name is flipped: redb leaves old versions in freed pages, and a
+    // flip in one of those alone rightly goes unnoticed (the node then starts and serves; a
+    // first-copy-only flip hung CI that way).
     let name = addrs[2].as_bytes();
-    let at = bytes.windows(name.len()).position(|w| w == name).expect("the log holds the member's name");
+    let copies: Vec<usize> = (0..bytes.len().saturating_sub(name.len())).filter(|&i| bytes[i..].starts_with(name)).collect();
+    assert!(!copies.is_empty(), "the log holds the member's name");
     let mut flipped = bytes.clone();
-    flipped[at] ^= 0x20;
+    for at in copies {
+        flipped[at] ^= 0x20;
+    }
     for (what, damaged) in [("a flipped byte", flipped), ("a truncated file", bytes[..bytes.len() / 3].to_vec())] {
         std::fs::write(&log, &damaged).unwrap();
-        let out = worker_cmd(&last.dir, &last.listen, &[], TOKEN).output().unwrap();
+        let out = shimmer_tests::output_within(&mut worker_cmd(&last.dir, &last.listen, &[], TOKEN), LIMIT);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && out.status.code() != Some(101), "{what}: {err}");
         assert!(err.contains("raft.redb"), "{what}: the error names the log: {err}");
@@ -242,8 +307,10 @@ fn one_set_of_flags_for_every_node_bootstraps_one_cluster_and_a_node_back_withou
     assert_eq!(others.len(), 2);
 
     // A node that is not the one named, with nobody to join, says what to do.
-    let out =
-        worker_cmd(&tmp.path().join("alone"), &format!("127.0.0.5:{}", free_port("127.0.0.5")), &["--bootstrap-on", "127.0.0.2"], TOKEN).output().unwrap();
+    let out = shimmer_tests::output_within(
+        &mut worker_cmd(&tmp.path().join("alone"), &format!("127.0.0.5:{}", free_port("127.0.0.5")), &["--bootstrap-on", "127.0.0.2"], TOKEN),
+        LIMIT,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("is not --bootstrap-on 127.0.0.2") && err.contains("--join"), "{err}");
 }
@@ -275,21 +342,11 @@ fn start_coordinator(dir: &std::path::Path, listen: &str, join: &str) -> Coordin
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    loop {
-        match lines.next() {
-            Some(Ok(l)) => {
-                let ready = l.contains("shimmer: serving");
-                seen.push(l);
-                if ready {
-                    break;
-                }
-            }
-            _ => panic!("the coordinator exited before serving:\n{}", seen.join("\n")),
-        }
+    let lines = shimmer_tests::StderrLines::of(&mut child);
+    if let Err(e) = lines.until(LIMIT, |l| l.contains("shimmer: serving")) {
+        let _ = child.kill();
+        panic!("the coordinator did not start serving: {e}");
     }
-    std::thread::spawn(move || for _ in lines {});
     Coordinator { child, http }
 }
 
@@ -343,14 +400,13 @@ fn streamed_text(body: &str) -> String {
 }
 
 fn generate(extra: &[&str], prompt: &str, max_tokens: usize) -> Value {
-    let out = Command::new(shimmer_tests::shimmer_bin())
-        .args(["generate", "--model"])
+    let mut out = Command::new(shimmer_tests::shimmer_bin());
+    out.args(["generate", "--model"])
         .arg(shimmer_tests::fixture("qwen3_moe"))
         .args(["--prompt", prompt, "--max-tokens", &max_tokens.to_string(), "--json", "--no-usage"])
         .args(extra)
-        .env("SHIMMER_JOIN_TOKEN", TOKEN)
-        .output()
-        .unwrap();
+        .env("SHIMMER_JOIN_TOKEN", TOKEN);
+    let out = shimmer_tests::output_within(&mut out, LIMIT);
     assert!(out.status.success(), "generate {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
 }
@@ -485,11 +541,10 @@ fn a_coordinator_and_three_workers_joined_by_token_keep_the_single_box_tokens_th
     // The coordinator's routing heat reached the cluster: a rebalance by it, asked of any
     // member, says what it would do; forced, it moves experts with the answers unchanged.
     let rebalance = |extra: &[&str]| -> Value {
-        let out = Command::new(shimmer_tests::shimmer_bin())
-            .args(["cluster", "rebalance", "--json", "--join", survivors[1], "--join-token", TOKEN])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = shimmer_tests::output_within(
+            Command::new(shimmer_tests::shimmer_bin()).args(["cluster", "rebalance", "--json", "--join", survivors[1], "--join-token", TOKEN]).args(extra),
+            LIMIT,
+        );
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     };
@@ -593,7 +648,7 @@ fn a_full_disk_stops_a_member_with_an_error_naming_its_log_and_it_resumes_once_t
             if undo {
                 c.arg("--undo");
             }
-            let _ = c.output();
+            shimmer_tests::output_within(&mut c, LIMIT);
         }
     };
     std::thread::sleep(Duration::from_millis(200));
@@ -626,8 +681,9 @@ fn members_joined_by_operator_certificates_alone_serve_and_refuse_strangers() {
     let _w0 = start_with(&tmp.path().join("w0"), &listens[0], &f0.iter().map(String::as_str).collect::<Vec<_>>(), "");
     let f1 = flags(1, &["--join", &listens[0]]);
     let _w1 = start_with(&tmp.path().join("w1"), &listens[1], &f1.iter().map(String::as_str).collect::<Vec<_>>(), "");
-    let cli =
-        |args: &[&str], creds: &[String]| Command::new(shimmer_tests::shimmer_bin()).args(args).args(creds).env_remove("SHIMMER_JOIN_TOKEN").output().unwrap();
+    let cli = |args: &[&str], creds: &[String]| {
+        shimmer_tests::output_within(Command::new(shimmer_tests::shimmer_bin()).args(args).args(creds).env_remove("SHIMMER_JOIN_TOKEN"), LIMIT)
+    };
     let admin = tls(&ours[2], &ca);
     let join = listens.join(",");
     let until = Instant::now() + Duration::from_secs(60);
@@ -660,10 +716,10 @@ fn members_joined_by_operator_certificates_alone_serve_and_refuse_strangers() {
     // Nor can a stranger join.
     let stranger_listen = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let fs: Vec<String> = ["--join", listens[0].as_str()].iter().map(|s| s.to_string()).chain(tls(&theirs[0], &ca)).collect();
-    let out = worker_cmd(&tmp.path().join("stranger"), &stranger_listen, &fs.iter().map(String::as_str).collect::<Vec<_>>(), "")
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
+    let out = shimmer_tests::output_within(
+        &mut worker_cmd(&tmp.path().join("stranger"), &stranger_listen, &fs.iter().map(String::as_str).collect::<Vec<_>>(), ""),
+        LIMIT,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && out.status.code() != Some(101) && err.contains("refused this node"), "a stranger joined, or failed unclearly: {err}");
     // There is no join token to print, and `cluster token` says so.

@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 use shimmer_tests::{assert_clean_failure, shimmer_bin};
 
 fn run_with_cache(cache: &Path, args: &[&str]) -> Output {
-    Command::new(shimmer_bin()).args(args).env("XDG_CACHE_HOME", cache).env_remove("SHIMMER_LOG").output().expect("run shimmer")
+    shimmer_tests::output_within(Command::new(shimmer_bin()).args(args).env("XDG_CACHE_HOME", cache).env_remove("SHIMMER_LOG"), shimmer_tests::COMMAND_LIMIT)
 }
 
 fn demo_dirs(cache: &Path) -> Vec<PathBuf> {
@@ -72,7 +72,7 @@ fn concurrent_first_runs_all_succeed_and_publish_one_copy() {
                 .unwrap()
         })
         .collect();
-    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outputs: Vec<Output> = children.into_iter().map(|c| shimmer_tests::wait_within(c, shimmer_tests::COMMAND_LIMIT)).collect();
     // The same answer from every run (timings differ, the answers must not).
     let answer = |o: &Output| {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -87,6 +87,9 @@ fn concurrent_first_runs_all_succeed_and_publish_one_copy() {
 
 #[test]
 fn no_cache_directory_is_a_clear_error() {
-    let out = Command::new(shimmer_bin()).args(["score", "--ids", "1,2"]).env_remove("XDG_CACHE_HOME").env_remove("HOME").output().unwrap();
+    let out = shimmer_tests::output_within(
+        Command::new(shimmer_bin()).args(["score", "--ids", "1,2"]).env_remove("XDG_CACHE_HOME").env_remove("HOME"),
+        shimmer_tests::COMMAND_LIMIT,
+    );
     assert_clean_failure(&out, &["cache directory", "--model"]);
 }

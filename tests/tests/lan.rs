@@ -11,13 +11,16 @@
 #[test]
 fn a_lan_of_namespaces_gives_the_single_box_tokens_through_loss_and_partitions() {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/lan.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .arg("check")
-        .env("SHIMMER_BIN", shimmer_tests::shimmer_bin())
-        .env("RELAY_BIN", env!("CARGO_BIN_EXE_shimmer-udp-relay"))
-        .output()
-        .expect("run scripts/lan.sh");
+    // The whole scenario (partitions, losses, restarts) in one script: ten minutes is far more
+    // than it takes, and far less than CI's limit.
+    let out = shimmer_tests::output_within(
+        std::process::Command::new("bash")
+            .arg(&script)
+            .arg("check")
+            .env("SHIMMER_BIN", shimmer_tests::shimmer_bin())
+            .env("RELAY_BIN", env!("CARGO_BIN_EXE_shimmer-udp-relay")),
+        std::time::Duration::from_secs(600),
+    );
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if out.status.code() == Some(77) {
         assert!(!running_as_root(), "namespaces refused although this test runs as root on Linux:\n{stdout}\n{stderr}");

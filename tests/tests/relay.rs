@@ -119,7 +119,8 @@ fn tcp_through_the_relay_arrives_whole_in_order_late_by_the_delay_and_waits_out_
 
 #[test]
 fn loss_on_tcp_is_refused_with_a_reason() {
-    let out = relay(&["--tcp", "--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--loss", "0.1"]).output().unwrap();
+    let out =
+        shimmer_tests::output_within(&mut relay(&["--tcp", "--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--loss", "0.1"]), shimmer_tests::COMMAND_LIMIT);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--loss applies to UDP only"), "{err}");
@@ -160,7 +161,8 @@ fn the_count_file_holds_the_round_trips_of_every_connection() {
 
 #[test]
 fn counting_needs_tcp() {
-    let out = relay(&["--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--count-file", "/tmp/x"]).output().unwrap();
+    let out =
+        shimmer_tests::output_within(&mut relay(&["--listen", "127.0.0.1:1", "--to", "127.0.0.1:2", "--count-file", "/tmp/x"]), shimmer_tests::COMMAND_LIMIT);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("needs --tcp"), "{err}");

@@ -70,7 +70,7 @@ fn chat(model: &std::path::Path, session: Option<&std::path::Path>, input: &str)
     }
     let mut child = Command::new(shimmer_bin()).args(&args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = shimmer_tests::wait_within(child, shimmer_tests::COMMAND_LIMIT);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }

@@ -47,11 +47,12 @@ fn a_conversion_killed_at_any_point_resumes_to_the_same_container_and_is_never_t
     loop {
         let out = tempfile::tempdir().unwrap();
         let to = out.path().join("c");
-        let o = Command::new(shimmer_bin())
-            .args(["convert", "--from", fixture("olmoe").to_str().unwrap(), "--to", to.to_str().unwrap(), "--quant", "int4-g64", "--quiet"])
-            .env("SHIMMER_CONVERT_CRASH_AT", crash_at.to_string())
-            .output()
-            .unwrap();
+        let o = shimmer_tests::output_within(
+            Command::new(shimmer_bin())
+                .args(["convert", "--from", fixture("olmoe").to_str().unwrap(), "--to", to.to_str().unwrap(), "--quant", "int4-g64", "--quiet"])
+                .env("SHIMMER_CONVERT_CRASH_AT", crash_at.to_string()),
+            shimmer_tests::COMMAND_LIMIT,
+        );
         if o.status.success() {
             assert!(crash_at > 20, "too few crash points exercised ({crash_at})");
             break;

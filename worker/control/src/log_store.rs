@@ -239,6 +239,12 @@ impl RaftLog {
         Ok((RaftLog { core: Arc::new(RwLock::new(core)), durable: Some(Arc::new(Durable { db, path })) }, node))
     }
 
+    /// An in-memory copy of this log as it is now, sharing nothing with it: what a backup of the
+    /// data directory holds (the simulation restores one to check that a rolled-back node says so).
+    pub fn detached_copy(&self) -> RaftLog {
+        RaftLog { core: Arc::new(RwLock::new(self.read().clone())), durable: None }
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, LogCore> {
         self.core.read().unwrap_or_else(|p| p.into_inner())
     }

@@ -71,6 +71,12 @@ pub enum NodeError {
     ChangeInProgress,
     #[error("this node is not the leader (node {0} is)")]
     NotLeader(NodeId),
+    #[error(
+        "this node's Raft log ends at entry {last} but the leader knows it held entry {commit}: its log lost entries it had \
+         acknowledged (was --data-dir restored from an older copy?); remove the data directory and start the node with --join \
+         to rejoin as a new member"
+    )]
+    LogBehind { last: u64, commit: u64 },
 }
 
 /// What the caller should do after an event.
@@ -276,6 +282,13 @@ impl ControlNode {
             return Ok(Output::default());
         }
         self.last_heard.insert(msg.from, now);
+        // A leader's heartbeat commits no further than what this node acknowledged; raft-rs
+        // panics (its `fatal!`) if that is past the end of the log, which happens only when the
+        // log lost acknowledged entries. That is this node's error, said before raft-rs sees it.
+        let last = self.raw.raft.raft_log.last_index();
+        if msg.get_msg_type() == raft::eraftpb::MessageType::MsgHeartbeat && msg.term >= self.raw.raft.term && msg.commit > last {
+            return Err(NodeError::LogBehind { last, commit: msg.commit });
+        }
         let mut out = Output::default();
         // raft-rs refuses messages it cannot use (from an unknown peer, a stale term): not ours
         // to fail on.

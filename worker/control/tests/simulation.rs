@@ -136,6 +136,8 @@ struct Sim {
     minority_commit: Option<(Vec<usize>, Vec<u64>)>,
     done: u64,
     delivered: u64,
+    /// Nodes that stopped on a log that lost acknowledged entries, with the error they gave.
+    rolled_back: Vec<(usize, String)>,
 }
 
 impl Sim {
@@ -173,6 +175,7 @@ impl Sim {
             minority_commit: None,
             done: 0,
             delivered: 0,
+            rolled_back: Vec::new(),
         }
     }
 
@@ -206,6 +209,11 @@ impl Sim {
         match f(node, now) {
             Ok(out) => self.route(i, out),
             Err(NodeError::NoLeader) | Err(NodeError::ChangeInProgress) | Err(NodeError::NotLeader(_)) => {}
+            Err(e @ NodeError::LogBehind { .. }) => {
+                // The process exits with that error: the node is gone until an operator acts.
+                self.rolled_back.push((i, e.to_string()));
+                self.crash(i);
+            }
             Err(e) => panic!("node {} failed: {e}", self.names[i]),
         }
     }
@@ -573,6 +581,47 @@ fn a_voter_gone_too_long_is_replaced_by_a_learner() {
     assert!(st.voters.contains(&learner), "the learner was not promoted: {st:?}");
     assert!(!st.voters.contains(&sim.ids[victim]) && st.learners.contains(&sim.ids[victim]), "the dead voter was not demoted");
     assert_eq!(st.voters.len(), 3);
+}
+
+/// A follower restarted on an older copy of its log (a restored backup) stops with an error
+/// saying so when the leader — which knows what it acknowledged — commits past its end, instead
+/// of raft-rs panicking; the others keep committing.
+#[test]
+fn a_follower_on_an_older_copy_of_its_log_stops_saying_so() {
+    let mut sim = Sim::new(11, 3, 3);
+    sim.nodes[0] = Some(ControlNode::bootstrap(sim.logs[0].clone(), sim.cfg.clone(), member(&sim.names[0]), "sim".into()).unwrap());
+    for i in 1..3 {
+        sim.start(i);
+    }
+    sim.run(1500);
+    for i in 1..3 {
+        sim.add_member(i);
+    }
+    sim.run(1000);
+    let leader = sim.leader().unwrap();
+    let f = (0..3).find(|&i| i != leader).unwrap();
+    let backup = sim.logs[f].detached_copy();
+    for _ in 0..20 {
+        let cmd = Command::SetDraining { name: sim.names[leader].clone(), draining: true };
+        sim.run_node(leader, |n, _| n.propose(cmd).map(|(_, o)| o));
+        sim.run(50);
+    }
+    assert!(sim.logs[f].last_index() > backup.last_index() + 5, "the follower acknowledged more after the backup");
+    sim.crash(f);
+    sim.logs[f] = backup;
+    sim.applied_floor[f] = 0;
+    sim.epoch_floor[f] = (0, 0);
+    sim.start(f);
+    sim.run(1000);
+    assert_eq!(sim.leader(), Some(leader), "the same leader (one that took over would simply bring the node up to date)");
+    let [(who, err)] = sim.rolled_back.as_slice() else { panic!("expected the rolled-back node alone to stop: {:?}", sim.rolled_back) };
+    assert_eq!(*who, f);
+    assert!(err.contains("restored from an older copy") && err.contains("--join"), "{err}");
+    let before = sim.nodes[leader].as_ref().unwrap().status().commit;
+    let cmd = Command::SetDraining { name: sim.names[leader].clone(), draining: false };
+    sim.run_node(leader, |n, _| n.propose(cmd).map(|(_, o)| o));
+    sim.run(500);
+    assert!(sim.nodes[leader].as_ref().unwrap().status().commit > before, "the other two kept committing");
 }
 
 #[test]

@@ -441,7 +441,7 @@ impl ControlPlane {
         let result = match thread {
             Some(t) => match t.join() {
                 Ok(r) => r.map_err(ControlError::from),
-                Err(_) => Err(ControlError::Rpc("the Raft thread panicked".into())),
+                Err(payload) => Err(ControlError::Rpc(raft_panic_reason(payload.as_ref()))),
             },
             None => Ok(()),
         };
@@ -1068,4 +1068,10 @@ impl Driver {
         });
         tx
     }
+}
+
+/// What a panic of the Raft thread said, for the error the node exits with.
+fn raft_panic_reason(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("no message");
+    format!("the Raft thread panicked: {text}")
 }
