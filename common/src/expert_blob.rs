@@ -6,7 +6,9 @@
 //! bf16 words, int8 values or packed int4/e2m1 nibbles as `quant.rs` defines them; scales are f32
 //! (empty for bf16), or e8m0 bytes for MXFP4. Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
 //! multiple of 4 KiB so that consecutive blobs stay O_DIRECT-aligned. Everything is little-endian.
-//! The blob's checksum is XXH3-64 of all its bytes, padding included.
+//! The blob's checksum is XXH3-64 of its identity — layer, expert and format — followed by all
+//! its bytes, padding included: a blob moved to another expert's slot, or read as another
+//! format, fails it as surely as a flipped byte does.
 
 use crate::error::LoadError;
 use crate::quant::{self, QuantMatrix, QuantScheme};
@@ -84,28 +86,53 @@ pub fn encode(scheme: QuantScheme, hidden: usize, intermediate: usize, gate: &[f
     blob
 }
 
-pub fn checksum(blob: &[u8]) -> u64 {
-    crate::checksum::xxh3(blob)
+/// Which expert a blob is, as its checksum binds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobId {
+    pub layer: usize,
+    pub expert: usize,
+    pub scheme: QuantScheme,
 }
 
-/// Reads `[gate, up, down]` back from a blob, checking its length and (when given) its checksum;
-/// `what` names the blob in errors (file, layer, expert).
+/// The checksum of the blob `id` is: its identity, then its bytes.
+pub fn checksum(id: BlobId, blob: &[u8]) -> u64 {
+    let mut h = crate::checksum::Hasher::new();
+    h.feed(b"shimmer-expert-blob\0");
+    h.feed(&(id.layer as u64).to_le_bytes());
+    h.feed(&(id.expert as u64).to_le_bytes());
+    h.feed(id.scheme.name().as_bytes());
+    h.feed(&[0]);
+    h.feed(blob);
+    h.finish()
+}
+
+/// Reads `[gate, up, down]` back from a blob, checking its length and (when given) its checksum
+/// as the blob `id`; `what` names the blob in errors (file, layer, expert).
 pub fn decode(
     blob: &[u8],
     scheme: QuantScheme,
     hidden: usize,
     intermediate: usize,
-    expected_checksum: Option<u64>,
+    expected_checksum: Option<(BlobId, u64)>,
     what: &str,
 ) -> Result<[StoredMatrix; 3], LoadError> {
     let (sections, total) = layout(scheme, hidden, intermediate);
     if blob.len() != total {
         return Err(LoadError::malformed(what, format!("blob is {} bytes, its layout needs {total} (truncated or from another format)", blob.len())));
     }
-    if let Some(want) = expected_checksum {
-        let got = checksum(blob);
+    if let Some((id, want)) = expected_checksum {
+        if id.scheme != scheme {
+            return Err(LoadError::malformed(what, format!("checked as a {} blob but read as {}", id.scheme.name(), scheme.name())));
+        }
+        let got = checksum(id, blob);
         if got != want {
-            return Err(LoadError::malformed(what, format!("checksum mismatch (xxh3 {got:016x}, manifest says {want:016x})")));
+            return Err(LoadError::malformed(
+                what,
+                format!(
+                    "checksum mismatch (xxh3 {got:016x} for layer {} expert {}, manifest says {want:016x}): damaged, or another expert's blob",
+                    id.layer, id.expert
+                ),
+            ));
         }
     }
     let shapes = [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)];
@@ -165,8 +192,9 @@ mod tests {
             assert_eq!(blob.len() % BLOB_ALIGN, 0, "{scheme:?}");
             let (sections, _) = layout(scheme, h, i);
             assert!(sections.iter().all(|(off, _)| off % 64 == 0));
-            let sum = checksum(&blob);
-            let back = decode(&blob, scheme, h, i, Some(sum), "test").unwrap();
+            let id = BlobId { layer: 1, expert: 2, scheme };
+            let sum = checksum(id, &blob);
+            let back = decode(&blob, scheme, h, i, Some((id, sum)), "test").unwrap();
             for (m, (orig, rows, cols)) in [(&g, i, h), (&u, i, h), (&d, h, i)].into_iter().enumerate() {
                 let restored: Vec<f32> = match &back[m] {
                     StoredMatrix::Bf16 { words, .. } => words.iter().map(|w| half::bf16::from_bits(*w).to_f32()).collect(),
@@ -188,14 +216,24 @@ mod tests {
     fn damaged_blobs_are_named_errors() {
         let (h, i) = (64, 32);
         let blob = encode(QuantScheme::Int4 { group: 32 }, h, i, &values(i * h, 1), &values(i * h, 2), &values(h * i, 3));
-        let sum = checksum(&blob);
-        let e =
-            decode(&blob[..blob.len() - 1], QuantScheme::Int4 { group: 32 }, h, i, Some(sum), "experts.safetensors layer 3 expert 7").unwrap_err().to_string();
+        let scheme = QuantScheme::Int4 { group: 32 };
+        let id = BlobId { layer: 3, expert: 7, scheme };
+        let sum = checksum(id, &blob);
+        let what = "experts.safetensors layer 3 expert 7";
+        let e = decode(&blob[..blob.len() - 1], scheme, h, i, Some((id, sum)), what).unwrap_err().to_string();
         assert!(e.contains("layer 3 expert 7") && e.contains("truncated"), "{e}");
         let mut bad = blob.clone();
         bad[100] ^= 1;
-        let e = decode(&bad, QuantScheme::Int4 { group: 32 }, h, i, Some(sum), "experts.safetensors layer 3 expert 7").unwrap_err().to_string();
+        let e = decode(&bad, scheme, h, i, Some((id, sum)), what).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
+        // The right bytes under another identity: another expert, another layer, another format.
+        for other in [BlobId { expert: 8, ..id }, BlobId { layer: 4, ..id }] {
+            let e = decode(&blob, scheme, h, i, Some((other, sum)), what).unwrap_err().to_string();
+            assert!(e.contains("checksum mismatch") && e.contains("another expert's blob"), "{other:?}: {e}");
+        }
+        assert_ne!(checksum(BlobId { scheme: QuantScheme::Int4 { group: 64 }, ..id }, &blob), sum);
+        let e = decode(&blob, scheme, h, i, Some((BlobId { scheme: QuantScheme::Int8PerRow, ..id }, sum)), what).unwrap_err().to_string();
+        assert!(e.contains("read as"), "{e}");
         // Negative scale bytes: refused even without a checksum.
         let (sections, _) = layout(QuantScheme::Int8PerRow, h, i);
         let mut blob = encode(QuantScheme::Int8PerRow, h, i, &values(i * h, 1), &values(i * h, 2), &values(h * i, 3));

@@ -18,6 +18,51 @@ impl FieldError {
 
 pub type FieldResult<T> = Result<T, FieldError>;
 
+/// The largest value a size-like field of a file may hold, checked (by `check_bounds`) before
+/// anything is sized from the file. Every table of these is listed in `docs/limits.md`.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    pub field: &'static str,
+    pub max: u64,
+}
+
+/// Checks each field of `bounds` that `obj` holds: an integer at most `max`, a list of integers
+/// each at most `max`, or a list of anything at most `max` long when the bound's field ends in
+/// `[]`. `prefix` names where `obj` sits in the file (`""` at the top, `"rope_scaling."` inside).
+/// Values of other types are left to the typed getters, which name what they expected.
+pub fn check_bounds(obj: &Map<String, Value>, bounds: &[Bound], prefix: &str) -> FieldResult<()> {
+    let over = |field: &str, found: &dyn std::fmt::Display, max: u64| {
+        FieldError::new(&format!("{prefix}{field}"), format!("{found} is over the limit of {max} this field may hold (docs/limits.md)"))
+    };
+    for b in bounds {
+        if let Some(list_field) = b.field.strip_suffix("[]") {
+            if let Some(Value::Array(items)) = obj.get(list_field) {
+                if items.len() as u64 > b.max {
+                    return Err(FieldError::new(
+                        &format!("{prefix}{list_field}"),
+                        format!("{} entries is over the limit of {} (docs/limits.md)", items.len(), b.max),
+                    ));
+                }
+            }
+            continue;
+        }
+        let too_big = |v: &Value| match v {
+            Value::Number(n) => n.as_u64().is_some_and(|x| x > b.max) || n.as_f64().is_some_and(|x| x > b.max as f64),
+            _ => false,
+        };
+        match obj.get(b.field) {
+            Some(v @ Value::Number(_)) if too_big(v) => return Err(over(b.field, v, b.max)),
+            Some(Value::Array(items)) => {
+                if let Some(v) = items.iter().find(|v| too_big(v)) {
+                    return Err(over(b.field, v, b.max));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// A JSON object with typed getters. `null` counts as absent, as transformers treats it.
 pub struct Obj<'a>(pub &'a Map<String, Value>);
 

@@ -14,10 +14,64 @@ use serde_json::Value;
 
 use crate::error::LoadError;
 use crate::families::{FamilyDef, FAMILIES};
-use crate::json::{FieldError, FieldResult, Obj};
+use crate::json::{check_bounds, Bound, FieldError, FieldResult, Obj};
 
 /// Largest `config.json` we read; real ones are a few KiB.
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// Layers a model may have (DeepSeek-V3: 61; the deepest published MoE has under 100).
+pub const MAX_LAYERS: u64 = 1024;
+/// Vocabulary entries (the largest published: ~262 k).
+pub const MAX_VOCAB: u64 = 1 << 22;
+/// Positions of context (the longest published: 10 M).
+pub const MAX_POSITIONS: u64 = 1 << 24;
+/// Routed experts per layer: what a placement can name (`MAX_EXPERTS` of the control plane).
+pub const MAX_EXPERTS: u64 = 1 << 16;
+/// Experts a token is routed to: what one wire frame carries.
+pub const MAX_TOP_K: u64 = 64;
+/// Routed experts in the whole model (MoE layers × experts per layer), what the store's tables,
+/// heat and placements are sized by (DeepSeek-V3: 14,848; the control plane's heat limit).
+pub const MAX_ROUTED_EXPERTS: u64 = 1 << 20;
+
+/// Every size-like field of `config.json`, checked before any of it is parsed: a config that
+/// says `num_hidden_layers: 1000000000` is refused by name instead of sizing tables from it.
+/// Each bound is far above every published model (docs/limits.md lists them with why).
+pub const CONFIG_BOUNDS: &[Bound] = &[
+    Bound { field: "vocab_size", max: MAX_VOCAB },
+    Bound { field: "hidden_size", max: 1 << 16 },
+    Bound { field: "intermediate_size", max: 1 << 20 },
+    Bound { field: "moe_intermediate_size", max: 1 << 20 },
+    Bound { field: "num_hidden_layers", max: MAX_LAYERS },
+    Bound { field: "num_attention_heads", max: 1024 },
+    Bound { field: "num_key_value_heads", max: 1024 },
+    Bound { field: "head_dim", max: 4096 },
+    Bound { field: "max_position_embeddings", max: MAX_POSITIONS },
+    Bound { field: "sliding_window", max: MAX_POSITIONS },
+    Bound { field: "num_experts", max: MAX_EXPERTS },
+    Bound { field: "num_local_experts", max: MAX_EXPERTS },
+    Bound { field: "n_routed_experts", max: MAX_EXPERTS },
+    Bound { field: "num_experts_per_tok", max: MAX_TOP_K },
+    Bound { field: "n_shared_experts", max: MAX_TOP_K },
+    Bound { field: "n_group", max: MAX_EXPERTS },
+    Bound { field: "topk_group", max: MAX_EXPERTS },
+    Bound { field: "first_k_dense_replace", max: MAX_LAYERS },
+    Bound { field: "decoder_sparse_step", max: MAX_LAYERS },
+    Bound { field: "kv_lora_rank", max: 1 << 16 },
+    Bound { field: "q_lora_rank", max: 1 << 16 },
+    Bound { field: "qk_nope_head_dim", max: 4096 },
+    Bound { field: "qk_rope_head_dim", max: 4096 },
+    Bound { field: "v_head_dim", max: 4096 },
+    Bound { field: "bos_token_id", max: MAX_VOCAB },
+    Bound { field: "eos_token_id", max: MAX_VOCAB },
+    Bound { field: "pad_token_id", max: MAX_VOCAB },
+    Bound { field: "eos_token_id[]", max: 1024 },
+    Bound { field: "mlp_only_layers", max: MAX_LAYERS },
+    Bound { field: "mlp_only_layers[]", max: MAX_LAYERS },
+    Bound { field: "layer_types[]", max: MAX_LAYERS },
+];
+
+/// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
+pub const ROPE_BOUNDS: &[Bound] = &[Bound { field: "original_max_position_embeddings", max: MAX_POSITIONS }];
 
 /// Where a decoder's dense tensors live: templates with `{L}` for the layer (the families of
 /// today share Llama's layout; a family with another names its own in its file).
@@ -271,6 +325,12 @@ impl ModelSpec {
         };
         let obj = Obj(map);
         let field_err = |e: FieldError| LoadError::Field { path: path.to_path_buf(), field: e.field, problem: e.problem };
+        check_bounds(map, CONFIG_BOUNDS, "").map_err(field_err)?;
+        for nested in ["rope_scaling", "rope_parameters"] {
+            if let Some(Value::Object(rope)) = map.get(nested) {
+                check_bounds(rope, ROPE_BOUNDS, &format!("{nested}.")).map_err(field_err)?;
+            }
+        }
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
@@ -306,6 +366,17 @@ impl ModelSpec {
         }
         if self.moe.top_k > self.moe.num_experts {
             return Err(FieldError::new("num_experts_per_tok", format!("{} is more than the {} experts", self.moe.top_k, self.moe.num_experts)));
+        }
+        let routed = self.moe_layer_count() as u64 * self.moe.num_experts as u64;
+        if routed > MAX_ROUTED_EXPERTS {
+            return Err(FieldError::new(
+                "num_hidden_layers",
+                format!(
+                    "{routed} routed experts in all ({} MoE layers of {}) is over the limit of {MAX_ROUTED_EXPERTS} (docs/limits.md)",
+                    self.moe_layer_count(),
+                    self.moe.num_experts
+                ),
+            ));
         }
         if self.layers.len() != self.num_layers || self.attention.sliding_window.len() != self.num_layers {
             return Err(FieldError::new("num_hidden_layers", "per-layer tables disagree with the layer count"));

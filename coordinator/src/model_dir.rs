@@ -48,6 +48,7 @@ impl ModelDir {
         if dir.join(shimmer_store::convert::JOURNAL_FILE).exists() && !Container::is_container(dir) {
             return Err(LoadError::malformed(dir, "holds an unfinished conversion (run the same `shimmer convert` again to finish it)").into());
         }
+        Container::check_manifest_present(dir)?;
         let spec = ModelSpec::from_dir(dir)?;
         let (kind, fingerprint) = if Container::is_container(dir) {
             let container = Container::open(dir, &spec)?;
@@ -73,7 +74,8 @@ impl ModelDir {
     /// The dense model, and the bytes of its weights on disk (what loading it takes).
     pub fn dense(&self) -> Result<(Decoder, u64), EngineError> {
         match &self.kind {
-            Kind::Container(_) => {
+            Kind::Container(container) => {
+                container.verify_dense()?;
                 let ckpt = Checkpoint::open_files(&self.dir, &[DENSE_FILE])?;
                 let path = self.dir.join(DENSE_FILE);
                 let bytes = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?.len();

@@ -102,11 +102,22 @@ pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], me
 
 /// Loads `path` for `engine`; `Ok(None)` if the file does not exist yet.
 pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(LoadError::io(path, source)),
     };
+    // The largest file this model's session can be: a full context of cache and the largest
+    // header. Anything longer is refused before it is read.
+    let (k_width, v_width) = engine.new_session().cache.widths();
+    let most = (engine.spec.num_layers as u64)
+        .saturating_mul(engine.spec.max_position_embeddings as u64)
+        .saturating_mul((k_width + v_width) as u64 * 4)
+        .saturating_add(20 + MAX_HEADER as u64);
+    if len > most {
+        return Err(invalid(path, format!("{len} bytes is more than a session of this model can hold ({most} at a full context)")));
+    }
+    let bytes = std::fs::read(path).map_err(|source| LoadError::io(path, source))?;
     if bytes.len() < 20 || &bytes[..8] != MAGIC {
         return Err(invalid(path, "not a shimmer session file"));
     }

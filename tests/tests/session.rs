@@ -136,6 +136,26 @@ fn foreign_damaged_or_mismatched_session_files_are_refused() {
     rewrite_header(&file, |h| h["cached"] = 2.into());
     assert_clean_failure(&gen(&model), &["bytes of cache"]);
 
+    // Longer than any session of this model can be (a sparse terabyte): refused before it is
+    // read, by a process held to a 4 GiB address space.
+    std::fs::write(&file, &good).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(1 << 40).unwrap();
+    let out = shimmer_tests::output_within(
+        std::process::Command::new("prlimit").arg(format!("--as={}", 4u64 << 30)).arg("--").arg(shimmer_tests::shimmer_bin()).args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "3",
+            "--session",
+            file.to_str().unwrap(),
+        ]),
+        shimmer_tests::COMMAND_LIMIT,
+    );
+    assert_clean_failure(&out, &["1099511627776 bytes is more than a session of this model can hold"]);
+
     // A refused file is left as it was: never half-loaded, never overwritten.
     std::fs::write(&file, b"hello, not a session").unwrap();
     let _ = gen(&model);

@@ -114,6 +114,66 @@ fn a_corrupt_blob_without_a_good_copy_names_layer_expert_and_file() {
     assert_eq!(store.telemetry().read_errors, 1);
 }
 
+/// A checksum binds what it protects: a blob's identity as well as its bytes, and the dense
+/// weights too — moved, swapped or flipped, a container is refused before it can answer
+/// differently.
+#[test]
+fn swapped_blob_entries_a_flipped_dense_byte_and_a_missing_manifest_are_refused() {
+    let c = converted("olmoe", "int8");
+    let good = score(c.path(), &[]);
+    assert!(good.status.success(), "{}", String::from_utf8_lossy(&good.stderr));
+    let manifest_path = c.path().join(MANIFEST_FILE);
+    let original = std::fs::read(&manifest_path).unwrap();
+    let m = manifest(c.path());
+    let trace = c.path().join("t.trace");
+    assert!(score(c.path(), &["--trace", trace.to_str().unwrap()]).status.success());
+    let t = shimmer_common::trace::Trace::read(&trace).unwrap();
+    let (layer, used) = (t.header.layers[0] as usize, t.tokens[0].selected[0][0] as usize);
+    let at = |l: usize, e: usize| m.blobs.iter().position(|b| b.layer == l && b.expert == e).unwrap();
+    // Two experts' entries trade places (offset and checksum together): each checksum still
+    // matches the bytes it points at, but not the expert it now claims to be.
+    let other_layer = m.blobs.iter().map(|b| b.layer).find(|l| *l != layer).unwrap();
+    for (a, b) in [(at(layer, used), at(layer, (used + 1) % 64)), (at(layer, used), at(other_layer, used))] {
+        let mut v: serde_json::Value = serde_json::from_slice(&original).unwrap();
+        let blobs = v["blobs"].as_array_mut().unwrap();
+        for key in ["offset", "xxh3"] {
+            let (x, y) = (blobs[a][key].clone(), blobs[b][key].clone());
+            blobs[a][key] = y;
+            blobs[b][key] = x;
+        }
+        std::fs::write(&manifest_path, serde_json::to_vec(&v).unwrap()).unwrap();
+        for extra in [&[][..], &["--direct-io"][..]] {
+            assert_clean_failure(&score(c.path(), extra), &[&format!("layer {layer} expert {used}"), "checksum mismatch", "another expert's blob"]);
+        }
+    }
+    std::fs::write(&manifest_path, &original).unwrap();
+
+    // One flipped byte in the dense weights: refused before any token, naming the file.
+    let dense = c.path().join("dense.safetensors");
+    let bytes = std::fs::read(&dense).unwrap();
+    for at in [bytes.len() / 2, bytes.len() - 1] {
+        let mut flipped = bytes.clone();
+        flipped[at] ^= 0x10;
+        std::fs::write(&dense, &flipped).unwrap();
+        assert_clean_failure(&score(c.path(), &[]), &["dense.safetensors", "checksum mismatch"]);
+    }
+    std::fs::write(&dense, &bytes[..bytes.len() - 8]).unwrap();
+    assert_clean_failure(&score(c.path(), &[]), &["dense.safetensors", "truncated"]);
+    std::fs::write(&dense, &bytes).unwrap();
+    let answer = |o: &std::process::Output| {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["argmax"].clone(), v["logprobs"].clone())
+    };
+    assert_eq!(answer(&score(c.path(), &[])), answer(&good), "restored, the same answer");
+
+    // Without its manifest, the container says so (not that some tensor is missing).
+    std::fs::remove_file(&manifest_path).unwrap();
+    assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "is missing"]);
+    let worker =
+        shimmer(&["worker", "--model", c.path().to_str().unwrap(), "--listen", "127.0.0.1:1", "--no-usage", "--join-token", "store-errors-test-token"]);
+    assert_clean_failure(&worker, &[MANIFEST_FILE, "is missing"]);
+}
+
 #[test]
 fn damaged_containers_and_foreign_files_are_refused_with_the_reason() {
     let c = converted("olmoe", "bf16");
@@ -134,8 +194,10 @@ fn damaged_containers_and_foreign_files_are_refused_with_the_reason() {
         f(&mut v);
         std::fs::write(&manifest_path, serde_json::to_vec(&v).unwrap()).unwrap();
     };
-    edit(&|v| v["version"] = 2.into());
-    assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "version 2"]);
+    edit(&|v| v["version"] = 99.into());
+    assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "version 99"]);
+    edit(&|v| v["version"] = 1.into());
+    assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "version 1", "re-run `shimmer convert`"]);
     edit(&|v| v["expert_quant"] = "int3".into());
     assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "int3"]);
     edit(&|v| {

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use shimmer_common::checksum::Hasher;
-use shimmer_common::expert_blob;
+use shimmer_common::expert_blob::{self, BlobId};
 use shimmer_common::quant::QuantScheme;
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::{LoadError, ModelSpec};
@@ -30,7 +30,8 @@ pub const MANIFEST_FILE: &str = "shimmer-manifest.json";
 pub const EXPERTS_FILE: &str = "experts.safetensors";
 pub const DENSE_FILE: &str = "dense.safetensors";
 pub const FORMAT_NAME: &str = "shimmer-expert-container";
-pub const FORMAT_VERSION: u64 = 1;
+/// 2: blob checksums bind the blob's identity (layer, expert, format); the dense file is sealed.
+pub const FORMAT_VERSION: u64 = 2;
 const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -48,7 +49,36 @@ pub struct Manifest {
     /// Every blob has this length (a multiple of 4096).
     pub blob_bytes: u64,
     pub experts_file_bytes: u64,
+    /// The dense weights file's length and checksum, verified before they are used.
+    pub dense: FileSeal,
     pub blobs: Vec<BlobEntry>,
+}
+
+/// A whole file's length and XXH3-64.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileSeal {
+    pub bytes: u64,
+    pub xxh3: String,
+}
+
+impl FileSeal {
+    /// Reads `path` through once, in pieces (a dense file may be many GiB).
+    pub fn of(path: &Path) -> Result<FileSeal, LoadError> {
+        use std::io::Read;
+        let mut f = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
+        let mut h = Hasher::new();
+        let mut buf = vec![0u8; 8 << 20];
+        let mut bytes = 0u64;
+        loop {
+            let n = f.read(&mut buf).map_err(|e| LoadError::io(path, e))?;
+            if n == 0 {
+                break;
+            }
+            h.feed(&buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(FileSeal { bytes, xxh3: format!("{:016x}", h.finish()) })
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -68,6 +98,8 @@ pub struct BlobLocation {
     pub offset: u64,
     pub length: u64,
     pub checksum: u64,
+    /// What the checksum binds: the blob's layer, expert and format.
+    pub id: BlobId,
 }
 
 /// A validated container.
@@ -83,6 +115,40 @@ pub struct Container {
 impl Container {
     pub fn is_container(dir: &Path) -> bool {
         dir.join(MANIFEST_FILE).is_file()
+    }
+
+    /// An error when `dir` holds a container's weight files but not its manifest (it would
+    /// otherwise be read as a checkpoint and fail on some tensor's name, far from the cause).
+    pub fn check_manifest_present(dir: &Path) -> Result<(), LoadError> {
+        let weights: Vec<&str> = [EXPERTS_FILE, DENSE_FILE].into_iter().filter(|f| dir.join(f).is_file()).collect();
+        if !weights.is_empty() && !Self::is_container(dir) {
+            return Err(LoadError::malformed(
+                dir.join(MANIFEST_FILE),
+                format!(
+                    "is missing: {} a shimmer container's, and it cannot be read without its manifest (copy the manifest back, or run `shimmer convert` again)",
+                    if weights.len() == 2 { "dense.safetensors and experts.safetensors are" } else { "the weights file here is" }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the dense weights file against its seal in the manifest: its length, then (reading
+    /// it through once) its checksum. Called before the dense weights are used.
+    pub fn verify_dense(&self) -> Result<(), LoadError> {
+        let path = self.dir.join(DENSE_FILE);
+        let len = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?.len();
+        if len != self.manifest.dense.bytes {
+            return Err(LoadError::malformed(&path, format!("is {len} bytes, the manifest says {} (truncated or replaced)", self.manifest.dense.bytes)));
+        }
+        let seal = FileSeal::of(&path)?;
+        if seal.xxh3 != self.manifest.dense.xxh3 {
+            return Err(LoadError::malformed(
+                &path,
+                format!("checksum mismatch (xxh3 {}, the manifest says {}): the dense weights are damaged", seal.xxh3, self.manifest.dense.xxh3),
+            ));
+        }
+        Ok(())
     }
 
     /// Reads and checks the manifest against the spec and the experts file.
@@ -146,7 +212,7 @@ impl Container {
                 return Err(bad(format!("{what}: offset {} / length {} is misaligned or outside {EXPERTS_FILE}", b.offset, b.length)));
             }
             let checksum = u64::from_str_radix(&b.xxh3, 16).map_err(|_| bad(format!("{what}: checksum `{}` is not hex", b.xxh3)))?;
-            *slot = Some(BlobLocation { offset: b.offset, length: b.length, checksum });
+            *slot = Some(BlobLocation { offset: b.offset, length: b.length, checksum, id: BlobId { layer: b.layer, expert: b.expert, scheme } });
         }
         let mut complete = Vec::with_capacity(locations.len());
         for (layer, experts) in locations.into_iter().enumerate() {

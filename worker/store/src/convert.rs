@@ -22,7 +22,7 @@ use shimmer_common::quant::{self, QuantScheme};
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec, StDtype};
 
-use crate::container::{self, BlobEntry, Container, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+use crate::container::{self, BlobEntry, Container, FileSeal, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 
 /// Present while a conversion is unfinished (removed after the manifest is in place).
 pub const JOURNAL_FILE: &str = ".shimmer-convert.json";
@@ -94,12 +94,6 @@ struct Journal {
     blobs_done: Vec<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct FileSeal {
-    bytes: u64,
-    xxh3: String,
-}
-
 /// Test hook: `SHIMMER_CONVERT_CRASH_AT=N` aborts the process (as a kill would: no unwinding, no
 /// flushing) at the N-th crash point — after a blob write, a journal update or a rename.
 struct CrashPoints {
@@ -146,11 +140,6 @@ fn write_atomic(path: &Path, bytes: &[u8], crash: &mut CrashPoints) -> Result<()
     }
     crash.point();
     Ok(())
-}
-
-fn read_file_checksum(path: &Path) -> Result<FileSeal, LoadError> {
-    let bytes = std::fs::read(path).map_err(io(path))?;
-    Ok(FileSeal { bytes: bytes.len() as u64, xxh3: format!("{:016x}", expert_blob::checksum(&bytes)) })
 }
 
 /// A source tensor widened to f32; fp8-e4m3 tensors are dequantised with their
@@ -392,7 +381,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     // Dense weights first: one file, all or nothing.
     let dense_path = to.join(DENSE_FILE);
     let dense_ok = match &journal.dense_done {
-        Some(seal) => dense_path.is_file() && read_file_checksum(&dense_path)? == *seal,
+        Some(seal) => dense_path.is_file() && FileSeal::of(&dense_path)? == *seal,
         None => false,
     };
     // Blobs an earlier run finished, re-verified.
@@ -403,7 +392,9 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
             let mut buf = vec![0u8; blob_len];
             for (n, want) in journal.blobs_done.iter().enumerate() {
                 let at = header.len() as u64 + n as u64 * blob_bytes;
-                if f.read_exact_at(&mut buf, at).is_err() || format!("{:016x}", expert_blob::checksum(&buf)) != *want {
+                let Some(&(layer, expert)) = keys.get(n) else { break };
+                let id = expert_blob::BlobId { layer, expert, scheme: opts.expert_quant };
+                if f.read_exact_at(&mut buf, at).is_err() || format!("{:016x}", expert_blob::checksum(id, &buf)) != *want {
                     break;
                 }
                 resumed += 1;
@@ -419,7 +410,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         write_dense(&ckpt, &plans, fp8_block, &dense_path, progress)?;
         sync_dir(to)?;
         crash.point();
-        journal.dense_done = Some(read_file_checksum(&dense_path)?);
+        journal.dense_done = Some(FileSeal::of(&dense_path)?);
         write_atomic(&journal_path, &serde_json::to_vec(&journal).unwrap_or_default(), &mut crash)?;
     }
 
@@ -438,10 +429,11 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
                 Ok(expert_blob::encode(opts.expert_quant, h, i, &fp8(&g, &[i, h])?, &fp8(&u, &[i, h])?, &fp8(&d, &[h, i])?))
             })
             .collect::<Result<_, LoadError>>()?;
-        for blob in &blobs {
+        for (blob, &(layer, expert)) in blobs.iter().zip(batch) {
             let at = header.len() as u64 + next as u64 * blob_bytes;
             file.write_all_at(blob, at).map_err(io(&partial_experts))?;
-            journal.blobs_done.push(format!("{:016x}", expert_blob::checksum(blob)));
+            let id = expert_blob::BlobId { layer, expert, scheme: opts.expert_quant };
+            journal.blobs_done.push(format!("{:016x}", expert_blob::checksum(id, blob)));
             next += 1;
             progress(ConvertEvent::Advance(blob_bytes));
             crash.point();
@@ -486,6 +478,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         expert_intermediate_size: i,
         blob_bytes,
         experts_file_bytes,
+        dense: journal.dense_done.clone().ok_or_else(|| LoadError::malformed(to, "internal: the dense weights were not sealed"))?,
         blobs: keys
             .iter()
             .zip(&journal.blobs_done)

@@ -56,6 +56,7 @@ pub const DEFAULT_IO_DEPTH: usize = 16;
 /// Bytes one routed expert of the model at `dir` takes in memory (its matrices and scales), as
 /// the store counts them against a budget.
 pub fn expert_bytes_of(dir: &std::path::Path, spec: &ModelSpec) -> Result<u64, shimmer_common::LoadError> {
+    crate::container::Container::check_manifest_present(dir)?;
     if crate::container::Container::is_container(dir) {
         return Ok(crate::container::Container::open(dir, spec)?.expert_bytes());
     }

@@ -201,7 +201,7 @@ impl Source {
                             container.scheme,
                             container.manifest.hidden_size,
                             container.manifest.expert_intermediate_size,
-                            Some(loc.checksum),
+                            Some((loc.id, loc.checksum)),
                             &what,
                         )
                         .map_err(|e| e.to_string())

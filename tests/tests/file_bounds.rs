@@ -1,0 +1,154 @@
+//! Every size-like field of a file shimmer reads has a documented bound (docs/limits.md), checked
+//! before anything is sized from it: a value over it is refused naming the field, by a process
+//! held to a 4 GiB address space — never memory growing until the machine gives out.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{json, Value};
+use shimmer_common::spec::{CONFIG_BOUNDS, ROPE_BOUNDS};
+use shimmer_common::ModelSpec;
+use shimmer_tests::{assert_clean_failure, copy_fixture, fixture, fixtures, output_within, shimmer_bin, COMMAND_LIMIT};
+
+/// Numbers real configs carry that size nothing (rates, factors, unread fields).
+const NOT_SIZES: &[&str] = &[
+    "attention_dropout",
+    "initializer_range",
+    "clip_qkv",
+    "num_nextn_predict_layers",
+    "partial_rotary_factor",
+    "pretraining_tp",
+    "qk_head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "routed_scaling_factor",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "beta_fast",
+    "beta_slow",
+    "factor",
+    "mscale",
+    "mscale_all_dim",
+    "high_freq_factor",
+    "low_freq_factor",
+    // quantization_config.weight_block_size: bounded where it is parsed.
+    "weight_block_size",
+];
+
+fn config_of(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap()
+}
+
+/// The refusal of `config` (parsed in this process), as its message.
+fn refusal(config: &Value) -> String {
+    ModelSpec::from_json(config, Path::new("config.json")).err().map(|e| e.to_string()).unwrap_or_default()
+}
+
+#[test]
+fn every_number_in_a_real_config_is_bounded_or_sizes_nothing() {
+    for name in fixtures() {
+        let config = config_of(name);
+        let mut numbers = Vec::new();
+        fn walk(v: &Value, numbers: &mut Vec<String>) {
+            if let Value::Object(m) = v {
+                for (k, v) in m {
+                    let numeric = v.is_number() || v.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(Value::is_number));
+                    if numeric {
+                        numbers.push(k.clone());
+                    }
+                    walk(v, numbers);
+                }
+            }
+        }
+        walk(&config, &mut numbers);
+        for key in numbers {
+            let bounded = CONFIG_BOUNDS.iter().chain(ROPE_BOUNDS).any(|b| b.field == key);
+            assert!(bounded || NOT_SIZES.contains(&key.as_str()), "{name}: `{key}` has no documented bound and is not listed as sizing nothing");
+        }
+    }
+}
+
+#[test]
+fn each_bounded_config_field_over_its_bound_is_refused_by_name() {
+    for name in fixtures() {
+        let base = config_of(name);
+        assert!(refusal(&base).is_empty(), "{name}: {}", refusal(&base));
+        for b in CONFIG_BOUNDS {
+            let mut config = base.clone();
+            let (field, what) = match b.field.strip_suffix("[]") {
+                Some(list) => {
+                    config[list] = json!(vec![0; b.max as usize + 1]);
+                    (list, "entries is over the limit")
+                }
+                None => {
+                    config[b.field] = json!(b.max + 1);
+                    (b.field, "is over the limit")
+                }
+            };
+            let err = refusal(&config);
+            assert!(err.contains(&format!("`{field}`")) && err.contains(what), "{name}: {field} = over {}: {err}", b.max);
+            // At the bound itself the bound does not refuse (something else may).
+            if !b.field.ends_with("[]") {
+                config[b.field] = json!(b.max);
+                assert!(!refusal(&config).contains("is over the limit"), "{name}: {field} = {}: {}", b.max, refusal(&config));
+            }
+        }
+        for nested in ["rope_scaling", "rope_parameters"] {
+            if base[nested].is_object() {
+                let mut config = base.clone();
+                config[nested]["original_max_position_embeddings"] = json!(1e12);
+                let err = refusal(&config);
+                assert!(err.contains(&format!("`{nested}.original_max_position_embeddings`")), "{name}: {err}");
+            }
+        }
+    }
+}
+
+/// `shimmer generate` on `dir`, held to a 4 GiB address space.
+fn generate_within_4_gib(dir: &Path) -> std::process::Output {
+    output_within(
+        Command::new("prlimit").arg(format!("--as={}", 4u64 << 30)).arg("--").arg(shimmer_bin()).args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "2",
+        ]),
+        COMMAND_LIMIT,
+    )
+}
+
+#[test]
+fn the_binary_refuses_huge_sizes_within_a_4_gib_address_space() {
+    // The examples and variants of them: integers, a float, a list.
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("num_hidden_layers", json!(1_000_000_000u64), "`num_hidden_layers`"),
+        ("max_position_embeddings", json!(1_000_000_000_000u64), "`max_position_embeddings`"),
+        ("max_position_embeddings", json!(1e12), "`max_position_embeddings`"),
+        ("vocab_size", json!(u32::MAX), "`vocab_size`"),
+        ("num_local_experts", json!(1u64 << 40), "`num_local_experts`"),
+        ("mlp_only_layers", json!(vec![1; 200_000]), "`mlp_only_layers`"),
+    ];
+    for (field, value, named) in cases {
+        let d = copy_fixture("qwen3_moe");
+        let path = d.path().join("config.json");
+        let mut config = config_of("qwen3_moe");
+        config[field] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        assert_clean_failure(&generate_within_4_gib(d.path()), &["config.json", named, "over the limit"]);
+    }
+    // The limit is real: the unmodified model runs under it.
+    let out = generate_within_4_gib(&fixture("qwen3_moe"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn fields_each_within_bounds_whose_product_is_too_big_are_refused() {
+    let mut config = config_of("olmoe");
+    config["num_hidden_layers"] = json!(1024);
+    config["num_experts"] = json!(65536);
+    let err = refusal(&config);
+    assert!(err.contains("routed experts in all") && err.contains("over the limit"), "{err}");
+}
