@@ -85,3 +85,56 @@ def test_a_tool_use_round_trip(server):
         final = s.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
     assert final.content[0].input == use.input
+
+
+# Each sampling parameter both APIs take, side by side: a value either API refuses, the other
+# refuses too (naming the same field); a value both take means the same on both.
+SHARED = [
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"seed": "x"}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+]
+
+
+def _both(server, extra, stop_field_value=None):
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, **extra}
+    msgs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, **extra}
+    if stop_field_value is not None:
+        chat["stop"], msgs["stop_sequences"] = stop_field_value
+    a = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+    b = httpx.post(server.url + "/v1/messages", json=msgs, timeout=120)
+    return a, b
+
+
+@pytest.mark.parametrize("extra,field", SHARED, ids=[str(e) for e, _ in SHARED])
+def test_a_sampling_value_one_api_refuses_the_other_refuses_too(server, extra, field):
+    a, b = _both(server, extra)
+    assert a.status_code == 400 and b.status_code == 400, (a.text, b.text)
+    assert field in a.json()["error"]["message"] and field in b.json()["error"]["message"], (a.text, b.text)
+    assert a.json()["error"].get("param") == field
+
+
+def test_empty_or_too_many_stop_strings_are_refused_by_both_apis(server):
+    for stops in ([""], ["a", ""]):
+        a, b = _both(server, {}, (stops, stops))
+        assert a.status_code == 400 and b.status_code == 400 and "empty" in a.text and "empty" in b.text, (a.text, b.text)
+    a, b = _both(server, {}, (["s"] * 5, ["s"] * 17))
+    assert a.status_code == 400 and b.status_code == 400, (a.text, b.text)
+    assert "at most 4" in a.text and "at most 16" in b.text
+
+
+def test_the_same_sampling_values_give_the_same_answer_on_both_apis(server):
+    # Only the ranges of the reference APIs differ: temperature up to 2 on OpenAI's, up to 1 on
+    # Anthropic's.
+    for extra in ({"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}, {"temperature": 1, "top_p": 0.01, "seed": -3}, {"temperature": 0}):
+        a, b = _both(server, extra)
+        assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+        assert a.json()["choices"][0]["message"]["content"] == b.json()["content"][0]["text"], extra
+    a, b = _both(server, {"temperature": 1.5, "seed": 1})
+    assert a.status_code == 200 and b.status_code == 400 and "temperature" in b.text

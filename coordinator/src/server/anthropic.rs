@@ -24,7 +24,10 @@ use tokio::sync::mpsc;
 use super::batcher::{Event, Job};
 use super::errors::ApiError;
 use super::metrics::RequestTally;
-use super::openai::{async_stream, authorize, encode_conversation, parse_body, rand_seed, submit, Params};
+use super::openai::{async_stream, authorize, encode_conversation, parse_body, rand_seed, seed, stop_list, submit, top_k, top_p, Params};
+
+/// Stop sequences one request may give (OpenAI's API allows 4; Anthropic's documents no number).
+const MAX_STOP_SEQUENCES: usize = 16;
 use super::tools::{ToolChoice, ToolSpec, Tools};
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions};
@@ -210,20 +213,14 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     let tools = tools_of(&p)?;
     let stops: Vec<String> = match p.get("stop_sequences") {
         None => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings")))
-            .collect::<Result<_, _>>()?,
+        Some(Value::Array(a)) => stop_list("stop_sequences", a, MAX_STOP_SEQUENCES)?,
         Some(_) => return Err(ApiError::param("stop_sequences", "`stop_sequences` must be a list of strings")),
     };
     let sampling = SamplingParams {
         temperature: p.f32_in("temperature", 0.0, 1.0)?.unwrap_or(1.0),
-        top_p: p.f32_in("top_p", 0.0, 1.0)?.filter(|x| *x > 0.0).unwrap_or(1.0),
-        top_k: p.usize_in("top_k", 0, 1 << 20)?.unwrap_or(0),
-        seed: match p.get("seed") {
-            None => rand_seed(),
-            Some(v) => v.as_u64().ok_or_else(|| ApiError::param("seed", "`seed` must be a non-negative integer"))?,
-        },
+        top_p: top_p(&p)?,
+        top_k: top_k(&p)?,
+        seed: seed(&p)?,
         ..SamplingParams::default()
     };
     let stream = p.bool("stream")?;

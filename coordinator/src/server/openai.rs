@@ -35,6 +35,8 @@ const DEFAULT_MAX_TOKENS: usize = 256;
 const MAX_TOP_LOGPROBS: usize = 20;
 /// Most stop strings (OpenAI's limit).
 const MAX_STOPS: usize = 4;
+/// Bytes in one stop string.
+const MAX_STOP_BYTES: usize = 1024;
 
 pub(crate) fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
@@ -110,12 +112,11 @@ impl Params<'_> {
 
     /// `stop`: a string or a list of up to four.
     pub(crate) fn stops(&self) -> Result<Vec<String>, ApiError> {
-        let bad = || ApiError::param("stop", format!("`stop` must be a string or a list of at most {MAX_STOPS} strings"));
         match self.get("stop") {
+            Some(Value::String(s)) => stop_list("stop", &[Value::String(s.clone())], MAX_STOPS),
+            Some(Value::Array(a)) => stop_list("stop", a, MAX_STOPS),
             None => Ok(Vec::new()),
-            Some(Value::String(s)) => Ok(vec![s.clone()]),
-            Some(Value::Array(a)) if a.len() <= MAX_STOPS => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(bad)).collect(),
-            Some(_) => Err(bad()),
+            Some(_) => Err(ApiError::param("stop", format!("`stop` must be a string or a list of at most {MAX_STOPS} strings"))),
         }
     }
 
@@ -207,20 +208,11 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
     let temperature = p.f32_in("temperature", 0.0, 2.0)?.unwrap_or(1.0);
     let sampling = SamplingParams {
         temperature,
-        top_p: match p.f32_in("top_p", 0.0, 1.0)? {
-            Some(x) if x <= 0.0 => return Err(ApiError::param("top_p", "`top_p` must be greater than 0")),
-            Some(x) => x,
-            None => 1.0,
-        },
-        top_k: p.usize_in("top_k", 0, 1 << 20)?.unwrap_or(0),
+        top_p: top_p(p)?,
+        top_k: top_k(p)?,
         min_p: p.f32_in("min_p", 0.0, 1.0)?.unwrap_or(0.0),
         repetition_penalty: p.f32_in("repetition_penalty", 0.01, 100.0)?.unwrap_or(1.0),
-        seed: match p.get("seed") {
-            None => rand_seed(),
-            Some(v) => {
-                v.as_i64().map(|s| s as u64).or_else(|| v.as_u64()).ok_or_else(|| ApiError::param("seed", format!("`seed` must be an integer, got {v}")))?
-            }
-        },
+        seed: seed(p)?,
     };
     Ok(Common {
         model,
@@ -233,6 +225,52 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
         frequency_penalty: p.f32_in("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         constraint: response_format(p)?,
     })
+}
+
+/// Stop strings, for either API's field: at most `most`, each a non-empty string of at most
+/// `MAX_STOP_BYTES` (an empty one would end every answer before it began).
+pub(crate) fn stop_list(field: &str, items: &[Value], most: usize) -> Result<Vec<String>, ApiError> {
+    if items.len() > most {
+        return Err(ApiError::param(field, format!("`{field}` holds {} strings; at most {most} are allowed", items.len())));
+    }
+    items
+        .iter()
+        .map(|v| match v.as_str() {
+            Some("") => Err(ApiError::param(field, format!("`{field}` holds an empty string, which would stop every answer at once"))),
+            Some(s) if s.len() > MAX_STOP_BYTES => {
+                Err(ApiError::param(field, format!("a `{field}` string is {} bytes; at most {MAX_STOP_BYTES} are allowed", s.len())))
+            }
+            Some(s) => Ok(s.to_string()),
+            None => Err(ApiError::param(field, format!("`{field}` must hold strings, got {v}"))),
+        })
+        .collect()
+}
+
+// The sampling parameters both APIs share are read by these, once, so that a value means the
+// same on either (a `top_p` of 0 once meant "no nucleus" on one and an error on the other).
+
+/// `top_p` in (0, 1]; 1 when absent. 0 is refused, as vLLM refuses it: "the smallest set of
+/// tokens holding 0 % of the mass" has no answer a client could rely on.
+pub(crate) fn top_p(p: &Params) -> Result<f32, ApiError> {
+    match p.f32_in("top_p", 0.0, 1.0)? {
+        Some(x) if x <= 0.0 => Err(ApiError::param("top_p", "`top_p` must be greater than 0 (and at most 1)")),
+        Some(x) => Ok(x),
+        None => Ok(1.0),
+    }
+}
+
+/// `top_k`: 0 (or absent) samples from every token.
+pub(crate) fn top_k(p: &Params) -> Result<usize, ApiError> {
+    Ok(p.usize_in("top_k", 0, 1 << 20)?.unwrap_or(0))
+}
+
+/// `seed`: any 64-bit integer (negative ones as OpenAI allows, taken as their bits); random
+/// when absent.
+pub(crate) fn seed(p: &Params) -> Result<u64, ApiError> {
+    match p.get("seed") {
+        None => Ok(rand_seed()),
+        Some(v) => v.as_i64().map(|s| s as u64).or_else(|| v.as_u64()).ok_or_else(|| ApiError::param("seed", format!("`seed` must be an integer, got {v}"))),
+    }
 }
 
 /// A value a request gave, as the client wrote it (JSON), for error messages; `nothing` when absent.
