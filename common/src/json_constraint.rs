@@ -27,6 +27,9 @@ const MAX_NODES: usize = 4096;
 const MAX_STACK: usize = 64;
 pub const DEFAULT_MAX_STRING: usize = 256;
 pub const DEFAULT_MAX_ITEMS: usize = 64;
+/// Characters the shortest output a schema allows may take: a schema demanding more (say
+/// `minItems: 1000000000`) is refused, not accepted and cut off by `max_tokens`.
+pub const MAX_MIN_OUTPUT: usize = 1 << 16;
 const MAX_INT_DIGITS: usize = 15;
 const MAX_FRAC_DIGITS: usize = 15;
 // Two: with 15 digits before the point the largest is ~1e114, inside every parser's f64 range.
@@ -114,9 +117,11 @@ impl Schema {
         let mut s = Schema { nodes: base_nodes(), root: ANY, min_len: Vec::new() };
         let mut alts = Vec::with_capacity(tools.len());
         for (name, params) in tools {
-            let args = match params {
-                Some(p) => s.node(p, &format!("/{name}/parameters"), 0)?,
-                None => s.push(Node::FreeObject, name)?,
+            // Arguments are always an object: a schema that does not say (`{}`, `true`), like an
+            // absent one, means any object.
+            let args = match params.as_ref().map(|p| s.node(p, &format!("/{name}/parameters"), 0)).transpose()? {
+                Some(id) if id != ANY => id,
+                _ => s.push(Node::FreeObject, name)?,
             };
             if !s.first_chars(args).contains(&'{') || s.first_chars(args).len() != 1 {
                 return Err(err(&format!("/{name}/parameters"), "a tool's parameters must be an object schema"));
@@ -125,6 +130,7 @@ impl Schema {
         }
         s.root = s.push(Node::Tagged(alts), "")?;
         s.measure();
+        s.check_min_output()?;
         Ok(s)
     }
 
@@ -136,7 +142,16 @@ impl Schema {
         let mut s = Schema { nodes: base_nodes(), root: ANY, min_len: Vec::new() };
         s.root = s.node(schema, "", 0)?;
         s.measure();
+        s.check_min_output()?;
         Ok(s)
+    }
+
+    fn check_min_output(&self) -> Result<(), SchemaError> {
+        let shortest = self.min_len[self.root];
+        if shortest > MAX_MIN_OUTPUT {
+            return Err(err("", format!("the shortest output this schema allows is over {MAX_MIN_OUTPUT} characters (check minItems and minLength)")));
+        }
+        Ok(())
     }
 
     /// Fills `min_len`. A node's parts are always compiled (pushed) before it.
@@ -147,15 +162,15 @@ impl Schema {
                 Node::Any => 1, // `0`
                 Node::Object { keys, values, required } => {
                     let req: Vec<usize> = (0..keys.len()).filter(|i| required[*i]).collect();
-                    2 + req.iter().map(|i| keys[*i].len() + m[values[*i]]).sum::<usize>() + req.len().saturating_sub(1)
+                    req.iter().fold(2 + req.len().saturating_sub(1), |acc, i| acc.saturating_add(keys[*i].len().saturating_add(m[values[*i]])))
                 }
                 Node::FreeObject => 2,
-                Node::Array { items, min, .. } => 2 + min * m[*items] + min.saturating_sub(1),
-                Node::String { min, .. } => min + 2,
+                Node::Array { items, min, .. } => min.saturating_mul(m[*items]).saturating_add(min.saturating_sub(1)).saturating_add(2),
+                Node::String { min, .. } => min.saturating_add(2),
                 Node::Number { .. } => 1,
                 Node::Literals(ls) => ls.iter().map(|l| l.chars().count()).min().unwrap_or(0),
                 Node::Union(ids) => ids.iter().map(|i| m[*i]).min().unwrap_or(0),
-                Node::Tagged(alts) => alts.iter().map(|(p, v, x)| p.chars().count() + m[*v] + x.chars().count()).min().unwrap_or(0),
+                Node::Tagged(alts) => alts.iter().map(|(p, v, x)| m[*v].saturating_add(p.chars().count() + x.chars().count())).min().unwrap_or(0),
             };
         }
         self.min_len = m;
@@ -230,6 +245,7 @@ impl Schema {
         let types: Vec<&str> = match obj.get("type") {
             None => return Ok(if obj.contains_key("properties") { self.object(obj, at, depth)? } else { ANY }),
             Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) if ts.is_empty() => return Err(err(at, "`type` is an empty list: nothing could validate")),
             Some(Value::Array(ts)) => {
                 ts.iter().map(|t| t.as_str().ok_or_else(|| err(at, "`type` must be a string or a list of strings"))).collect::<Result<_, _>>()?
             }
@@ -344,9 +360,25 @@ impl Schema {
     }
 }
 
-/// Compact JSON text of a value (object keys in their given order).
+/// A value as the output writes it: compact JSON (object keys in their given order), every
+/// non-ASCII character as a `\u` escape (a surrogate pair above U+FFFF). The matcher moves a
+/// character at a time and the server offers tokens of whole characters, so a literal's `é` —
+/// which a byte-level vocabulary may hold only as two partial-UTF-8 tokens — is written
+/// `\u00e9`: the same JSON value, in characters every vocabulary has.
 fn canonical(v: &Value) -> String {
-    serde_json::to_string(v).unwrap_or_default()
+    let text = serde_json::to_string(v).unwrap_or_default();
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    out
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -1121,6 +1153,13 @@ mod tests {
             (json!({"enum": []}), "empty"),
             (json!({"type": "array", "minItems": 3, "maxItems": 2}), "minItems"),
             (json!(42), "object"),
+            (json!({"type": []}), "empty list"),
+            (json!({"type": "object", "properties": {"a": {"type": []}}}), "empty list"),
+            // Demands more than any answer could hold: refused, not cut off by max_tokens.
+            (json!({"type": "array", "minItems": 1_000_000_000u64}), "shortest output"),
+            (json!({"type": "string", "minLength": 1_000_000_000u64}), "shortest output"),
+            (json!({"type": "array", "minItems": 300, "items": {"type": "array", "minItems": 300}}), "shortest output"),
+            (json!({"type": "array", "minItems": u64::MAX, "items": {"type": "array", "minItems": u64::MAX}}), "shortest output"),
         ];
         for (schema, needle) in cases {
             let e = Schema::compile(&schema).expect_err(&schema.to_string()).to_string();
@@ -1131,5 +1170,31 @@ mod tests {
             deep = json!({"type": "array", "items": deep});
         }
         assert!(Schema::compile(&deep).unwrap_err().to_string().contains("deeper"));
+    }
+
+    #[test]
+    fn non_ascii_literals_are_written_as_escapes_that_parse_to_the_same_value() {
+        let schema = json!({"type": "object", "properties": {"café": {"const": "naïve 日本 😀"}, "k": {"enum": ["ü", 1]}}, "required": ["café", "k"]});
+        let mut m = matcher(schema.clone());
+        let text = r#"{"caf\u00e9":"na\u00efve \u65e5\u672c \ud83d\ude00","k":"\u00fc"}"#;
+        assert!(m.feed(text) && m.can_end(), "{text}");
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(v, json!({"café": "naïve 日本 😀", "k": "ü"}));
+        assert!(validates(&schema, &v));
+        // Every character the matcher offers along the way is ASCII.
+        let mut m = matcher(schema);
+        for c in text.chars() {
+            assert!(c.is_ascii() && m.advance(c));
+        }
+    }
+
+    #[test]
+    fn a_tools_parameters_that_say_nothing_mean_any_object_as_an_absent_schema_does() {
+        for params in [None, Some(json!({})), Some(json!(true)), Some(json!({"type": "object"}))] {
+            let s = std::sync::Arc::new(Schema::tool_call(&[("f".into(), params.clone())]).unwrap());
+            let mut m = Matcher::new(s.clone());
+            assert!(m.feed(r#"{"name":"f","arguments":{"x":[1]}}"#) && m.can_end(), "{params:?}");
+            assert!(!Matcher::new(s).feed(r#"{"name":"f","arguments":3"#), "{params:?}: arguments must be an object");
+        }
     }
 }

@@ -336,6 +336,49 @@ def test_unsupported_schemas_are_refused_by_name(server):
     assert e.value.body["param"] == "response_format"
 
 
+def test_schemas_that_once_failed_mid_answer_are_refused_or_answered(server):
+    import jsonschema
+
+    c = client(server)
+
+    def ask(schema, **kw):
+        return c.chat.completions.create(
+            model=MODEL, messages=PROMPT, max_tokens=80, temperature=0.8, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, **kw
+        )
+
+    # Nothing could validate, or no answer could hold it: a 400 before any token, never a 500.
+    for schema, needle in [
+        ({"type": []}, "empty list"),
+        ({"type": "object", "properties": {"a": {"type": []}}}, "empty list"),
+        ({"type": "array", "minItems": 1_000_000_000}, "shortest output"),
+        ({"type": "string", "minLength": 100_000}, "shortest output"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(schema)
+        assert needle in e.value.body["message"], (schema, e.value.body)
+    # Non-ASCII constants and property names: answered, and the answer is the schema's value.
+    for schema in [
+        {"const": "café"},
+        {"type": "object", "properties": {"größe": {"type": "integer"}, "名前": {"enum": ["ヨセフ", "モーセ"]}}, "required": ["größe", "名前"]},
+        {"type": "array", "items": {"const": "😀"}, "minItems": 2, "maxItems": 2},
+    ]:
+        for stream in (False, True):
+            if stream:
+                text = "".join(ch.choices[0].delta.content or "" for ch in ask(schema, stream=True) if ch.choices)
+            else:
+                text = ask(schema).choices[0].message.content
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_tools_without_parameters_or_with_an_empty_schema_take_any_object(server):
+    c = client(server)
+    for fn in [{"name": "ping"}, {"name": "ping", "parameters": {}}, {"name": "ping", "parameters": {"type": "object"}}]:
+        r = c.chat.completions.create(model=MODEL, messages=PROMPT, tools=[{"type": "function", "function": fn}], tool_choice="required", max_tokens=40, temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "ping" and isinstance(json.loads(call.function.arguments), dict), fn
+
+
 WEATHER = {
     "type": "function",
     "function": {
