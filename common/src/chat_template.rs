@@ -18,6 +18,14 @@ use crate::json::Obj;
 use crate::spec::read_json_file;
 
 const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+/// What one render may build, in minijinja's fuel (an instruction, or 64 bytes of strings or
+/// list slots it creates): 4 M instructions and 256 MiB of values, plus room in proportion to
+/// the conversation it renders. A template that doubles a string or a list 40 times is refused
+/// with "ran out of fuel" long before it holds the machine's memory.
+const RENDER_FUEL: u64 = 4_000_000;
+/// Bytes one `tojson` may write (it serializes values the template built, which fuel has
+/// already paid for, but a nested structure can repeat one value many times over).
+const MAX_TOJSON_BYTES: usize = 16 << 20;
 const MAX_TOKENIZER_CONFIG_BYTES: u64 = 32 << 20;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -104,28 +112,65 @@ impl ChatConfig {
 
     /// Renders `messages` with the model's template, as `apply_chat_template(tokenize=False)`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, LoadError> {
-        let (Some(template), Some(path)) = (&self.template, &self.template_path) else {
-            return Err(LoadError::malformed("tokenizer_config.json", "the model has no chat template"));
-        };
-        render_template(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
-            .map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
+        let messages: Vec<Value> = messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.render_json(&messages, None, add_generation_prompt)
     }
 
     /// `render` for messages as the API gives them (JSON: assistant `tool_calls`, `tool` role
     /// messages with `tool_call_id`) and the request's `tools`, as `apply_chat_template(messages,
     /// tools=...)` passes them to the template.
     pub fn render_json(&self, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool) -> Result<String, LoadError> {
+        let (job, path) = self.job(messages, tools, add_generation_prompt)?;
+        job.run().map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
+    }
+
+    /// What rendering `messages` takes, as data (so that another process can do it: the server
+    /// renders in a sandbox process), and the template's file for errors.
+    pub fn job(&self, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool) -> Result<(RenderJob, PathBuf), LoadError> {
         let (Some(template), Some(path)) = (&self.template, &self.template_path) else {
             return Err(LoadError::malformed("tokenizer_config.json", "the model has no chat template"));
         };
-        render_with(template, &minijinja::value::Serde(messages), tools, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
-            .map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))
+        let job = RenderJob {
+            template: template.clone(),
+            messages: messages.to_vec(),
+            tools: tools.cloned(),
+            add_generation_prompt,
+            bos_token: self.bos_token.clone(),
+            eos_token: self.eos_token.clone(),
+        };
+        Ok((job, path.clone()))
     }
 
     /// Whether the template renders tool definitions and calls itself (it mentions `tools`);
     /// otherwise the server describes tools in a system message of its own.
     pub fn knows_tools(&self) -> bool {
         self.template.as_deref().is_some_and(|t| t.contains("tools") && t.contains("tool_call"))
+    }
+}
+
+/// One render of a chat template: the template and everything it is given.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RenderJob {
+    pub template: String,
+    pub messages: Vec<Value>,
+    pub tools: Option<Value>,
+    pub add_generation_prompt: bool,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl RenderJob {
+    /// Renders in this process, under the fuel bound; the error as the template engine says it.
+    pub fn run(&self) -> Result<String, String> {
+        render_with(
+            &self.template,
+            &minijinja::value::Serde(&self.messages),
+            self.tools.as_ref(),
+            self.add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -163,8 +208,9 @@ fn render_with<M: serde::Serialize>(
         .build()
         .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
     env.set_syntax(syntax);
-    // A template is code from the checkpoint: bound the work one render may do.
-    env.set_fuel(Some(50_000_000));
+    // A template is code from the checkpoint: bound the work and memory one render may use.
+    let input_bytes = serde_json::to_string(&messages.0).map_or(0, |t| t.len()) + tools.map_or(0, |t| t.to_string().len());
+    env.set_fuel(Some(RENDER_FUEL + input_bytes as u64 / 8));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
     env.add_function("strftime_now", |fmt: String| -> Result<JValue, JinjaError> {
@@ -187,7 +233,7 @@ fn tojson_filter(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JVal
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
-    let mut json = serde_json::to_value(&value).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut json = bounded_json(&value)?;
     if sort_keys == Some(true) {
         sort_json_keys(&mut json);
     }
@@ -199,6 +245,31 @@ fn tojson_filter(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JVal
     let mut out = String::new();
     python_json_with(&json, indent, seps, 0, &mut out);
     Ok(JValue::from_safe_string(out))
+}
+
+/// `value` as JSON, refused once its text would pass `MAX_TOJSON_BYTES` (so a template's value
+/// that holds another many times over costs at most that much to write).
+fn bounded_json(value: &JValue) -> Result<Value, JinjaError> {
+    struct Capped(Vec<u8>);
+    impl std::io::Write for Capped {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.0.len() + buf.len() > MAX_TOJSON_BYTES {
+                return Err(std::io::Error::other("too large"));
+            }
+            self.0.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut out = Capped(Vec::new());
+    if serde_json::to_writer(&mut out, value).is_err() {
+        let why =
+            if out.0.len() + 4096 >= MAX_TOJSON_BYTES { format!("the value is over {MAX_TOJSON_BYTES} bytes as JSON") } else { "the value is not JSON".into() };
+        return Err(JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {why}")));
+    }
+    serde_json::from_slice(&out.0).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
 }
 
 fn sort_json_keys(v: &mut Value) {

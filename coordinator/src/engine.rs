@@ -380,15 +380,17 @@ impl Engine {
 
     /// The ids of `messages` rendered with the model's chat template, ready for generation.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>, EngineError> {
-        let text = self.chat.render(messages, true)?;
-        // The template already wrote any BOS it wants; the tokenizer must not add another.
-        Ok(self.tokenizer.encode(&text, false)?)
+        let messages: Vec<serde_json::Value> = messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.encode_chat_json(&messages, None)
     }
 
     /// The ids of API-shaped messages (JSON, with tool calls and results) and tools rendered with
     /// the model's chat template, ready for generation.
     pub fn encode_chat_json(&self, messages: &[serde_json::Value], tools: Option<&serde_json::Value>) -> Result<Vec<u32>, EngineError> {
-        let text = self.chat.render_json(messages, tools, true)?;
+        let (job, path) = self.chat.job(messages, tools, true)?;
+        // The template is the checkpoint's code: the binary renders it in a sandbox process.
+        let text = crate::template_sandbox::render(&job).map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))?;
+        // The template already wrote any BOS it wants; the tokenizer must not add another.
         Ok(self.tokenizer.encode(&text, false)?)
     }
 

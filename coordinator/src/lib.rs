@@ -18,6 +18,7 @@ pub mod routing;
 pub mod sampling;
 pub mod server;
 pub mod session_file;
+pub mod template_sandbox;
 pub mod trace_recorder;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

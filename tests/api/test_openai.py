@@ -471,3 +471,29 @@ def test_an_over_long_prompt_is_blamed_on_where_it_came_from(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and r.json()["error"]["code"] == "context_length_exceeded", r.text
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_a_template_that_grows_without_bound_fails_its_request_and_the_server_stays_up(make_server, tmp_path):
+    import shutil
+
+    from conftest import ROOT
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3_moe", model)
+    # A value that holds another twice, forty levels deep, printed: 2^40 copies. The fuel does
+    # not see it (it is cheap to build); the render sandbox's memory limit stops it.
+    (model / "chat_template.jinja").write_text(
+        "{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = [ns.x, ns.x] %}{% endfor %}{{ ns.x|pprint }}"
+    )
+    s = make_server("--model", str(model), "--no-usage")
+    c = client(s)
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model="model", messages=PROMPT, max_tokens=4)
+        assert e.value.status_code == 400, (e.value.status_code, e.value.body)
+        assert "chat template failed" in e.value.body["message"] and "a render may use" in e.value.body["message"]
+    assert s.proc.poll() is None, "the server died"
+    assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    # What needs no template still answers.
+    r = c.completions.create(model="model", prompt="The tide", max_tokens=4, temperature=0)
+    assert r.choices[0].text is not None and r.usage.completion_tokens == 4

@@ -152,3 +152,46 @@ fn fields_each_within_bounds_whose_product_is_too_big_are_refused() {
     let err = refusal(&config);
     assert!(err.contains("routed experts in all") && err.contains("over the limit"), "{err}");
 }
+
+/// Chat templates that build values without limit: each fails the render with an error naming
+/// the template, quickly, from a process held to 4 GiB — the fuel refuses most, and the render
+/// sandbox's memory limit the ones that grow while being printed.
+#[test]
+fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them() {
+    let doubling = |step: &str, init: &str, show: &str| {
+        format!("{{% set ns = namespace(x={init}) %}}{{% for i in range(40) %}}{{% set ns.x = {step} %}}{{% endfor %}}{show}")
+    };
+    let cases = [
+        (doubling("ns.x + ns.x", "[1]", "{{ ns.x|length }}"), "fuel"),
+        (doubling("ns.x ~ ns.x", "\"ab\"", "{{ ns.x|length }}"), "fuel"),
+        (doubling("ns.x + ns.x", "[1]", "{{ ns.x|tojson }}"), "fuel"),
+        (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|tojson }}"), "tojson"),
+        (doubling("dict(a=ns.x, b=ns.x)", "{}", "{{ ns.x }}"), "MiB a render may use"),
+        (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|pprint }}"), "MiB a render may use"),
+        ("{% for i in range(90000) %}{% for j in range(90000) %}{{ messages }}{% endfor %}{% endfor %}".to_string(), "fuel"),
+    ];
+    let d = copy_fixture("qwen3_moe");
+    let template = d.path().join("chat_template.jinja");
+    for (t, why) in &cases {
+        std::fs::write(&template, t).unwrap();
+        let out = output_within(
+            Command::new("prlimit").arg(format!("--as={}", 4u64 << 30)).arg("--").arg(shimmer_bin()).args([
+                "generate",
+                "--model",
+                d.path().to_str().unwrap(),
+                "--chat",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "2",
+                "--no-usage",
+            ]),
+            COMMAND_LIMIT,
+        );
+        assert_clean_failure(&out, &["chat_template.jinja", "chat template failed", why]);
+    }
+    // The same directory with an ordinary template answers.
+    std::fs::write(&template, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}").unwrap();
+    let out = shimmer_tests::shimmer(&["generate", "--model", d.path().to_str().unwrap(), "--chat", "--prompt", "hi", "--max-tokens", "2", "--no-usage"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

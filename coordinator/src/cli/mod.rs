@@ -91,10 +91,20 @@ enum Command {
     /// Exit 0 when an HTTP URL answers 2xx within a timeout: the health check of the container
     /// image, which has no curl.
     Probe(ProbeArgs),
+    /// The chat-template sandbox (started by shimmer itself; see template_sandbox.rs).
+    #[command(name = "render-sandbox", hide = true)]
+    RenderSandbox,
 }
 
 pub fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::RenderSandbox) {
+        crate::template_sandbox::serve()?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        crate::template_sandbox::enable(exe);
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHIMMER_LOG").unwrap_or_else(|_| "warn".into()))
@@ -114,6 +124,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Bench(a) => bench(a),
         Command::QuantEval(a) => quant_eval(a),
         Command::Probe(a) => probe(a),
+        Command::RenderSandbox => Ok(ExitCode::SUCCESS),
     }
 }
 
