@@ -325,7 +325,14 @@ def test_a_scaled_up_worker_joins_and_the_placement_grows_with_the_same_answers(
         time.sleep(1)
     else:
         pytest.fail(f"the scaled-up worker never joined a placement within 180 s; last: {last}\n{logs(pods)}")
+    # Ready once it has moved to that epoch itself (it may apply the activation a moment after
+    # the leader answered): polled, as the kubelet polls a readiness probe.
     probe = new.container["readinessProbe"]["httpGet"]
-    ready = from_tester(tester, host_bin(), "probe", f"http://{new.ip}:{new.port(probe['port'])}{probe['path']}")
-    assert ready.returncode == 0, ready.stderr
+    deadline = time.time() + 60
+    while True:
+        ready = from_tester(tester, host_bin(), "probe", f"http://{new.ip}:{new.port(probe['port'])}{probe['path']}")
+        if ready.returncode == 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert ready.returncode == 0, f"{ready.stderr}\n{logs(pods)}"
     test_the_helm_test_pod_succeeds_and_answers_match_the_single_box(cluster)
