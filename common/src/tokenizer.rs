@@ -36,6 +36,36 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Whether `text` certainly holds more than `limit` tokens, found without tokenizing it whole:
+    /// it is counted in pieces of at most `PIECE_BYTES` cut at whitespace, and a cut can change
+    /// the count by a few tokens, so each cut is allowed `SLACK_PER_CUT` (never a refusal of a
+    /// text that fits). Tokenizing costs ~100 bytes of memory per byte of text at once; this
+    /// costs that per piece.
+    pub fn certainly_more_than(&self, text: &str, limit: usize) -> Result<bool, LoadError> {
+        const PIECE_BYTES: usize = 64 << 10;
+        const SLACK_PER_CUT: usize = 8;
+        let (mut counted, mut cuts, mut rest) = (0usize, 0usize, text);
+        while !rest.is_empty() {
+            let mut end = rest.len().min(PIECE_BYTES);
+            while !rest.is_char_boundary(end) {
+                end -= 1;
+            }
+            if end < rest.len() {
+                // Cut before a whitespace character (where pre-tokenizers cut too), when the piece has one.
+                if let Some(ws) = rest[..end].rfind(char::is_whitespace).filter(|&w| w > 0) {
+                    end = ws;
+                }
+                cuts += 1;
+            }
+            counted += self.encode(&rest[..end], false)?.len();
+            if counted > limit + cuts * SLACK_PER_CUT {
+                return Ok(true);
+            }
+            rest = &rest[end..];
+        }
+        Ok(false)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, LoadError> {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| LoadError::malformed(&self.path, format!("cannot decode ids: {e}")))
     }

@@ -375,7 +375,23 @@ impl Engine {
     }
 
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.refuse_certainly_too_long(text)?;
         Ok(self.tokenizer.encode(text, true)?)
+    }
+
+    /// A text far longer than the context is refused before it is tokenized whole (which takes
+    /// ~100 bytes of memory per byte at once): counted in pieces, it is certainly over.
+    fn refuse_certainly_too_long(&self, text: &str) -> Result<(), EngineError> {
+        // Below this, tokenizing whole costs little and gives the exact count anyway.
+        const COUNT_IN_PIECES_FROM: usize = 256 << 10;
+        let context = self.spec.max_position_embeddings;
+        if text.len() > COUNT_IN_PIECES_FROM && self.tokenizer.certainly_more_than(text, context)? {
+            return Err(EngineError::Input(format!(
+                "the prompt has more tokens than the model's context of {context} (max_position_embeddings): its {} bytes were counted in pieces and not tokenized whole",
+                text.len()
+            )));
+        }
+        Ok(())
     }
 
     /// The ids of `messages` rendered with the model's chat template, ready for generation.
@@ -390,6 +406,7 @@ impl Engine {
         let (job, path) = self.chat.job(messages, tools, true)?;
         // The template is the checkpoint's code: the binary renders it in a sandbox process.
         let text = crate::template_sandbox::render(&job).map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))?;
+        self.refuse_certainly_too_long(&text)?;
         // The template already wrote any BOS it wants; the tokenizer must not add another.
         Ok(self.tokenizer.encode(&text, false)?)
     }

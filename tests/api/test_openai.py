@@ -497,3 +497,76 @@ def test_a_template_that_grows_without_bound_fails_its_request_and_the_server_st
     # What needs no template still answers.
     r = c.completions.create(model="model", prompt="The tide", max_tokens=4, temperature=0)
     assert r.choices[0].text is not None and r.usage.completion_tokens == 4
+
+
+def _raw(server, data: bytes, wait: float = 10.0):
+    """Sends `data` on a fresh connection; what comes back until the server closes or `wait`
+    passes, and when the connection closed (None: still open)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(server.url)
+    s = socket.create_connection((u.hostname, u.port), timeout=wait)
+    s.sendall(data)
+    got, start, closed_at = b"", time.time(), None
+    s.settimeout(0.2)
+    while time.time() - start < wait:
+        try:
+            chunk = s.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            closed_at = time.time() - start
+            break
+        got += chunk
+    s.close()
+    return got, closed_at
+
+
+def test_keys_before_bodies_and_deadlines_for_slow_or_idle_connections(make_server):
+    s = make_server("--api-key", "k1", "--header-timeout-s", "2", "--body-timeout-s", "2")
+    head = lambda key, length: (  # noqa: E731
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+    # A wrong key is refused at once, with none of its (never sent) 4 MB body read.
+    got, _ = _raw(s, head("wrong", 4_000_000), wait=3)
+    assert got.startswith(b"HTTP/1.1 401"), got[:200]
+    # A declared body over the limit: 413 at once.
+    got, _ = _raw(s, head("k1", 5_000_000), wait=3)
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    # A body that stops coming: 408 after --body-timeout-s.
+    started = time.time()
+    got, _ = _raw(s, head("k1", 100) + b'{"model": "shimmer-demo",', wait=8)
+    assert got.startswith(b"HTTP/1.1 408") and b"did not arrive" in got, got[:300]
+    assert 1.5 < time.time() - started < 7
+    # Headers that never finish, and a connection that says nothing: closed after
+    # --header-timeout-s.
+    for data in (b"GET /health HTTP/1.1\r\nHost: x\r\n", b""):
+        got, closed = _raw(s, data, wait=8)
+        assert closed is not None and 1.5 < closed < 7, (data, got, closed)
+    # An idle keep-alive connection after a request: closed too.
+    got, closed = _raw(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", wait=8)
+    assert got.startswith(b"HTTP/1.1 200") and closed is not None and 1.5 < closed < 7, (got, closed)
+    # Anthropic's API answers in its own shape.
+    r = httpx.post(s.url + "/v1/messages", headers={"x-api-key": "wrong"}, json={"model": "shimmer-demo", "max_tokens": 4, "messages": PROMPT})
+    assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    # And the server still serves.
+    ok = httpx.post(s.url + "/v1/chat/completions", headers={"Authorization": "Bearer k1"}, json={"model": "shimmer-demo", "max_tokens": 4, "messages": PROMPT}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(server):
+    text = "And the LORD spake unto Moses, saying, " * 100_000  # 3.9 MB, just under the body limit
+    for path, body, field in [
+        ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}, "messages"),
+        ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}, None),
+    ]:
+        r = httpx.post(server.url + path, json=body, timeout=120)
+        assert r.status_code == 400, (path, r.text[:300])
+        message = r.json()["error"]["message"]
+        assert "counted in pieces" in message and "context" in message, (path, message)
+        if field:
+            assert r.json()["error"]["param"] == field
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200

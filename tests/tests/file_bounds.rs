@@ -195,3 +195,36 @@ fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them(
     let out = shimmer_tests::shimmer(&["generate", "--model", d.path().to_str().unwrap(), "--chat", "--prompt", "hi", "--max-tokens", "2", "--no-usage"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The count in pieces that refuses a far-too-long prompt before it is tokenized whole never
+/// refuses one that fits: on every fixture's tokenizer, texts of ~300 KB (words, runs without
+/// whitespace, multi-byte characters) are "certainly more than" half their exact count and never
+/// more than the count itself.
+#[test]
+fn counting_a_prompt_in_pieces_never_refuses_one_that_fits() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let words = ["the", "LORD", "spake", "unto", "Moses", "42", "naïve", "日本語", "😀", "\n\n", "  ", "x=y+1;", "https://example.com/a?b=c"];
+    for name in fixtures() {
+        let tok = shimmer_common::tokenizer::Tokenizer::from_dir(&fixture(name)).unwrap();
+        for round in 0..3 {
+            let mut text = String::new();
+            while text.len() < 300_000 {
+                let w = words[(next() % words.len() as u64) as usize];
+                text.push_str(w);
+                // Round 1 writes long runs with no whitespace at all.
+                if round != 1 {
+                    text.push(' ');
+                }
+            }
+            let exact = tok.encode(&text, false).unwrap().len();
+            assert!(!tok.certainly_more_than(&text, exact).unwrap(), "{name} round {round}: refused a text of exactly {exact} tokens");
+            assert!(tok.certainly_more_than(&text, exact / 2).unwrap(), "{name} round {round}: {exact} tokens not seen as more than {}", exact / 2);
+        }
+    }
+}

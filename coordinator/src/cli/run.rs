@@ -29,6 +29,13 @@ pub(super) struct RunArgs {
     /// (the next chat turn) reuses it instead of prefilling again; 0 turns prefix reuse off.
     #[arg(long, default_value_t = 1.0)]
     pub(super) kv_gb: f64,
+    /// Seconds a connection may take to send a request's headers — and an idle keep-alive
+    /// connection is kept waiting for its next request — before it is closed.
+    #[arg(long, default_value_t = 20.0)]
+    pub(super) header_timeout_s: f64,
+    /// Seconds a client may take to send a request's body once its headers are in (408 beyond).
+    #[arg(long, default_value_t = 30.0)]
+    pub(super) body_timeout_s: f64,
     /// The model name clients use (default: the model directory's name; `shimmer-demo` for the demo).
     #[arg(long)]
     pub(super) served_model_name: Option<String>,
@@ -97,6 +104,13 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
         bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
     }
+    let seconds = |flag: &str, v: f64| -> Result<std::time::Duration> {
+        if !(v > 0.0 && v <= 3600.0) {
+            bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
+        }
+        Ok(std::time::Duration::from_secs_f64(v))
+    };
+    let (header_timeout, body_timeout) = (seconds("--header-timeout-s", a.header_timeout_s)?, seconds("--body-timeout-s", a.body_timeout_s)?);
     let expert_bytes = match engine.store_telemetry() {
         Some(t) => t.expert_bytes,
         None => shimmer_store::expert_bytes_of(&dir, &engine.spec)?,
@@ -112,6 +126,8 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
             max_batch: a.max_batch.max(1),
             kv_budget_bytes: (a.kv_gb * 1e9) as usize,
             max_body_bytes: 4 << 20,
+            header_timeout,
+            body_timeout,
             model_id,
             expert_bytes,
             control: control.clone(),

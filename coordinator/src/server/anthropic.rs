@@ -34,7 +34,7 @@ use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
 
 /// An error as Anthropic's API shapes it.
-fn anthropic_error(e: ApiError) -> Response {
+pub(crate) fn anthropic_error(e: ApiError) -> Response {
     let kind = match e.status {
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::NOT_FOUND => "not_found_error",

@@ -9,6 +9,7 @@ pub mod anthropic;
 pub mod batcher;
 pub mod dashboard;
 pub mod errors;
+mod guard;
 pub mod metrics;
 pub mod openai;
 pub mod prefix_cache;
@@ -45,6 +46,11 @@ pub struct ServerConfig {
     pub kv_budget_bytes: usize,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
+    /// How long a connection may take to send a request's headers (and an idle keep-alive one is
+    /// held).
+    pub header_timeout: Duration,
+    /// How long a client may take to send a body once its headers are in (408 beyond).
+    pub body_timeout: Duration,
     /// The name `/v1/models` lists and requests must use.
     pub model_id: String,
     /// One routed expert's bytes (the dashboard's bytes-served tiers).
@@ -63,14 +69,21 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub dashboard: Arc<std::sync::Mutex<dashboard::Dashboard>>,
     pub control: Option<Arc<shimmer_worker::control::ControlPlane>>,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    pub body_timeout: Duration,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    Router::new()
+    // The API's routes pass the guard (the key, then the body within its limit and deadline).
+    let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard::guard));
+    Router::new()
+        .merge(api)
         .route("/", get(|| async { static_file("text/html; charset=utf-8", include_str!("dashboard/index.html")) }))
         .route("/dashboard.js", get(|| async { static_file("text/javascript; charset=utf-8", include_str!("dashboard/dashboard.js")) }))
         .route("/dashboard.css", get(|| async { static_file("text/css; charset=utf-8", include_str!("dashboard/dashboard.css")) }))
@@ -191,6 +204,8 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         metrics,
         dashboard: dash,
         control: cfg.control.clone(),
+        max_body_bytes: cfg.max_body_bytes,
+        body_timeout: cfg.body_timeout,
     });
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
@@ -203,20 +218,67 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         // Tests and scripts wait for this line.
         eprintln!("shimmer: serving {} on http://{local} (OpenAI API under /v1)", cfg.model_id);
         let app = router(state, cfg.max_body_bytes);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                eprintln!("shimmer: shutting down (cancelling running requests)");
-                // Ends every stream, so the connections close and the server can stop.
-                tokio::task::spawn_blocking(move || b.shutdown()).await.ok();
-            })
-            .await
-            .context("the HTTP server failed")?;
+        serve_connections(listener, app, cfg.header_timeout, async move {
+            shutdown_signal().await;
+            eprintln!("shimmer: shutting down (cancelling running requests)");
+            // Ends every stream, so the connections close and the server can stop.
+            tokio::task::spawn_blocking(move || b.shutdown()).await.ok();
+        })
+        .await;
         anyhow::Ok(())
     })?;
     batcher.shutdown();
     rt.shutdown_timeout(Duration::from_secs(2));
     Ok(())
+}
+
+/// Serves `app` on `listener` until `stop` completes, then lets the connections finish (at most
+/// `DRAIN` more). Each connection has `header_timeout` for a request's headers — idle keep-alive
+/// connections and slow senders are closed — and the API guard bounds the body.
+async fn serve_connections(listener: tokio::net::TcpListener, app: Router, header_timeout: Duration, stop: impl std::future::Future<Output = ()>) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    const DRAIN: Duration = Duration::from_secs(30);
+    let (closing, closed) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::pin!(stop);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                // Out of descriptors and the like: wait a little rather than spin.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut closed = closed.clone();
+        connections.spawn(async move {
+            // HTTP/1.1 (what the API and its clients speak); the header deadline runs from the
+            // moment the connection (or a kept-alive one) waits for a request.
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = async { let _ = closed.wait_for(|c| *c).await; } => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+        // Reap finished connections as we go, so the set holds only live ones.
+        while connections.try_join_next().is_some() {}
+    }
+    drop(listener);
+    let _ = closing.send(true);
+    let _ = tokio::time::timeout(DRAIN, async { while connections.join_next().await.is_some() {} }).await;
 }
 
 async fn shutdown_signal() {

@@ -479,7 +479,10 @@ pub(crate) fn encode_conversation(state: &AppState, msgs: Vec<Value>, tools: Opt
         }
         _ => engine.encode_chat_json(&msgs, None),
     };
-    rendered.map_err(|e| ApiError::param("messages", format!("cannot render the chat template: {e}")))
+    rendered.map_err(|e| match e {
+        crate::engine::EngineError::Input(why) => ApiError::param("messages", why),
+        e => ApiError::param("messages", format!("cannot render the chat template: {e}")),
+    })
 }
 
 fn logprobs_request(p: &Params<'_>, chat: bool) -> Result<Option<usize>, ApiError> {
