@@ -38,6 +38,7 @@ MATRIX = {
     "hf-model": ["--set", "model.source=hf", "--set-json", 'model.hf.volume={"persistentVolumeClaim":{"claimName":"hf-models","readOnly":true}}',
                  "--set", "model.hf.path=Qwen3-30B-A3B", "--set", "model.hf.quant=int4-g32", "--set", "worker.persistence.enabled=false"],
     "monitoring-crds": [*MONITORING_CRDS, "--set", "monitoring.vllmNames=true", "--set-json", 'monitoring.serviceMonitor.labels={"release":"kube-prometheus"}'],
+    "metrics-key": [*MONITORING_CRDS, "--set", "metricsApiKey.value=scrape-me-please", "--set", "monitoring.vllmNames=true"],
     "gateway": ["--set", "httpRoute.enabled=true", "--set-json", 'httpRoute.parentRefs=[{"name":"gateway","namespace":"gateways"}]',
                 "--set-json", 'httpRoute.hostnames=["llm.example.com"]', "--set", "networkPolicy.enabled=false"],
 }
@@ -209,6 +210,31 @@ def test_monitoring_objects_render_whenever_their_crds_exist_and_carry_the_teste
         assert json.loads(text) == json.loads((CHART / "dashboards" / key).read_text())
     off = render(helm, "--set", "monitoring.dashboards.enabled=false")
     assert not [d for d in by_kind(off, "ConfigMap").values() if "grafana_dashboard" in d["metadata"]["labels"]]
+
+
+def test_a_metrics_key_reaches_every_member_and_the_service_monitor(helm):
+    docs = render(helm, *MATRIX["metrics-key"])
+    secrets = by_kind(docs, "Secret")
+    refs = []
+    for name in ("rel-shimmer-coordinator", "rel-shimmer-worker"):
+        env = {e["name"]: e for e in by_kind(docs, "StatefulSet")[name]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        refs.append(env["SHIMMER_METRICS_API_KEY"]["valueFrom"]["secretKeyRef"])
+    endpoints = by_kind(docs, "ServiceMonitor")["rel-shimmer"]["spec"]["endpoints"]
+    assert len(endpoints) == 3
+    refs += [e["authorization"]["credentials"] for e in endpoints]
+    assert all(e["authorization"]["type"] == "Bearer" for e in endpoints)
+    for ref in refs:
+        assert base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode() == "scrape-me-please", ref
+    # A Secret of the user's: named, not created.
+    theirs = render(helm, *MONITORING_CRDS, "--set", "metricsApiKey.existingSecret=ops-metrics")
+    assert "rel-shimmer-metrics-api-key" not in by_kind(theirs, "Secret")
+    endpoint = by_kind(theirs, "ServiceMonitor")["rel-shimmer"]["spec"]["endpoints"][0]
+    assert endpoint["authorization"]["credentials"] == {"name": "ops-metrics", "key": "metrics-api-key"}
+    # Without one, nothing asks for a key.
+    plain = render(helm, *MONITORING_CRDS)
+    assert all("authorization" not in e for e in by_kind(plain, "ServiceMonitor")["rel-shimmer"]["spec"]["endpoints"])
+    env = by_kind(plain, "StatefulSet")["rel-shimmer-worker"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "SHIMMER_METRICS_API_KEY" not in {e["name"] for e in env}
 
 
 def test_the_dashboards_are_what_their_source_makes():

@@ -47,6 +47,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.value }}true{{ end }}
 {{- end }}
 
+{{- define "shimmer.metricsKeySecret" -}}
+{{- .Values.metricsApiKey.existingSecret | default (printf "%s-metrics-api-key" (include "shimmer.fullname" .)) }}
+{{- end }}
+
+{{- define "shimmer.metricsKeyEnabled" -}}
+{{- if or .Values.metricsApiKey.existingSecret .Values.metricsApiKey.value }}true{{ end }}
+{{- end }}
+
 {{/* The headless Service a StatefulSet's pods are named under: "worker" or "coordinator". */}}
 {{- define "shimmer.headless" -}}
 {{ include "shimmer.fullname" .root }}-{{ .component }}
@@ -94,6 +102,13 @@ dns:{{ include "shimmer.serviceDomain" (dict "root" . "component" "worker") }}:7
     secretKeyRef:
       name: {{ include "shimmer.tokenSecret" . }}
       key: token
+{{- if include "shimmer.metricsKeyEnabled" . }}
+- name: SHIMMER_METRICS_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "shimmer.metricsKeySecret" . }}
+      key: metrics-api-key
+{{- end }}
 {{- end }}
 
 {{/* The init container that converts a Hugging Face checkpoint into the pod's data volume. */}}
