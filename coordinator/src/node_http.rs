@@ -47,11 +47,9 @@ pub fn start(
         control,
         metrics_key,
     });
-    rt.spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("the worker's HTTP endpoints stopped: {e}");
-        }
-    });
+    // The same connection handling as the API's (header deadline, idle keep-alive closed); it
+    // serves until the runtime stops.
+    rt.spawn(crate::server::serve_connections(listener, app, crate::server::HEADER_TIMEOUT, std::future::pending::<()>()));
     Ok(local)
 }
 

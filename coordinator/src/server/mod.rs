@@ -232,10 +232,13 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
     Ok(())
 }
 
+/// A worker's endpoints' header deadline (`--header-timeout-s`'s default on the API).
+pub(crate) const HEADER_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Serves `app` on `listener` until `stop` completes, then lets the connections finish (at most
 /// `DRAIN` more). Each connection has `header_timeout` for a request's headers — idle keep-alive
 /// connections and slow senders are closed — and the API guard bounds the body.
-async fn serve_connections(listener: tokio::net::TcpListener, app: Router, header_timeout: Duration, stop: impl std::future::Future<Output = ()>) {
+pub(crate) async fn serve_connections(listener: tokio::net::TcpListener, app: Router, header_timeout: Duration, stop: impl std::future::Future<Output = ()>) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     const DRAIN: Duration = Duration::from_secs(30);
     let (closing, closed) = tokio::sync::watch::channel(false);
