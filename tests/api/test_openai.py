@@ -129,7 +129,7 @@ def test_client_mistakes_are_400s_that_say_what_is_wrong(server):
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in error_of(r)["message"]
     c = client(server)
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="gpt-4o", messages=PROMPT)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:

@@ -66,6 +66,22 @@ pub(crate) fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Map<Stri
     }
 }
 
+/// An unsupported field set to what asks for nothing — `null`, or the field's own "off"
+/// (`echo: false`, `logit_bias: {}`, `best_of: 1`, `suffix: ""`, `functions: []`,
+/// `modalities: ["text"]`): accepted, as clients send such defaults.
+fn asks_nothing(k: &str, v: &Value) -> bool {
+    match (k, v) {
+        (_, Value::Null) => true,
+        ("echo", Value::Bool(false)) => true,
+        ("logit_bias", Value::Object(m)) => m.is_empty(),
+        ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
+        ("suffix", Value::String(s)) => s.is_empty(),
+        ("functions", Value::Array(a)) => a.is_empty(),
+        ("modalities", Value::Array(a)) => a.iter().all(|m| m == "text"),
+        _ => false,
+    }
+}
+
 /// Typed access to a request's fields, each error naming its parameter.
 pub(crate) struct Params<'a>(pub(crate) &'a Map<String, Value>);
 
@@ -87,7 +103,8 @@ impl Params<'_> {
     pub(crate) fn usize_in(&self, k: &str, lo: usize, hi: usize) -> Result<Option<usize>, ApiError> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => match v.as_u64() {
+            // An integer, or a number with no fractional part (`4.0`), as JSON Schema counts them.
+            Some(v) => match v.as_u64().or_else(|| v.as_f64().filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= hi as f64).map(|x| x as u64)) {
                 Some(x) if (lo as u64..=hi as u64).contains(&x) => Ok(Some(x as usize)),
                 _ => Err(ApiError::param(k, format!("`{k}` must be an integer in [{lo}, {hi}], got {v}"))),
             },
@@ -125,6 +142,9 @@ impl Params<'_> {
     pub(crate) fn only(&self, known: &[&str], unsupported: &[(&str, &str)]) -> Result<(), ApiError> {
         for k in self.0.keys() {
             if let Some((_, why)) = unsupported.iter().find(|(name, _)| name == k) {
+                if asks_nothing(k, &self.0[k]) {
+                    continue;
+                }
                 return Err(ApiError::param(k, format!("`{k}` is not supported: {why}")).code("unsupported_parameter"));
             }
             if !known.contains(&k.as_str()) {
@@ -182,13 +202,17 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
     let model = p.str("model")?.ok_or_else(|| ApiError::param("model", "`model` is required"))?.to_string();
     if model != state.model_id {
-        return Err(ApiError::param("model", format!("the model `{model}` does not exist; this server serves `{}`", state.model_id)).code("model_not_found"));
+        // 404, as OpenAI's API and vLLM answer an unknown model.
+        let e = ApiError::param("model", format!("the model `{model}` does not exist; this server serves `{}`", state.model_id));
+        return Err(ApiError { status: StatusCode::NOT_FOUND, ..e }.code("model_not_found"));
     }
     if let Some(n) = p.get("n") {
         if n.as_u64() != Some(1) {
             return Err(ApiError::param("n", format!("`n` = {n} is not supported: one choice per request (n = 1)")).code("unsupported_parameter"));
         }
     }
+    // Accepted and unused, but of the type OpenAI's API gives them.
+    p.str("user")?;
     let stream = p.bool("stream")?;
     let include_usage = match p.get("stream_options") {
         None => false,
