@@ -67,6 +67,17 @@ impl KvCache {
         self.keys.iter().zip(&self.values).map(|(k, v)| (&k[..self.len * self.k_width], &v[..self.len * self.v_width]))
     }
 
+    /// Gives back the room the slots grew into beyond the positions held (a cache kept for reuse
+    /// should hold only what it counts).
+    pub fn shrink_to_fit(&mut self) {
+        self.keys.iter_mut().chain(&mut self.values).for_each(|v| v.shrink_to_fit());
+    }
+
+    /// Bytes the slots hold in memory, room to grow included (`bytes` counts the positions).
+    pub fn held_bytes(&self) -> usize {
+        self.keys.iter().chain(&self.values).map(|v| v.capacity() * 4).sum()
+    }
+
     pub fn bytes(&self) -> usize {
         self.keys.iter().chain(&self.values).map(|v| v.len() * 4).sum()
     }

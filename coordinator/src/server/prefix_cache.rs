@@ -25,8 +25,10 @@ impl PrefixCache {
         PrefixCache { budget_bytes, entries: Vec::new(), tick: 0, hits: 0, reused_tokens: 0 }
     }
 
+    /// What the kept sessions hold in memory (their slots are shrunk to fit when kept, so this
+    /// is what they count, not up to twice it — the soak run's creep, docs/benchmarks.md).
     pub fn bytes(&self) -> usize {
-        self.entries.iter().map(|(s, _)| s.cache.bytes()).sum()
+        self.entries.iter().map(|(s, _)| s.cache.held_bytes()).sum()
     }
 
     pub fn len(&self) -> usize {
@@ -63,8 +65,9 @@ impl PrefixCache {
 
     /// Keeps a finished request's session (its KV covers `session.tokens`). Entries it extends
     /// are dropped (it holds all they hold); then the least recently used go until the budget holds.
-    pub fn insert(&mut self, session: Session) {
-        if session.tokens.is_empty() || session.cache.bytes() > self.budget_bytes {
+    pub fn insert(&mut self, mut session: Session) {
+        session.cache.shrink_to_fit();
+        if session.tokens.is_empty() || session.cache.held_bytes() > self.budget_bytes {
             return;
         }
         self.entries.retain(|(s, _)| !(s.tokens.len() <= session.tokens.len() && session.tokens.starts_with(&s.tokens)));
@@ -126,5 +129,22 @@ mod tests {
         // A session larger than the budget is not kept.
         c.insert(session(&[1; 20]));
         assert!(c.bytes() <= per_token * 8);
+    }
+
+    #[test]
+    fn a_kept_session_holds_only_what_it_counts() {
+        let mut s = session(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        // A session given out by `lookup` keeps the longer one's room after its cut.
+        s.cache.truncate(3);
+        s.tokens.truncate(3);
+        assert!(s.cache.held_bytes() > s.cache.bytes());
+        let mut c = PrefixCache::new(1 << 20);
+        c.insert(s);
+        assert_eq!(c.bytes(), c.entries[0].0.cache.bytes(), "the kept slots are shrunk to what they hold");
+        let mut again = c.lookup(&[1, 2, 3, 9]).unwrap();
+        assert_eq!(again.tokens, vec![1, 2, 3]);
+        let (k, v) = again.cache.layer(0, 0..3);
+        assert_eq!((k.to_vec(), v.to_vec()), (vec![1.0, 0.0, 2.0, 0.0, 3.0, 0.0], vec![0.0, 1.0, 0.0, 2.0, 0.0, 3.0]), "the same KV after the shrink");
+        again.cache.shrink_to_fit();
     }
 }
