@@ -139,6 +139,14 @@ fn metrics_api_key(flag: &Option<String>) -> Result<Option<String>> {
     Ok(key)
 }
 
+/// A `--…-s` flag's value as a duration: seconds in (0, 3600].
+fn seconds_flag(flag: &str, v: f64) -> Result<std::time::Duration> {
+    if !(v > 0.0 && v <= 3600.0) {
+        bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
 fn start_trace(engine: &Engine, path: &Option<PathBuf>) -> Result<()> {
     if let Some(p) = path {
         engine.record_trace(p)?;
@@ -195,12 +203,7 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
     };
     if let Some(source) = source {
         let creds = cluster.auth.credentials()?;
-        let secs = |flag: &str, v: f64| -> Result<std::time::Duration> {
-            if !(v > 0.0 && v <= 3600.0) {
-                bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
-            }
-            Ok(std::time::Duration::from_secs_f64(v))
-        };
+        let secs = seconds_flag;
         let timeouts = shimmer_worker::remote::Timeouts {
             answer: secs("--worker-timeout-s", cluster.worker_timeout_s)?,
             connect: secs("--connect-timeout-s", cluster.connect_timeout_s)?,

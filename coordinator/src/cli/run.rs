@@ -104,13 +104,8 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
         bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
     }
-    let seconds = |flag: &str, v: f64| -> Result<std::time::Duration> {
-        if !(v > 0.0 && v <= 3600.0) {
-            bail!("{flag} must be a number of seconds in (0, 3600], got {v}");
-        }
-        Ok(std::time::Duration::from_secs_f64(v))
-    };
-    let (header_timeout, body_timeout) = (seconds("--header-timeout-s", a.header_timeout_s)?, seconds("--body-timeout-s", a.body_timeout_s)?);
+    let (header_timeout, body_timeout) =
+        (super::seconds_flag("--header-timeout-s", a.header_timeout_s)?, super::seconds_flag("--body-timeout-s", a.body_timeout_s)?);
     let expert_bytes = match engine.store_telemetry() {
         Some(t) => t.expert_bytes,
         None => shimmer_store::expert_bytes_of(&dir, &engine.spec)?,
