@@ -6,7 +6,10 @@
 # it read from its disk to take its share (bytes moved = experts read × bytes per expert); then
 # SIGTERM drains it and we time until it exits (its experts placed elsewhere first).
 # Status is polled with `shimmer cluster status` (a process and a TLS handshake per poll: the
-# figures are upper bounds at that resolution, ~0.1 s). Usage:
+# figures are upper bounds at that resolution, ~0.1 s). The workers serve the demo converted to a
+# container (the store reads its blobs with O_DIRECT); the baseline, measured in the same round, is
+# `dd iflag=direct` reading the same number of bytes from that container's experts file — the
+# disk's floor for moving the share. Usage:
 #   bench/control-plane/placement.sh [ROUNDS]   (default 5; SHIMMER_BIN=… to pick the binary)
 set -euo pipefail
 rounds="${1:-5}"
@@ -20,7 +23,7 @@ addr() { echo "127.0.0.$(( $1 + 2 )):7421"; }
 start() { # start I [flags…]
   local i="$1"; shift
   : > "$work/w$i.log"
-  "$bin" worker --listen "$(addr "$i")" --data-dir "$work/d$i" --no-usage --no-mdns "$@" 2>"$work/w$i.log" &
+  "$bin" worker --model "$work/model" --listen "$(addr "$i")" --data-dir "$work/d$i" --no-usage --no-mdns "$@" 2>"$work/w$i.log" &
   pids[$i]=$!
   until grep -q "health, readiness and metrics on" "$work/w$i.log"; do sleep 0.02; done
 }
@@ -38,13 +41,20 @@ elif p["proposed"] is not None: print("proposed")
 else: print("none")' "$1"
 }
 now() { date +%s.%N; }
+"$bin" convert --from "$(dirname "$0")/../../models/demo" --to "$work/model" --quiet
 start 0 --bootstrap
 start 1 --join "$(addr 0)"
 start 2 --join "$(addr 0)"
 until [ "$(placed 3)" = active ]; do sleep 0.1; done
 expert_mb="$(sed -n 's/.*experts of \([0-9.]*\) MB.*/\1/p' "$work/w0.log" | head -1)"
 echo "3 workers placed; one expert is $expert_mb MB"
-commits=(); actives=(); drains=(); reads=()
+commits=(); actives=(); drains=(); reads=(); floors=()
+blob_bytes="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["blob_bytes"])' "$work/model/shimmer-manifest.json")"
+floor() { # floor N: seconds for dd to read N blobs' bytes from the experts file with O_DIRECT
+  local s; s=$(now)
+  dd if="$work/model/experts.safetensors" of=/dev/null bs="$blob_bytes" count="$1" iflag=direct status=none
+  echo "$(now) - $s" | bc
+}
 for r in $(seq 1 "$rounds"); do
   extra=(--join "$(addr 0)"); [ -d "$work/d3" ] && extra=()
   start 3 "${extra[@]}"
@@ -62,8 +72,9 @@ for r in $(seq 1 "$rounds"); do
   kill -TERM "${pids[3]}"; wait "${pids[3]}" 2>/dev/null || true
   drained=$(echo "$(now) - $t1" | bc)
   until [ "$(placed 3)" = active ]; do sleep 0.1; done
-  commits+=("$committed"); actives+=("$active"); drains+=("$drained"); reads+=("$n")
-  echo "round $r: proposed after $committed s, active after $active s, $n experts read ($(echo "$n * $expert_mb" | bc) MB), drained in $drained s"
+  f="$(floor "$n")"
+  commits+=("$committed"); actives+=("$active"); drains+=("$drained"); reads+=("$n"); floors+=("$f")
+  echo "round $r: proposed after $committed s, active after $active s, $n experts read ($(echo "$n * $blob_bytes" | bc) bytes; dd O_DIRECT of the same bytes $f s), drained in $drained s"
 done
-median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {printf "%.2f", (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-echo "median over $rounds joins: proposed $(median "${commits[@]}") s, active $(median "${actives[@]}") s, experts read $(median "${reads[@]}"), drain $(median "${drains[@]}") s"
+median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {printf "%.3f", (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+echo "median over $rounds joins: proposed $(median "${commits[@]}") s, active $(median "${actives[@]}") s, experts read $(median "${reads[@]}"), dd O_DIRECT of those bytes $(median "${floors[@]}") s, drain $(median "${drains[@]}") s"

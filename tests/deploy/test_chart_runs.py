@@ -7,7 +7,9 @@ env), its env resolved from the rendered Secrets and the downward API, `/data` a
 own owned by the pod's fsGroup, `/tmp` an emptyDir. Cluster DNS is Debian's dnsmasq on the
 bridge (each namespace's /etc/netns/NAME/resolv.conf names it): every running pod's name under
 its headless Service, each headless Service's name for all its pods, the API Service's name for
-the coordinators — updated as pods start. Then: the members form one cluster through Raft by themselves (worker 0 starts it,
+the coordinators — updated as pods start. The rendered NetworkPolicies are enforced as a CNI
+would, with iptables in each selected pod's namespace, and a stranger (a pod of another app in
+the namespace) stands beside the release's pods. Then: the members form one cluster through Raft by themselves (worker 0 starts it,
 the rest join by `dns:`); every probe the chart declares answers on the port it names; the `helm
 test` pod's command succeeds against the API Service's name; and a chat completion through that
 name equals `shimmer generate --chat` on the host.
@@ -48,9 +50,9 @@ def rendered(helm: Path, release: str) -> list[dict]:
 
 
 class Pod:
-    def __init__(self, name: str, spec: dict, service: str | None, ip: str):
-        self.name, self.spec, self.service, self.ip = name, spec, service, ip
-        self.container = spec["containers"][0]
+    def __init__(self, name: str, spec: dict, service: str | None, ip: str, labels: dict[str, str]):
+        self.name, self.spec, self.service, self.ip, self.labels = name, spec, service, ip, labels
+        self.container = spec["containers"][0] if spec.get("containers") else {}
         self.proc: subprocess.Popen | None = None
         self.ctr: str | None = None
 
@@ -94,10 +96,14 @@ def cluster(image, request):
     pods: list[Pod] = []
     for s in (d for d in docs if d["kind"] == "StatefulSet"):
         for i in range(s["spec"]["replicas"]):
-            pods.append(Pod(f"{s['metadata']['name']}-{i}", s["spec"]["template"]["spec"], s["spec"]["serviceName"], f"{SUBNET}.{10 + len(pods)}"))
+            template = s["spec"]["template"]
+            pods.append(Pod(f"{s['metadata']['name']}-{i}", template["spec"], s["spec"]["serviceName"], f"{SUBNET}.{10 + len(pods)}", template["metadata"]["labels"]))
     tests = [d for d in docs if d["kind"] == "Pod" and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
     assert len(tests) == 1, "the chart has one helm test pod"
-    tester = Pod(tests[0]["metadata"]["name"], tests[0]["spec"], None, f"{SUBNET}.9")
+    tester = Pod(tests[0]["metadata"]["name"], tests[0]["spec"], None, f"{SUBNET}.9", tests[0]["metadata"]["labels"])
+    stranger = Pod(f"{release}-stranger", {}, None, f"{SUBNET}.8", {"app.kubernetes.io/name": "another-app"})
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policies, "the defaults render a NetworkPolicy"
     lan = f"{release}-lan"
     made: list[str] = []
     work = Path(tempfile.mkdtemp(prefix="shimmer-chart-"))
@@ -114,7 +120,7 @@ def cluster(image, request):
         sh("ip", "-n", lan, "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
         sh("ip", "-n", lan, "link", "set", "br0", "up")
         dns = Dns(lan, f"{SUBNET}.1", work)
-        for k, p in enumerate([tester, *pods]):
+        for k, p in enumerate([stranger, tester, *pods]):
             sh("ip", "netns", "add", p.name)
             made.append(p.name)
             veth = f"v{os.getpid() % 100000}x{k}"
@@ -130,6 +136,7 @@ def cluster(image, request):
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "resolv.conf").write_text(f"nameserver {SUBNET}.1\noptions timeout:1 attempts:2\n")
             (etc / "hosts").write_text("127.0.0.1 localhost\n")
+        enforce_network_policies(policies, [stranger, tester, *pods])
         image_config = config(image)
         scale_up = pods[-1]
         assert scale_up.name.endswith(f"-worker-{WORKERS - 1}")
@@ -137,7 +144,7 @@ def cluster(image, request):
         publish_dns(first, services, dns)
         for p in first:
             start(p, image, image_config, secrets, work)
-        yield first, tester, image_config, secrets, work, image, scale_up, services, dns
+        yield first, tester, image_config, secrets, work, image, scale_up, services, dns, stranger
     finally:
         for p in [*pods, tester]:
             if p.proc is not None and p.proc.poll() is None:
@@ -154,6 +161,42 @@ def cluster(image, request):
             run(["ip", "netns", "del", ns])
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"a selector this test does not enforce: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def enforce_network_policies(policies: list[dict], pods: list[Pod]):
+    """What a CNI does with the rendered policies: each selected pod admits, in its namespace,
+    only what some policy's ingress rules allow (sources by pod selector, ports by number or name,
+    replies to its own connections); pods no policy selects admit everything."""
+    allowed: dict[str, list[list[str]]] = {}
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec.get("policyTypes") == ["Ingress"], f"policy types this test does not enforce: {spec.get('policyTypes')}"
+        for p in (q for q in pods if selects(spec["podSelector"], q.labels)):
+            rules = allowed.setdefault(p.name, [])
+            for rule in spec.get("ingress", []):
+                sources: list[str | None] = [None]
+                if "from" in rule:
+                    sources = []
+                    for peer in rule["from"]:
+                        assert set(peer) == {"podSelector"}, f"a peer this test does not enforce: {peer}"
+                        sources += [q.ip for q in pods if selects(peer["podSelector"], q.labels)]
+                for port in rule.get("ports") or [{}]:
+                    match = []
+                    if "port" in port:
+                        number = port["port"] if isinstance(port["port"], int) else p.port(port["port"])
+                        match = ["-p", port.get("protocol", "TCP").lower(), "--dport", str(number)]
+                    rules += [[*(["-s", src] if src else []), *match, "-j", "ACCEPT"] for src in sources]
+    for p in pods:
+        if p.name not in allowed:
+            continue
+        for rule in [["-i", "lo", "-j", "ACCEPT"], ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"], *allowed[p.name], ["-j", "DROP"]]:
+            out = run(["ip", "netns", "exec", p.name, "iptables", "-A", "INPUT", *rule])
+            assert out.returncode == 0, f"iptables {' '.join(rule)} in {p.name}: {out.stderr}"
 
 
 def publish_dns(running: list[Pod], services: dict[str, dict], dns: "Dns"):
@@ -236,6 +279,12 @@ def from_tester(tester: Pod, *cmd: str, timeout: float = 60) -> subprocess.Compl
     return run(["ip", "netns", "exec", tester.name, *cmd], timeout=timeout)
 
 
+def connects(client: Pod, ip: str, port: int) -> bool:
+    """Whether a TCP connection from the client's namespace to ip:port is accepted within 3 s."""
+    probe = "import socket, sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\nexcept OSError:\n sys.exit(1)"
+    return from_tester(client, sys.executable, "-c", probe, ip, str(port)).returncode == 0
+
+
 def cluster_status(tester: Pod, pods: list[Pod], secrets: dict) -> tuple[dict | None, str]:
     token = resolve_env(pods[0], secrets)["SHIMMER_JOIN_TOKEN"]
     worker0 = next(p for p in pods if p.name.endswith("-worker-0"))
@@ -286,6 +335,19 @@ def test_every_probe_answers_on_the_port_it_names(cluster):
                 time.sleep(1)
 
 
+def test_the_network_policy_keeps_the_control_plane_to_members_and_leaves_the_api_and_metrics_open(cluster):
+    pods, tester, *_, stranger = cluster
+    coordinator = next(p for p in pods if "-coordinator-" in p.name)
+    worker = next(p for p in pods if "-worker-" in p.name)
+    # The release's own pods (the helm test pod carries its labels) reach the control plane.
+    assert connects(tester, worker.ip, worker.port("control")), "a member's pod could not reach a worker's control plane"
+    # A pod of another app reaches the API and the metrics, not the control plane.
+    assert connects(stranger, coordinator.ip, coordinator.port("api")), "the API is not open to other pods"
+    assert connects(stranger, worker.ip, worker.port("http")), "a worker's metrics are not open to other pods"
+    assert not connects(stranger, worker.ip, worker.port("control")), "another app's pod reached a worker's control plane"
+    assert not connects(stranger, coordinator.ip, coordinator.port("control")), "another app's pod reached the coordinator's control plane"
+
+
 def test_the_helm_test_pod_succeeds_and_answers_match_the_single_box(cluster):
     pods, tester, image_config, secrets, work, image, *_ = cluster
     done = start(tester, image, image_config, secrets, work, wait=True)
@@ -305,7 +367,7 @@ print(json.dumps({{"content": r.choices[0].message.content}}))
 
 
 def test_a_scaled_up_worker_joins_and_the_placement_grows_with_the_same_answers(cluster):
-    pods, tester, image_config, secrets, work, image, new, services, dns = cluster
+    pods, tester, image_config, secrets, work, image, new, services, dns, _ = cluster
     before, said = cluster_status(tester, pods, secrets)
     assert before, said
     epoch = max(p["epoch"] for p in before["placements"])
