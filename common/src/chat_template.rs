@@ -21,7 +21,8 @@ const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
 /// What one render may build, in minijinja's fuel (an instruction, or 64 bytes of strings or
 /// list slots it creates): 4 M instructions and 256 MiB of values, plus room in proportion to
 /// the conversation it renders. A template that doubles a string or a list 40 times is refused
-/// with "ran out of fuel" long before it holds the machine's memory.
+/// with "ran out of fuel" long before it holds the machine's memory, and so is one that prints a
+/// value holding another many times over (the print budget of the vendored minijinja).
 const RENDER_FUEL: u64 = 4_000_000;
 /// Bytes one `tojson` may write (it serializes values the template built, which fuel has
 /// already paid for, but a nested structure can repeat one value many times over).
@@ -425,6 +426,35 @@ mod tests {
         let t = "{{ {'b': 1, 'a': [1, 2]} | tojson(sort_keys=true) }}|{{ {'b': 1} | tojson(separators=[',', ':']) }}|{{ {'x': 1} | tojson(indent=2) }}";
         let out = render_template(t, &[], false, None, None).unwrap();
         assert_eq!(out, "{\"a\": [1, 2], \"b\": 1}|{\"b\":1}|{\n  \"x\": 1\n}");
+    }
+
+    /// Values that grow while printed (a value holding another twice, 40 deep: 2^40 items
+    /// reached from a few instructions) fail the render in this process — printed, turned into a
+    /// string, joined or pretty-printed — and quickly: the print budget the vendored minijinja
+    /// charges per item stops the walk, where fuel alone let it run out of memory.
+    #[test]
+    fn values_that_grow_while_printed_run_out_of_fuel_in_process() {
+        let doubling = |step: &str, init: &str, show: &str| {
+            format!("{{% set ns = namespace(x={init}) %}}{{% for i in range(40) %}}{{% set ns.x = {step} %}}{{% endfor %}}{show}")
+        };
+        let cases = [
+            doubling("dict(a=ns.x, b=ns.x)", "{}", "{{ ns.x }}"),
+            doubling("[ns.x, ns.x]", "[1]", "{{ ns.x }}"),
+            doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|pprint }}"),
+            doubling("[ns.x, ns.x]", "['long string']", "{{ ns.x|string|length }}"),
+            doubling("[ns.x, ns.x]", "[1]", "{{ (ns.x ~ '')|length }}"),
+            doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|join(',')|length }}"),
+            doubling("[ns.x, ns.x]", "[1]", "{% set s = ns.x|string %}done"),
+        ];
+        for t in &cases {
+            let started = std::time::Instant::now();
+            let err = render_template(t, &[], false, None, None).expect_err(t);
+            assert!(err.to_string().contains("fuel"), "{t}: {err}");
+            assert!(started.elapsed() < std::time::Duration::from_secs(20), "{t}: took {:?}", started.elapsed());
+        }
+        // What ordinary templates print is untouched, and a later render has its full budget.
+        let nested = "{% set x = [1, 'a', {'k': [2, 3]}] %}{{ x }}|{{ x|string|length }}|{{ [x, x]|join(';') }}";
+        assert_eq!(render_template(nested, &[], false, None, None).unwrap(), "[1, 'a', {'k': [2, 3]}]|23|[1, 'a', {'k': [2, 3]}];[1, 'a', {'k': [2, 3]}]");
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! The chat-template sandbox: a child process (`shimmer render-sandbox`, started on first use)
 //! that renders templates under an address-space limit and a deadline.
 //!
-//! A chat template is code from the checkpoint, and minijinja's fuel bounds the instructions and
-//! most of the values a render builds, but not every one (a value that holds another many times
-//! over grows exponentially when printed). So the binary renders in a process of its own: a
-//! render that needs more than `SANDBOX_MEMORY_BYTES` or `RENDER_DEADLINE` ends that process,
-//! the request gets an error saying so, and the next render starts a new one — the server and
-//! every other request go on.
+//! A chat template is code from the checkpoint. minijinja's fuel (with the print budget the
+//! vendored copy adds) bounds the instructions, the values and the printing of one render in any
+//! process; the sandbox is the second wall, for whatever the fuel's accounting misses (as it once
+//! missed materialized list concatenations and values printed many times over). The binary
+//! renders in a process of its own: a render that needs more than its memory
+//! (`DEFAULT_MEMORY_MIB`, or `SHIMMER_RENDER_MEMORY_MIB`) or `RENDER_DEADLINE` ends that
+//! process, the request gets an error saying so, and the next render starts a new one — the
+//! server and every other request go on.
 //!
 //! Owns: the protocol (one length-prefixed JSON `RenderJob` in, one `Reply` out), the child's
 //! lifetime, and the choice to sandbox (`enable`, which the binary calls at start; library
@@ -24,9 +26,13 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use shimmer_common::chat_template::RenderJob;
 
-/// The sandbox's address space: far more than any real template needs (a few MiB), and far less
-/// than a machine that serves a model has.
-pub const SANDBOX_MEMORY_BYTES: u64 = 512 << 20;
+/// The sandbox's address space in MiB: far more than any real template needs (a few MiB), and
+/// far less than a machine that serves a model has.
+pub const DEFAULT_MEMORY_MIB: u64 = 512;
+/// The environment variable that sets it, within `MEMORY_MIB_RANGE`.
+pub const MEMORY_ENV: &str = "SHIMMER_RENDER_MEMORY_MIB";
+/// What `MEMORY_ENV` may say: below 64 MiB the binary itself may not start.
+pub const MEMORY_MIB_RANGE: std::ops::RangeInclusive<u64> = 64..=65_536;
 /// How long one render may take.
 pub const RENDER_DEADLINE: Duration = Duration::from_secs(20);
 /// The most one request or reply may be (a conversation as large as a body may be, rendered).
@@ -42,6 +48,7 @@ enum Reply {
 
 struct Sandbox {
     exe: PathBuf,
+    memory_mib: u64,
     /// Children between renders. A render takes one (or starts one), so a slow render holds up
     /// no other; at most `KEEP_IDLE` are kept.
     idle: Mutex<Vec<Running>>,
@@ -64,9 +71,20 @@ impl Running {
 
 static SANDBOX: OnceLock<Sandbox> = OnceLock::new();
 
-/// Renders every later chat template in a sandbox process running `exe` (the binary itself).
-pub fn enable(exe: PathBuf) {
-    let _ = SANDBOX.set(Sandbox { exe, idle: Mutex::new(Vec::new()) });
+/// Renders every later chat template in a sandbox process running `exe` (the binary itself),
+/// with the memory `MEMORY_ENV` gives (or `DEFAULT_MEMORY_MIB`); a value it cannot take is an
+/// error naming it.
+pub fn enable(exe: PathBuf) -> Result<(), String> {
+    let memory_mib = match std::env::var(MEMORY_ENV) {
+        Err(std::env::VarError::NotPresent) => DEFAULT_MEMORY_MIB,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(mib) if MEMORY_MIB_RANGE.contains(&mib) => mib,
+            _ => return Err(format!("{MEMORY_ENV}={v:?}: not a whole number of MiB from {} to {}", MEMORY_MIB_RANGE.start(), MEMORY_MIB_RANGE.end())),
+        },
+        Err(std::env::VarError::NotUnicode(_)) => return Err(format!("{MEMORY_ENV} is not UTF-8")),
+    };
+    let _ = SANDBOX.set(Sandbox { exe, memory_mib, idle: Mutex::new(Vec::new()) });
+    Ok(())
 }
 
 /// Renders `job`: in the sandbox once `enable`d, else in this process.
@@ -109,7 +127,7 @@ impl Sandbox {
                 Err(match status.and_then(|s| s.signal()) {
                     _ if timed_out => format!("rendering took longer than {} s and was stopped", RENDER_DEADLINE.as_secs()),
                     // An allocation over the limit aborts it.
-                    Some(libc::SIGABRT) => format!("rendering needed more than the {} MiB a render may use and was stopped", SANDBOX_MEMORY_BYTES >> 20),
+                    Some(libc::SIGABRT) => format!("rendering needed more than the {} MiB a render may use and was stopped", self.memory_mib),
                     _ => format!("the render sandbox stopped unexpectedly ({})", status.map_or("no status".into(), |s| s.to_string())),
                 })
             }
@@ -119,6 +137,7 @@ impl Sandbox {
     fn start(&self) -> Result<Running, String> {
         let mut child = Command::new(&self.exe)
             .arg(SUBCOMMAND)
+            .arg(self.memory_mib.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -173,8 +192,15 @@ fn read_frame(from: &mut impl Read) -> std::io::Result<Vec<u8>> {
 
 /// The sandbox process: limits its own address space, then renders each job it is sent until
 /// its input closes.
-pub fn serve() -> anyhow::Result<()> {
-    let limit = libc::rlimit { rlim_cur: SANDBOX_MEMORY_BYTES, rlim_max: SANDBOX_MEMORY_BYTES };
+pub fn serve(memory_mib: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        MEMORY_MIB_RANGE.contains(&memory_mib),
+        "the render sandbox takes {} to {} MiB, not {memory_mib}",
+        MEMORY_MIB_RANGE.start(),
+        MEMORY_MIB_RANGE.end()
+    );
+    let bytes = memory_mib << 20;
+    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
     // SAFETY: setrlimit(2) with a valid, initialised struct.
     if unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) } != 0 {
         anyhow::bail!("cannot limit the render sandbox's memory: {}", std::io::Error::last_os_error());

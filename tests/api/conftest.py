@@ -20,9 +20,10 @@ def shimmer_bin() -> str:
 
 
 class Server:
-    def __init__(self, *args: str, verb: str = "run"):
+    def __init__(self, *args: str, verb: str = "run", env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
             [shimmer_bin(), verb, "--port", "0", *args],
+            env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -77,8 +78,8 @@ def server():
 def make_server():
     started = []
 
-    def start(*args):
-        s = Server(*args)
+    def start(*args, **kwargs):
+        s = Server(*args, **kwargs)
         started.append(s)
         return s
 

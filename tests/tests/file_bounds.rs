@@ -154,8 +154,10 @@ fn fields_each_within_bounds_whose_product_is_too_big_are_refused() {
 }
 
 /// Chat templates that build values without limit: each fails the render with an error naming
-/// the template, quickly, from a process held to 4 GiB — the fuel refuses most, and the render
-/// sandbox's memory limit the ones that grow while being printed.
+/// the template, quickly, from a process held to 4 GiB — the fuel refuses them all, those that
+/// grow while printed through the print budget of the vendored minijinja. The render sandbox is
+/// the second wall: a render within the fuel but over the sandbox's memory (lowered to 64 MiB by
+/// its environment variable) is stopped with an error saying so.
 #[test]
 fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them() {
     let doubling = |step: &str, init: &str, show: &str| {
@@ -166,8 +168,9 @@ fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them(
         (doubling("ns.x ~ ns.x", "\"ab\"", "{{ ns.x|length }}"), "fuel"),
         (doubling("ns.x + ns.x", "[1]", "{{ ns.x|tojson }}"), "fuel"),
         (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|tojson }}"), "tojson"),
-        (doubling("dict(a=ns.x, b=ns.x)", "{}", "{{ ns.x }}"), "MiB a render may use"),
-        (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|pprint }}"), "MiB a render may use"),
+        (doubling("dict(a=ns.x, b=ns.x)", "{}", "{{ ns.x }}"), "fuel"),
+        (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|pprint }}"), "fuel"),
+        (doubling("[ns.x, ns.x]", "[1]", "{{ ns.x|string|length }}"), "fuel"),
         ("{% for i in range(90000) %}{% for j in range(90000) %}{{ messages }}{% endfor %}{% endfor %}".to_string(), "fuel"),
     ];
     let d = copy_fixture("qwen3_moe");
@@ -190,6 +193,26 @@ fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them(
         );
         assert_clean_failure(&out, &["chat_template.jinja", "chat template failed", why]);
     }
+    // 64 MiB of string, built within the fuel, in a sandbox of 64 MiB.
+    std::fs::write(&template, "{% set ns = namespace(x='ab') %}{% for i in range(25) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x|length }}").unwrap();
+    let generate = |memory: &str| {
+        output_within(
+            Command::new(shimmer_bin()).env("SHIMMER_RENDER_MEMORY_MIB", memory).args([
+                "generate",
+                "--model",
+                d.path().to_str().unwrap(),
+                "--chat",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "2",
+                "--no-usage",
+            ]),
+            COMMAND_LIMIT,
+        )
+    };
+    assert_clean_failure(&generate("64"), &["chat_template.jinja", "chat template failed", "more than the 64 MiB a render may use"]);
+    assert_clean_failure(&generate("12"), &["SHIMMER_RENDER_MEMORY_MIB", "\"12\"", "from 64 to 65536"]);
     // The same directory with an ordinary template answers.
     std::fs::write(&template, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}").unwrap();
     let out = shimmer_tests::shimmer(&["generate", "--model", d.path().to_str().unwrap(), "--chat", "--prompt", "hi", "--max-tokens", "2", "--no-usage"]);

@@ -93,17 +93,20 @@ enum Command {
     Probe(ProbeArgs),
     /// The chat-template sandbox (started by shimmer itself; see template_sandbox.rs).
     #[command(name = "render-sandbox", hide = true)]
-    RenderSandbox,
+    RenderSandbox {
+        /// Its address space in MiB.
+        memory_mib: u64,
+    },
 }
 
 pub fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::RenderSandbox) {
-        crate::template_sandbox::serve()?;
+    if let Command::RenderSandbox { memory_mib } = cli.command {
+        crate::template_sandbox::serve(memory_mib)?;
         return Ok(ExitCode::SUCCESS);
     }
     if let Ok(exe) = std::env::current_exe() {
-        crate::template_sandbox::enable(exe);
+        crate::template_sandbox::enable(exe).map_err(anyhow::Error::msg)?;
     }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -124,7 +127,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Bench(a) => bench(a),
         Command::QuantEval(a) => quant_eval(a),
         Command::Probe(a) => probe(a),
-        Command::RenderSandbox => Ok(ExitCode::SUCCESS),
+        Command::RenderSandbox { .. } => Ok(ExitCode::SUCCESS),
     }
 }
 

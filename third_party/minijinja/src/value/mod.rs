@@ -633,6 +633,24 @@ fn python_string_debug_fmt(value: &str, f: &mut fmt::Formatter<'_>) -> fmt::Resu
 
 impl fmt::Debug for ValueRepr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // SHIMMER PATCH (print budget): every value printed this way — the
+        // items of containers, at any depth — is charged to the render's print
+        // budget (by its depth: pretty-printing writes every byte through one
+        // padding adapter per level); once it is spent nothing more is written
+        // (see `vm::fuel`).
+        #[cfg(feature = "fuel")]
+        {
+            let bytes = match *self {
+                ValueRepr::String(ref val, _) => val.len(),
+                ValueRepr::Bytes(ref val) => val.len(),
+                _ => 0,
+            };
+            if !crate::vm::fuel::charge_print(
+                crate::vm::fuel::ITEM_COST.saturating_add(bytes as u64),
+            ) {
+                return Ok(());
+            }
+        }
         match *self {
             ValueRepr::Undefined(..) => f.write_str("undefined"),
             ValueRepr::Bool(val) => f.write_str(if val { "True" } else { "False" }),
@@ -670,6 +688,9 @@ impl fmt::Debug for ValueRepr {
                 }
                 write!(f, "'")
             }
+            #[cfg(feature = "fuel")]
+            ValueRepr::Object(ref val) => crate::vm::fuel::print_nested(|| val.render(f)),
+            #[cfg(not(feature = "fuel"))]
             ValueRepr::Object(ref val) => val.render(f),
         }
     }

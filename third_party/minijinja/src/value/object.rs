@@ -306,6 +306,9 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         ObjectRepr::Map => render_container(f, "{...}", |f| {
             let mut dbg = f.debug_map();
             for (idx, (key, value)) in obj.try_iter_pairs().into_iter().flatten().enumerate() {
+                if print_budget_spent() {
+                    break;
+                }
                 if is_over_item_limit(idx) {
                     let count = obj.enumerator_len().map(|x| x - idx);
                     dbg.entry(&OmittedKey, &Omitted { count, prefix: "" });
@@ -322,6 +325,9 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             render_container(f, "[...]", |f| {
                 let mut dbg = f.debug_list();
                 for (idx, value) in obj.try_iter().into_iter().flatten().enumerate() {
+                    if print_budget_spent() {
+                        break;
+                    }
                     if is_over_item_limit(idx) {
                         let count = obj.enumerator_len().map(|x| x - idx);
                         dbg.entry(&Omitted {
@@ -338,6 +344,19 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         _ => {
             write!(f, "{obj:?}")
         }
+    }
+}
+
+/// SHIMMER PATCH (print budget): whether the render's print budget is spent
+/// (see `vm::fuel`; every value debug-printed as an item is charged to it).
+fn print_budget_spent() -> bool {
+    #[cfg(feature = "fuel")]
+    {
+        crate::vm::fuel::print_exhausted()
+    }
+    #[cfg(not(feature = "fuel"))]
+    {
+        false
     }
 }
 

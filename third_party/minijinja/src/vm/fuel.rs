@@ -59,22 +59,88 @@ pub(crate) const SERIALIZED_BYTE_COST: u64 = 16;
 /// Cost of one format specifier in the `format` filter.
 pub(crate) const FORMAT_SPEC_COST: u64 = 4 * UNITS_PER_FUEL;
 
+// SHIMMER PATCH (print budget): printing a container walks every item it
+// reaches, and a value that holds another twice, forty levels deep, reaches
+// 2^40 of them while a handful of instructions made it.  Printing happens in
+// `Display`, which cannot see the state, so while a fuel tracker lives its
+// budget is also installed here: every container item printed (and the bytes
+// of a string or bytes item) is charged to it, and once it is spent printing
+// stops early — `Display` must still return `Ok`, as `to_string` panics on an
+// error — and the tracker is exhausted, so the render fails at its next check.
+thread_local! {
+    static PRINT_BUDGET: Cell<Option<i64>> = const { Cell::new(None) };
+    static PRINT_EXHAUSTED: Cell<bool> = const { Cell::new(false) };
+    static PRINT_DEPTH: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Charges printing one container item of `units` at the current nesting
+/// depth; `false` once the print budget of the live fuel tracker is spent
+/// (unlimited without a tracker).
+pub(crate) fn charge_print(units: u64) -> bool {
+    PRINT_BUDGET.with(|budget| match budget.get() {
+        None => true,
+        Some(left) => {
+            let depth = PRINT_DEPTH.with(|depth| depth.get());
+            let units = units.saturating_mul(depth.saturating_add(1));
+            let left = left.saturating_sub(i64::try_from(units).unwrap_or(i64::MAX));
+            budget.set(Some(left));
+            if left <= 0 {
+                PRINT_EXHAUSTED.with(|exhausted| exhausted.set(true));
+                false
+            } else {
+                true
+            }
+        }
+    })
+}
+
+/// Prints a container's items one level deeper.
+pub(crate) fn print_nested<R>(print: impl FnOnce() -> R) -> R {
+    struct Up;
+    impl Drop for Up {
+        fn drop(&mut self) {
+            PRINT_DEPTH.with(|depth| depth.set(depth.get().saturating_sub(1)));
+        }
+    }
+    PRINT_DEPTH.with(|depth| depth.set(depth.get().saturating_add(1)));
+    let _up = Up;
+    print()
+}
+
+/// Whether the live fuel tracker's print budget was spent.
+pub(crate) fn print_exhausted() -> bool {
+    PRINT_EXHAUSTED.with(|exhausted| exhausted.get())
+}
+
 /// Helper for tracking fuel consumption.
 pub(crate) struct FuelTracker {
     // The initial fuel level.
     initial: u64,
     // The remaining fuel in units.
     remaining: Cell<i64>,
+    // SHIMMER PATCH (print budget): the print budget and state installed
+    // before this tracker's, restored when it goes.
+    outer_print_budget: Option<i64>,
+    outer_print_exhausted: bool,
+}
+
+impl Drop for FuelTracker {
+    fn drop(&mut self) {
+        PRINT_BUDGET.with(|budget| budget.set(self.outer_print_budget));
+        // an inner render that ran out leaves the outer one out as well.
+        PRINT_EXHAUSTED.with(|exhausted| exhausted.set(self.outer_print_exhausted || exhausted.get()));
+    }
 }
 
 impl FuelTracker {
     /// Creates a new fuel tracker.
     pub fn new(fuel: u64) -> FuelTracker {
+        let units = i64::try_from(fuel.saturating_mul(UNITS_PER_FUEL)).unwrap_or(i64::MAX);
         FuelTracker {
             initial: fuel,
-            remaining: Cell::new(
-                i64::try_from(fuel.saturating_mul(UNITS_PER_FUEL)).unwrap_or(i64::MAX),
-            ),
+            remaining: Cell::new(units),
+            outer_print_budget: PRINT_BUDGET.with(|budget| budget.replace(Some(units))),
+            outer_print_exhausted: PRINT_EXHAUSTED.with(|exhausted| exhausted.replace(false)),
         }
     }
 
@@ -83,6 +149,10 @@ impl FuelTracker {
     /// Fails if this exhausts the fuel or if the fuel was already exhausted.
     #[inline]
     pub fn consume(&self, units: u64) -> Result<(), Error> {
+        if print_exhausted() {
+            self.remaining.set(0);
+            return Err(Error::from(ErrorKind::OutOfFuel));
+        }
         let remaining = self
             .remaining
             .get()
@@ -103,7 +173,7 @@ impl FuelTracker {
     #[inline]
     pub fn ensure(&self, units: u64) -> Result<(), Error> {
         let remaining = self.remaining.get();
-        if remaining <= 0 || units >= remaining as u64 {
+        if print_exhausted() || remaining <= 0 || units >= remaining as u64 {
             self.remaining.set(0);
             Err(Error::from(ErrorKind::OutOfFuel))
         } else {

@@ -160,7 +160,14 @@ impl<'env> Executor<'env> {
             #[cfg(feature = "multi_template")]
             prepare_blocks(_blocks),
         );
-        Self::eval_state(&mut state, out).map(|x| (x, state))
+        let rv = ok!(Self::eval_state(&mut state, out));
+        // SHIMMER PATCH (print budget): a print that ran out at the very end
+        // of the template has no later check to fail it.
+        #[cfg(feature = "fuel")]
+        if state.fuel_tracker.is_some() && fuel::print_exhausted() {
+            return Err(Error::from(ErrorKind::OutOfFuel));
+        }
+        Ok((rv, state))
     }
 
     /// Evaluates a macro by temporarily switching the active state.
