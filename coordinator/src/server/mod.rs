@@ -186,8 +186,10 @@ async fn metrics_text(State(state): State<Arc<AppState>>, headers: HeaderMap) ->
     }
 }
 
-/// Serves until SIGINT or SIGTERM.
-pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
+/// The API's routes over `engine` with `cfg`'s keys and limits, and the batcher that runs its
+/// requests (started here; `Batcher::shutdown` stops it). What `serve` serves, and what the
+/// request fuzz target drives in-process.
+pub fn app(engine: Engine, cfg: &ServerConfig) -> Result<(Router, Batcher)> {
     let engine = Arc::new(engine);
     let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
     let dash = Arc::new(std::sync::Mutex::new(dashboard::Dashboard::new(cfg.model_id.clone(), moe_layers, engine.spec.moe.num_experts)));
@@ -207,6 +209,12 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         max_body_bytes: cfg.max_body_bytes,
         body_timeout: cfg.body_timeout,
     });
+    Ok((router(state, cfg.max_body_bytes), batcher))
+}
+
+/// Serves until SIGINT or SIGTERM.
+pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
+    let (app, batcher) = app(engine, &cfg)?;
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("http").enable_all().build().context("cannot start the async runtime")?;
     let addr: SocketAddr =
@@ -217,7 +225,6 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         let local = listener.local_addr()?;
         // Tests and scripts wait for this line.
         eprintln!("shimmer: serving {} on http://{local} (OpenAI API under /v1)", cfg.model_id);
-        let app = router(state, cfg.max_body_bytes);
         serve_connections(listener, app, cfg.header_timeout, async move {
             shutdown_signal().await;
             eprintln!("shimmer: shutting down (cancelling running requests)");
