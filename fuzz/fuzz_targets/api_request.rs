@@ -98,7 +98,8 @@ fuzz_target!(|data: &[u8]| {
     assert_ne!(status, StatusCode::INTERNAL_SERVER_ERROR, "500: {}", String::from_utf8_lossy(&bytes));
     assert!(status.is_success() || status.is_client_error() || status == StatusCode::SERVICE_UNAVAILABLE, "{status}");
     if !status.is_success() {
-        let error: Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{status}: the error is not JSON ({e}): {}", String::from_utf8_lossy(&bytes)));
+        let error: Value =
+            serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{status}: the error is not JSON ({e}): {}", String::from_utf8_lossy(&bytes)));
         assert!(error.get("error").is_some(), "{status}: no error object: {error}");
     }
 });
