@@ -18,6 +18,8 @@ use shimmer_worker::server::WorkerState;
 
 /// The port of `/health`, `/ready` and `/metrics` unless `--http-listen` says otherwise.
 pub const DEFAULT_HTTP_PORT: u16 = 7080;
+/// Connections a worker's endpoints serve at once (probes and scrapes: a few).
+const PROBE_CONNECTIONS: usize = 256;
 
 #[derive(Clone)]
 struct Node {
@@ -49,7 +51,7 @@ pub fn start(
     });
     // The same connection handling as the API's (header deadline, idle keep-alive closed); it
     // serves until the runtime stops.
-    rt.spawn(crate::server::serve_connections(listener, app, crate::server::HEADER_TIMEOUT, std::future::pending::<()>()));
+    rt.spawn(crate::server::serve_connections(listener, app, crate::server::HEADER_TIMEOUT, PROBE_CONNECTIONS, std::future::pending::<()>()));
     Ok(local)
 }
 

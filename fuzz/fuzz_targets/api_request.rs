@@ -46,6 +46,7 @@ fn the_app() -> &'static App {
             max_batch: 4,
             kv_budget_bytes: 1 << 20,
             max_body_bytes: 1 << 20,
+            max_connections: 16,
             header_timeout: Duration::from_secs(20),
             body_timeout: Duration::from_secs(30),
             model_id: "model".into(),

@@ -3,11 +3,13 @@ on the demo model, plus raw HTTP for what a client library hides (SSE framing, e
 import concurrent.futures as cf
 import json
 import signal
+import subprocess
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import shimmer_bin
 
 MODEL = "shimmer-demo"
 PROMPT = [{"role": "user", "content": "And the LORD spake unto Moses, saying,"}]
@@ -542,6 +544,10 @@ def test_keys_before_bodies_and_deadlines_for_slow_or_idle_connections(make_serv
     # A declared body over the limit: 413 at once.
     got, _ = _raw(s, head("k1", 5_000_000), wait=3)
     assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    # Headers that overflow the connection's read buffer (64 KiB a read): 431, before the API
+    # sees them.
+    got, _ = _raw(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (200 << 10) + b"\r\n\r\n", wait=5)
+    assert got.startswith(b"HTTP/1.1 431"), got[:200]
     # A body that stops coming: 408 after --body-timeout-s.
     started = time.time()
     got, _ = _raw(s, head("k1", 100) + b'{"model": "shimmer-demo",', wait=8)
@@ -561,6 +567,79 @@ def test_keys_before_bodies_and_deadlines_for_slow_or_idle_connections(make_serv
     # And the server still serves.
     ok = httpx.post(s.url + "/v1/chat/completions", headers={"Authorization": "Bearer k1"}, json={"model": "shimmer-demo", "max_tokens": 4, "messages": PROMPT}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def _hold(server, data: bytes):
+    """A connection that sent `data` and is kept open (closed by the caller)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(server.url)
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    s.sendall(data)
+    return s
+
+
+def _answered_at(sock, wait: float) -> tuple[bytes, float | None]:
+    """What the server says on `sock` and when its first bytes came (None: nothing in `wait`)."""
+    import socket
+
+    sock.settimeout(0.1)
+    got, start, first = b"", time.time(), None
+    while time.time() - start < wait:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            if first is not None and b"\r\n\r\n" in got:
+                break
+            continue
+        if not chunk:
+            break
+        if first is None:
+            first = time.time()
+        got += chunk
+    return got, first
+
+
+def test_connections_beyond_max_connections_wait_until_one_closes(make_server):
+    s = make_server("--max-connections", "3", "--header-timeout-s", "3")
+    idle = [_hold(s, b"") for _ in range(3)]
+    time.sleep(0.2)
+    started = time.time()
+    fourth = _hold(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    got, first = _answered_at(fourth, wait=10)
+    # Served only once the idle connections were closed (their header deadline, 3 s) — not at once.
+    assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    assert first is not None and first - started > 1.5, first - started
+    for c in [*idle, fourth]:
+        c.close()
+    r = httpx.post(s.url + "/health", timeout=10)
+    assert r.status_code == 405  # still serving (and /health takes GET)
+    bad = subprocess.run([shimmer_bin(), "run", "--max-connections", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--max-connections must be from 1 to 65536, got 0" in bad.stderr, bad.stderr
+
+
+def test_request_bodies_in_flight_are_bounded_across_connections(make_server):
+    s = make_server("--body-timeout-s", "4")
+    head = lambda length: (  # noqa: E731
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+    # 32 bodies of the largest size announced and not sent: the budget (32 x 4 MiB) is held.
+    holders = [_hold(s, head(4 << 20)) for _ in range(32)]
+    time.sleep(1.0)
+    body = json.dumps({"model": MODEL, "messages": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    started = time.time()
+    small = _hold(s, head(len(body)) + body)
+    got, first = _answered_at(small, wait=20)
+    # A small, whole request waits for room (until the holders time out with 408), then answers.
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    assert first is not None and first - started > 1.5, first - started
+    timed_out = [_answered_at(h, wait=10)[0] for h in holders]
+    assert all(t.startswith(b"HTTP/1.1 408") for t in timed_out), [t[:40] for t in timed_out]
+    for c in [*holders, small]:
+        c.close()
+    # No body (a GET) and small bodies need no room beyond their size: answered at once.
+    assert httpx.get(s.url + "/v1/models", timeout=10).status_code == 200
 
 
 def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(server):

@@ -36,6 +36,9 @@ pub(super) struct RunArgs {
     /// Seconds a client may take to send a request's body once its headers are in (408 beyond).
     #[arg(long, default_value_t = 30.0)]
     pub(super) body_timeout_s: f64,
+    /// Connections served at once; more wait in the kernel's accept queue until one closes.
+    #[arg(long, default_value_t = 1024)]
+    pub(super) max_connections: usize,
     /// The model name clients use (default: the model directory's name; `shimmer-demo` for the demo).
     #[arg(long)]
     pub(super) served_model_name: Option<String>,
@@ -101,6 +104,9 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
+    if !(1..=crate::server::MAX_CONNECTIONS_LIMIT).contains(&a.max_connections) {
+        bail!("--max-connections must be from 1 to {}, got {}", crate::server::MAX_CONNECTIONS_LIMIT, a.max_connections);
+    }
     if !(a.kv_gb >= 0.0 && a.kv_gb.is_finite()) {
         bail!("--kv-gb must be a number of GB >= 0, got {}", a.kv_gb);
     }
@@ -120,7 +126,8 @@ pub(super) fn run_server(a: RunArgs, coordinator: bool) -> Result<ExitCode> {
             max_queue: a.max_queue,
             max_batch: a.max_batch.max(1),
             kv_budget_bytes: (a.kv_gb * 1e9) as usize,
-            max_body_bytes: 4 << 20,
+            max_body_bytes: crate::server::MAX_BODY_BYTES,
+            max_connections: a.max_connections,
             header_timeout,
             body_timeout,
             model_id,

@@ -46,6 +46,8 @@ pub struct ServerConfig {
     pub kv_budget_bytes: usize,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
+    /// Connections served at once (`--max-connections`).
+    pub max_connections: usize,
     /// How long a connection may take to send a request's headers (and an idle keep-alive one is
     /// held).
     pub header_timeout: Duration,
@@ -72,7 +74,21 @@ pub struct AppState {
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
     pub body_timeout: Duration,
+    /// Bytes of request bodies being read or parsed at once, across connections
+    /// (`BODY_BYTES_IN_FLIGHT`): a body waits for its share before it is read.
+    pub bodies: Arc<tokio::sync::Semaphore>,
 }
+
+/// The largest request body the API takes (a chat of a long document; 413 beyond).
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// Request bodies read or parsed at once, in bytes, whatever the number of connections: 32
+/// bodies of the largest size (docs/limits.md).
+pub const BODY_BYTES_IN_FLIGHT: usize = 32 * MAX_BODY_BYTES;
+/// What one connection's reads may add to its buffer (hyper's default is ~408 KiB): a head that
+/// overflows it is refused (431), bodies stream through it in pieces.
+pub const CONNECTION_BUFFER_BYTES: usize = 64 << 10;
+/// The most `--max-connections` may say.
+pub const MAX_CONNECTIONS_LIMIT: usize = 65_536;
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
     // The API's routes pass the guard (the key, then the body within its limit and deadline).
@@ -208,6 +224,7 @@ pub fn app(engine: Engine, cfg: &ServerConfig) -> Result<(Router, Batcher)> {
         control: cfg.control.clone(),
         max_body_bytes: cfg.max_body_bytes,
         body_timeout: cfg.body_timeout,
+        bodies: Arc::new(tokio::sync::Semaphore::new(BODY_BYTES_IN_FLIGHT.max(cfg.max_body_bytes))),
     });
     Ok((router(state, cfg.max_body_bytes), batcher))
 }
@@ -225,7 +242,7 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
         let local = listener.local_addr()?;
         // Tests and scripts wait for this line.
         eprintln!("shimmer: serving {} on http://{local} (OpenAI API under /v1)", cfg.model_id);
-        serve_connections(listener, app, cfg.header_timeout, async move {
+        serve_connections(listener, app, cfg.header_timeout, cfg.max_connections, async move {
             shutdown_signal().await;
             eprintln!("shimmer: shutting down (cancelling running requests)");
             // Ends every stream, so the connections close and the server can stop.
@@ -243,15 +260,31 @@ pub fn serve(engine: Engine, cfg: ServerConfig) -> Result<()> {
 pub(crate) const HEADER_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Serves `app` on `listener` until `stop` completes, then lets the connections finish (at most
-/// `DRAIN` more). Each connection has `header_timeout` for a request's headers — idle keep-alive
-/// connections and slow senders are closed — and the API guard bounds the body.
-pub(crate) async fn serve_connections(listener: tokio::net::TcpListener, app: Router, header_timeout: Duration, stop: impl std::future::Future<Output = ()>) {
+/// `DRAIN` more). At most `max_connections` are served at once (the next is accepted when one
+/// closes; until then it waits in the kernel's queue). Each connection has `header_timeout` for
+/// a request's headers — idle keep-alive connections and slow senders are closed — and the API
+/// guard bounds the body.
+pub(crate) async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    max_connections: usize,
+    stop: impl std::future::Future<Output = ()>,
+) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     const DRAIN: Duration = Duration::from_secs(30);
     let (closing, closed) = tokio::sync::watch::channel(false);
     let mut connections = tokio::task::JoinSet::new();
     tokio::pin!(stop);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
     loop {
+        let slot = tokio::select! {
+            _ = &mut stop => break,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+        };
         let (stream, _) = tokio::select! {
             _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
@@ -267,11 +300,13 @@ pub(crate) async fn serve_connections(listener: tokio::net::TcpListener, app: Ro
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let mut closed = closed.clone();
         connections.spawn(async move {
+            let _slot = slot;
             // HTTP/1.1 (what the API and its clients speak); the header deadline runs from the
             // moment the connection (or a kept-alive one) waits for a request.
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
+                .max_buf_size(CONNECTION_BUFFER_BYTES)
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
             tokio::pin!(conn);
