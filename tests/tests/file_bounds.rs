@@ -175,44 +175,21 @@ fn hostile_chat_templates_fail_with_a_clear_error_and_the_process_survives_them(
     ];
     let d = copy_fixture("qwen3_moe");
     let template = d.path().join("chat_template.jinja");
+    // A chat turn on the model; `wrap` sets what runs it (a memory limit, the environment).
+    let generate = |wrap: &mut Command| {
+        let model = d.path().to_str().unwrap();
+        output_within(wrap.args(["generate", "--model", model, "--chat", "--prompt", "hi", "--max-tokens", "2", "--no-usage"]), COMMAND_LIMIT)
+    };
     for (t, why) in &cases {
         std::fs::write(&template, t).unwrap();
-        let out = output_within(
-            Command::new("prlimit").arg(format!("--as={}", 4u64 << 30)).arg("--").arg(shimmer_bin()).args([
-                "generate",
-                "--model",
-                d.path().to_str().unwrap(),
-                "--chat",
-                "--prompt",
-                "hi",
-                "--max-tokens",
-                "2",
-                "--no-usage",
-            ]),
-            COMMAND_LIMIT,
-        );
+        let out = generate(Command::new("prlimit").arg(format!("--as={}", 4u64 << 30)).arg("--").arg(shimmer_bin()));
         assert_clean_failure(&out, &["chat_template.jinja", "chat template failed", why]);
     }
     // 64 MiB of string, built within the fuel, in a sandbox of 64 MiB.
     std::fs::write(&template, "{% set ns = namespace(x='ab') %}{% for i in range(25) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x|length }}").unwrap();
-    let generate = |memory: &str| {
-        output_within(
-            Command::new(shimmer_bin()).env("SHIMMER_RENDER_MEMORY_MIB", memory).args([
-                "generate",
-                "--model",
-                d.path().to_str().unwrap(),
-                "--chat",
-                "--prompt",
-                "hi",
-                "--max-tokens",
-                "2",
-                "--no-usage",
-            ]),
-            COMMAND_LIMIT,
-        )
-    };
-    assert_clean_failure(&generate("64"), &["chat_template.jinja", "chat template failed", "more than the 64 MiB a render may use"]);
-    assert_clean_failure(&generate("12"), &["SHIMMER_RENDER_MEMORY_MIB", "\"12\"", "from 64 to 65536"]);
+    let with_sandbox_of = |mib: &str| generate(Command::new(shimmer_bin()).env("SHIMMER_RENDER_MEMORY_MIB", mib));
+    assert_clean_failure(&with_sandbox_of("64"), &["chat_template.jinja", "chat template failed", "more than the 64 MiB a render may use"]);
+    assert_clean_failure(&with_sandbox_of("12"), &["SHIMMER_RENDER_MEMORY_MIB", "\"12\"", "from 64 to 65536"]);
     // The same directory with an ordinary template answers.
     std::fs::write(&template, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}").unwrap();
     let out = shimmer_tests::shimmer(&["generate", "--model", d.path().to_str().unwrap(), "--chat", "--prompt", "hi", "--max-tokens", "2", "--no-usage"]);
