@@ -452,6 +452,9 @@ mod tests {
             assert!(err.to_string().contains("fuel"), "{t}: {err}");
             assert!(started.elapsed() < std::time::Duration::from_secs(20), "{t}: took {:?}", started.elapsed());
         }
+        // Outside a render, printing is unlimited again.
+        let big = minijinja::Value::from((0..20_000).collect::<Vec<u32>>());
+        assert_eq!(big.to_string().matches(", ").count(), 19_999);
         // What ordinary templates print is untouched, and a later render has its full budget.
         let nested = "{% set x = [1, 'a', {'k': [2, 3]}] %}{{ x }}|{{ x|string|length }}|{{ [x, x]|join(';') }}";
         assert_eq!(render_template(nested, &[], false, None, None).unwrap(), "[1, 'a', {'k': [2, 3]}]|23|[1, 'a', {'k': [2, 3]}];[1, 'a', {'k': [2, 3]}]");

@@ -127,8 +127,12 @@ pub(crate) struct FuelTracker {
 impl Drop for FuelTracker {
     fn drop(&mut self) {
         PRINT_BUDGET.with(|budget| budget.set(self.outer_print_budget));
-        // an inner render that ran out leaves the outer one out as well.
-        PRINT_EXHAUSTED.with(|exhausted| exhausted.set(self.outer_print_exhausted || exhausted.get()));
+        // an inner render that ran out leaves a live outer one out as well; with
+        // no outer render, printing is unlimited again.
+        let outer_live = self.outer_print_budget.is_some();
+        PRINT_EXHAUSTED.with(|exhausted| {
+            exhausted.set(self.outer_print_exhausted || (outer_live && exhausted.get()))
+        });
     }
 }
 
