@@ -3,9 +3,12 @@
 # for SECONDS each (or RUNS inputs, whichever ends first), with a memory and a per-input time
 # limit: a crash, a leak of the limits or a slow input fails the run, and libFuzzer leaves the
 # input in fuzz/artifacts/TARGET. New inputs that add coverage go to a scratch copy of the corpus
-# unless --keep, which merges them (minimized) into fuzz/corpus — what a campaign does.
+# unless --keep, which merges them (minimized) into fuzz/corpus — what a campaign does. With
+# --sample K a run starts from K inputs of the kept corpus picked at random (each run a different
+# slice) instead of all of it: a short run then spends its seconds fuzzing rather than replaying
+# thousands of kept inputs.
 #
-#   scripts/fuzz.sh [--seconds S] [--runs N] [--keep] [--optimized] [TARGET...]
+#   scripts/fuzz.sh [--seconds S] [--runs N] [--sample K] [--keep] [--optimized] [TARGET...]
 #                                                       (default: every target, 5 s each)
 #
 # The targets are built once, coverage-instrumented without a sanitizer (Rust is memory-safe
@@ -15,12 +18,13 @@
 # RUSTC_BOOTSTRAP=1 lets the pinned stable toolchain take them.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
-seconds=5 runs=0 keep="" optimized=""
+seconds=5 runs=0 sample=0 keep="" optimized=""
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
     --runs) runs="$2"; shift 2 ;;
+    --sample) sample="$2"; shift 2 ;;
     --keep) keep=1; shift ;;
     --optimized) optimized=1; shift ;;
     -*) echo "error: unknown option $1 (see the header of $0)" >&2; exit 2 ;;
@@ -41,11 +45,17 @@ for t in "${targets[@]}"; do
   args=(-max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=1024 -timeout=30 -print_final_stats=1)
   [ "$runs" -gt 0 ] && args+=(-runs="$runs")
   echo "== fuzz $t: ${seconds} s$([ "$runs" -gt 0 ] && echo ", at most $runs runs")" >&2
-  # New inputs land in the scratch directory (first), the kept corpus is read as seeds.
-  if ! cargo fuzz run "${flags[@]}" "$t" "$scratch" "corpus/$t" -- "${args[@]}" 2>"$scratch.log"; then
+  seeds="corpus/$t"
+  if [ "$sample" -gt 0 ]; then
+    seeds="$(mktemp -d)"
+    find "corpus/$t" -type f | shuf -n "$sample" | xargs -r cp -t "$seeds"
+  fi
+  # New inputs land in the scratch directory (first), the seeds are read from the other.
+  if ! cargo fuzz run "${flags[@]}" "$t" "$scratch" "$seeds" -- "${args[@]}" 2>"$scratch.log"; then
     tail -40 "$scratch.log" >&2
     echo "error: fuzz target $t failed; the input is in fuzz/artifacts/$t" >&2
     rm -rf "$scratch" "$scratch.log"
+    [ "$seeds" = "corpus/$t" ] || rm -rf "$seeds"
     exit 1
   fi
   grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$scratch.log" | sed "s/^/  $t: /" >&2 || true
@@ -54,4 +64,5 @@ for t in "${targets[@]}"; do
     cargo fuzz run "${flags[@]}" "$t" "corpus/$t" "$scratch" -- -merge=1 -rss_limit_mb=2048 -timeout=30 2>>"$scratch.log" >&2 || true
   fi
   rm -rf "$scratch" "$scratch.log"
+  [ "$seeds" = "corpus/$t" ] || rm -rf "$seeds"
 done
