@@ -3,27 +3,19 @@ probe: `python bench/hostile/long_prompts.py [SHIMMER_BINARY]` starts `shimmer r
 model, sends the eight chat requests at once, and prints their statuses and the server's RSS
 before, at peak (VmHWM) and after. Needs httpx (tests/api/requirements.txt)."""
 import concurrent.futures as cf
-import re
-import subprocess
 import sys
 import time
 
 import httpx
+import server
 
 binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/shimmer"
-p = subprocess.Popen([binary, "run", "--port", "0", "--no-usage"], stderr=subprocess.PIPE, text=True)
-url = None
-while url is None:
-    line = p.stderr.readline()
-    if not line:
-        sys.exit("shimmer run did not start")
-    m = re.search(r"on (http://[0-9.]+:[0-9]+)", line)
-    url = m.group(1) if m else None
+p, url = server.start(binary)
 
 
 def memory_mb():
-    fields = dict(line.split(":", 1) for line in open(f"/proc/{p.pid}/status").read().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) // 1024, int(fields["VmHWM"].split()[0]) // 1024
+    now, peak = server.memory_mb(p)
+    return int(now), int(peak)
 
 
 text = "And the LORD spake unto Moses, saying, " * 100_000

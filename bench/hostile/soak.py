@@ -12,13 +12,11 @@ sample within 5 % of the warm-up's. Needs httpx (tests/api/requirements.txt)."""
 import argparse
 import json
 import random
-import re
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+import server as shimmer_server
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--binary", default="target/release/shimmer")
@@ -27,22 +25,11 @@ parser.add_argument("--streams", type=int, default=64)
 parser.add_argument("--every-s", type=float, default=10)
 args = parser.parse_args()
 
-server = subprocess.Popen([args.binary, "run", "--port", "0", "--no-usage", "--max-queue", str(4 * args.streams)], stderr=subprocess.PIPE, text=True)
-url = None
-while url is None:
-    line = server.stderr.readline()
-    if not line:
-        sys.exit("shimmer run did not start")
-    m = re.search(r"on (http://[0-9.]+:[0-9]+)", line)
-    url = m.group(1) if m else None
-threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+server, url = shimmer_server.start(args.binary, "--max-queue", str(4 * args.streams))
 
 
 def rss_mb():
-    for line in open(f"/proc/{server.pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return shimmer_server.memory_mb(server)[0]
 
 
 VERSES = ["And the LORD spake unto Moses, saying,", "In the beginning God created the heaven and the earth.", "And it came to pass,",
