@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
-use shimmer_kernels::{Matrix, WeightData};
+use shimmer_kernels::{Activations, Matrix, WeightData};
 
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
@@ -19,13 +19,20 @@ fn main() {
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
     let formats = [
-        ("bf16", Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) }),
+        ("bf16", Matrix::new(rows, cols, WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()))),
         ("int8", Matrix::from_quant(quantize_int8(&w, rows, cols))),
+        ("int8/f32a", Matrix::from_quant(quantize_int8(&w, rows, cols)).with_activations(Activations::F32)),
         ("int4-g32", Matrix::from_quant(quantize_int4(&w, rows, cols, 32))),
+        ("int4/f32a", Matrix::from_quant(quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32)),
         ("mxfp4", Matrix::from_quant(quantize_mxfp4(&w, rows, cols))),
+        ("mxfp4/f32a", Matrix::from_quant(quantize_mxfp4(&w, rows, cols)).with_activations(Activations::F32)),
         ("fp8-b128", fp8(&w, rows, cols)),
     ];
-    println!("{rows}×{cols}, kernels: {}", shimmer_kernels::dot::isa().name());
+    println!(
+        "{rows}×{cols}, kernels: {} (f32 activations), {} (int8 activations; `/f32a`: the same weights on f32 activations)",
+        shimmer_kernels::dot::isa().name(),
+        shimmer_kernels::qdot::int_isa().name()
+    );
     for (name, m) in &formats {
         let mut out = vec![0.0f32; rows];
         for parallel in [false, true] {
@@ -36,7 +43,7 @@ fn main() {
                 m.matvec_on(&x, &mut out, parallel);
             }
             let dt = t.elapsed().as_secs_f64() / reps as f64;
-            println!("{name:9} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
+            println!("{name:10} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
         }
         // Prefill-like: 16 activation rows per product, one thread; multiply-adds per second.
         let n = 16;
@@ -49,7 +56,7 @@ fn main() {
             m.matmul_on(&xs, &mut outs, false);
         }
         let dt = t.elapsed().as_secs_f64() / reps as f64;
-        println!("{name:9} matmul×{n} 1 thread {:7.2} ms  {:6.2} GMAC/s", dt * 1e3, (rows * cols * n) as f64 / dt / 1e9);
+        println!("{name:10} matmul×{n} 1 thread {:7.2} ms  {:6.2} GMAC/s", dt * 1e3, (rows * cols * n) as f64 / dt / 1e9);
     }
 }
 

@@ -17,7 +17,8 @@ pub mod dot;
 pub mod fixed;
 pub mod matrix;
 pub mod ops;
+pub mod qdot;
 pub mod reference;
 
 pub use fixed::{FixedPointOverflow, FIXED_SCALE};
-pub use matrix::{Matrix, WeightData};
+pub use matrix::{Activations, Matrix, WeightData};

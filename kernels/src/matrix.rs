@@ -2,14 +2,56 @@
 //! products with activation rows. Weights stay in their stored precision and are widened to f32
 //! inside the dot product; activations and accumulation are f32.
 //!
-//! Every product is `dot.rs`'s canonical dot (16 fused-multiply-add lanes, a fixed tree), run
-//! with the best ISA the machine has; results do not depend on the ISA, on threads or on which
-//! other rows share a call.
+//! Every product is one canonical dot, run with the best ISA the machine has, so results do not
+//! depend on the ISA, on threads or on which other rows share a call: `dot.rs`'s (64 FMA lanes,
+//! f32 activations) for float and fp8 weights, `qdot.rs`'s (activations quantised to int8 per
+//! block of 32, integer products) for int8 / int4 / MXFP4 weights — a matrix's `activations`
+//! says which, and every node that loads the same matrix picks the same one.
+
+use std::cell::Cell;
 
 use rayon::prelude::*;
 use shimmer_common::{DType, TensorView};
 
 use crate::dot::{self, WeightRow};
+use crate::qdot::{self, QuantRows};
+
+/// How a matrix's products treat their activation rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// As they are (f32): `dot.rs`.
+    F32,
+    /// Quantised to int8 per block of 32, integer products: `qdot.rs`. Only int8, int4 (whole
+    /// blocks per group) and MXFP4 weights take it; others fall back to `F32`.
+    Int8,
+}
+
+impl Activations {
+    /// What a matrix stored as `data` uses unless told otherwise: integer products for the
+    /// integer formats (a converted container's), f32 for the rest (checkpoints as they are).
+    pub fn default_for(data: &WeightData) -> Self {
+        match data {
+            WeightData::Int8 { .. } | WeightData::Mxfp4 { .. } => Activations::Int8,
+            WeightData::Int4 { group, .. } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => Activations::Int8,
+            _ => Activations::F32,
+        }
+    }
+}
+
+thread_local! {
+    /// Quantised activations, reused across calls on this thread (taken out while in use, so a
+    /// nested call — rayon may run another product on this thread meanwhile — gets its own).
+    static QUANT_SCRATCH: Cell<QuantRows> = Cell::new(QuantRows::default());
+}
+
+/// `f` over `xs` (rows of `n`) quantised, without allocating once this thread has warmed up.
+fn with_quantized<R>(xs: &[f32], n: usize, f: impl FnOnce(&QuantRows) -> R) -> R {
+    let mut q = QUANT_SCRATCH.with(|c| c.take());
+    q.quantize(xs, n);
+    let r = f(&q);
+    QUANT_SCRATCH.with(|c| c.set(q));
+    r
+}
 
 /// Work below this many multiply-adds stays on the calling thread: rayon's fan-out costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
@@ -51,12 +93,36 @@ pub struct Matrix {
     pub rows: usize,
     pub cols: usize,
     pub data: WeightData,
+    /// Which canonical dot its products use (`Activations::default_for` unless changed).
+    pub activations: Activations,
 }
 
 impl Matrix {
+    /// A matrix with its format's default activations.
+    pub fn new(rows: usize, cols: usize, data: WeightData) -> Self {
+        let activations = Activations::default_for(&data);
+        Matrix { rows, cols, data, activations }
+    }
+
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Self {
         assert_eq!(data.len(), rows * cols, "matrix data does not match its shape");
-        Matrix { rows, cols, data: WeightData::F32(data) }
+        Matrix::new(rows, cols, WeightData::F32(data))
+    }
+
+    /// The same weights with products on `activations` (for measuring what integer activations
+    /// cost: `shimmer quant-eval`). A format the integer path cannot take stays on f32.
+    pub fn with_activations(mut self, activations: Activations) -> Self {
+        self.activations = match activations {
+            Activations::Int8 if Activations::default_for(&self.data) == Activations::Int8 => Activations::Int8,
+            _ => Activations::F32,
+        };
+        self
+    }
+
+    /// Whether products quantise the activations (`qdot.rs`).
+    #[inline]
+    pub fn integer_products(&self) -> bool {
+        self.activations == Activations::Int8
     }
 
     /// Copies a 2-D checkpoint tensor, keeping its precision.
@@ -71,16 +137,16 @@ impl Matrix {
             DType::Bf16 => WeightData::Bf16(view.to_u16()),
             DType::F16 => WeightData::F16(view.to_u16()),
         };
-        Matrix { rows, cols, data }
+        Matrix::new(rows, cols, data)
     }
 
     /// Wraps a quantised matrix (its buffers checked by `shimmer_common::quant::validate`).
     pub fn from_quant(m: shimmer_common::quant::QuantMatrix) -> Self {
         use shimmer_common::quant::QuantMatrix;
         match m {
-            QuantMatrix::Int8 { rows, cols, q, scales } => Matrix { rows, cols, data: WeightData::Int8 { q, scales } },
-            QuantMatrix::Int4 { rows, cols, group, packed, scales } => Matrix { rows, cols, data: WeightData::Int4 { packed, scales, group } },
-            QuantMatrix::Mxfp4 { rows, cols, packed, scales } => Matrix { rows, cols, data: WeightData::Mxfp4 { packed, scales } },
+            QuantMatrix::Int8 { rows, cols, q, scales } => Matrix::new(rows, cols, WeightData::Int8 { q, scales }),
+            QuantMatrix::Int4 { rows, cols, group, packed, scales } => Matrix::new(rows, cols, WeightData::Int4 { packed, scales, group }),
+            QuantMatrix::Mxfp4 { rows, cols, packed, scales } => Matrix::new(rows, cols, WeightData::Mxfp4 { packed, scales }),
         }
     }
 
@@ -102,7 +168,7 @@ impl Matrix {
         if let Some(i) = q.iter().position(|b| b & 0x7f == 0x7f) {
             return Err(format!("element ({}, {}) is an fp8 NaN", i / cols.max(1), i % cols.max(1)));
         }
-        Ok(Matrix { rows, cols, data: WeightData::Fp8 { q, scales, block } })
+        Ok(Matrix::new(rows, cols, WeightData::Fp8 { q, scales, block }))
     }
 
     pub fn bytes(&self) -> usize {
@@ -173,6 +239,9 @@ impl Matrix {
     pub fn matvec_on(&self, x: &[f32], out: &mut [f32], parallel: bool) {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(out.len(), self.rows, "matvec output length");
+        if self.integer_products() {
+            return with_quantized(x, self.cols, |q| self.qmatvec(&q.row(0), 0, out, parallel));
+        }
         if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
             let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
@@ -187,10 +256,35 @@ impl Matrix {
         }
     }
 
+    /// `out[i] = W[first + i] · x` for a quantised activation row.
+    fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
+        let rows_at = |start: usize, o: &mut [f32]| {
+            let mut pairs = o.chunks_exact_mut(2);
+            let mut r = start;
+            for pair in &mut pairs {
+                let [a, b] = qdot::qdots_rows::<2, 1>([&self.row(r), &self.row(r + 1)], [x]);
+                pair.copy_from_slice(&[a[0], b[0]]);
+                r += 2;
+            }
+            if let [last] = pairs.into_remainder() {
+                *last = qdot::qdots_rows::<1, 1>([&self.row(r)], [x])[0][0];
+            }
+        };
+        if parallel && out.len() * self.cols >= PARALLEL_MIN_WORK {
+            let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 1) & !1;
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_at(first + c * chunk, o));
+        } else {
+            rows_at(first, out);
+        }
+    }
+
     /// `out = W[rows] · x`: the product with a contiguous block of rows only.
     pub fn matvec_rows(&self, rows: std::ops::Range<usize>, x: &[f32], out: &mut [f32]) {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(out.len(), rows.len(), "matvec output length");
+        if self.integer_products() {
+            return with_quantized(x, self.cols, |q| self.qmatvec(&q.row(0), rows.start, out, false));
+        }
         for (slot, r) in out.iter_mut().zip(rows) {
             *slot = self.dot_row(r, x);
         }
@@ -213,6 +307,9 @@ impl Matrix {
                 self.matvec_on(xs, out, parallel);
             }
             return;
+        }
+        if self.integer_products() {
+            return with_quantized(xs, self.cols, |q| self.qmatmul(q, out, parallel));
         }
         let x_rows: Vec<&[f32]> = xs.chunks_exact(self.cols).collect();
         // Transposed result (weight row major), filled in parallel over weight rows.
@@ -247,6 +344,42 @@ impl Matrix {
             }
         }
     }
+
+    /// `matmul_on` for integer products: each weight row against groups of quantised rows.
+    fn qmatmul(&self, q: &QuantRows, out: &mut [f32], parallel: bool) {
+        let n = q.rows();
+        let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
+        let width = qdot::batch_width();
+        let per_row = |r: usize, o: &mut [f32]| {
+            let w = self.row(r);
+            let mut i = 0;
+            while width >= 4 && i + 4 <= n {
+                let [v] = qdot::qdots_rows::<1, 4>([&w], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
+                o[i..i + 4].copy_from_slice(&v);
+                i += 4;
+            }
+            while width >= 2 && i + 2 <= n {
+                let [v] = qdot::qdots_rows::<1, 2>([&w], [&acts[i], &acts[i + 1]]);
+                o[i..i + 2].copy_from_slice(&v);
+                i += 2;
+            }
+            while i < n {
+                o[i] = qdot::qdots_rows::<1, 1>([&w], [&acts[i]])[0][0];
+                i += 1;
+            }
+        };
+        let mut t = vec![0.0f32; self.rows * n];
+        if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
+            t.par_chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+        } else {
+            t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+        }
+        for (r, col) in t.chunks(n).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                out[i * self.rows + r] = *v;
+            }
+        }
+    }
 }
 
 /// `a_out[i] = A · xs[i]` and `b_out[i] = B · xs[i]` for two matrices of one shape and format —
@@ -261,8 +394,18 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     if n == 0 {
         return;
     }
-    let x_rows = |i: usize| &xs[i * cols..(i + 1) * cols];
     let go_parallel = parallel && 2 * rows * cols * n >= PARALLEL_MIN_WORK;
+    match (a.integer_products(), b.integer_products()) {
+        (true, true) => return with_quantized(xs, cols, |q| qmatmul_pair(a, b, q, a_out, b_out, go_parallel)),
+        (false, false) => {}
+        _ => {
+            // One of each kind: two products (the same bits as each alone).
+            a.matmul_on(xs, a_out, parallel);
+            b.matmul_on(xs, b_out, parallel);
+            return;
+        }
+    }
+    let x_rows = |i: usize| &xs[i * cols..(i + 1) * cols];
     if n == 1 {
         // Decode: straight into the outputs.
         let one = |(r, (oa, ob)): (usize, (&mut f32, &mut f32))| {
@@ -308,6 +451,60 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     }
 }
 
+/// `matmul_pair` for integer products.
+fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out: &mut [f32], parallel: bool) {
+    let (rows, n) = (a.rows, q.rows());
+    if n == 1 {
+        let x = q.row(0);
+        let one = |(r, (oa, ob)): (usize, (&mut f32, &mut f32))| {
+            let [ra, rb] = qdot::qdots_rows::<2, 1>([&a.row(r), &b.row(r)], [&x]);
+            (*oa, *ob) = (ra[0], rb[0]);
+        };
+        if parallel {
+            a_out.par_iter_mut().zip(b_out.par_iter_mut()).enumerate().with_min_len(16).for_each(one);
+        } else {
+            a_out.iter_mut().zip(b_out.iter_mut()).enumerate().for_each(one);
+        }
+        return;
+    }
+    let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
+    let width = qdot::pair_batch_width();
+    let per_row = |r: usize, o: &mut [f32]| {
+        let (wa, wb) = (a.row(r), b.row(r));
+        let mut i = 0;
+        while width >= 4 && i + 4 <= n {
+            let [ra, rb] = qdot::qdots_rows::<2, 4>([&wa, &wb], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
+            o[i..i + 4].copy_from_slice(&ra);
+            o[n + i..n + i + 4].copy_from_slice(&rb);
+            i += 4;
+        }
+        while width >= 2 && i + 2 <= n {
+            let [ra, rb] = qdot::qdots_rows::<2, 2>([&wa, &wb], [&acts[i], &acts[i + 1]]);
+            o[i..i + 2].copy_from_slice(&ra);
+            o[n + i..n + i + 2].copy_from_slice(&rb);
+            i += 2;
+        }
+        while i < n {
+            let [ra, rb] = qdot::qdots_rows::<2, 1>([&wa, &wb], [&acts[i]]);
+            o[i] = ra[0];
+            o[n + i] = rb[0];
+            i += 1;
+        }
+    };
+    let mut t = vec![0.0f32; rows * 2 * n];
+    if parallel {
+        t.par_chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+    } else {
+        t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+    }
+    for (r, both) in t.chunks(2 * n).enumerate() {
+        for i in 0..n {
+            a_out[i * rows + r] = both[i];
+            b_out[i * rows + r] = both[n + i];
+        }
+    }
+}
+
 #[inline]
 pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
@@ -337,8 +534,8 @@ mod tests {
             for dtype in ["f32", "bf16", "f16"] {
                 let m = match dtype {
                     "f32" => Matrix::from_f32(rows, cols, w.clone()),
-                    "bf16" => Matrix { rows, cols, data: WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) },
-                    _ => Matrix { rows, cols, data: WeightData::F16(w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect()) },
+                    "bf16" => Matrix::new(rows, cols, WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect())),
+                    _ => Matrix::new(rows, cols, WeightData::F16(w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect())),
                 };
                 let widened: Vec<f32> = (0..rows)
                     .flat_map(|r| {
@@ -371,7 +568,7 @@ mod tests {
             for qm in formats {
                 let want = reference::matvec(&dequantize(&qm), rows, cols, &x);
                 let label = format!("{qm:?}").chars().take(4).collect::<String>();
-                let m = Matrix::from_quant(qm);
+                let m = Matrix::from_quant(qm).with_activations(Activations::F32);
                 let mut got = vec![0.0; rows];
                 m.matvec(&x, &mut got);
                 let mut widened = vec![0.0; cols];
@@ -386,6 +583,44 @@ mod tests {
     }
 
     #[test]
+    fn integer_products_are_the_qdot_of_each_row_within_the_activation_rounding() {
+        use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4};
+        for &(rows, cols) in &[(1, 1), (3, 7), (5, 33), (17, 64), (4, 129), (40, 300), (64, 1024)] {
+            let (w, x) = random(rows, cols, (rows * 5 + cols) as u64);
+            let mut formats = vec![quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols)];
+            for g in [32, 64, 128] {
+                formats.push(quantize_int4(&w, rows, cols, g));
+            }
+            let mut q = QuantRows::default();
+            q.quantize(&x, cols);
+            for qm in formats {
+                let decoded = dequantize(&qm);
+                let m = Matrix::from_quant(qm);
+                assert!(m.integer_products(), "a container's formats take integer products");
+                for parallel in [false, true] {
+                    let mut got = vec![0.0; rows];
+                    m.matvec_on(&x, &mut got, parallel);
+                    for (r, g) in got.iter().enumerate() {
+                        assert_eq!(g.to_bits(), qdot::qdot_scalar(&m.row(r), &q.row(0)).to_bits(), "{rows}x{cols} row {r}");
+                        let exact: f64 = (0..cols).map(|c| decoded[r * cols + c] as f64 * x[c] as f64).sum();
+                        let step: f64 = (0..cols).map(|c| (decoded[r * cols + c] as f64).abs() * q.row(0).scale(c / qdot::QBLOCK) as f64 * 0.5).sum();
+                        assert!((*g as f64 - exact).abs() <= step * 1.001 + 1e-5, "{rows}x{cols} row {r}: {g} vs {exact}");
+                    }
+                }
+                let mut part = vec![0.0; rows.min(3)];
+                m.matvec_rows(rows - part.len()..rows, &x, &mut part);
+                for (i, g) in part.iter().enumerate() {
+                    assert_eq!(g.to_bits(), qdot::qdot_scalar(&m.row(rows - part.len() + i), &q.row(0)).to_bits());
+                }
+                let f = m.clone().with_activations(Activations::F32);
+                assert!(!f.integer_products());
+            }
+        }
+        // Float formats never quantise their activations.
+        assert!(!Matrix::from_f32(1, 1, vec![1.0]).with_activations(Activations::Int8).integer_products());
+    }
+
+    #[test]
     fn rows_are_batch_invariant() {
         let (rows, cols) = (300, 257);
         let (w, _) = random(rows, cols, 7);
@@ -393,6 +628,7 @@ mod tests {
             Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 64)),
             Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)),
             Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&w, rows, cols)),
+            Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32),
             fp8_matrix(rows, cols, 128),
             Matrix::from_f32(rows, cols, w.clone()),
         ] {

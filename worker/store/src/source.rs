@@ -237,7 +237,7 @@ impl Source {
 
 fn expert_from([g, u, d]: [StoredMatrix; 3]) -> Expert {
     let m = |s: StoredMatrix| match s {
-        StoredMatrix::Bf16 { rows, cols, words } => Matrix { rows, cols, data: WeightData::Bf16(words) },
+        StoredMatrix::Bf16 { rows, cols, words } => Matrix::new(rows, cols, WeightData::Bf16(words)),
         StoredMatrix::Quant(q) => Matrix::from_quant(q),
     };
     Expert { gate: m(g), up: m(u), down: m(d) }

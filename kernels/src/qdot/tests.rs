@@ -1,0 +1,154 @@
+use super::*;
+use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4, QuantMatrix, E2M1};
+
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn row_of(q: &QuantMatrix, n: usize) -> WeightRow<'_> {
+    match q {
+        QuantMatrix::Int8 { q, scales, .. } => WeightRow::Int8 { q, scale: scales[0] },
+        QuantMatrix::Int4 { packed, scales, group, .. } => WeightRow::Int4 { packed, scales, group: *group, n },
+        QuantMatrix::Mxfp4 { packed, scales, .. } => WeightRow::Mxfp4 { packed, scales, n },
+    }
+}
+
+fn quantized(x: &[f32]) -> QuantRows {
+    let mut q = QuantRows::default();
+    q.quantize(x, x.len());
+    q
+}
+
+/// Every ISA against the scalar definition: alone, in batches of 2 and 4, two rows in one pass.
+fn every_isa_agrees(name: &str, row: &WeightRow<'_>, acts: &[QRow<'_>]) {
+    let want: Vec<u32> = acts.iter().map(|x| qdot_scalar(row, x).to_bits()).collect();
+    for isa in IntIsa::all_available() {
+        for (k, x) in acts.iter().enumerate() {
+            assert_eq!(qdots_rows_with::<1, 1>(isa, [row], [x])[0][0].to_bits(), want[k], "{name} {isa:?} alone, row {k}");
+        }
+        let [two] = qdots_rows_with::<1, 2>(isa, [row], [&acts[1], &acts[0]]);
+        assert_eq!(two.map(f32::to_bits), [want[1], want[0]], "{name} {isa:?} in a batch of two");
+        let [four] = qdots_rows_with::<1, 4>(isa, [row], [&acts[0], &acts[1], &acts[2], &acts[3]]);
+        assert_eq!(four.map(f32::to_bits), [want[0], want[1], want[2], want[3]], "{name} {isa:?} in a batch of four");
+        let [a, b] = qdots_rows_with::<2, 4>(isa, [row, row], [&acts[3], &acts[2], &acts[1], &acts[0]]);
+        assert_eq!(
+            (a.map(f32::to_bits), b.map(f32::to_bits)),
+            ([want[3], want[2], want[1], want[0]], [want[3], want[2], want[1], want[0]]),
+            "{name} {isa:?} two rows"
+        );
+    }
+}
+
+#[test]
+fn every_isa_gives_the_canonical_bits_for_every_format_and_shape() {
+    assert!(IntIsa::all_available().contains(&int_isa()));
+    for &n in &[1usize, 2, 5, 31, 32, 33, 64, 96, 127, 128, 129, 200, 255, 256, 257, 1000, 1024, 4099] {
+        let w = values(n, n as u64, 1.5);
+        let xs: Vec<Vec<f32>> = (0..4).map(|k| values(n, 1000 + k, 3.0)).collect();
+        let qs: Vec<QuantRows> = xs.iter().map(|x| quantized(x)).collect();
+        let acts: Vec<QRow<'_>> = qs.iter().map(|q| q.row(0)).collect();
+        let mut formats = vec![quantize_int8(&w, 1, n), quantize_mxfp4(&w, 1, n)];
+        for g in [32, 64, 128] {
+            formats.push(quantize_int4(&w, 1, n, g));
+        }
+        for q in &formats {
+            let row = row_of(q, n);
+            let name = format!("{} n={n}", format!("{q:?}").chars().take(5).collect::<String>());
+            every_isa_agrees(&name, &row, &acts);
+            // Close to the exact dot of what both sides stand for.
+            let decoded = dequantize(q);
+            for (x, a) in xs.iter().zip(&acts) {
+                let got = qdot_scalar(&row, a) as f64;
+                let xq: Vec<f64> = (0..n).map(|i| a.q(i) as f64 * a.scale(i / QBLOCK) as f64).collect();
+                let exact: f64 = decoded.iter().zip(&xq).map(|(w, x)| *w as f64 * x).sum();
+                let mag: f64 = decoded.iter().zip(&xq).map(|(w, x)| (*w as f64 * x).abs()).sum();
+                assert!((got - exact).abs() <= 1e-6 * mag + 1e-30, "{name}: {got} vs {exact}");
+                // And within the activation rounding of the f32-activation product.
+                let f32_exact: f64 = decoded.iter().zip(x).map(|(w, x)| *w as f64 * *x as f64).sum();
+                let step: f64 = (0..n).map(|i| (decoded[i] as f64).abs() * a.scale(i / QBLOCK) as f64 * 0.5).sum();
+                assert!((got - f32_exact).abs() <= step * 1.001 + 1e-6 * mag, "{name}: {got} vs f32 activations {f32_exact}");
+            }
+        }
+    }
+}
+
+#[test]
+fn activations_round_to_within_half_a_step_and_keep_their_sign() {
+    let x: Vec<f32> = values(300, 9, 4.0).into_iter().chain([0.0, -0.0, 1e-30, -1e30]).collect();
+    let q = quantized(&x);
+    let r = q.row(0);
+    for (i, v) in x.iter().enumerate() {
+        let d = r.scale(i / QBLOCK);
+        let back = r.q(i) as f32 * d;
+        assert!((back - v).abs() <= d * 0.5 * (1.0 + 1e-6), "{i}: {v} → {} × {d}", r.q(i));
+        assert!(r.q(i) >= -127, "−128 is never produced");
+    }
+    // The largest magnitude of a block maps to ±127 exactly.
+    let block = &x[..QBLOCK];
+    let (imax, _) = block.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+    assert_eq!(r.q(imax).unsigned_abs(), 127);
+    // Padding is q = 0 with scale 0.
+    assert_eq!((r.q(x.len()), r.scale(CHUNK * x.len().div_ceil(CHUNK) / QBLOCK - 1)), (0, 0.0));
+}
+
+#[test]
+fn a_non_finite_activation_makes_the_result_nan_on_every_isa() {
+    let n = 200;
+    let w = values(n, 3, 1.0);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut x = values(n, 4, 1.0);
+        x[150] = bad;
+        let q = quantized(&x);
+        for fmt in [quantize_int8(&w, 1, n), quantize_int4(&w, 1, n, 64), quantize_mxfp4(&w, 1, n)] {
+            for isa in IntIsa::all_available() {
+                assert!(qdots_rows_with::<1, 1>(isa, [&row_of(&fmt, n)], [&q.row(0)])[0][0].is_nan(), "{bad} {isa:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn extreme_scales_zero_rows_and_the_most_negative_int8_agree_across_isas() {
+    let n = 300;
+    let x = values(n, 5, 1.0);
+    let tiny: Vec<f32> = x.iter().map(|v| v * 1e-38).collect();
+    let huge: Vec<f32> = x.iter().map(|v| v * 1e37).collect();
+    let acts: Vec<QuantRows> = [&x, &tiny, &huge, &vec![0.0; n]].iter().map(|v| quantized(v)).collect();
+    let acts: Vec<QRow<'_>> = acts.iter().map(|q| q.row(0)).collect();
+    // int8 with −128 (a file may hold it), zeros, and ±127.
+    let q8: Vec<i8> = (0..n).map(|i| [-128, 127, -127, 0, 5][i % 5]).collect();
+    every_isa_agrees("int8 -128", &WeightRow::Int8 { q: &q8, scale: 0.01 }, &acts);
+    every_isa_agrees("int8 zero row", &WeightRow::Int8 { q: &vec![0; n], scale: 1.0 }, &acts);
+    let packed: Vec<u8> = (0..n / 2).map(|i| (i * 29 % 256) as u8).collect();
+    let big_scales = vec![f32::MAX / 9.0; n.div_ceil(32)];
+    every_isa_agrees("int4 near-max scales", &WeightRow::Int4 { packed: &packed, scales: &big_scales, group: 32, n }, &acts);
+    let zero_scales = vec![0.0; n.div_ceil(64)];
+    every_isa_agrees("int4 zero scales", &WeightRow::Int4 { packed: &packed, scales: &zero_scales, group: 64, n }, &acts);
+    for e in [0u8, 1, 127, 200, 254] {
+        let sc = vec![e; n.div_ceil(32)];
+        every_isa_agrees(&format!("mxfp4 e={e}"), &WeightRow::Mxfp4 { packed: &packed, scales: &sc, n }, &acts);
+    }
+}
+
+#[test]
+fn the_integer_tables_are_the_formats() {
+    for (i, v) in E2M1.iter().enumerate() {
+        assert_eq!(E2M1_TWICE[i] as f32, 2.0 * v, "nibble {i}");
+    }
+    for e in 0..=254u8 {
+        assert_eq!(half_e8m0(e), shimmer_common::quant::e8m0_to_f32(e) / 2.0, "e8m0 {e}");
+    }
+    assert!(half_e8m0(255).is_nan());
+    // Only whole-block int4 groups take the integer path.
+    let packed = [0u8; 24];
+    let scales = [1.0f32; 1];
+    assert!(is_integer(&WeightRow::Int4 { packed: &packed, scales: &scales, group: 64, n: 48 }));
+    assert!(!is_integer(&WeightRow::Int4 { packed: &packed, scales: &scales, group: 48, n: 48 }));
+    assert!(!is_integer(&WeightRow::F32(&[1.0])));
+}
