@@ -206,7 +206,7 @@ impl Engine {
         let store = model.is_container() || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
         let (dense, dense_bytes) = model.dense()?;
         if !store {
-            let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16)?;
+            let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16, None)?;
             tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
             return Self::new(&model, dense, Experts::InProcess(Box::new(experts)));
         }

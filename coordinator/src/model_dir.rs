@@ -98,9 +98,9 @@ impl ModelDir {
     /// Every routed expert in this process's memory, quantised to `scheme` (`Bf16` keeps the
     /// stored precision; other schemes are for measuring a format's quality only). A container's
     /// experts are read through the store instead.
-    pub fn in_process_experts(&self, scheme: QuantScheme) -> Result<InProcessExperts, EngineError> {
+    pub fn in_process_experts(&self, scheme: QuantScheme, activations: Option<shimmer_kernels::Activations>) -> Result<InProcessExperts, EngineError> {
         match &self.kind {
-            Kind::Checkpoint(ckpt) => Ok(InProcessExperts::load_as(ckpt, &self.spec, scheme)?),
+            Kind::Checkpoint(ckpt) => Ok(InProcessExperts::load_as_with(ckpt, &self.spec, scheme, activations)?),
             Kind::Container(_) => Err(EngineError::Input(format!("{}: a container's experts are read through the expert store", self.dir.display()))),
         }
     }

@@ -258,7 +258,7 @@ pub fn engine_with_dispatch(
     place: impl FnOnce(shimmer_experts::InProcessExperts) -> Box<dyn shimmer_experts::ExpertDispatch>,
 ) -> shimmer_coordinator::Engine {
     let model = shimmer_coordinator::model_dir::ModelDir::open(dir).unwrap();
-    let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16).unwrap();
+    let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16, None).unwrap();
     let (dense, _) = model.dense().unwrap();
     shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(place(experts))).unwrap()
 }
@@ -267,7 +267,7 @@ pub fn engine_with_dispatch(
 /// reference a container of that format must reproduce).
 pub fn engine_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantScheme) -> shimmer_coordinator::Engine {
     let model = shimmer_coordinator::model_dir::ModelDir::open(dir).unwrap();
-    let experts = model.in_process_experts(scheme).unwrap();
+    let experts = model.in_process_experts(scheme, None).unwrap();
     let (dense, _) = model.dense().unwrap();
     shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(Box::new(experts))).unwrap()
 }

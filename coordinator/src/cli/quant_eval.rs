@@ -24,6 +24,11 @@ pub(super) struct QuantEvalArgs {
     /// Stop after this many tokens.
     #[arg(long, default_value_t = 16384)]
     pub(super) max_tokens: usize,
+    /// The activations of the quantised experts' products: `int8` (what serving a container
+    /// does), `f32` (the same weights against unquantised activations), or `both` — which also
+    /// reports each format's int8 activations against its f32 ones.
+    #[arg(long, default_value = "int8", value_parser = ["int8", "f32", "both"])]
+    pub(super) activations: String,
     #[arg(long)]
     pub(super) json: bool,
 }
@@ -47,12 +52,25 @@ pub(super) fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
     let reference_logits: Vec<Vec<f32>> = ids.chunks(a.chunk).filter(|c| c.len() > 1).map(|c| reference.logits_all(c)).collect::<Result<_, _>>()?;
     let mut rows = Vec::new();
     let mut candidates: Vec<(String, Engine)> = Vec::new();
+    use shimmer_kernels::Activations;
+    let kinds: &[(Activations, &str)] = match a.activations.as_str() {
+        "f32" => &[(Activations::F32, "/f32-activations")],
+        "both" => &[(Activations::Int8, ""), (Activations::F32, "/f32-activations")],
+        _ => &[(Activations::Int8, "")],
+    };
+    // (label of the int8-activation run, label of the f32 one) per format, when both ran.
+    let mut pairs = Vec::new();
     for scheme in schemes {
-        // The experts quantised in memory: a measurement of the format, never the serving path.
-        let model = ModelDir::open(&dir)?;
-        let experts = model.in_process_experts(scheme)?;
-        let (dense, _) = model.dense()?;
-        candidates.push((scheme.name(), Engine::new(&model, dense, crate::engine::Experts::InProcess(Box::new(experts)))?));
+        for (activations, suffix) in kinds {
+            // The experts quantised in memory: a measurement of the format, never the serving path.
+            let model = ModelDir::open(&dir)?;
+            let experts = model.in_process_experts(scheme, Some(*activations))?;
+            let (dense, _) = model.dense()?;
+            candidates.push((format!("{}{suffix}", scheme.name()), Engine::new(&model, dense, crate::engine::Experts::InProcess(Box::new(experts)))?));
+        }
+        if kinds.len() == 2 && scheme != shimmer_common::quant::QuantScheme::Bf16 {
+            pairs.push((candidates.len() - 2, candidates.len() - 1));
+        }
     }
     for c in &a.candidate {
         let engine = Engine::load(c).with_context(|| format!("cannot load model {}", c.display()))?;
@@ -61,17 +79,17 @@ pub(super) fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
         }
         candidates.push((c.display().to_string(), engine));
     }
-    for (label, q) in candidates {
-        let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
-        for (chunk, want) in ids.chunks(a.chunk).filter(|c| c.len() > 1).zip(&reference_logits) {
-            let got = q.logits_all(chunk)?;
-            for (p_row, q_row) in want.chunks_exact(v).zip(got.chunks_exact(v)) {
-                kl += kl_divergence(p_row, q_row);
-                agree += (crate::sampling::argmax(p_row) == crate::sampling::argmax(q_row)) as usize;
-                n += 1;
-            }
-        }
-        rows.push(json!({"quant": label, "positions": n, "mean_kl_nats": kl / n as f64, "top1_agreement": agree as f64 / n as f64}));
+    let chunks: Vec<&[u32]> = ids.chunks(a.chunk).filter(|c| c.len() > 1).collect();
+    let mut logits_of = Vec::with_capacity(candidates.len());
+    for (label, q) in &candidates {
+        let got: Vec<Vec<f32>> = chunks.iter().map(|c| q.logits_all(c)).collect::<Result<_, _>>()?;
+        rows.push(compare(label, &reference_logits, &got, v));
+        logits_of.push(got);
+    }
+    // What integer activations cost on their own: each format against itself on f32 activations.
+    for (int8, f32a) in pairs {
+        let label = format!("{} vs {}", candidates[int8].0, candidates[f32a].0);
+        rows.push(compare(&label, &logits_of[f32a], &logits_of[int8], v));
     }
     let mut stdout = std::io::stdout().lock();
     if a.json {
@@ -93,6 +111,19 @@ pub(super) fn quant_eval(a: QuantEvalArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Mean KL(reference ‖ candidate) and top-1 agreement over every position.
+fn compare(label: &str, reference: &[Vec<f32>], candidate: &[Vec<f32>], v: usize) -> serde_json::Value {
+    let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+    for (want, got) in reference.iter().zip(candidate) {
+        for (p_row, q_row) in want.chunks_exact(v).zip(got.chunks_exact(v)) {
+            kl += kl_divergence(p_row, q_row);
+            agree += (crate::sampling::argmax(p_row) == crate::sampling::argmax(q_row)) as usize;
+            n += 1;
+        }
+    }
+    json!({"quant": label, "positions": n, "mean_kl_nats": kl / n.max(1) as f64, "top1_agreement": agree as f64 / n.max(1) as f64})
 }
 
 /// KL(p ‖ q) in nats between the softmax distributions of two logit rows.

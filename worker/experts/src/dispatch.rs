@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use shimmer_common::quant::{self, QuantScheme};
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
-use shimmer_kernels::{fixed, FixedPointOverflow, Matrix};
+use shimmer_kernels::{fixed, Activations, FixedPointOverflow, Matrix};
 
 use crate::expert::{Expert, FfnScratch};
 use crate::weights::load_matrix;
@@ -90,7 +90,13 @@ impl InProcessExperts {
     /// (DESIGN.md §1); formats reach it through a converted container. `Bf16` keeps the
     /// checkpoint's own precision.
     pub fn load_as(ckpt: &Checkpoint, spec: &ModelSpec, scheme: QuantScheme) -> Result<Self, LoadError> {
-        let convert = |m: Matrix| -> Matrix {
+        Self::load_as_with(ckpt, spec, scheme, None)
+    }
+
+    /// `load_as`, with the quantised experts' products on `activations` when given (measuring
+    /// what integer activations cost against f32 ones); `None` keeps each format's default.
+    pub fn load_as_with(ckpt: &Checkpoint, spec: &ModelSpec, scheme: QuantScheme, activations: Option<Activations>) -> Result<Self, LoadError> {
+        let convert_one = |m: Matrix| -> Matrix {
             let widened = || {
                 let mut w = vec![0.0f32; m.rows * m.cols];
                 for (r, row) in w.chunks_exact_mut(m.cols).enumerate() {
@@ -103,6 +109,13 @@ impl InProcessExperts {
                 QuantScheme::Int8PerRow => Matrix::from_quant(quant::quantize_int8(&widened(), m.rows, m.cols)),
                 QuantScheme::Int4 { group } => Matrix::from_quant(quant::quantize_int4(&widened(), m.rows, m.cols, group)),
                 QuantScheme::Mxfp4 => Matrix::from_quant(quant::quantize_mxfp4(&widened(), m.rows, m.cols)),
+            }
+        };
+        let convert = |m: Matrix| -> Matrix {
+            let m = convert_one(m);
+            match activations {
+                Some(a) => m.with_activations(a),
+                None => m,
             }
         };
         let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
