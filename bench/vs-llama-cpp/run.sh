@@ -8,7 +8,8 @@
 # tokenizer the converter knows, converts it (and the demo model) to GGUF Q8_0 / Q4_0 with
 # llama.cpp's tools and to shimmer containers int8 / int4-g32 (dense int8), then alternates the
 # two engines RUNS times per format on the same prompt length and thread count and prints the
-# shimmer ÷ llama.cpp ratios for prefill and decode (min / median / max).
+# shimmer ÷ llama.cpp ratios for prefill and decode (min / median / max), and for the aggregate
+# decode of PARALLEL sequences at once (llama-batched-bench -npl against shimmer bench --parallel).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -17,10 +18,11 @@ THREADS="${THREADS:-2}"
 RUNS="${RUNS:-5}"
 PROMPT="${PROMPT:-64}"
 GEN="${GEN:-32}"
+PARALLEL="${PARALLEL:-16}"
 # 1-2. Tools (cmake, a compiler, a pinned Python environment) and llama.cpp (llama-cpp.sh).
 . "$HERE/llama-cpp.sh"
 llama_cpp_tools
-llama_cpp_build build -DLLAMA_BUILD_SERVER=OFF -- llama-bench llama-quantize
+llama_cpp_build build -DLLAMA_BUILD_SERVER=OFF -- llama-bench llama-quantize llama-batched-bench
 BIN="$LLAMA/build/bin"
 
 # 3. shimmer.
@@ -63,22 +65,27 @@ for model in m1b demo; do
       say "$model $1 vs $2, run $i/$RUNS"
       "$BIN/llama-bench" -m "$WORK/$model.$1.gguf" -p "$PROMPT" -n "$GEN" -t "$THREADS" -r 1 -o json 2>/dev/null \
         | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
+      # PARALLEL sequences of PROMPT random tokens each, prefilled in one batch, then GEN tokens
+      # each, all sequences in every step (its "S_TG t/s").
+      "$BIN/llama-batched-bench" -m "$WORK/$model.$1.gguf" -c $((PARALLEL * (PROMPT + GEN))) -b 2048 -ub 512 -npp "$PROMPT" \
+        -ntg "$GEN" -npl "$PARALLEL" -t "$THREADS" --output-format jsonl 2>/dev/null | grep '^{' \
+        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'batched', 'tok_s': json.loads(l)['speed_tg']})) for l in sys.stdin]" >> "$RESULTS"
       "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
-        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --json 2>/dev/null \
-        | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': r[k], 'roofline': r['fraction_of_roofline']})) for t, k in (('prefill', 'prefill_tok_s'), ('decode', 'decode_tok_s'))]" >> "$RESULTS"
+        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --parallel "$PARALLEL" --json 2>/dev/null \
+        | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"
     done
   done
 done
 
 # 6. Ratios.
-"$PY" - "$RESULTS" "$THREADS" <<'PY'
+"$PY" - "$RESULTS" "$THREADS" "$PARALLEL" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"shimmer ÷ llama.cpp, {sys.argv[2]} threads (min / median / max over paired runs)")
+print(f"shimmer ÷ llama.cpp, {sys.argv[2]} threads (min / median / max over paired runs; batched: {sys.argv[3]} sequences, all of them)")
 print(f"{'model':6} {'format':18} {'test':8} {'llama.cpp tok/s':>16} {'shimmer tok/s':>14} {'ratio min/med/max':>22} {'shimmer of roofline':>20}")
 for model in ("m1b", "demo"):
     for fmt in ("Q8_0", "Q4_0"):
-        for test in ("prefill", "decode"):
+        for test in ("prefill", "decode", "batched"):
             l = [r["tok_s"] for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "llama.cpp", test)]
             s = [r for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "shimmer", test)]
             if not l or not s:

@@ -60,6 +60,7 @@ pub struct BenchReport {
     /// Memory bandwidth ÷ active bytes per token: decode speed if only memory reads mattered.
     pub roofline_tok_s: f64,
     pub fraction_of_roofline: f64,
+    pub batched: Option<BatchedReport>,
 }
 
 #[derive(Debug, Serialize)]
@@ -67,6 +68,8 @@ pub struct Machine {
     pub cores: usize,
     pub threads: usize,
     pub isa: String,
+    /// The integer dot product's ISA (a container's int8 / int4 / MXFP4 weights).
+    pub int_isa: String,
     /// A multi-threaded copy of 256 MiB, best of 3: (read + write) bytes per second.
     pub memory_gb_s: f64,
 }
@@ -104,6 +107,19 @@ pub struct BenchOptions {
     pub text: Option<String>,
     /// Read every expert the budget holds before timing (a resident-model benchmark).
     pub preload: bool,
+    /// Also decode this many sequences at once (0: not measured): llama-batched-bench's `-npl`.
+    pub parallel: usize,
+}
+
+/// `parallel` sequences decoded together, each step one forward pass over all of them.
+#[derive(Debug, Serialize)]
+pub struct BatchedReport {
+    pub sequences: usize,
+    /// All sequences' prompts in one forward pass: prompt tokens of all ÷ its time.
+    pub prefill_tok_s: f64,
+    /// Tokens decoded by all sequences ÷ the decode steps' time.
+    pub decode_tok_s: f64,
+    pub decode_ms: f64,
 }
 
 fn delta(after: &StoreTelemetry, before: &StoreTelemetry) -> (u64, u64, f64) {
@@ -157,6 +173,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let trace = shimmer_common::trace::Trace::read(&trace_path);
     let _ = std::fs::remove_file(&trace_path);
     let trace = trace?;
+    let batched = if bench.parallel > 0 { Some(batched(&engine, &text_ids, ids.len(), bench.parallel)?) } else { None };
 
     let gen = bench.gen_tokens.max(1) as f64;
     let (mut read_per_token, mut io_wait_fraction, mut hit_rate) = (0.0, 0.0, 1.0);
@@ -219,6 +236,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         threads,
         isa: shimmer_kernels::dot::isa().name().to_string(),
+        int_isa: shimmer_kernels::qdot::int_isa().name().to_string(),
         memory_gb_s: memory_bandwidth(threads),
     };
     let roofline = machine.memory_gb_s * 1e9 / active.max(1) as f64;
@@ -248,5 +266,38 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         fraction_of_disk_limit: disk_limit.map(|l| decode_tok_s / l),
         replay,
         store: after,
+        batched,
+    })
+}
+
+/// `n` sequences, each its own text (the benchmark text from a different offset, so their routing
+/// differs), prefilled in one pass and then decoded together, one token each per step.
+fn batched(engine: &Engine, text: &[u32], prompt: usize, n: usize) -> Result<BatchedReport> {
+    use shimmer_model::{Logits, Segment};
+    let gen = text.len() - prompt;
+    let texts: Vec<Vec<u32>> = (0..n).map(|i| text.iter().cycle().skip(i * 7 % text.len()).take(text.len()).copied().collect()).collect();
+    let mut sessions: Vec<_> = (0..n).map(|_| engine.new_session()).collect();
+    let t0 = Instant::now();
+    let mut segments: Vec<Segment<'_>> =
+        sessions.iter_mut().zip(&texts).map(|(s, t)| Segment { tokens: &t[..prompt], cache: &mut s.cache, want: Logits::Last }).collect();
+    engine.forward_batch(&mut segments)?;
+    drop(segments);
+    let prefill = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for step in 0..gen {
+        let mut segments: Vec<Segment<'_>> = sessions
+            .iter_mut()
+            .zip(&texts)
+            .map(|(s, t)| Segment { tokens: &t[prompt + step..prompt + step + 1], cache: &mut s.cache, want: Logits::Last })
+            .collect();
+        engine.forward_batch(&mut segments)?;
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    engine.end_turn();
+    Ok(BatchedReport {
+        sequences: n,
+        prefill_tok_s: (n * prompt) as f64 / prefill.max(1e-9),
+        decode_tok_s: (n * gen) as f64 / decode.max(1e-9),
+        decode_ms: decode * 1e3,
     })
 }

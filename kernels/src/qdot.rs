@@ -251,22 +251,34 @@ pub fn qdot_scalar(w: &WeightRow<'_>, x: &QRow<'_>) -> f32 {
     finish(w, reduce(acc))
 }
 
-/// A weight row's last, partial chunk decoded to integers (zero beyond the row) with its block
-/// factors (zero for blocks past the row, whose products are zero: `fma(0, 0, acc) = acc`, as
-/// `acc` is never −0).
-pub(crate) fn tail_chunk(w: &WeightRow<'_>, start: usize) -> ([i8; CHUNK], [f32; BLOCKS_PER_CHUNK]) {
+/// A weight row's last, partial chunk as its stored bytes (int8 values, or packed nibbles in the
+/// first half) zero-padded to a whole chunk, so vector code decodes it as any other chunk, with
+/// the chunk's four weight factors (0 for blocks past the row). What the padding decodes to does
+/// not matter: the activations there are `q = 0`, so its integer products are 0, and the
+/// padding blocks' factors are `0 · 0` (`fma(0, 0, acc) = acc`, as `acc` is never −0).
+pub(crate) fn tail_bytes(w: &WeightRow<'_>, start: usize) -> ([u8; CHUNK], [f32; BLOCKS_PER_CHUNK]) {
     let n = w.len();
-    let (mut ints, mut factors) = ([0i8; CHUNK], [0.0f32; BLOCKS_PER_CHUNK]);
-    for i in start..n {
-        ints[i - start] = weight_int(w, i) as i8;
+    let mut bytes = [0u8; CHUNK];
+    match w {
+        WeightRow::Int8 { q, .. } => {
+            for (o, v) in bytes.iter_mut().zip(&q[start..n]) {
+                *o = *v as u8;
+            }
+        }
+        WeightRow::Int4 { packed, .. } | WeightRow::Mxfp4 { packed, .. } => {
+            let tail = &packed[start / 2..n.div_ceil(2)];
+            bytes[..tail.len()].copy_from_slice(tail);
+        }
+        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
     }
+    let mut factors = [0.0f32; BLOCKS_PER_CHUNK];
     for (k, f) in factors.iter_mut().enumerate() {
         let b = start / QBLOCK + k;
         if b * QBLOCK < n {
             *f = weight_factor(w, b);
         }
     }
-    (ints, factors)
+    (bytes, factors)
 }
 
 /// The instruction sets of the integer path.

@@ -25,6 +25,10 @@ pub(super) struct BenchArgs {
     /// How much of the experts file the disk-bandwidth probe reads (MB, 10^6 bytes).
     #[arg(long, default_value_t = 1024)]
     pub(super) disk_probe_mb: u64,
+    /// Also decode this many sequences together and report their aggregate speed (as
+    /// llama-batched-bench's `-npl`); 0: not measured.
+    #[arg(long, default_value_t = 0)]
+    pub(super) parallel: usize,
     #[command(flatten)]
     pub(super) store: StoreArgs,
     #[arg(long)]
@@ -46,7 +50,7 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     let r = crate::bench::run(
         &dir,
         &a.store.options()?,
-        &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload },
+        &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload, parallel: a.parallel },
     )?;
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -55,8 +59,8 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     writeln!(
         out,
-        "machine  {} cores, {} threads, {} kernels, memory {:.1} GB/s (copy)",
-        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.memory_gb_s
+        "machine  {} cores, {} threads, {} kernels ({} integer), memory {:.1} GB/s (copy)",
+        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.int_isa, r.machine.memory_gb_s
     )?;
     writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
     writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;
@@ -69,6 +73,9 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
         r.ttft_ms,
         r.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     )?;
+    if let Some(b) = &r.batched {
+        writeln!(out, "batched  {} sequences: prefill {:.1} tok/s, decode {:.2} tok/s (all sequences)", b.sequences, b.prefill_tok_s, b.decode_tok_s)?;
+    }
     writeln!(
         out,
         "roofline {:.1} MB read per token → {:.1} tok/s at the measured bandwidth; decode reached {:.3} of it",

@@ -4,7 +4,7 @@
 //!
 //! Must never: reduce partial sums before the end, or fuse `f_b`'s product into the FMA.
 
-use super::{half_e8m0, tail_chunk, QRow, WeightRow, CHUNK, QBLOCK};
+use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
 use std::arch::aarch64::*;
 
 const LUT: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -72,6 +72,15 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(ws: [&WeightRow<
                     }
                 }
             }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        let base = t.as_ptr().add(32 * kb) as *const i8;
+                        step!(m, full, kb, [vld1q_s8(base), vld1q_s8(base.add(16))], wf[kb]);
+                    }
+                }
+            }
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
@@ -83,6 +92,15 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(ws: [&WeightRow<
                         let [a, b] = nibbles32(p[m].add(c * CHUNK / 2 + 16 * kb));
                         let wv = [vsubq_s8(vreinterpretq_s8_u8(a), eight), vsubq_s8(vreinterpretq_s8_u8(b), eight)];
                         step!(m, c, kb, wv, *s[m].get_unchecked((4 * c + kb) / per));
+                    }
+                }
+            }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        let [a, b] = nibbles32(t.as_ptr().add(16 * kb));
+                        step!(m, full, kb, [vsubq_s8(vreinterpretq_s8_u8(a), eight), vsubq_s8(vreinterpretq_s8_u8(b), eight)], wf[kb]);
                     }
                 }
             }
@@ -98,17 +116,17 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(ws: [&WeightRow<
                     }
                 }
             }
-        }
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
-    }
-    if full * CHUNK < n {
-        for m in 0..M {
-            let (ints, wf) = tail_chunk(ws[m], full * CHUNK);
-            for kb in 0..4 {
-                let base = ints.as_ptr().add(32 * kb);
-                step!(m, full, kb, [vld1q_s8(base), vld1q_s8(base.add(16))], wf[kb]);
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        let [a, b] = nibbles32(t.as_ptr().add(16 * kb));
+                        step!(m, full, kb, [vqtbl1q_s8(lut, a), vqtbl1q_s8(lut, b)], wf[kb]);
+                    }
+                }
             }
         }
+        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
     }
     let mut out = [[0.0f32; N]; M];
     for m in 0..M {

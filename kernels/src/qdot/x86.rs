@@ -5,7 +5,7 @@
 //! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
 //! the FMA (both would change the bits).
 
-use super::{half_e8m0, tail_chunk, QRow, WeightRow, CHUNK, QBLOCK};
+use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
 use std::arch::x86_64::*;
 
 /// 2 · e2m1 by nibble, as `pshufb` reads a table (one copy per 128-bit lane).
@@ -113,6 +113,14 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     step!(m, c, wv, [1.0; 4]);
                 }
             }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, _) = tail_bytes(ws[m], full * CHUNK);
+                    let base = t.as_ptr();
+                    let wv = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
+                    step!(m, full, wv, [1.0; 4]);
+                }
+            }
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
@@ -129,6 +137,13 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     step!(m, c, wv, wf);
                 }
             }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    let wv = [_mm512_sub_epi8(nibbles64(t.as_ptr()), eight), _mm512_sub_epi8(nibbles64(t.as_ptr().add(32)), eight)];
+                    step!(m, full, wv, wf);
+                }
+            }
         }
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
@@ -143,15 +158,15 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     step!(m, c, wv, wf);
                 }
             }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    let wv = [_mm512_shuffle_epi8(lut, nibbles64(t.as_ptr())), _mm512_shuffle_epi8(lut, nibbles64(t.as_ptr().add(32)))];
+                    step!(m, full, wv, wf);
+                }
+            }
         }
         _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
-    }
-    if full * CHUNK < n {
-        for m in 0..M {
-            let (ints, wf) = tail_chunk(ws[m], full * CHUNK);
-            let wv = [_mm512_loadu_si512(ints.as_ptr() as *const __m512i), _mm512_loadu_si512(ints.as_ptr().add(64) as *const __m512i)];
-            step!(m, full, wv, wf);
-        }
     }
     let mut out = [[0.0f32; N]; M];
     for m in 0..M {
@@ -215,6 +230,14 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
                     }
                 }
             }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        step!(m, full, kb, _mm256_loadu_si256(t.as_ptr().add(32 * kb) as *const __m256i), wf[kb]);
+                    }
+                }
+            }
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
@@ -227,6 +250,14 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
                     for kb in 0..4 {
                         let wv = _mm256_sub_epi8(nibbles32(base.add(16 * kb)), eight);
                         step!(m, c, kb, wv, *s[m].get_unchecked(per.of(4 * c + kb)));
+                    }
+                }
+            }
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        step!(m, full, kb, _mm256_sub_epi8(nibbles32(t.as_ptr().add(16 * kb)), eight), wf[kb]);
                     }
                 }
             }
@@ -244,16 +275,16 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
                     }
                 }
             }
-        }
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
-    }
-    if full * CHUNK < n {
-        for m in 0..M {
-            let (ints, wf) = tail_chunk(ws[m], full * CHUNK);
-            for kb in 0..4 {
-                step!(m, full, kb, _mm256_loadu_si256(ints.as_ptr().add(32 * kb) as *const __m256i), wf[kb]);
+            if full * CHUNK < n {
+                for m in 0..M {
+                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
+                    for kb in 0..4 {
+                        step!(m, full, kb, _mm256_shuffle_epi8(lut, nibbles32(t.as_ptr().add(16 * kb))), wf[kb]);
+                    }
+                }
             }
         }
+        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
     }
     let mut out = [[0.0f32; N]; M];
     for m in 0..M {
