@@ -359,11 +359,19 @@ pub fn int_isa() -> IntIsa {
 /// in one pass; every result is exactly `qdot_scalar(ws[m], xs[k])`.
 #[inline]
 pub fn qdots_rows<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
-    qdots_rows_with(int_isa(), ws, xs)
+    // `int_isa` returns only what `available` confirmed.
+    qdots_checked(int_isa(), ws, xs)
 }
 
 /// `qdots_rows` with a given ISA (which must be available).
 pub fn qdots_rows_with<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_>; M], xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
+    qdots_checked(isa, ws, xs)
+}
+
+/// `qdots_rows_with` for an ISA known to be available.
+#[inline]
+fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_>; M], xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     let Some(first) = ws.first() else { return [[0.0; N]; M] };
     for w in &ws {
         assert!(is_integer(w), "the integer path takes int8, int4 and MXFP4 rows only");
@@ -373,7 +381,6 @@ pub fn qdots_rows_with<const M: usize, const N: usize>(isa: IntIsa, ws: [&Weight
         // Equal, not just long enough: blocks past the weight row must not take part.
         assert_eq!(x.n, first.len(), "activation row and weight row differ in length");
     }
-    assert!(isa.available(), "{} is not available on this machine", isa.name());
     let same = ws.iter().all(|w| match (w, first) {
         (WeightRow::Int8 { .. }, WeightRow::Int8 { .. }) | (WeightRow::Mxfp4 { .. }, WeightRow::Mxfp4 { .. }) => true,
         (WeightRow::Int4 { group: a, .. }, WeightRow::Int4 { group: b, .. }) => a == b,
@@ -382,7 +389,7 @@ pub fn qdots_rows_with<const M: usize, const N: usize>(isa: IntIsa, ws: [&Weight
     if M > 1 && !same {
         let mut out = [[0.0; N]; M];
         for (o, w) in out.iter_mut().zip(ws) {
-            *o = qdots_rows_with::<1, N>(isa, [w], xs)[0];
+            *o = qdots_checked::<1, N>(isa, [w], xs)[0];
         }
         return out;
     }

@@ -50,7 +50,14 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     let r = crate::bench::run(
         &dir,
         &a.store.options()?,
-        &crate::bench::BenchOptions { prompt_tokens: a.prompt_tokens, gen_tokens: a.gen_tokens, probe_mb: a.disk_probe_mb, text, preload: a.preload, parallel: a.parallel },
+        &crate::bench::BenchOptions {
+            prompt_tokens: a.prompt_tokens,
+            gen_tokens: a.gen_tokens,
+            probe_mb: a.disk_probe_mb,
+            text,
+            preload: a.preload,
+            parallel: a.parallel,
+        },
     )?;
     let mut out = std::io::stdout().lock();
     if a.json {
