@@ -67,9 +67,15 @@ for model in m1b demo; do
         | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
       # PARALLEL sequences of PROMPT random tokens each, prefilled in one batch, then GEN tokens
       # each, all sequences in every step (its "S_TG t/s").
-      "$BIN/llama-batched-bench" -m "$WORK/$model.$1.gguf" -c $((PARALLEL * (PROMPT + GEN))) -b 2048 -ub 512 -npp "$PROMPT" \
-        -ntg "$GEN" -npl "$PARALLEL" -t "$THREADS" --output-format jsonl 2>/dev/null | grep '^{' \
-        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'batched', 'tok_s': json.loads(l)['speed_tg']})) for l in sys.stdin]" >> "$RESULTS"
+      # (Once in a dozen runs here it ended without a result; that pair then has no batched row.)
+      if "$BIN/llama-batched-bench" -m "$WORK/$model.$1.gguf" -c $((PARALLEL * (PROMPT + GEN))) -b 2048 -ub 512 -npp "$PROMPT" \
+        -ntg "$GEN" -npl "$PARALLEL" -t "$THREADS" --output-format jsonl > "$WORK/batched.out" 2> "$WORK/batched.err" \
+        && grep -q '^{' "$WORK/batched.out"; then
+        grep '^{' "$WORK/batched.out" \
+          | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'batched', 'tok_s': json.loads(l)['speed_tg']})) for l in sys.stdin]" >> "$RESULTS"
+      else
+        say "llama-batched-bench gave no result (exit $?): $(tail -n 2 "$WORK/batched.err" | tr '\n' ' ')"
+      fi
       "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
         --gen-tokens "$GEN" --disk-probe-mb 1 --preload --parallel "$PARALLEL" --json 2>/dev/null \
         | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"

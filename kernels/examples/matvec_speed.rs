@@ -37,7 +37,8 @@ fn main() {
         let mut out = vec![0.0f32; rows];
         for parallel in [false, true] {
             m.matvec_on(&x, &mut out, parallel);
-            let reps = 20;
+            // About 0.2 G weights per measurement, so small (expert-sized) matrices time well too.
+            let reps = (200_000_000 / (rows * cols)).max(20);
             let t = Instant::now();
             for _ in 0..reps {
                 m.matvec_on(&x, &mut out, parallel);

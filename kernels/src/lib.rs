@@ -1,6 +1,8 @@
 //! shimmer-kernels: the math, and nothing but the math.
 //!
-//! Owns: matrix-vector and matrix-matrix products over f32/bf16/f16 weights, RMSNorm, softmax,
+//! Owns: matrix-vector and matrix-matrix products over every weight format (f32 activations for
+//! float and fp8 weights; int8-quantised activations and integer dot products for int8, int4 and
+//! MXFP4 weights, `qdot`), RMSNorm, softmax,
 //! SiLU, rotary embedding application, attention over a KV slice, and the fixed-point row
 //! accumulator that makes expert sums independent of where and in what order they were formed.
 //!

@@ -350,29 +350,41 @@ impl Matrix {
         let n = q.rows();
         let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
         let width = qdot::batch_width();
-        let per_row = |r: usize, o: &mut [f32]| {
-            let w = self.row(r);
+        // Two weight rows per pass, so each activation chunk loaded serves both (a GEMM tile of
+        // 2 × `width`); `o` holds row r's n results, then row r + 1's.
+        let per_pair = |r: usize, o: &mut [f32]| {
+            if o.len() < 2 * n {
+                let w = self.row(r);
+                for (i, slot) in o.iter_mut().enumerate() {
+                    *slot = qdot::qdots_rows::<1, 1>([&w], [&acts[i]])[0][0];
+                }
+                return;
+            }
+            let (wa, wb) = (self.row(r), self.row(r + 1));
             let mut i = 0;
             while width >= 4 && i + 4 <= n {
-                let [v] = qdot::qdots_rows::<1, 4>([&w], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
-                o[i..i + 4].copy_from_slice(&v);
+                let [a, b] = qdot::qdots_rows::<2, 4>([&wa, &wb], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
+                o[i..i + 4].copy_from_slice(&a);
+                o[n + i..n + i + 4].copy_from_slice(&b);
                 i += 4;
             }
             while width >= 2 && i + 2 <= n {
-                let [v] = qdot::qdots_rows::<1, 2>([&w], [&acts[i], &acts[i + 1]]);
-                o[i..i + 2].copy_from_slice(&v);
+                let [a, b] = qdot::qdots_rows::<2, 2>([&wa, &wb], [&acts[i], &acts[i + 1]]);
+                o[i..i + 2].copy_from_slice(&a);
+                o[n + i..n + i + 2].copy_from_slice(&b);
                 i += 2;
             }
             while i < n {
-                o[i] = qdot::qdots_rows::<1, 1>([&w], [&acts[i]])[0][0];
+                let [a, b] = qdot::qdots_rows::<2, 1>([&wa, &wb], [&acts[i]]);
+                (o[i], o[n + i]) = (a[0], b[0]);
                 i += 1;
             }
         };
         let mut t = vec![0.0f32; self.rows * n];
         if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
-            t.par_chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+            t.par_chunks_mut(2 * n).enumerate().for_each(|(p, o)| per_pair(2 * p, o));
         } else {
-            t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+            t.chunks_mut(2 * n).enumerate().for_each(|(p, o)| per_pair(2 * p, o));
         }
         for (r, col) in t.chunks(n).enumerate() {
             for (i, v) in col.iter().enumerate() {

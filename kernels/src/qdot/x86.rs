@@ -126,15 +126,43 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
             let per = BlocksPerScale::new(group);
             let eight = _mm512_set1_epi8(8);
+            // The step's weight factors as two 16-lane vectors (blocks 4c, 4c+1 | 4c+2, 4c+3),
+            // from memory without broadcasts for the common groups.
+            let (lo, hi) =
+                (_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+            macro_rules! step4 {
+                ($m:expr, $c:expr, $wv:expr, $wsv:expr) => {{
+                    let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
+                    for h in 0..2 {
+                        let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
+                        for k in 0..N {
+                            let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
+                            let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
+                            let f = _mm512_mul_ps(wsv[h], _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h)));
+                            acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
+                        }
+                    }
+                }};
+            }
             for c in 0..full {
                 for m in 0..M {
                     let base = p[m].add(c * CHUNK / 2);
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
                     let wv = [_mm512_sub_epi8(nibbles64(base), eight), _mm512_sub_epi8(nibbles64(base.add(32)), eight)];
-                    let (b, sm) = (4 * c, s[m]);
-                    let wf =
-                        [*sm.get_unchecked(per.of(b)), *sm.get_unchecked(per.of(b + 1)), *sm.get_unchecked(per.of(b + 2)), *sm.get_unchecked(per.of(b + 3))];
-                    step!(m, c, wv, wf);
+                    let sm = s[m].as_ptr();
+                    let wsv = match group {
+                        32 => {
+                            let v = _mm512_castps128_ps512(_mm_loadu_ps(sm.add(4 * c)));
+                            [_mm512_permutexvar_ps(lo, v), _mm512_permutexvar_ps(hi, v)]
+                        }
+                        64 => [_mm512_set1_ps(*sm.add(2 * c)), _mm512_set1_ps(*sm.add(2 * c + 1))],
+                        128 => [_mm512_set1_ps(*sm.add(c)); 2],
+                        _ => {
+                            let b = 4 * c;
+                            [pair(*sm.add(per.of(b)), *sm.add(per.of(b + 1))), pair(*sm.add(per.of(b + 2)), *sm.add(per.of(b + 3)))]
+                        }
+                    };
+                    step4!(m, c, wv, wsv);
                 }
             }
             if full * CHUNK < n {
