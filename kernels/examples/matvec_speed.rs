@@ -33,7 +33,9 @@ fn main() {
         shimmer_kernels::dot::isa().name(),
         shimmer_kernels::qdot::int_isa().name()
     );
-    for (name, m) in &formats {
+    // `MATVEC_ONLY=int4-g32` (say) times one format only, for a profiler.
+    let only = std::env::var("MATVEC_ONLY").ok();
+    for (name, m) in formats.iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
         let mut out = vec![0.0f32; rows];
         for parallel in [false, true] {
             m.matvec_on(&x, &mut out, parallel);

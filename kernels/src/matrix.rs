@@ -209,7 +209,10 @@ impl Matrix {
             WeightData::F16(v) => WeightRow::F16(&v[range]),
             WeightData::Int8 { q, scales } => WeightRow::Int8 { q: &q[range], scale: scales[r] },
             WeightData::Int4 { packed, scales, group } => {
-                let (bpr, gpr) = (self.cols.div_ceil(2), self.cols.div_ceil(*group));
+                // A shift for the power-of-two groups every container uses: a division per row
+                // is a measurable part of a 512-wide row's product.
+                let gpr = if group.is_power_of_two() { (self.cols + group - 1) >> group.trailing_zeros() } else { self.cols.div_ceil(*group) };
+                let bpr = self.cols.div_ceil(2);
                 WeightRow::Int4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], group: *group, n: self.cols }
             }
             WeightData::Fp8 { q, scales, block } => {
@@ -258,20 +261,30 @@ impl Matrix {
 
     /// `out[i] = W[first + i] · x` for a quantised activation row.
     fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
+        // Four weight rows per call where the registers allow (AVX-512): what a call costs
+        // besides its chunks is then shared by four rows.
+        let four = qdot::batch_width() >= 4;
         let rows_at = |start: usize, o: &mut [f32]| {
-            let mut pairs = o.chunks_exact_mut(2);
             let mut r = start;
-            for pair in &mut pairs {
-                let [a, b] = qdot::qdots_rows::<2, 1>([&self.row(r), &self.row(r + 1)], [x]);
-                pair.copy_from_slice(&[a[0], b[0]]);
-                r += 2;
+            let mut rest = o;
+            while four && rest.len() >= 4 {
+                let (head, tail) = rest.split_at_mut(4);
+                let [a, b, c, d] = qdot::qdots_rows::<4, 1>([&self.row(r), &self.row(r + 1), &self.row(r + 2), &self.row(r + 3)], [x]);
+                head.copy_from_slice(&[a[0], b[0], c[0], d[0]]);
+                (rest, r) = (tail, r + 4);
             }
-            if let [last] = pairs.into_remainder() {
+            while rest.len() >= 2 {
+                let (head, tail) = rest.split_at_mut(2);
+                let [a, b] = qdot::qdots_rows::<2, 1>([&self.row(r), &self.row(r + 1)], [x]);
+                head.copy_from_slice(&[a[0], b[0]]);
+                (rest, r) = (tail, r + 2);
+            }
+            if let [last] = rest {
                 *last = qdot::qdots_rows::<1, 1>([&self.row(r)], [x])[0][0];
             }
         };
         if parallel && out.len() * self.cols >= PARALLEL_MIN_WORK {
-            let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 1) & !1;
+            let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_at(first + c * chunk, o));
         } else {
             rows_at(first, out);
@@ -468,14 +481,25 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     let (rows, n) = (a.rows, q.rows());
     if n == 1 {
         let x = q.row(0);
-        let one = |(r, (oa, ob)): (usize, (&mut f32, &mut f32))| {
-            let [ra, rb] = qdot::qdots_rows::<2, 1>([&a.row(r), &b.row(r)], [&x]);
-            (*oa, *ob) = (ra[0], rb[0]);
+        // Rows r and r + 1 of both matrices in one call where the registers allow (AVX-512).
+        let four = qdot::batch_width() >= 4;
+        let two = |(p, (oa, ob)): (usize, (&mut [f32], &mut [f32]))| {
+            let r = 2 * p;
+            if four && oa.len() == 2 {
+                let [ga, ua, gb, ub] = qdot::qdots_rows::<4, 1>([&a.row(r), &b.row(r), &a.row(r + 1), &b.row(r + 1)], [&x]);
+                oa.copy_from_slice(&[ga[0], gb[0]]);
+                ob.copy_from_slice(&[ua[0], ub[0]]);
+            } else {
+                for (i, (sa, sb)) in oa.iter_mut().zip(ob.iter_mut()).enumerate() {
+                    let [ra, rb] = qdot::qdots_rows::<2, 1>([&a.row(r + i), &b.row(r + i)], [&x]);
+                    (*sa, *sb) = (ra[0], rb[0]);
+                }
+            }
         };
         if parallel {
-            a_out.par_iter_mut().zip(b_out.par_iter_mut()).enumerate().with_min_len(16).for_each(one);
+            a_out.par_chunks_mut(2).zip(b_out.par_chunks_mut(2)).enumerate().with_min_len(8).for_each(two);
         } else {
-            a_out.iter_mut().zip(b_out.iter_mut()).enumerate().for_each(one);
+            a_out.chunks_mut(2).zip(b_out.chunks_mut(2)).enumerate().for_each(two);
         }
         return;
     }
@@ -684,7 +708,7 @@ mod tests {
 
     #[test]
     fn paired_products_equal_separate_ones() {
-        let (rows, cols) = (70, 300);
+        let (rows, cols) = (71, 300);
         let (w, _) = random(2 * rows, cols, 3);
         let (wa, wb) = (&w[..rows * cols], &w[rows * cols..]);
         let mut s = 5u64;
