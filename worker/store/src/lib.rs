@@ -34,6 +34,7 @@ pub mod policy;
 pub mod probe;
 pub mod source;
 pub mod trace_analysis;
+pub mod uncached;
 pub mod usage;
 
 use std::collections::{HashMap, HashSet, VecDeque};

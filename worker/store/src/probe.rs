@@ -2,8 +2,7 @@
 //! offsets, `depth` reads in flight, O_DIRECT when asked. It is the "disk limit" a streaming
 //! benchmark is judged against, measured in the same run on the same file.
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -12,12 +11,7 @@ use super::source::AlignedBuf;
 
 /// Reads every `(offset, length)` once with `depth` threads; returns bytes per second.
 pub fn read_bandwidth(path: &Path, reads: &[(u64, u64)], depth: usize, direct: bool) -> std::io::Result<f64> {
-    let mut opts = OpenOptions::new();
-    opts.read(true);
-    if direct {
-        opts.custom_flags(libc::O_DIRECT);
-    }
-    let file = opts.open(path)?;
+    let file = crate::uncached::open(path, direct)?;
     let next = AtomicUsize::new(0);
     let t0 = Instant::now();
     let total: u64 = std::thread::scope(|s| {

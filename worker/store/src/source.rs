@@ -6,7 +6,7 @@
 
 use std::alloc::{self, Layout};
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -88,12 +88,7 @@ pub enum Source {
 }
 
 fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
-    let mut opts = std::fs::OpenOptions::new();
-    opts.read(true);
-    if direct {
-        opts.custom_flags(libc::O_DIRECT);
-    }
-    let file = opts.open(path).map_err(|e| {
+    let file = crate::uncached::open(path, direct).map_err(|e| {
         if direct && e.raw_os_error() == Some(libc::EINVAL) {
             LoadError::malformed(path, "this filesystem does not support O_DIRECT reads (e.g. tmpfs): read without O_DIRECT, or move the model")
         } else {
