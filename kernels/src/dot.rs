@@ -398,13 +398,13 @@ macro_rules! fields {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{stream, tail_chunk, Group, WeightRow, LANES};
     use shimmer_common::quant::{e8m0_to_f32, E2M1, MXFP4_GROUP};
     use std::arch::x86_64::*;
 
     #[inline(always)]
-    unsafe fn reduce256(v8: __m256) -> f32 {
+    pub(crate) unsafe fn reduce256(v8: __m256) -> f32 {
         let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
         let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
         let v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1));
@@ -412,7 +412,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn reduce512(acc: __m512) -> f32 {
+    pub(crate) unsafe fn reduce512(acc: __m512) -> f32 {
         let lo = _mm512_castps512_ps256(acc);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
         reduce256(_mm256_add_ps(lo, hi))
@@ -674,7 +674,7 @@ mod x86 {
 
 #[cfg(target_arch = "aarch64")]
 #[path = "dot/neon.rs"]
-mod neon;
+pub(crate) mod neon;
 
 #[cfg(test)]
 mod tests {

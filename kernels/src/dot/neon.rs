@@ -27,7 +27,7 @@ unsafe fn reduce(a: &[float32x4_t; REGS]) -> f32 {
 
 /// 16 bytes of nibbles → 32 values as two byte vectors, in element order.
 #[inline(always)]
-unsafe fn nibbles32(p: *const u8) -> [uint8x16_t; 2] {
+pub(crate) unsafe fn nibbles32(p: *const u8) -> [uint8x16_t; 2] {
     let b = vld1q_u8(p);
     let lo = vandq_u8(b, vdupq_n_u8(0x0f));
     let hi = vshrq_n_u8::<4>(b);

@@ -5,18 +5,10 @@
 //! Must never: reduce partial sums before the end, or fuse `f_b`'s product into the FMA.
 
 use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
+use crate::dot::neon::nibbles32;
 use std::arch::aarch64::*;
 
 const LUT: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// 16 packed bytes → 32 nibbles (two vectors), in element order.
-#[inline(always)]
-unsafe fn nibbles32(p: *const u8) -> [uint8x16_t; 2] {
-    let b = vld1q_u8(p);
-    let lo = vandq_u8(b, vdupq_n_u8(0x0f));
-    let hi = vshrq_n_u8::<4>(b);
-    [vzip1q_u8(lo, hi), vzip2q_u8(lo, hi)]
-}
 
 /// Sixteen weights times sixteen activations → four sums of four consecutive products.
 #[inline(always)]

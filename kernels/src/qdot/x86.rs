@@ -6,6 +6,7 @@
 //! the FMA (both would change the bits).
 
 use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
+use crate::dot::x86::{reduce256, reduce512};
 use std::arch::x86_64::*;
 
 /// 2 · e2m1 by nibble, as `pshufb` reads a table (one copy per 128-bit lane).
@@ -34,22 +35,6 @@ impl BlocksPerScale {
             b / self.div
         }
     }
-}
-
-#[inline(always)]
-unsafe fn reduce256(v8: __m256) -> f32 {
-    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1)); // s = 4
-    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4)); // s = 2
-    let v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)); // s = 1
-    _mm_cvtss_f32(v1)
-}
-
-/// 16 lanes → one f32 in the canonical tree (s = 8, then 4, 2, 1).
-#[inline(always)]
-unsafe fn reduce512(acc: __m512) -> f32 {
-    let lo = _mm512_castps512_ps256(acc);
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-    reduce256(_mm256_add_ps(lo, hi))
 }
 
 /// 32 packed bytes → their 64 nibbles as bytes, in element order (low nibble first): each byte
