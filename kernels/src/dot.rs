@@ -364,7 +364,7 @@ macro_rules! quad {
 /// (an integer division per 16 lanes costs more than the multiply it feeds), a division otherwise.
 #[derive(Clone, Copy)]
 #[allow(dead_code)]
-struct Group {
+pub(crate) struct Group {
     size: usize,
     shift: u32,
     pow2: bool,
@@ -372,12 +372,12 @@ struct Group {
 
 #[allow(dead_code)]
 impl Group {
-    fn new(size: usize) -> Self {
+    pub(crate) fn new(size: usize) -> Self {
         Group { size, shift: size.trailing_zeros(), pow2: size.is_power_of_two() }
     }
 
     #[inline(always)]
-    fn of(self, i: usize) -> usize {
+    pub(crate) fn of(self, i: usize) -> usize {
         if self.pow2 {
             i >> self.shift
         } else {

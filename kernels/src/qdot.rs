@@ -156,8 +156,8 @@ pub fn is_integer(w: &WeightRow<'_>) -> bool {
     }
 }
 
-/// 2 · e2m1 as integers, indexed by nibble.
-const E2M1_TWICE: [i8; 16] = {
+/// 2 · e2m1 as integers, indexed by nibble (also the vector paths' lookup table).
+pub(crate) const E2M1_TWICE: [i8; 16] = {
     let mut t = [0i8; 16];
     let mut i = 0;
     while i < 16 {

@@ -4,11 +4,9 @@
 //!
 //! Must never: reduce partial sums before the end, or fuse `f_b`'s product into the FMA.
 
-use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
+use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, E2M1_TWICE, QBLOCK};
 use crate::dot::neon::nibbles32;
 use std::arch::aarch64::*;
-
-const LUT: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Sixteen weights times sixteen activations → four sums of four consecutive products.
 #[inline(always)]
@@ -99,7 +97,7 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(ws: [&WeightRow<
         }
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
-            let lut = vld1q_s8(LUT.as_ptr());
+            let lut = vld1q_s8(E2M1_TWICE.as_ptr());
             for c in 0..full {
                 for m in 0..M {
                     for kb in 0..4 {

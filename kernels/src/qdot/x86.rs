@@ -5,37 +5,10 @@
 //! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
 //! the FMA (both would change the bits).
 
-use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, QBLOCK};
+use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, E2M1_TWICE, QBLOCK};
 use crate::dot::x86::{reduce256, reduce512};
+use crate::dot::Group;
 use std::arch::x86_64::*;
-
-/// 2 · e2m1 by nibble, as `pshufb` reads a table (one copy per 128-bit lane).
-const LUT: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// Which block scale of an int4 row covers block `b`: a shift for the power-of-two groups the
-/// containers use, a division otherwise.
-#[derive(Clone, Copy)]
-struct BlocksPerScale {
-    shift: u32,
-    div: usize,
-    pow2: bool,
-}
-
-impl BlocksPerScale {
-    fn new(group: usize) -> Self {
-        let div = (group / QBLOCK).max(1);
-        BlocksPerScale { shift: div.trailing_zeros(), div, pow2: div.is_power_of_two() }
-    }
-
-    #[inline(always)]
-    fn of(self, b: usize) -> usize {
-        if self.pow2 {
-            b >> self.shift
-        } else {
-            b / self.div
-        }
-    }
-}
 
 /// 32 packed bytes → their 64 nibbles as bytes, in element order (low nibble first): each byte
 /// widened to 16 bits holds its low nibble in its low byte and, shifted by 4, its high nibble in
@@ -67,20 +40,21 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
     let mut acc = [[[_mm512_setzero_ps(); 2]; N]; M];
     let (zero, bias) = (_mm512_setzero_si512(), _mm512_set1_epi8(-128));
     let unit = matches!(ws[0], WeightRow::Int8 { .. });
+    let ones = _mm512_set1_ps(1.0);
     // One chunk of row `m`: its 128 weights as bytes (two vectors) and its four block factors.
     // `Σ (q + 128)·w − 128·Σ w` is the signed sum `vpdpbusd` cannot take directly. int8's
     // factor is 1 (`1 · d = d` exactly); padding blocks have `d = 0` and zero weights.
     macro_rules! step {
-        ($m:expr, $c:expr, $wv:expr, $wf:expr) => {{
-            let (m, c, wv, wf): (usize, usize, [__m512i; 2], [f32; 4]) = ($m, $c, $wv, $wf);
+        ($m:expr, $c:expr, $wv:expr, $wsv:expr) => {{
+            // `wsv`: the weight factors of blocks 4c, 4c+1 | 4c+2, 4c+3, eight lanes each.
+            let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
             for h in 0..2 {
                 let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
-                let wsv = pair(wf[2 * h], wf[2 * h + 1]);
                 for k in 0..N {
                     let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
                     let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
                     let dv = _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h));
-                    let f = if unit { dv } else { _mm512_mul_ps(wsv, dv) };
+                    let f = if unit { dv } else { _mm512_mul_ps(wsv[h], dv) };
                     acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
                 }
             }
@@ -95,7 +69,7 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK));
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK + 64));
                     let wv = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
-                    step!(m, c, wv, [1.0; 4]);
+                    step!(m, c, wv, [ones; 2]);
                 }
             }
             if full * CHUNK < n {
@@ -103,32 +77,18 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     let (t, _) = tail_bytes(ws[m], full * CHUNK);
                     let base = t.as_ptr();
                     let wv = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
-                    step!(m, full, wv, [1.0; 4]);
+                    step!(m, full, wv, [ones; 2]);
                 }
             }
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
-            let per = BlocksPerScale::new(group);
+            let per = Group::new(group);
             let eight = _mm512_set1_epi8(8);
             // The step's weight factors as two 16-lane vectors (blocks 4c, 4c+1 | 4c+2, 4c+3),
             // from memory without broadcasts for the common groups.
             let (lo, hi) =
                 (_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-            macro_rules! step4 {
-                ($m:expr, $c:expr, $wv:expr, $wsv:expr) => {{
-                    let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
-                    for h in 0..2 {
-                        let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
-                        for k in 0..N {
-                            let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
-                            let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
-                            let f = _mm512_mul_ps(wsv[h], _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h)));
-                            acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
-                        }
-                    }
-                }};
-            }
             for c in 0..full {
                 for m in 0..M {
                     let base = p[m].add(c * CHUNK / 2);
@@ -144,23 +104,26 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                         128 => [_mm512_set1_ps(*sm.add(c)); 2],
                         _ => {
                             let b = 4 * c;
-                            [pair(*sm.add(per.of(b)), *sm.add(per.of(b + 1))), pair(*sm.add(per.of(b + 2)), *sm.add(per.of(b + 3)))]
+                            [
+                                pair(*sm.add(per.of(b * QBLOCK)), *sm.add(per.of((b + 1) * QBLOCK))),
+                                pair(*sm.add(per.of((b + 2) * QBLOCK)), *sm.add(per.of((b + 3) * QBLOCK))),
+                            ]
                         }
                     };
-                    step4!(m, c, wv, wsv);
+                    step!(m, c, wv, wsv);
                 }
             }
             if full * CHUNK < n {
                 for m in 0..M {
                     let (t, wf) = tail_bytes(ws[m], full * CHUNK);
                     let wv = [_mm512_sub_epi8(nibbles64(t.as_ptr()), eight), _mm512_sub_epi8(nibbles64(t.as_ptr().add(32)), eight)];
-                    step!(m, full, wv, wf);
+                    step!(m, full, wv, [pair(wf[0], wf[1]), pair(wf[2], wf[3])]);
                 }
             }
         }
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
-            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(LUT.as_ptr() as *const __m128i));
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE.as_ptr() as *const __m128i));
             for c in 0..full {
                 for m in 0..M {
                     let base = p[m].add(c * CHUNK / 2);
@@ -168,14 +131,14 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(ws: [&Weig
                     let wv = [_mm512_shuffle_epi8(lut, nibbles64(base)), _mm512_shuffle_epi8(lut, nibbles64(base.add(32)))];
                     let e = s[m].as_ptr().add(4 * c);
                     let wf = [half_e8m0(*e), half_e8m0(*e.add(1)), half_e8m0(*e.add(2)), half_e8m0(*e.add(3))];
-                    step!(m, c, wv, wf);
+                    step!(m, c, wv, [pair(wf[0], wf[1]), pair(wf[2], wf[3])]);
                 }
             }
             if full * CHUNK < n {
                 for m in 0..M {
                     let (t, wf) = tail_bytes(ws[m], full * CHUNK);
                     let wv = [_mm512_shuffle_epi8(lut, nibbles64(t.as_ptr())), _mm512_shuffle_epi8(lut, nibbles64(t.as_ptr().add(32)))];
-                    step!(m, full, wv, wf);
+                    step!(m, full, wv, [pair(wf[0], wf[1]), pair(wf[2], wf[3])]);
                 }
             }
         }
@@ -254,7 +217,7 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
         }
         WeightRow::Int4 { group, .. } => {
             let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
-            let per = BlocksPerScale::new(group);
+            let per = Group::new(group);
             let eight = _mm256_set1_epi8(8);
             for c in 0..full {
                 for m in 0..M {
@@ -262,7 +225,7 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
                     for kb in 0..4 {
                         let wv = _mm256_sub_epi8(nibbles32(base.add(16 * kb)), eight);
-                        step!(m, c, kb, wv, *s[m].get_unchecked(per.of(4 * c + kb)));
+                        step!(m, c, kb, wv, *s[m].get_unchecked(per.of((4 * c + kb) * QBLOCK)));
                     }
                 }
             }
@@ -277,7 +240,7 @@ unsafe fn qdots_ymm<const M: usize, const N: usize, const VNNI: bool>(ws: [&Weig
         }
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
-            let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(LUT.as_ptr() as *const __m128i));
+            let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE.as_ptr() as *const __m128i));
             for c in 0..full {
                 for m in 0..M {
                     let base = p[m].add(c * CHUNK / 2);
