@@ -42,6 +42,10 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
         }
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("cannot set up the thread pool")?;
     }
+    // Each sequence holds a whole KV cache: bounded before any is allocated.
+    if a.parallel > 256 {
+        bail!("--parallel must be at most 256 sequences (got {})", a.parallel);
+    }
     let dir = model_dir(&a.model)?;
     let text = match &a.text {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
