@@ -430,8 +430,9 @@ mod tests {
 
     /// Values that grow while printed (a value holding another twice, 40 deep: 2^40 items
     /// reached from a few instructions) fail the render in this process — printed, turned into a
-    /// string, joined or pretty-printed — and quickly: the print budget the vendored minijinja
-    /// charges per item stops the walk, where fuel alone let it run out of memory.
+    /// string, joined or pretty-printed: the print budget the vendored minijinja charges per item
+    /// stops the walk, where fuel alone let it run out of memory. (How long each takes is in
+    /// `third_party/minijinja/SHIMMER-PATCH.md`; a time is no test's business.)
     #[test]
     fn values_that_grow_while_printed_run_out_of_fuel_in_process() {
         let doubling = |step: &str, init: &str, show: &str| {
@@ -447,10 +448,8 @@ mod tests {
             doubling("[ns.x, ns.x]", "[1]", "{% set s = ns.x|string %}done"),
         ];
         for t in &cases {
-            let started = std::time::Instant::now();
             let err = render_template(t, &[], false, None, None).expect_err(t);
             assert!(err.to_string().contains("fuel"), "{t}: {err}");
-            assert!(started.elapsed() < std::time::Duration::from_secs(20), "{t}: took {:?}", started.elapsed());
         }
         // Outside a render, printing is unlimited again.
         let big = minijinja::Value::from((0..20_000).collect::<Vec<u32>>());

@@ -636,8 +636,8 @@ impl fmt::Debug for ValueRepr {
         // SHIMMER PATCH (print budget): every value printed this way — the
         // items of containers, at any depth — is charged to the render's print
         // budget (by its depth: pretty-printing writes every byte through one
-        // padding adapter per level); once it is spent nothing more is written
-        // (see `vm::fuel`).
+        // padding adapter per level, and indents every item by its depth);
+        // once it is spent nothing more is written (see `vm::fuel`).
         #[cfg(feature = "fuel")]
         {
             let bytes = match *self {
@@ -647,6 +647,7 @@ impl fmt::Debug for ValueRepr {
             };
             if !crate::vm::fuel::charge_print(
                 crate::vm::fuel::ITEM_COST.saturating_add(bytes as u64),
+                f.alternate(),
             ) {
                 return Ok(());
             }

@@ -67,6 +67,9 @@ pub(crate) const FORMAT_SPEC_COST: u64 = 4 * UNITS_PER_FUEL;
 // of a string or bytes item) is charged to it, and once it is spent printing
 // stops early — `Display` must still return `Ok`, as `to_string` panics on an
 // error — and the tracker is exhausted, so the render fails at its next check.
+/// Bytes of indentation pretty-printing writes per nesting level.
+const PRETTY_INDENT: u64 = 4;
+
 thread_local! {
     static PRINT_BUDGET: Cell<Option<i64>> = const { Cell::new(None) };
     static PRINT_EXHAUSTED: Cell<bool> = const { Cell::new(false) };
@@ -75,13 +78,23 @@ thread_local! {
 
 /// Charges printing one container item of `units` at the current nesting
 /// depth; `false` once the print budget of the live fuel tracker is spent
-/// (unlimited without a tracker).
-pub(crate) fn charge_print(units: u64) -> bool {
+/// (unlimited without a tracker).  A `pretty` item (`{:#?}`, as `pprint`
+/// writes) is also charged its indentation, `PRETTY_INDENT` bytes a level: at
+/// depth 40 that is five times the item itself, all of it written through the
+/// 40 padding adapters.
+pub(crate) fn charge_print(units: u64, pretty: bool) -> bool {
     PRINT_BUDGET.with(|budget| match budget.get() {
         None => true,
         Some(left) => {
             let depth = PRINT_DEPTH.with(|depth| depth.get());
-            let units = units.saturating_mul(depth.saturating_add(1));
+            let indent = if pretty {
+                depth.saturating_mul(PRETTY_INDENT)
+            } else {
+                0
+            };
+            let units = units
+                .saturating_add(indent)
+                .saturating_mul(depth.saturating_add(1));
             let left = left.saturating_sub(i64::try_from(units).unwrap_or(i64::MAX));
             budget.set(Some(left));
             if left <= 0 {
