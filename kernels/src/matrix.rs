@@ -122,7 +122,9 @@ impl Matrix {
     /// Whether products quantise the activations (`qdot.rs`).
     #[inline]
     pub fn integer_products(&self) -> bool {
-        self.activations == Activations::Int8
+        // `activations` is a public field: a format the integer path cannot take stays on f32
+        // whatever it says.
+        self.activations == Activations::Int8 && Activations::default_for(&self.data) == Activations::Int8
     }
 
     /// Copies a 2-D checkpoint tensor, keeping its precision.
@@ -259,35 +261,27 @@ impl Matrix {
         }
     }
 
+    /// The integer path's view of this matrix's rows (int8, int4 of whole-block groups, MXFP4).
+    fn qmatrix(&self) -> Option<qdot::QMatrix<'_>> {
+        let (rows, cols) = (self.rows, self.cols);
+        match &self.data {
+            WeightData::Int8 { q, scales } => Some(qdot::QMatrix::int8(q, scales, rows, cols)),
+            WeightData::Int4 { packed, scales, group } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => {
+                Some(qdot::QMatrix::int4(packed, scales, *group, rows, cols))
+            }
+            WeightData::Mxfp4 { packed, scales } => Some(qdot::QMatrix::mxfp4(packed, scales, rows, cols)),
+            _ => None,
+        }
+    }
+
     /// `out[i] = W[first + i] · x` for a quantised activation row.
     fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
-        // Four weight rows per call where the registers allow (AVX-512): what a call costs
-        // besides its chunks is then shared by four rows.
-        let four = qdot::batch_width() >= 4;
-        let rows_at = |start: usize, o: &mut [f32]| {
-            let mut r = start;
-            let mut rest = o;
-            while four && rest.len() >= 4 {
-                let (head, tail) = rest.split_at_mut(4);
-                let [a, b, c, d] = qdot::qdots_rows::<4, 1>([&self.row(r), &self.row(r + 1), &self.row(r + 2), &self.row(r + 3)], [x]);
-                head.copy_from_slice(&[a[0], b[0], c[0], d[0]]);
-                (rest, r) = (tail, r + 4);
-            }
-            while rest.len() >= 2 {
-                let (head, tail) = rest.split_at_mut(2);
-                let [a, b] = qdot::qdots_rows::<2, 1>([&self.row(r), &self.row(r + 1)], [x]);
-                head.copy_from_slice(&[a[0], b[0]]);
-                (rest, r) = (tail, r + 2);
-            }
-            if let [last] = rest {
-                *last = qdot::qdots_rows::<1, 1>([&self.row(r)], [x])[0][0];
-            }
-        };
+        let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
         if parallel && out.len() * self.cols >= PARALLEL_MIN_WORK {
             let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;
-            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_at(first + c * chunk, o));
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else {
-            rows_at(first, out);
+            qdot::qmatvec(&w, x, first, out);
         }
     }
 
@@ -481,25 +475,11 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     let (rows, n) = (a.rows, q.rows());
     if n == 1 {
         let x = q.row(0);
-        // Rows r and r + 1 of both matrices in one call where the registers allow (AVX-512).
-        let four = qdot::batch_width() >= 4;
-        let two = |(p, (oa, ob)): (usize, (&mut [f32], &mut [f32]))| {
-            let r = 2 * p;
-            if four && oa.len() == 2 {
-                let [ga, ua, gb, ub] = qdot::qdots_rows::<4, 1>([&a.row(r), &b.row(r), &a.row(r + 1), &b.row(r + 1)], [&x]);
-                oa.copy_from_slice(&[ga[0], gb[0]]);
-                ob.copy_from_slice(&[ua[0], ub[0]]);
-            } else {
-                for (i, (sa, sb)) in oa.iter_mut().zip(ob.iter_mut()).enumerate() {
-                    let [ra, rb] = qdot::qdots_rows::<2, 1>([&a.row(r + i), &b.row(r + i)], [&x]);
-                    (*sa, *sb) = (ra[0], rb[0]);
-                }
-            }
-        };
+        let (Some(qa), Some(qb)) = (a.qmatrix(), b.qmatrix()) else { unreachable!("integer products are taken for integer formats only") };
         if parallel {
-            a_out.par_chunks_mut(2).zip(b_out.par_chunks_mut(2)).enumerate().with_min_len(8).for_each(two);
+            a_out.par_chunks_mut(16).zip(b_out.par_chunks_mut(16)).enumerate().for_each(|(c, (oa, ob))| qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob));
         } else {
-            a_out.chunks_mut(2).zip(b_out.chunks_mut(2)).enumerate().for_each(two);
+            qdot::qmatvec_pair(&qa, &qb, &x, 0, a_out, b_out);
         }
         return;
     }

@@ -12,22 +12,34 @@
 //! (whose row scale multiplies the result), the group scale `s[32b / group]` for int4, and
 //! `2^(e_b − 128)` for MXFP4 (the e8m0 scale halved, exactly).
 //!
-//! **The canonical order** over 32 f32 lanes:
+//! **The canonical order** over 32 f32 lanes. Each block's 32 products form eight exact partial
+//! sums of four, and the sums go to lanes by a format's layout:
 //!
 //! ```text
 //! acc[l] = 0 for l in 0..32
-//! for each block b, for j in 0..8:
-//!     p = Σ_{t<4} w[32b + 4j + t] · q[32b + 4j + t]          (exact, in i32)
-//!     acc[8·(b mod 4) + j] = fma(f_b, p, acc[8·(b mod 4) + j])
+//! for each block b, for each of its eight groups g of four elements:
+//!     p = Σ_{i ∈ g} w[i] · q[i]                                 (exact, in i32)
+//!     acc[lane(b, g)] = fma(f_b, p, acc[lane(b, g)])
 //! for s in [16, 8, 4, 2, 1]:   acc[l] = acc[l] + acc[l + s]   for l < s
 //! result = acc[0]  (× the row scale for int8)
 //! ```
 //!
+//! - **int8** (bytes in element order): group `j < 8` is elements `32b + 4j .. 32b + 4j + 4`,
+//!   lane `8·(b mod 4) + j`.
+//! - **4-bit formats** (int4, MXFP4: two elements a byte, the even one in the low nibble): group
+//!   `(h, j)`, `h ∈ {0, 1}` the nibble and `j < 4`, is elements `32b + 2·(4j + t) + h` for `t < 4`
+//!   — the low (or high) nibbles of four consecutive bytes — lane `16h + 4·(b mod 4) + j`. So a
+//!   vector of packed bytes masked to its low nibbles, or shifted to its high ones, is a run of
+//!   whole groups in lane order: no interleaving of nibbles, and one vector of block factors
+//!   serves both halves. The activations are laid out to match once per row (`QRow`).
+//!
 //! The integer partial sums are exact in any order, so ISAs are free in how they form them
-//! (`vpdpbusd` with the activations offset to unsigned, `pmaddubsw` with the sign moved onto the
-//! activations, `smull` and pairwise adds); the floating-point steps are the same everywhere. Eight partial sums of
-//! four products per block are what one `vpdpbusd` gives, so no ISA reduces horizontally before
-//! the end. `tests` below check every ISA the machine has against `qdot_scalar`, bit for bit.
+//! (`vpdpbusd` with the activations offset to unsigned for int8, and with the 4-bit weights
+//! offset to unsigned and the offset's sum over the activations taken back for int4 and MXFP4;
+//! `pmaddubsw`; `smull` and pairwise adds); the floating-point steps are the same everywhere.
+//! Eight partial sums of four products per block are what one `vpdpbusd` gives, so no ISA
+//! reduces horizontally before the end. `tests` below check every ISA the machine has against
+//! `qdot_scalar`, bit for bit.
 //!
 //! Must never: take f32/bf16/f16/fp8 weights (checkpoints run as they are keep `dot.rs`'s exact
 //! path), reorder the floating-point steps, or depend on which other rows share a call.
@@ -46,31 +58,46 @@ const BLOCKS_PER_CHUNK: usize = 4;
 pub const CHUNK: usize = QBLOCK * BLOCKS_PER_CHUNK;
 const QLANES: usize = 32;
 
-/// Activation rows quantised to int8 per block of 32, laid out back to back: row `i` holds
-/// `padded` bytes of `q + 128` (so `vpdpbusd` can take them as its unsigned side; padding is
-/// 128, i.e. `q = 0`), `padded / 32` block scales (padding 0), and each scale again eight times
-/// over (`scales8`: one per canonical lane, so vector code loads a block's factor instead of
-/// broadcasting it).
+/// Activation rows quantised to int8 per block of 32, laid out back to back. Row `i` holds, for
+/// int8 weights, `padded` bytes of `q + 128` (so `vpdpbusd` can take them as its unsigned side;
+/// padding is 128, i.e. `q = 0`); for 4-bit weights, per chunk of 128 values, `q` of its 64 even
+/// elements then of its 64 odd ones (the nibble layout; padding 0) and each lane's `Σ q` times
+/// −8 and −12 (the int4 and MXFP4 offsets taken back); the `padded / 32` block scales (padding
+/// 0), each again eight times over (`scales8`: one per int8 lane) and four times over (`scales4`:
+/// one per 4-bit lane of a half), so vector code loads a block's factor instead of
+/// broadcasting it.
 #[derive(Debug, Default, Clone)]
 pub struct QuantRows {
     n: usize,
     padded: usize,
     rows: usize,
     biased: Vec<u8>,
+    split: Vec<i8>,
+    neg8: Vec<i32>,
+    neg12: Vec<i32>,
     scales: Vec<f32>,
     scales8: Vec<f32>,
+    scales4: Vec<f32>,
 }
 
 /// One quantised activation row.
 #[derive(Clone, Copy)]
 pub struct QRow<'a> {
     n: usize,
-    /// `q + 128`, `padded` bytes.
+    /// `q + 128`, `padded` bytes, element order (int8 weights).
     biased: &'a [u8],
+    /// `q` in the 4-bit layout: per chunk, the 64 even elements then the 64 odd ones.
+    split: &'a [i8],
+    /// Per 4-bit lane (32 a chunk: the even half's 16, then the odd half's), `−8 · Σ q` and
+    /// `−12 · Σ q` over its four elements.
+    neg8: &'a [i32],
+    neg12: &'a [i32],
     /// `d_b`, `padded / 32` values.
     scales: &'a [f32],
     /// `d_b` eight times over, `padded / 4` values.
     scales8: &'a [f32],
+    /// `d_b` four times over, `padded / 8` values.
+    scales4: &'a [f32],
 }
 
 impl QRow<'_> {
@@ -113,6 +140,30 @@ impl QuantRows {
         }
         self.scales8.clear();
         self.scales8.extend(self.scales.iter().flat_map(|d| [*d; 8]));
+        self.scales4.clear();
+        self.scales4.extend(self.scales.iter().flat_map(|d| [*d; 4]));
+        // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
+        self.split.clear();
+        self.split.resize(rows * padded, 0);
+        self.neg8.clear();
+        self.neg8.resize(rows * padded / 4, 0);
+        self.neg12.clear();
+        self.neg12.resize(rows * padded / 4, 0);
+        for ((chunk, split), (n8, n12)) in self
+            .biased
+            .chunks_exact(CHUNK)
+            .zip(self.split.chunks_exact_mut(CHUNK))
+            .zip(self.neg8.chunks_exact_mut(QLANES).zip(self.neg12.chunks_exact_mut(QLANES)))
+        {
+            for (k, pair) in chunk.chunks_exact(2).enumerate() {
+                split[k] = (pair[0] ^ 0x80) as i8;
+                split[CHUNK / 2 + k] = (pair[1] ^ 0x80) as i8;
+            }
+            for (l, four) in split.chunks_exact(4).enumerate() {
+                let sum: i32 = four.iter().map(|q| *q as i32).sum();
+                (n8[l], n12[l]) = (-8 * sum, -12 * sum);
+            }
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -121,8 +172,17 @@ impl QuantRows {
 
     pub fn row(&self, r: usize) -> QRow<'_> {
         let p = self.padded;
-        let (b, q) = (p / QBLOCK, p / 4);
-        QRow { n: self.n, biased: &self.biased[r * p..(r + 1) * p], scales: &self.scales[r * b..(r + 1) * b], scales8: &self.scales8[r * q..(r + 1) * q] }
+        let (b, q, e) = (p / QBLOCK, p / 4, p / 8);
+        QRow {
+            n: self.n,
+            biased: &self.biased[r * p..(r + 1) * p],
+            split: &self.split[r * p..(r + 1) * p],
+            neg8: &self.neg8[r * q..(r + 1) * q],
+            neg12: &self.neg12[r * q..(r + 1) * q],
+            scales: &self.scales[r * b..(r + 1) * b],
+            scales8: &self.scales8[r * q..(r + 1) * q],
+            scales4: &self.scales4[r * e..(r + 1) * e],
+        }
     }
 }
 
@@ -168,6 +228,219 @@ pub(crate) const E2M1_TWICE: [i8; 16] = {
     }
     t
 };
+
+/// `2 · e2m1 + 12` by nibble: MXFP4's integers offset to unsigned (0..=24), for `vpdpbusd` and
+/// `pmaddubsw`, whose unsigned side the weights then are (the offset is taken back with the
+/// activations' `neg12`).
+pub(crate) const E2M1_TWICE_PLUS12: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (E2M1_TWICE[i] + 12) as u8;
+        i += 1;
+    }
+    t
+};
+
+/// A weight format of the integer path, as the ISA code dispatches on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fmt {
+    Int8,
+    Int4 { group: usize },
+    Mxfp4,
+}
+
+/// One weight row as the ISA code reads it: `data` its bytes (int8 values, or packed nibbles),
+/// `scales` its group scales (int4: f32 a group; MXFP4: e8m0 a block), `scale` int8's row scale.
+#[derive(Clone, Copy)]
+pub(crate) struct RawRow {
+    pub data: *const u8,
+    pub scales: *const u8,
+    pub scale: f32,
+}
+
+impl RawRow {
+    /// `ws_b`, as `weight_factor` defines it.
+    #[inline(always)]
+    pub(crate) unsafe fn factor(&self, fmt: Fmt, b: usize) -> f32 {
+        match fmt {
+            Fmt::Int8 => 1.0,
+            Fmt::Int4 { group } => *(self.scales as *const f32).add(b * QBLOCK / group),
+            Fmt::Mxfp4 => half_e8m0(*self.scales.add(b * QBLOCK / MXFP4_GROUP)),
+        }
+    }
+
+    /// The row's last, partial chunk from `start` as its stored bytes (int8 values, or packed
+    /// nibbles in the first half) zero-padded to a whole chunk, so vector code decodes it as any
+    /// other chunk, with the chunk's four weight factors (0 for blocks past the row). What the
+    /// padding decodes to does not matter: the activations there are `q = 0` (their offset sums
+    /// too), so its integer products are 0, and the padding blocks' factors are `0 · 0`
+    /// (`fma(0, 0, acc) = acc`, as `acc` is never −0).
+    #[inline(never)]
+    pub(crate) unsafe fn tail(&self, fmt: Fmt, n: usize, start: usize) -> ([u8; CHUNK], [f32; BLOCKS_PER_CHUNK]) {
+        let mut bytes = [0u8; CHUNK];
+        let (from, len) = match fmt {
+            Fmt::Int8 => (start, n - start),
+            _ => (start / 2, n.div_ceil(2) - start / 2),
+        };
+        std::ptr::copy_nonoverlapping(self.data.add(from), bytes.as_mut_ptr(), len);
+        let mut factors = [0.0f32; BLOCKS_PER_CHUNK];
+        for (k, f) in factors.iter_mut().enumerate() {
+            let b = start / QBLOCK + k;
+            if b * QBLOCK < n {
+                *f = self.factor(fmt, b);
+            }
+        }
+        (bytes, factors)
+    }
+}
+
+/// A matrix of integer rows as raw parts, for the loops over rows inside the ISA code. Built
+/// only from slices whose lengths were checked against its shape.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub(crate) fmt: Fmt,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    data: *const u8,
+    row_bytes: usize,
+    scales: *const u8,
+    /// Bytes of `scales` a row.
+    row_scale_bytes: usize,
+    int8_scales: *const f32,
+    _borrows: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> QMatrix<'a> {
+    /// int8 rows `q` (`rows × cols`) with one scale a row.
+    pub fn int8(q: &'a [i8], scales: &'a [f32], rows: usize, cols: usize) -> Self {
+        assert!(q.len() >= rows * cols && scales.len() >= rows, "int8 matrix parts are shorter than its shape");
+        let (data, int8_scales) = (q.as_ptr() as *const u8, scales.as_ptr());
+        QMatrix { fmt: Fmt::Int8, rows, cols, data, row_bytes: cols, scales: std::ptr::null(), row_scale_bytes: 0, int8_scales, _borrows: Default::default() }
+    }
+
+    /// int4 rows (`ceil(cols / 2)` packed bytes and `ceil(cols / group)` scales a row).
+    pub fn int4(packed: &'a [u8], scales: &'a [f32], group: usize, rows: usize, cols: usize) -> Self {
+        assert!(group > 0 && group.is_multiple_of(QBLOCK), "int4 groups of the integer path are whole blocks");
+        let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(group));
+        assert!(packed.len() >= rows * bpr && scales.len() >= rows * gpr, "int4 matrix parts are shorter than its shape");
+        let sc = scales.as_ptr() as *const u8;
+        QMatrix {
+            fmt: Fmt::Int4 { group },
+            rows,
+            cols,
+            data: packed.as_ptr(),
+            row_bytes: bpr,
+            scales: sc,
+            row_scale_bytes: 4 * gpr,
+            int8_scales: std::ptr::null(),
+            _borrows: Default::default(),
+        }
+    }
+
+    /// MXFP4 rows (`ceil(cols / 2)` packed bytes and `ceil(cols / 32)` e8m0 scales a row).
+    pub fn mxfp4(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Self {
+        let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(MXFP4_GROUP));
+        assert!(packed.len() >= rows * bpr && scales.len() >= rows * gpr, "MXFP4 matrix parts are shorter than its shape");
+        QMatrix {
+            fmt: Fmt::Mxfp4,
+            rows,
+            cols,
+            data: packed.as_ptr(),
+            row_bytes: bpr,
+            scales: scales.as_ptr(),
+            row_scale_bytes: gpr,
+            int8_scales: std::ptr::null(),
+            _borrows: Default::default(),
+        }
+    }
+
+    /// Row `r`'s raw parts (`r < rows`, which the callers check once per call).
+    #[inline(always)]
+    pub(crate) unsafe fn raw(&self, r: usize) -> RawRow {
+        let scale = if self.fmt == Fmt::Int8 { *self.int8_scales.add(r) } else { 1.0 };
+        RawRow { data: self.data.add(r * self.row_bytes), scales: self.scales.wrapping_add(r * self.row_scale_bytes), scale }
+    }
+
+    /// Row `r` as the dot kernels read it.
+    pub fn row(&self, r: usize) -> WeightRow<'a> {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        let (n, bpr) = (self.cols, self.row_bytes);
+        // SAFETY: the constructors checked the slices cover `rows` rows of these sizes.
+        unsafe {
+            let data = std::slice::from_raw_parts(self.data.add(r * bpr), bpr);
+            match self.fmt {
+                Fmt::Int8 => WeightRow::Int8 { q: std::slice::from_raw_parts(data.as_ptr() as *const i8, n), scale: *self.int8_scales.add(r) },
+                Fmt::Int4 { group } => {
+                    let scales = std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes) as *const f32, self.row_scale_bytes / 4);
+                    WeightRow::Int4 { packed: data, scales, group, n }
+                }
+                Fmt::Mxfp4 => {
+                    WeightRow::Mxfp4 { packed: data, scales: std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes), self.row_scale_bytes), n }
+                }
+            }
+        }
+    }
+}
+
+/// `out[i] = W[first + i] · x` for every `i`; each result is exactly `qdot_scalar`'s.
+pub fn qmatvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
+    assert!(first + out.len() <= w.rows, "rows {first}..{} of {}", first + out.len(), w.rows);
+    assert_eq!(x.n, w.cols, "activation row and weight rows differ in length");
+    match int_isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `int_isa` returns only what `available` confirmed; the rows are in the matrix.
+        IntIsa::Avx512Vnni => unsafe { x86::qmatvec_avx512vnni(w, x, first, out) },
+        _ => {
+            let mut r = first;
+            let mut rest = out;
+            while rest.len() >= 2 {
+                let (head, tail) = rest.split_at_mut(2);
+                let [a, b] = qdots_rows::<2, 1>([&w.row(r), &w.row(r + 1)], [x]);
+                head.copy_from_slice(&[a[0], b[0]]);
+                (rest, r) = (tail, r + 2);
+            }
+            if let [last] = rest {
+                *last = qdots_rows::<1, 1>([&w.row(r)], [x])[0][0];
+            }
+        }
+    }
+}
+
+/// `qmatvec` of two matrices of one shape and format (gate and up) against one row.
+pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
+    assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
+    assert_eq!(a_out.len(), b_out.len(), "paired outputs differ in length");
+    assert!(first + a_out.len() <= a.rows, "rows {first}..{} of {}", first + a_out.len(), a.rows);
+    assert_eq!(x.n, a.cols, "activation row and weight rows differ in length");
+    match int_isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `qmatvec`.
+        IntIsa::Avx512Vnni => unsafe { x86::qmatvec_pair_avx512vnni(a, b, x, first, a_out, b_out) },
+        _ => {
+            for (i, (sa, sb)) in a_out.iter_mut().zip(b_out.iter_mut()).enumerate() {
+                let [ra, rb] = qdots_rows::<2, 1>([&a.row(first + i), &b.row(first + i)], [x]);
+                (*sa, *sb) = (ra[0], rb[0]);
+            }
+        }
+    }
+}
+
+// SAFETY (for the raw pointers): a `QMatrix` only reads the slices it was built from.
+unsafe impl Send for QMatrix<'_> {}
+unsafe impl Sync for QMatrix<'_> {}
+
+/// `w`'s format and raw parts (an integer row: `is_integer`).
+pub(crate) fn raw_row(w: &WeightRow<'_>) -> (Fmt, RawRow) {
+    match *w {
+        WeightRow::Int8 { q, scale } => (Fmt::Int8, RawRow { data: q.as_ptr() as *const u8, scales: std::ptr::null(), scale }),
+        WeightRow::Int4 { packed, scales, group, .. } => {
+            (Fmt::Int4 { group }, RawRow { data: packed.as_ptr(), scales: scales.as_ptr() as *const u8, scale: 1.0 })
+        }
+        WeightRow::Mxfp4 { packed, scales, .. } => (Fmt::Mxfp4, RawRow { data: packed.as_ptr(), scales: scales.as_ptr(), scale: 1.0 }),
+        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
+    }
+}
 
 /// Weight element `i` as the integer the lanes multiply.
 #[inline]
@@ -229,56 +502,45 @@ fn reduce(mut acc: [f32; QLANES]) -> f32 {
     acc[0]
 }
 
+/// Element `t` of group `g` (of eight) of block `b`, in the int8 or the 4-bit layout.
+fn group_element(nibbles: bool, b: usize, g: usize, t: usize) -> usize {
+    if nibbles {
+        b * QBLOCK + 2 * (4 * (g % 4) + t) + g / 4
+    } else {
+        b * QBLOCK + 4 * g + t
+    }
+}
+
+/// The lane group `g` of block `b` accumulates in.
+fn group_lane(nibbles: bool, b: usize, g: usize) -> usize {
+    if nibbles {
+        16 * (g / 4) + 4 * (b % BLOCKS_PER_CHUNK) + g % 4
+    } else {
+        8 * (b % BLOCKS_PER_CHUNK) + g
+    }
+}
+
 /// The definition, in plain code.
 pub fn qdot_scalar(w: &WeightRow<'_>, x: &QRow<'_>) -> f32 {
     let n = w.len();
     assert_eq!(x.n, n, "activation row and weight row differ in length");
+    let nibbles = !matches!(w, WeightRow::Int8 { .. });
     let mut acc = [0.0f32; QLANES];
     for b in 0..n.div_ceil(QBLOCK) {
         let f = weight_factor(w, b) * x.scale(b);
-        for j in 0..8 {
+        for g in 0..8 {
             let mut p = 0i32;
             for t in 0..4 {
-                let i = b * QBLOCK + 4 * j + t;
+                let i = group_element(nibbles, b, g, t);
                 if i < n {
                     p += weight_int(w, i) * x.q(i) as i32;
                 }
             }
-            let l = 8 * (b % BLOCKS_PER_CHUNK) + j;
+            let l = group_lane(nibbles, b, g);
             acc[l] = f.mul_add(p as f32, acc[l]);
         }
     }
     finish(w, reduce(acc))
-}
-
-/// A weight row's last, partial chunk as its stored bytes (int8 values, or packed nibbles in the
-/// first half) zero-padded to a whole chunk, so vector code decodes it as any other chunk, with
-/// the chunk's four weight factors (0 for blocks past the row). What the padding decodes to does
-/// not matter: the activations there are `q = 0`, so its integer products are 0, and the
-/// padding blocks' factors are `0 · 0` (`fma(0, 0, acc) = acc`, as `acc` is never −0).
-pub(crate) fn tail_bytes(w: &WeightRow<'_>, start: usize) -> ([u8; CHUNK], [f32; BLOCKS_PER_CHUNK]) {
-    let n = w.len();
-    let mut bytes = [0u8; CHUNK];
-    match w {
-        WeightRow::Int8 { q, .. } => {
-            for (o, v) in bytes.iter_mut().zip(&q[start..n]) {
-                *o = *v as u8;
-            }
-        }
-        WeightRow::Int4 { packed, .. } | WeightRow::Mxfp4 { packed, .. } => {
-            let tail = &packed[start / 2..n.div_ceil(2)];
-            bytes[..tail.len()].copy_from_slice(tail);
-        }
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
-    }
-    let mut factors = [0.0f32; BLOCKS_PER_CHUNK];
-    for (k, f) in factors.iter_mut().enumerate() {
-        let b = start / QBLOCK + k;
-        if b * QBLOCK < n {
-            *f = weight_factor(w, b);
-        }
-    }
-    (bytes, factors)
 }
 
 /// The instruction sets of the integer path.
@@ -393,17 +655,20 @@ fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_
         }
         return out;
     }
+    let n = first.len();
+    let fmt = raw_row(first).0;
+    let rows = ws.map(|w| raw_row(w).1);
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available` confirmed the ISA (asserted above); rows share one length and
-        // format and the activation rows are at least as long, padded to whole chunks.
-        IntIsa::Avx512Vnni => unsafe { x86::qdots_avx512vnni::<M, N>(ws, xs) },
+        // format and the activation rows are as long, padded to whole chunks.
+        IntIsa::Avx512Vnni => unsafe { x86::qdots_avx512vnni::<M, N>(fmt, rows, n, xs) },
         #[cfg(target_arch = "x86_64")]
-        IntIsa::AvxVnni => unsafe { x86::qdots_avxvnni::<M, N>(ws, xs) },
+        IntIsa::AvxVnni => unsafe { x86::qdots_avxvnni::<M, N>(fmt, rows, n, xs) },
         #[cfg(target_arch = "x86_64")]
-        IntIsa::Avx2 => unsafe { x86::qdots_avx2::<M, N>(ws, xs) },
+        IntIsa::Avx2 => unsafe { x86::qdots_avx2::<M, N>(fmt, rows, n, xs) },
         #[cfg(target_arch = "aarch64")]
-        IntIsa::Neon => unsafe { neon::qdots_neon::<M, N>(ws, xs) },
+        IntIsa::Neon => unsafe { neon::qdots_neon::<M, N>(fmt, rows, n, xs) },
         _ => {
             let mut out = [[0.0; N]; M];
             for (o, w) in out.iter_mut().zip(ws) {
@@ -432,16 +697,6 @@ pub fn pair_batch_width() -> usize {
         IntIsa::Scalar => 1,
         _ => 2,
     }
-}
-
-/// The parts of `M` rows known to share a format, one array per field.
-macro_rules! fields {
-    ($ws:expr, $pat:pat => $val:expr) => {
-        $ws.map(|w| match *w {
-            $pat => $val,
-            _ => unreachable!("rows of one pass share a format"),
-        })
-    };
 }
 
 #[cfg(target_arch = "x86_64")]

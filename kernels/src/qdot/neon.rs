@@ -1,11 +1,11 @@
 //! The integer dot (`qdot.rs`) on aarch64 Advanced SIMD: the 32 canonical lanes live in eight
-//! 4-lane registers (two per block); each lane's four products are formed exactly with `smull`
-//! and two pairwise adds, then the same floating-point steps as everywhere.
+//! 4-lane registers (register `i` holds lanes `4i .. 4i + 4`); each lane's four products are
+//! formed exactly with `smull` and two pairwise adds on signed weights (no offset needed), then
+//! the same floating-point steps as everywhere.
 //!
 //! Must never: reduce partial sums before the end, or fuse `f_b`'s product into the FMA.
 
-use super::{half_e8m0, tail_bytes, QRow, WeightRow, CHUNK, E2M1_TWICE, QBLOCK};
-use crate::dot::neon::nibbles32;
+use super::{Fmt, QRow, RawRow, CHUNK, E2M1_TWICE};
 use std::arch::aarch64::*;
 
 /// Sixteen weights times sixteen activations → four sums of four consecutive products.
@@ -31,97 +31,73 @@ unsafe fn reduce(a: &[float32x4_t; 8]) -> f32 {
 }
 
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
-    let n = ws[0].len();
+#[allow(clippy::needless_range_loop)] // m and k also index the accumulators
+pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     let full = n / CHUNK;
     let mut acc = [[[vdupq_n_f32(0.0); 8]; N]; M];
-    let bias = vdupq_n_u8(0x80);
-    // Block `kb` of chunk `c` of row `m`: its 32 weights (two vectors) and its weight factor.
-    macro_rules! step {
-        ($m:expr, $c:expr, $kb:expr, $wv:expr, $wf:expr) => {{
-            let (m, c, kb, wv, wf): (usize, usize, usize, [int8x16_t; 2], f32) = ($m, $c, $kb, $wv, $wf);
-            let wfv = vdupq_n_f32(wf);
-            for k in 0..N {
-                let f = vmulq_f32(wfv, vld1q_f32(xs[k].scales8.as_ptr().add(c * 32 + 8 * kb)));
-                for h in 0..2 {
-                    let q = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(xs[k].biased.as_ptr().add(c * CHUNK + 32 * kb + 16 * h)), bias));
-                    let p = dot4x4(wv[h], q);
-                    acc[m][k][2 * kb + h] = vfmaq_f32(acc[m][k][2 * kb + h], f, vcvtq_f32_s32(p));
-                }
-            }
-        }};
-    }
-    match *ws[0] {
-        WeightRow::Int8 { .. } => {
-            let q = fields!(ws, WeightRow::Int8 { q, .. } => q.as_ptr());
-            for c in 0..full {
+    match fmt {
+        Fmt::Int8 => {
+            let bias = vdupq_n_u8(0x80);
+            // Block `kb` of chunk `c` of row `m` (32 weights at `base`, factor `wf`): lanes
+            // 8·kb .. 8·kb + 8, registers 2·kb and 2·kb + 1.
+            for c in 0..full + usize::from(full * CHUNK < n) {
                 for m in 0..M {
+                    let tail = (c == full).then(|| rows[m].tail(fmt, n, c * CHUNK));
+                    let base = tail.as_ref().map_or(rows[m].data.add(c * CHUNK), |t| t.0.as_ptr());
                     for kb in 0..4 {
-                        let base = q[m].add(c * CHUNK + 32 * kb);
-                        step!(m, c, kb, [vld1q_s8(base), vld1q_s8(base.add(16))], 1.0);
-                    }
-                }
-            }
-            if full * CHUNK < n {
-                for m in 0..M {
-                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
-                    for kb in 0..4 {
-                        let base = t.as_ptr().add(32 * kb) as *const i8;
-                        step!(m, full, kb, [vld1q_s8(base), vld1q_s8(base.add(16))], wf[kb]);
+                        let wf = tail.as_ref().map_or(1.0, |t| t.1[kb]);
+                        let wv = [vld1q_s8(base.add(32 * kb) as *const i8), vld1q_s8(base.add(32 * kb + 16) as *const i8)];
+                        let wfv = vdupq_n_f32(wf);
+                        for k in 0..N {
+                            let f = vmulq_f32(wfv, vld1q_f32(xs[k].scales8.as_ptr().add(c * 32 + 8 * kb)));
+                            for h in 0..2 {
+                                let q = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(xs[k].biased.as_ptr().add(c * CHUNK + 32 * kb + 16 * h)), bias));
+                                let p = dot4x4(wv[h], q);
+                                acc[m][k][2 * kb + h] = vfmaq_f32(acc[m][k][2 * kb + h], f, vcvtq_f32_s32(p));
+                            }
+                        }
                     }
                 }
             }
         }
-        WeightRow::Int4 { group, .. } => {
-            let (p, s) = (fields!(ws, WeightRow::Int4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Int4 { scales, .. } => scales));
-            let per = (group / QBLOCK).max(1);
-            let eight = vdupq_n_s8(8);
-            for c in 0..full {
-                for m in 0..M {
-                    for kb in 0..4 {
-                        let [a, b] = nibbles32(p[m].add(c * CHUNK / 2 + 16 * kb));
-                        let wv = [vsubq_s8(vreinterpretq_s8_u8(a), eight), vsubq_s8(vreinterpretq_s8_u8(b), eight)];
-                        step!(m, c, kb, wv, *s[m].get_unchecked((4 * c + kb) / per));
-                    }
-                }
-            }
-            if full * CHUNK < n {
-                for m in 0..M {
-                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
-                    for kb in 0..4 {
-                        let [a, b] = nibbles32(t.as_ptr().add(16 * kb));
-                        step!(m, full, kb, [vsubq_s8(vreinterpretq_s8_u8(a), eight), vsubq_s8(vreinterpretq_s8_u8(b), eight)], wf[kb]);
-                    }
-                }
-            }
-        }
-        WeightRow::Mxfp4 { .. } => {
-            let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
+        Fmt::Int4 { .. } | Fmt::Mxfp4 => {
+            let (mask, eight) = (vdupq_n_u8(0x0f), vdupq_n_s8(8));
             let lut = vld1q_s8(E2M1_TWICE.as_ptr());
-            for c in 0..full {
+            let mx = fmt == Fmt::Mxfp4;
+            // Block `kb` of chunk `c` (16 packed bytes): its low nibbles are lanes 4·kb .. 4·kb + 4
+            // (register kb), its high nibbles lanes 16 + 4·kb .. (register 4 + kb).
+            for c in 0..full + usize::from(full * CHUNK < n) {
                 for m in 0..M {
+                    let tail = (c == full).then(|| rows[m].tail(fmt, n, c * CHUNK));
+                    let base = tail.as_ref().map_or(rows[m].data.add(c * CHUNK / 2), |t| t.0.as_ptr());
                     for kb in 0..4 {
-                        let [a, b] = nibbles32(p[m].add(c * CHUNK / 2 + 16 * kb));
-                        step!(m, c, kb, [vqtbl1q_s8(lut, a), vqtbl1q_s8(lut, b)], half_e8m0(*s[m].get_unchecked(4 * c + kb)));
-                    }
-                }
-            }
-            if full * CHUNK < n {
-                for m in 0..M {
-                    let (t, wf) = tail_bytes(ws[m], full * CHUNK);
-                    for kb in 0..4 {
-                        let [a, b] = nibbles32(t.as_ptr().add(16 * kb));
-                        step!(m, full, kb, [vqtbl1q_s8(lut, a), vqtbl1q_s8(lut, b)], wf[kb]);
+                        let wf = tail.as_ref().map_or_else(|| rows[m].factor(fmt, 4 * c + kb), |t| t.1[kb]);
+                        let v = vld1q_u8(base.add(16 * kb));
+                        let (lo, hi) = (vandq_u8(v, mask), vshrq_n_u8::<4>(v));
+                        let w = if mx {
+                            [vqtbl1q_s8(lut, lo), vqtbl1q_s8(lut, hi)]
+                        } else {
+                            [vsubq_s8(vreinterpretq_s8_u8(lo), eight), vsubq_s8(vreinterpretq_s8_u8(hi), eight)]
+                        };
+                        let wfv = vdupq_n_f32(wf);
+                        for k in 0..N {
+                            let f = vmulq_f32(wfv, vld1q_f32(xs[k].scales4.as_ptr().add(c * 16 + 4 * kb)));
+                            for h in 0..2 {
+                                let q = vld1q_s8(xs[k].split.as_ptr().add(c * CHUNK + 64 * h + 16 * kb));
+                                let p = dot4x4(w[h], q);
+                                acc[m][k][4 * h + kb] = vfmaq_f32(acc[m][k][4 * h + kb], f, vcvtq_f32_s32(p));
+                            }
+                        }
                     }
                 }
             }
         }
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
     }
     let mut out = [[0.0f32; N]; M];
     for m in 0..M {
         for k in 0..N {
-            out[m][k] = super::finish(ws[m], reduce(&acc[m][k]));
+            let r = reduce(&acc[m][k]);
+            out[m][k] = if fmt == Fmt::Int8 { rows[m].scale * r } else { r };
         }
     }
     out
