@@ -352,46 +352,18 @@ impl Matrix {
         }
     }
 
-    /// `matmul_on` for integer products: each weight row against groups of quantised rows.
+    /// `matmul_on` for integer products: pairs of weight rows against groups of quantised rows.
     fn qmatmul(&self, q: &QuantRows, out: &mut [f32], parallel: bool) {
         let n = q.rows();
+        let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
         let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
-        let width = qdot::batch_width();
-        // Two weight rows per pass, so each activation chunk loaded serves both (a GEMM tile of
-        // 2 × `width`); `o` holds row r's n results, then row r + 1's.
-        let per_pair = |r: usize, o: &mut [f32]| {
-            if o.len() < 2 * n {
-                let w = self.row(r);
-                for (i, slot) in o.iter_mut().enumerate() {
-                    *slot = qdot::qdots_rows::<1, 1>([&w], [&acts[i]])[0][0];
-                }
-                return;
-            }
-            let (wa, wb) = (self.row(r), self.row(r + 1));
-            let mut i = 0;
-            while width >= 4 && i + 4 <= n {
-                let [a, b] = qdot::qdots_rows::<2, 4>([&wa, &wb], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
-                o[i..i + 4].copy_from_slice(&a);
-                o[n + i..n + i + 4].copy_from_slice(&b);
-                i += 4;
-            }
-            while width >= 2 && i + 2 <= n {
-                let [a, b] = qdot::qdots_rows::<2, 2>([&wa, &wb], [&acts[i], &acts[i + 1]]);
-                o[i..i + 2].copy_from_slice(&a);
-                o[n + i..n + i + 2].copy_from_slice(&b);
-                i += 2;
-            }
-            while i < n {
-                let [a, b] = qdot::qdots_rows::<2, 1>([&wa, &wb], [&acts[i]]);
-                (o[i], o[n + i]) = (a[0], b[0]);
-                i += 1;
-            }
-        };
+        // Transposed result (weight row major), in blocks of weight rows.
         let mut t = vec![0.0f32; self.rows * n];
         if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
-            t.par_chunks_mut(2 * n).enumerate().for_each(|(p, o)| per_pair(2 * p, o));
+            let block = ((self.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
+            t.par_chunks_mut(block * n).enumerate().for_each(|(c, o)| qdot::qmatmul_t(&w, &acts, c * block, o));
         } else {
-            t.chunks_mut(2 * n).enumerate().for_each(|(p, o)| per_pair(2 * p, o));
+            qdot::qmatmul_t(&w, &acts, 0, &mut t);
         }
         for (r, col) in t.chunks(n).enumerate() {
             for (i, v) in col.iter().enumerate() {
@@ -484,34 +456,14 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
         return;
     }
     let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
-    let width = qdot::pair_batch_width();
-    let per_row = |r: usize, o: &mut [f32]| {
-        let (wa, wb) = (a.row(r), b.row(r));
-        let mut i = 0;
-        while width >= 4 && i + 4 <= n {
-            let [ra, rb] = qdot::qdots_rows::<2, 4>([&wa, &wb], [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]]);
-            o[i..i + 4].copy_from_slice(&ra);
-            o[n + i..n + i + 4].copy_from_slice(&rb);
-            i += 4;
-        }
-        while width >= 2 && i + 2 <= n {
-            let [ra, rb] = qdot::qdots_rows::<2, 2>([&wa, &wb], [&acts[i], &acts[i + 1]]);
-            o[i..i + 2].copy_from_slice(&ra);
-            o[n + i..n + i + 2].copy_from_slice(&rb);
-            i += 2;
-        }
-        while i < n {
-            let [ra, rb] = qdot::qdots_rows::<2, 1>([&wa, &wb], [&acts[i]]);
-            o[i] = ra[0];
-            o[n + i] = rb[0];
-            i += 1;
-        }
-    };
+    let (Some(qa), Some(qb)) = (a.qmatrix(), b.qmatrix()) else { unreachable!("integer products are taken for integer formats only") };
+    // Per weight row, A's n results then B's.
     let mut t = vec![0.0f32; rows * 2 * n];
     if parallel {
-        t.par_chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+        let block = (rows / (4 * rayon::current_num_threads()).max(1)).max(4);
+        t.par_chunks_mut(block * 2 * n).enumerate().for_each(|(c, o)| qdot::qmatmul_pair_t(&qa, &qb, &acts, c * block, o));
     } else {
-        t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+        qdot::qmatmul_pair_t(&qa, &qb, &acts, 0, &mut t);
     }
     for (r, both) in t.chunks(2 * n).enumerate() {
         for i in 0..n {

@@ -426,6 +426,70 @@ pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize
     }
 }
 
+/// `out[(r − first)·n + i] = W[r] · xs[i]` for the rows `first ..` that `out` (whole groups of
+/// `n = xs.len()`) covers: the transposed product, weight-row major. Every result is exactly
+/// `qdot_scalar`'s.
+pub fn qmatmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    let n = xs.len();
+    if n == 0 {
+        return;
+    }
+    assert!(out.len().is_multiple_of(n) && first + out.len() / n <= w.rows, "rows {first}.. of {} for {} results", w.rows, out.len());
+    assert!(xs.iter().all(|x| x.n == w.cols), "activation rows and weight rows differ in length");
+    match int_isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `qmatvec`.
+        IntIsa::Avx512Vnni => unsafe { x86::qmatmul_t_avx512vnni(w, xs, first, out) },
+        _ => {
+            for (r, o) in out.chunks_exact_mut(n).enumerate() {
+                tile_generic(&w.row(first + r), xs, o);
+            }
+        }
+    }
+}
+
+/// Rows `first ..` of two matrices of one shape and format (gate and up) against every
+/// activation row: `out` holds, per row, A's `n` results then B's.
+pub fn qmatmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    let n = xs.len();
+    if n == 0 {
+        return;
+    }
+    assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
+    assert!(out.len().is_multiple_of(2 * n) && first + out.len() / (2 * n) <= a.rows, "rows {first}.. of {} for {} results", a.rows, out.len());
+    assert!(xs.iter().all(|x| x.n == a.cols), "activation rows and weight rows differ in length");
+    match int_isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `qmatvec`.
+        IntIsa::Avx512Vnni => unsafe { x86::qmatmul_pair_t_avx512vnni(a, b, xs, first, out) },
+        _ => {
+            for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
+                let (oa, ob) = o.split_at_mut(n);
+                tile_generic(&a.row(first + r), xs, oa);
+                tile_generic(&b.row(first + r), xs, ob);
+            }
+        }
+    }
+}
+
+/// One weight row against every activation row, as many a pass as the ISA's registers allow.
+fn tile_generic(w: &WeightRow<'_>, xs: &[QRow<'_>], o: &mut [f32]) {
+    let (n, width) = (xs.len(), batch_width());
+    let mut i = 0;
+    while width >= 4 && i + 4 <= n {
+        o[i..i + 4].copy_from_slice(&qdots_rows::<1, 4>([w], [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]])[0]);
+        i += 4;
+    }
+    while width >= 2 && i + 2 <= n {
+        o[i..i + 2].copy_from_slice(&qdots_rows::<1, 2>([w], [&xs[i], &xs[i + 1]])[0]);
+        i += 2;
+    }
+    while i < n {
+        o[i] = qdots_rows::<1, 1>([w], [&xs[i]])[0][0];
+        i += 1;
+    }
+}
+
 // SAFETY (for the raw pointers): a `QMatrix` only reads the slices it was built from.
 unsafe impl Send for QMatrix<'_> {}
 unsafe impl Sync for QMatrix<'_> {}
@@ -683,15 +747,6 @@ fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_
 
 /// Activation rows per pass over a weight row that keep the accumulators in registers.
 pub fn batch_width() -> usize {
-    match int_isa() {
-        IntIsa::Avx512Vnni => 4,
-        IntIsa::Scalar => 1,
-        _ => 2,
-    }
-}
-
-/// Activation rows per fused pass over two weight rows (gate and up).
-pub fn pair_batch_width() -> usize {
     match int_isa() {
         IntIsa::Avx512Vnni => 4,
         IntIsa::Scalar => 1,

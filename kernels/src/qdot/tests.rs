@@ -152,3 +152,58 @@ fn the_integer_tables_are_the_formats() {
     assert!(!is_integer(&WeightRow::Int4 { packed: &packed, scales: &scales, group: 48, n: 48 }));
     assert!(!is_integer(&WeightRow::F32(&[1.0])));
 }
+
+/// The loops over rows (`qmatvec`, `qmatvec_pair`, `qmatmul_t`, `qmatmul_pair_t`) give every
+/// row exactly `qdot_scalar`'s result, from any first row, for odd row counts and any number of
+/// activation rows (the 2 × 4 tiles and what is left over).
+#[test]
+fn the_row_loops_give_each_row_the_scalar_bits() {
+    let (rows, cols) = (7usize, 300usize);
+    let (wa, wb) = (values(rows * cols, 11, 1.0), values(rows * cols, 12, 1.0));
+    let xs: Vec<Vec<f32>> = (0..6).map(|k| values(cols, 20 + k, 2.0)).collect();
+    let qs: Vec<QuantRows> = xs.iter().map(|x| quantized(x)).collect();
+    let acts: Vec<QRow<'_>> = qs.iter().map(|q| q.row(0)).collect();
+    let pairs = [
+        (quantize_int8(&wa, rows, cols), quantize_int8(&wb, rows, cols)),
+        (quantize_int4(&wa, rows, cols, 32), quantize_int4(&wb, rows, cols, 32)),
+        (quantize_int4(&wa, rows, cols, 64), quantize_int4(&wb, rows, cols, 64)),
+        (quantize_int4(&wa, rows, cols, 128), quantize_int4(&wb, rows, cols, 128)),
+        (quantize_mxfp4(&wa, rows, cols), quantize_mxfp4(&wb, rows, cols)),
+    ];
+    fn view(q: &QuantMatrix, rows: usize, cols: usize) -> QMatrix<'_> {
+        match q {
+            QuantMatrix::Int8 { q, scales, .. } => QMatrix::int8(q, scales, rows, cols),
+            QuantMatrix::Int4 { packed, scales, group, .. } => QMatrix::int4(packed, scales, *group, rows, cols),
+            QuantMatrix::Mxfp4 { packed, scales, .. } => QMatrix::mxfp4(packed, scales, rows, cols),
+        }
+    }
+    for (qa, qb) in &pairs {
+        let (a, b) = (view(qa, rows, cols), view(qb, rows, cols));
+        let want = |m: &QMatrix<'_>, r: usize, x: &QRow<'_>| qdot_scalar(&m.row(r), x).to_bits();
+        for first in [0, 1, 2] {
+            let len = rows - first;
+            let mut out = vec![0.0; len];
+            qmatvec(&a, &acts[0], first, &mut out);
+            assert!(out.iter().enumerate().all(|(i, v)| v.to_bits() == want(&a, first + i, &acts[0])), "qmatvec {qa:?} from {first}");
+            let (mut oa, mut ob) = (vec![0.0; len], vec![0.0; len]);
+            qmatvec_pair(&a, &b, &acts[1], first, &mut oa, &mut ob);
+            for i in 0..len {
+                assert_eq!((oa[i].to_bits(), ob[i].to_bits()), (want(&a, first + i, &acts[1]), want(&b, first + i, &acts[1])), "qmatvec_pair row {i}");
+            }
+            for n in 1..=acts.len() {
+                let xs = &acts[..n];
+                let mut t = vec![0.0; len * n];
+                qmatmul_t(&a, xs, first, &mut t);
+                let mut p = vec![0.0; len * 2 * n];
+                qmatmul_pair_t(&a, &b, xs, first, &mut p);
+                for r in 0..len {
+                    for (i, x) in xs.iter().enumerate() {
+                        assert_eq!(t[r * n + i].to_bits(), want(&a, first + r, x), "qmatmul_t n={n} row {r} act {i}");
+                        assert_eq!(p[r * 2 * n + i].to_bits(), want(&a, first + r, x), "qmatmul_pair_t A n={n} row {r} act {i}");
+                        assert_eq!(p[r * 2 * n + n + i].to_bits(), want(&b, first + r, x), "qmatmul_pair_t B n={n} row {r} act {i}");
+                    }
+                }
+            }
+        }
+    }
+}

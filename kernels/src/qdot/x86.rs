@@ -327,3 +327,50 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
     }
     out
 }
+
+/// Two weight rows against every activation row, four at a time: `o` gets the first row's `n`
+/// results, then the second's (a GEMM tile of 2 × 4; each weight chunk is decoded once per four
+/// activation rows).
+#[inline(always)]
+unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
+    let n = xs.len();
+    let mut i = 0;
+    while i + 4 <= n {
+        let [a, b] = core512::<2, 4>(fmt, ws, cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]]);
+        o[i..i + 4].copy_from_slice(&a);
+        o[n + i..n + i + 4].copy_from_slice(&b);
+        i += 4;
+    }
+    while i < n {
+        let [a, b] = core512::<2, 1>(fmt, ws, cols, [&xs[i]]);
+        (o[i], o[n + i]) = (a[0], b[0]);
+        i += 1;
+    }
+}
+
+/// `out[(r − first)·n + i] = W[r] · xs[i]` (weight-row major), two weight rows a pass.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+pub(super) unsafe fn qmatmul_t_avx512vnni(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    let (fmt, cols, n) = (w.fmt, w.cols, xs.len());
+    let rows = out.len() / n;
+    let mut r = 0;
+    while r + 2 <= rows {
+        tile2(fmt, [w.raw(first + r), w.raw(first + r + 1)], cols, xs, &mut out[r * n..(r + 2) * n]);
+        r += 2;
+    }
+    if r < rows {
+        for (i, x) in xs.iter().enumerate() {
+            out[r * n + i] = core512::<1, 1>(fmt, [w.raw(first + r)], cols, [x])[0][0];
+        }
+    }
+}
+
+/// Rows `first + r` of two matrices (gate and up) against every activation row: `out` holds,
+/// per row, A's `n` results then B's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    let (fmt, cols, n) = (a.fmt, a.cols, xs.len());
+    for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
+        tile2(fmt, [a.raw(first + r), b.raw(first + r)], cols, xs, o);
+    }
+}
