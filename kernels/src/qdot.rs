@@ -284,6 +284,12 @@ impl RawRow {
             _ => (start / 2, n.div_ceil(2) - start / 2),
         };
         std::ptr::copy_nonoverlapping(self.data.add(from), bytes.as_mut_ptr(), len);
+        (bytes, self.tail_factors(fmt, n, start))
+    }
+
+    /// The weight factors of the chunk from `start`, 0 for blocks past the row.
+    #[inline(always)]
+    pub(crate) unsafe fn tail_factors(&self, fmt: Fmt, n: usize, start: usize) -> [f32; BLOCKS_PER_CHUNK] {
         let mut factors = [0.0f32; BLOCKS_PER_CHUNK];
         for (k, f) in factors.iter_mut().enumerate() {
             let b = start / QBLOCK + k;
@@ -291,7 +297,7 @@ impl RawRow {
                 *f = self.factor(fmt, b);
             }
         }
-        (bytes, factors)
+        factors
     }
 }
 

@@ -207,3 +207,48 @@ fn the_row_loops_give_each_row_the_scalar_bits() {
         }
     }
 }
+
+/// A row whose last, partial chunk ends at the end of readable memory (a guard page after it)
+/// gives the scalar bits on every ISA: the tail is read in place (masked loads on AVX-512)
+/// without touching a byte past the row.
+#[cfg(unix)]
+#[test]
+fn a_row_ending_at_a_guard_page_is_read_without_touching_it() {
+    let page = 4096 * 16; // covers 4 KiB and 16 KiB pages
+    // SAFETY: a fresh private mapping of two pages, the second made unreadable; unmapped below.
+    let base = unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(libc::mprotect((p as *mut u8).add(page) as *mut libc::c_void, page, libc::PROT_NONE), 0);
+        p as *mut u8
+    };
+    for n in [200usize, 333, 64, 1] {
+        let w = values(n, 70 + n as u64, 1.0);
+        let q = quantized(&values(n, 80 + n as u64, 2.0));
+        let x = q.row(0);
+        for fmt in [quantize_int8(&w, 1, n), quantize_int4(&w, 1, n, 32), quantize_mxfp4(&w, 1, n)] {
+            let bytes: Vec<u8> = match &fmt {
+                QuantMatrix::Int8 { q, .. } => q.iter().map(|v| *v as u8).collect(),
+                QuantMatrix::Int4 { packed, .. } | QuantMatrix::Mxfp4 { packed, .. } => packed.clone(),
+            };
+            // SAFETY: `bytes.len()` ≤ one page, copied to end exactly at the guard page.
+            let at_edge = unsafe {
+                let dst = base.add(page - bytes.len());
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
+                std::slice::from_raw_parts(dst, bytes.len())
+            };
+            let row = match &fmt {
+                // SAFETY: i8 and u8 have one layout.
+                QuantMatrix::Int8 { scales, .. } => WeightRow::Int8 { q: unsafe { std::slice::from_raw_parts(at_edge.as_ptr() as *const i8, n) }, scale: scales[0] },
+                QuantMatrix::Int4 { scales, group, .. } => WeightRow::Int4 { packed: at_edge, scales, group: *group, n },
+                QuantMatrix::Mxfp4 { scales, .. } => WeightRow::Mxfp4 { packed: at_edge, scales, n },
+            };
+            let want = qdot_scalar(&row, &x).to_bits();
+            for isa in IntIsa::all_available() {
+                assert_eq!(qdots_rows_with::<1, 1>(isa, [&row], [&x])[0][0].to_bits(), want, "n={n} {isa:?}");
+            }
+        }
+    }
+    // SAFETY: the mapping made above, no longer borrowed.
+    unsafe { libc::munmap(base as *mut libc::c_void, 2 * page) };
+}

@@ -13,6 +13,16 @@ use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12};
 use crate::dot::x86::{reduce256, reduce512};
 use std::arch::x86_64::*;
 
+/// The first `len` of 64 bytes (all of them from 64 on).
+#[inline(always)]
+fn byte_mask(len: usize) -> u64 {
+    if len >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << len) - 1
+    }
+}
+
 /// Lane `L` of a 4-bit half (`L = 4·kb + j`) takes block `kb`'s factor.
 #[inline(always)]
 unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
@@ -81,15 +91,24 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 }
             }
             if full * CHUNK < n {
+                // The last, partial chunk read in place with masked loads (bytes past the row
+                // read as 0 and never touched, so the row may end where its allocation does).
+                let (start, len) = (full * CHUNK, n - full * CHUNK);
+                let (k0, k1) = (byte_mask(len), byte_mask(len.saturating_sub(64)));
                 for m in 0..M {
-                    let (t, wf) = rows[m].tail(fmt, n, full * CHUNK);
-                    let base = t.as_ptr();
+                    let base = rows[m].data.add(start);
+                    let wf = rows[m].tail_factors(fmt, n, start);
                     // Padding blocks' factors are 0 (their weights are 0 and activations q = 0).
                     let wsv = [
                         _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[0]), _mm512_set1_ps(wf[1])),
                         _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[2]), _mm512_set1_ps(wf[3])),
                     ];
-                    step!(m, full, [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)], Some(wsv));
+                    step!(
+                        m,
+                        full,
+                        [_mm512_maskz_loadu_epi8(k0, base as *const i8), _mm512_maskz_loadu_epi8(k1, base.wrapping_add(64) as *const i8)],
+                        Some(wsv)
+                    );
                 }
             }
         }
@@ -97,12 +116,11 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
             let mask = _mm512_set1_epi8(0x0f);
             let mx = fmt == Fmt::Mxfp4;
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-            // One chunk of row `m` (64 packed bytes at `base`): its low nibbles are the even
+            // One chunk of row `m` (its 64 packed bytes `x`): its low nibbles are the even
             // half's 16 lanes of groups, its high nibbles the odd half's.
             macro_rules! step {
-                ($m:expr, $c:expr, $base:expr, $wsv:expr) => {{
-                    let (m, c, base, wsv): (usize, usize, *const u8, __m512) = ($m, $c, $base, $wsv);
-                    let x = _mm512_loadu_si512(base as *const __m512i);
+                ($m:expr, $c:expr, $x:expr, $wsv:expr) => {{
+                    let (m, c, x, wsv): (usize, usize, __m512i, __m512) = ($m, $c, $x, $wsv);
                     let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
                     if mx {
                         (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
@@ -122,13 +140,16 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
-                    step!(m, c, base, factors_512(fmt, &rows[m], c));
+                    step!(m, c, _mm512_loadu_si512(base as *const __m512i), factors_512(fmt, &rows[m], c));
                 }
             }
             if full * CHUNK < n {
+                // The last, partial chunk in place, as int8's.
+                let start = full * CHUNK;
+                let k = byte_mask(n.div_ceil(2) - start / 2);
                 for m in 0..M {
-                    let (t, wf) = rows[m].tail(fmt, n, full * CHUNK);
-                    step!(m, full, t.as_ptr(), per_block_512(wf));
+                    let x = _mm512_maskz_loadu_epi8(k, rows[m].data.add(start / 2) as *const i8);
+                    step!(m, full, x, per_block_512(rows[m].tail_factors(fmt, n, start)));
                 }
             }
         }
