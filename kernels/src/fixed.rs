@@ -28,6 +28,21 @@ pub fn accumulate(acc: &mut [i64], y: &[f32]) -> Result<(), FixedPointOverflow> 
     Ok(())
 }
 
+/// `accumulate(acc, y · w)`: the product formed in f32 element by element, as the caller of
+/// `accumulate` would, without a buffer for it.
+pub fn accumulate_weighted(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
+    for (a, v) in acc.iter_mut().zip(y) {
+        let weighted = v * w;
+        let f = weighted as f64;
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // written so that NaN is refused too
+        if !(f.abs() < LIMIT) {
+            return Err(FixedPointOverflow { value: weighted });
+        }
+        *a = a.wrapping_add((f * FIXED_SCALE).round() as i64);
+    }
+    Ok(())
+}
+
 /// Adds another partial sum (e.g. one worker's) into `acc`.
 pub fn merge(acc: &mut [i64], other: &[i64]) {
     for (a, b) in acc.iter_mut().zip(other) {
@@ -70,6 +85,18 @@ mod tests {
             let exact: f64 = terms.iter().map(|t| t[i] as f64).sum();
             assert!((out[i] as f64 - exact).abs() < 1e-6 * exact.abs().max(1.0));
         }
+    }
+
+    #[test]
+    fn weighted_accumulation_is_accumulation_of_the_f32_products() {
+        let y: Vec<f32> = (0..64).map(|i| ((i * 37) as f32).sin() * 3.7).collect();
+        for w in [0.3f32, 1.0, -0.77, 1e-7] {
+            let (mut a, mut b) = (vec![5i64; 64], vec![5i64; 64]);
+            accumulate(&mut a, &y.iter().map(|v| v * w).collect::<Vec<f32>>()).unwrap();
+            accumulate_weighted(&mut b, &y, w).unwrap();
+            assert_eq!(a, b, "w = {w}");
+        }
+        assert!(accumulate_weighted(&mut [0i64], &[2.0e9], 2.0).is_err());
     }
 
     #[test]

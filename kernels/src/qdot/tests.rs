@@ -215,7 +215,7 @@ fn the_row_loops_give_each_row_the_scalar_bits() {
 #[test]
 fn a_row_ending_at_a_guard_page_is_read_without_touching_it() {
     let page = 4096 * 16; // covers 4 KiB and 16 KiB pages
-    // SAFETY: a fresh private mapping of two pages, the second made unreadable; unmapped below.
+                          // SAFETY: a fresh private mapping of two pages, the second made unreadable; unmapped below.
     let base = unsafe {
         let p = libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
         assert_ne!(p, libc::MAP_FAILED);
@@ -239,7 +239,9 @@ fn a_row_ending_at_a_guard_page_is_read_without_touching_it() {
             };
             let row = match &fmt {
                 // SAFETY: i8 and u8 have one layout.
-                QuantMatrix::Int8 { scales, .. } => WeightRow::Int8 { q: unsafe { std::slice::from_raw_parts(at_edge.as_ptr() as *const i8, n) }, scale: scales[0] },
+                QuantMatrix::Int8 { scales, .. } => {
+                    WeightRow::Int8 { q: unsafe { std::slice::from_raw_parts(at_edge.as_ptr() as *const i8, n) }, scale: scales[0] }
+                }
                 QuantMatrix::Int4 { scales, group, .. } => WeightRow::Int4 { packed: at_edge, scales, group: *group, n },
                 QuantMatrix::Mxfp4 { scales, .. } => WeightRow::Mxfp4 { packed: at_edge, scales, n },
             };

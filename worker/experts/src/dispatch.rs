@@ -200,23 +200,34 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], 
     // product's rows over the threads. Every way computes each row alike: the same bits.
     let macs: usize = work.iter().map(|(e, rows)| 3 * h * e.intermediate() * rows.len()).sum();
     let parallel_inside = work.len() == 1 && macs >= SERIAL_MACS;
-    let one = |scratch: &mut FfnScratch, (expert, rows): &(&Expert, &[(usize, f32)])| -> Vec<(usize, Vec<f32>)> {
+    // One expert over the rows that chose it: its outputs, row after row.
+    let one = |scratch: &mut FfnScratch, (expert, rows): &(&Expert, &[(usize, f32)])| -> Vec<f32> {
         let mut xs = Vec::with_capacity(rows.len() * h);
         for &(row, _) in rows.iter() {
             xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
         }
         let mut ys = vec![0.0f32; rows.len() * h];
         expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
-        rows.iter().zip(ys.chunks_exact(h)).map(|(&(row, w), y)| (row, y.iter().map(|v| v * w).collect::<Vec<f32>>())).collect()
+        ys
     };
-    let outputs: Vec<Vec<(usize, Vec<f32>)>> = if macs < SERIAL_MACS {
+    let add = |acc: &mut [i64], rows: &[(usize, f32)], ys: &[f32]| -> Result<(), DispatchError> {
+        for (&(row, w), y) in rows.iter().zip(ys.chunks_exact(h)) {
+            fixed::accumulate_weighted(&mut acc[row * h..(row + 1) * h], y, w).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
+        }
+        Ok(())
+    };
+    if macs < SERIAL_MACS {
+        // The sum is fixed-point, so adding each expert as it is done gives the same bits.
         let mut scratch = FfnScratch::default();
-        work.iter().map(|w| one(&mut scratch, w)).collect()
+        for w in work {
+            let ys = one(&mut scratch, w);
+            add(acc, w.1, &ys)?;
+        }
     } else {
-        work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect()
-    };
-    for (row, y) in outputs.iter().flatten() {
-        fixed::accumulate(&mut acc[row * h..(row + 1) * h], y).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
+        let outputs: Vec<Vec<f32>> = work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect();
+        for (w, ys) in work.iter().zip(&outputs) {
+            add(acc, w.1, ys)?;
+        }
     }
     Ok(())
 }
