@@ -76,7 +76,7 @@ pub struct Machine {
 
 /// Copy bandwidth with `threads` threads over 256 MiB (best of three): the memory system's
 /// sustainable rate, reads and writes both counted.
-fn memory_bandwidth(threads: usize) -> f64 {
+pub(crate) fn memory_bandwidth(threads: usize) -> f64 {
     const BYTES: usize = 256 << 20;
     let src = vec![1u8; BYTES];
     let mut dst = vec![0u8; BYTES];

@@ -485,3 +485,42 @@ fn probe_passes_on_2xx_and_otherwise_fails_saying_why_without_the_body() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("http://{missing}/v1/models answered 503")));
 }
+
+/// `shimmer doctor --json`: one JSON object describing the machine, with a disk measured at
+/// every depth in the directory asked for (its probe file removed afterwards), and flags out of
+/// range refused by name.
+#[test]
+fn doctor_describes_the_machine_and_measures_the_disk_it_is_pointed_at() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = shimmer(&["doctor", "--json", "--dir", dir.path().to_str().unwrap(), "--disk-probe-mb", "8"]);
+    let v = json_stdout(&out);
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(keys, ["cpu", "memory", "numa_nodes", "disks", "gpus", "recommendations"]);
+    let cores = v["cpu"]["logical_cores"].as_u64().unwrap();
+    assert_eq!(cores as usize, std::thread::available_parallelism().unwrap().get());
+    assert_eq!(v["cpu"]["integer_kernels"], shimmer_kernels::qdot::int_isa().name());
+    assert!(v["cpu"]["features"].as_object().unwrap().values().all(Value::is_boolean));
+    for k in ["copy_gb_s_one_thread", "copy_gb_s_all_threads"] {
+        assert!(v["memory"][k].as_f64().unwrap() > 0.0, "{k}");
+    }
+    let disk = &v["disks"][0];
+    assert_eq!(disk["dir"], dir.path().to_str().unwrap());
+    let depths: Vec<u64> = disk["gb_s_by_depth"].as_array().unwrap().iter().map(|d| d[0].as_u64().unwrap()).collect();
+    assert_eq!(depths, [1, 2, 4, 8, 16, 32], "{disk}");
+    assert!(disk["gb_s_by_depth"].as_array().unwrap().iter().all(|d| d[1].as_f64().unwrap() > 0.0));
+    assert!(depths.contains(&disk["best_depth"].as_u64().unwrap()));
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the probe file is removed");
+    let advice: Vec<&str> = v["recommendations"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    assert!(advice.iter().any(|a| a.starts_with("--threads ")), "{advice:?}");
+    // Without --json: one line per finding; nothing written when the disks are skipped.
+    let out = shimmer(&["doctor", "--disk-probe-mb", "0"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for head in ["cpu ", "memory ", "advice "] {
+        assert!(text.lines().any(|l| l.starts_with(head)), "{head}: {text}");
+    }
+    assert!(!text.lines().any(|l| l.starts_with("disk ")), "{text}");
+    // Bad flags: refused, naming them.
+    assert_clean_failure(&shimmer(&["doctor", "--disk-probe-mb", "100000"]), &["--disk-probe-mb"]);
+    assert_clean_failure(&shimmer(&["doctor", "--dir", "/no/such/dir"]), &["--dir", "/no/such/dir"]);
+}

@@ -19,6 +19,7 @@ mod bench;
 mod chat;
 mod cluster;
 mod convert;
+mod doctor;
 mod flags;
 mod generate;
 mod plan;
@@ -34,6 +35,7 @@ use bench::*;
 use chat::*;
 use cluster::*;
 use convert::*;
+use doctor::*;
 use flags::*;
 use generate::*;
 use plan::*;
@@ -88,6 +90,9 @@ enum Command {
     /// Quality of an expert quantisation format against the checkpoint's own weights: KL
     /// divergence of next-token distributions and top-1 agreement over a text.
     QuantEval(QuantEvalArgs),
+    /// What this machine offers a model — CPU and kernels, memory bandwidth, NUMA, disks
+    /// (O_DIRECT, bandwidth by queue depth), GPUs — and the flags to run it with.
+    Doctor(DoctorArgs),
     /// Exit 0 when an HTTP URL answers 2xx within a timeout: the health check of the container
     /// image, which has no curl.
     Probe(ProbeArgs),
@@ -127,6 +132,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Bench(a) => bench(a),
         Command::QuantEval(a) => quant_eval(a),
         Command::Probe(a) => probe(a),
+        Command::Doctor(a) => doctor(a),
         Command::RenderSandbox { .. } => Ok(ExitCode::SUCCESS),
     }
 }
