@@ -20,5 +20,6 @@ pub mod server;
 pub mod session_file;
 pub mod template_sandbox;
 pub mod trace_recorder;
+pub mod tune_file;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateOptions, Generation, Session};

@@ -71,6 +71,37 @@ impl ModelDir {
         self.spec.layers.iter().filter(|k| **k == LayerMlp::Moe).count() as u64 * self.spec.moe.num_experts as u64
     }
 
+    /// Bytes of all routed experts and of the dense weights as stored, without loading either.
+    pub fn sizes(&self) -> Result<(u64, u64), EngineError> {
+        let on_disk = |name: &std::ffi::OsStr| -> bool { name.to_string_lossy().ends_with(".safetensors") };
+        match &self.kind {
+            Kind::Container(container) => {
+                let path = self.dir.join(DENSE_FILE);
+                let dense = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?.len();
+                Ok((self.moe_experts() * container.expert_bytes(), dense))
+            }
+            Kind::Checkpoint(ckpt) => {
+                let total: u64 = std::fs::read_dir(&self.dir)
+                    .map_err(|e| LoadError::io(&self.dir, e))?
+                    .flatten()
+                    .filter(|e| on_disk(&e.file_name()))
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum();
+                let experts = self.moe_experts() * Source::checkpoint(ckpt.clone(), &self.spec).expert_bytes();
+                Ok((experts, total.saturating_sub(experts)))
+            }
+        }
+    }
+
+    /// The container's expert file and its blobs' `(offset, length)`; `None` for a checkpoint.
+    pub fn expert_blobs(&self) -> Option<(PathBuf, Vec<(u64, u64)>)> {
+        match &self.kind {
+            Kind::Container(c) => Some((c.experts_path(), c.manifest.blobs.iter().map(|b| (b.offset, b.length)).collect())),
+            Kind::Checkpoint(_) => None,
+        }
+    }
+
     /// The dense model, and the bytes of its weights on disk (what loading it takes).
     pub fn dense(&self) -> Result<(Decoder, u64), EngineError> {
         match &self.kind {

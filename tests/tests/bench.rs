@@ -68,3 +68,56 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     assert_eq!(r["machine"]["threads"], 1);
     assert!(r["roofline_tok_s"].as_f64().unwrap() > 0.0 && r["active_bytes_per_token"].as_u64().unwrap() > 0);
 }
+
+/// `shimmer tune` measures every thread count up to the cores and the container's reads at every
+/// depth, writes its choices beside the model, and the other verbs take them under their flags;
+/// a tune file that is not one is refused, naming it.
+#[test]
+fn tune_writes_choices_the_other_verbs_read_under_their_flags() {
+    let out = tempfile::tempdir().unwrap();
+    let c = out.path().join("c");
+    let o = shimmer(&["convert", "--from", fixture("qwen3_moe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int8", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = shimmer(&["tune", "--model", c.to_str().unwrap(), "--gen-tokens", "2", "--disk-probe-mb", "1", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let path = c.join("shimmer-tune.json");
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(printed, written);
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let tried: Vec<u64> = written["measured"]["decode_tok_s_by_threads"].as_array().unwrap().iter().map(|t| t[0].as_u64().unwrap()).collect();
+    assert_eq!(tried.first(), Some(&1));
+    assert_eq!(tried.last(), Some(&(cores as u64)));
+    assert!(tried.contains(&written["threads"].as_u64().unwrap()), "{written}");
+    let depths: Vec<u64> = written["measured"]["disk_gb_s_by_depth"].as_array().unwrap().iter().map(|d| d[0].as_u64().unwrap()).collect();
+    assert_eq!(depths, [1, 2, 4, 8, 16, 32]);
+    assert!(depths.contains(&written["io_depth"].as_u64().unwrap()));
+    // A tiny model fits: no expert budget to choose.
+    assert!(written["ram_gb"].is_null(), "{written}");
+    // The other verbs read it: threads from the file, unless --threads says otherwise.
+    let threads_of = |extra: &[&str]| -> u64 {
+        let mut args =
+            vec!["bench", "--model", c.to_str().unwrap(), "--prompt-tokens", "4", "--gen-tokens", "2", "--disk-probe-mb", "1", "--no-usage", "--json"];
+        args.extend_from_slice(extra);
+        let o = shimmer(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["machine"]["threads"].as_u64().unwrap()
+    };
+    let mut edited = written.clone();
+    edited["threads"] = 3.into();
+    std::fs::write(&path, edited.to_string()).unwrap();
+    assert_eq!(threads_of(&[]), 3);
+    assert_eq!(threads_of(&["--threads", "1"]), 1);
+    // Not a tune file: refused naming it, by every verb that runs the model.
+    edited["io_depth"] = 999.into();
+    std::fs::write(&path, edited.to_string()).unwrap();
+    for verb in
+        [&["bench", "--model", c.to_str().unwrap(), "--no-usage"][..], &["generate", "--model", c.to_str().unwrap(), "--prompt", "a", "--max-tokens", "1"][..]]
+    {
+        let o = shimmer(verb);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("shimmer-tune.json") && err.contains("io_depth 999"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

@@ -15,9 +15,6 @@ pub(super) struct BenchArgs {
     /// passage). Decode steps feed the text's next tokens, one per step.
     #[arg(long)]
     pub(super) text: Option<PathBuf>,
-    /// Compute threads (default: one per core).
-    #[arg(long)]
-    pub(super) threads: Option<usize>,
     /// Read every expert the budget holds before timing (to benchmark a resident model, as
     /// llama-bench does after its warm-up).
     #[arg(long)]
@@ -36,24 +33,19 @@ pub(super) struct BenchArgs {
 }
 
 pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
-    if let Some(t) = a.threads {
-        if t == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("cannot set up the thread pool")?;
-    }
     // Each sequence holds a whole KV cache: bounded before any is allocated.
     if a.parallel > 256 {
         bail!("--parallel must be at most 256 sequences (got {})", a.parallel);
     }
     let dir = model_dir(&a.model)?;
+    let store = a.store.options(&dir)?;
     let text = match &a.text {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
         None => None,
     };
     let r = crate::bench::run(
         &dir,
-        &a.store.options()?,
+        &store,
         &crate::bench::BenchOptions {
             prompt_tokens: a.prompt_tokens,
             gen_tokens: a.gen_tokens,

@@ -1,6 +1,8 @@
 //! The flags several verbs share, one definition each: how the routed experts are held (the
 //! store), how a cluster is reached (placement, credentials, timeouts), and sampling.
 
+use std::path::Path;
+
 use super::*;
 
 /// How the routed experts are held (docs/expert-store.md).
@@ -20,9 +22,12 @@ pub(super) struct StoreArgs {
     /// Turn off one-layer-ahead prefetch (and warming the learned pins at start).
     #[arg(long)]
     pub(super) no_prefetch: bool,
-    /// Expert reads in flight at once.
-    #[arg(long, default_value_t = shimmer_store::DEFAULT_IO_DEPTH)]
-    pub(super) io_depth: usize,
+    /// Expert reads in flight at once (default: the model's tune file, else 16).
+    #[arg(long)]
+    pub(super) io_depth: Option<usize>,
+    /// Compute threads (default: the model's tune file, else one per core).
+    #[arg(long)]
+    pub(super) threads: Option<usize>,
     /// Where routing heat is learned and kept (default: shimmer-usage.json beside the model).
     #[arg(long, value_name = "FILE", conflicts_with = "no_usage")]
     pub(super) usage: Option<PathBuf>,
@@ -127,28 +132,33 @@ impl ClusterAuthArgs {
 }
 
 impl StoreArgs {
-    pub(super) fn options(&self) -> Result<ExpertOptions> {
-        let ram = match &self.ram_gb {
-            Some(s) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
-            None => None,
+    /// The store's options for the model in `dir`: each flag given wins, then what `shimmer
+    /// tune` wrote beside the model (`shimmer-tune.json`), then the defaults. Also sizes the
+    /// compute thread pool (once per process).
+    pub(super) fn options(&self, dir: &Path) -> Result<ExpertOptions> {
+        let tuned = crate::tune_file::TuneFile::read_beside(dir).map_err(anyhow::Error::msg)?;
+        let ram = match (&self.ram_gb, &tuned) {
+            (Some(s), _) => Some(RamBudget::parse(s).map_err(|e| anyhow::anyhow!("--ram-gb: {e}"))?),
+            (None, Some(t)) => t.ram_gb.map(RamBudget::Gb),
+            (None, None) => None,
         };
-        if self.io_depth == 0 || self.io_depth > 256 {
+        let io_depth = self.io_depth.or(tuned.as_ref().and_then(|t| t.io_depth)).unwrap_or(shimmer_store::DEFAULT_IO_DEPTH);
+        if io_depth == 0 || io_depth > 256 {
             bail!("--io-depth must be between 1 and 256");
+        }
+        if let Some(t) = self.threads.or(tuned.as_ref().and_then(|t| t.threads)) {
+            if t == 0 || t > crate::tune_file::MAX_THREADS {
+                bail!("--threads must be between 1 and {}", crate::tune_file::MAX_THREADS);
+            }
+            // The pool is the process's; a second verb in one process (tests) keeps the first's.
+            let _ = rayon::ThreadPoolBuilder::new().num_threads(t).build_global();
         }
         let usage = match (&self.usage, self.no_usage) {
             (_, true) => UsageFile::Off,
             (Some(p), false) => UsageFile::File(p.clone()),
             (None, false) => UsageFile::BesideModel,
         };
-        Ok(ExpertOptions {
-            ram,
-            direct_io: self.direct_io,
-            mirror: self.mirror.clone(),
-            prefetch: !self.no_prefetch,
-            io_depth: self.io_depth,
-            usage,
-            assigned: None,
-        })
+        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth, usage, assigned: None })
     }
 }
 

@@ -29,6 +29,7 @@ mod routing;
 mod run;
 mod score;
 mod trace;
+mod tune;
 mod worker;
 
 use bench::*;
@@ -45,6 +46,7 @@ use routing::*;
 use run::*;
 use score::*;
 use trace::*;
+use tune::*;
 use worker::*;
 
 #[derive(Parser)]
@@ -93,6 +95,9 @@ enum Command {
     /// What this machine offers a model — CPU and kernels, memory bandwidth, NUMA, disks
     /// (O_DIRECT, bandwidth by queue depth), GPUs — and the flags to run it with.
     Doctor(DoctorArgs),
+    /// Measure the threads, I/O depth and expert memory that run a model best here, and write
+    /// them to shimmer-tune.json beside it, which the other verbs read under their flags.
+    Tune(TuneArgs),
     /// Exit 0 when an HTTP URL answers 2xx within a timeout: the health check of the container
     /// image, which has no curl.
     Probe(ProbeArgs),
@@ -133,6 +138,7 @@ pub fn run() -> Result<ExitCode> {
         Command::QuantEval(a) => quant_eval(a),
         Command::Probe(a) => probe(a),
         Command::Doctor(a) => doctor(a),
+        Command::Tune(a) => tune(a),
         Command::RenderSandbox { .. } => Ok(ExitCode::SUCCESS),
     }
 }
@@ -218,7 +224,7 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
             connect: secs("--connect-timeout-s", cluster.connect_timeout_s)?,
         };
         let hold = match &cluster.hold {
-            Some(name) => Some((name.clone(), store.options()?)),
+            Some(name) => Some((name.clone(), store.options(dir)?)),
             None => None,
         };
         let described = source.describe();
@@ -250,7 +256,7 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
         bail!("--join-token and --tls-* are for a cluster: give --placement FILE or --join HOST:PORT too");
     }
     let engine =
-        crate::node::coordinator(dir, crate::node::ExpertsAt::Here(store.options()?)).with_context(|| format!("cannot load model {}", dir.display()))?;
+        crate::node::coordinator(dir, crate::node::ExpertsAt::Here(store.options(dir)?)).with_context(|| format!("cannot load model {}", dir.display()))?;
     if let Some(t) = engine.store_telemetry().filter(|_| !json) {
         let all = engine.spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() * engine.spec.moe.num_experts;
         eprintln!(

@@ -102,7 +102,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         name,
         assigned_only: a.assigned_only,
         epoch: a.epoch,
-        store: a.store.options()?,
+        store: a.store.options(&dir)?,
         member: member.as_ref().map(|m| m.1.clone()),
     };
     let worker = crate::node::Worker::start(&dir, opts).with_context(|| format!("cannot serve the experts of {}", dir.display()))?;
