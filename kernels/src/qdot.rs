@@ -201,10 +201,19 @@ fn quantize_row(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
         scales[b] = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         for (o, v) in out.iter_mut().zip(block) {
-            let q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            let q = round_small_ties_even(v * inv).clamp(-127.0, 127.0) as i8;
             *o = (q as u8) ^ 0x80;
         }
     }
+}
+
+/// `y.round_ties_even()` for `|y| < 2^22` (a scaled activation is within ±127 and a bit): adding
+/// and taking back 1.5 · 2^23 leaves the nearest integer, ties to even, in IEEE arithmetic — two
+/// additions, where `round_ties_even` is a call into libm on a baseline x86-64 build.
+#[inline(always)]
+fn round_small_ties_even(y: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    (y + MAGIC) - MAGIC
 }
 
 /// Whether the integer path takes this row: int8, MXFP4, and int4 whose groups are whole blocks.

@@ -254,3 +254,19 @@ fn a_row_ending_at_a_guard_page_is_read_without_touching_it() {
     // SAFETY: the mapping made above, no longer borrowed.
     unsafe { libc::munmap(base as *mut libc::c_void, 2 * page) };
 }
+
+/// The quantiser's rounding is `round_ties_even` on every value a scaled activation can take:
+/// every f32 in [−130, 130] whose fraction is a multiple of 2^-16 (ties at every half among them),
+/// and random ones.
+#[test]
+fn the_quantisers_rounding_is_round_ties_even() {
+    let mut s = 7u64;
+    let steps = (-130i32 << 16..=130 << 16).map(|i| i as f32 / 65536.0);
+    let random = (0..200_000).map(|_| {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        f32::from_bits(((s >> 33) as u32 % 0x4304_0000) | (((s >> 20) as u32 & 1) << 31))
+    });
+    for y in steps.chain(random).chain([0.5, -0.5, 1.5, -1.5, 2.5, 126.5, -126.5, 127.49999, f32::MIN_POSITIVE, -0.0]) {
+        assert_eq!(round_small_ties_even(y), y.round_ties_even(), "{y}");
+    }
+}
