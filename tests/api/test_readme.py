@@ -215,11 +215,16 @@ def test_every_inline_readme_command_runs(checkout):
 def test_the_streaming_block_converts_and_chats_from_the_container(checkout):
     blocks, _ = readme()
     block = next(b for b in blocks if any(" convert " in c for c in b))
-    convert, chat = (substitute(c) for c in block)
+    cmds = [substitute(c) for c in block]
+    convert, chat = cmds[0], cmds[-1]
     assert " convert " in convert and " chat " in chat, block
     shutil.rmtree(checkout / "work" / "model", ignore_errors=True)
-    out = subprocess.run(shlex.split(convert), cwd=checkout, env=user_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    assert out.returncode == 0, f"`{convert}`:\n{out.stderr[-4000:]}"
+    # convert, then what the block does between (tune), each as typed; then the chat.
+    for cmd in cmds[:-1]:
+        out = subprocess.run(shlex.split(cmd), cwd=checkout, env=user_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        assert out.returncode == 0, f"`{cmd}`:\n{out.stderr[-4000:]}"
+    if any(" tune " in c for c in cmds):
+        assert (checkout / "work" / "model" / "shimmer-tune.json").is_file(), "tune writes its choices beside the model"
     one_turn(chat, checkout, user_env(), "Who made the earth?")
 
 
