@@ -55,6 +55,13 @@ fn with_quantized<R>(xs: &[f32], n: usize, f: impl FnOnce(&QuantRows) -> R) -> R
 
 /// Work below this many multiply-adds stays on the calling thread: rayon's fan-out costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
+/// The same for one activation row on the integer path, which streams a weight byte in well
+/// under a nanosecond: below a quarter of a megabyte of weights, waking the other threads (~10 µs
+/// a fork and join here) costs about what they save. (In a profile of the demo model's decode,
+/// rayon waking and parking threads took a quarter of the samples; with this bound its 256 × 256
+/// products stay on one thread — decode medians 2,546 / 2,487 tok/s int4 / int8 against 2,428 /
+/// 2,368 with the float path's bound, within the runs' spread.)
+const QPARALLEL_MIN_WORK: usize = 1 << 18;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WeightData {
@@ -277,7 +284,7 @@ impl Matrix {
     /// `out[i] = W[first + i] · x` for a quantised activation row.
     fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
         let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
-        if parallel && out.len() * self.cols >= PARALLEL_MIN_WORK {
+        if parallel && out.len() * self.cols >= QPARALLEL_MIN_WORK {
             let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else {
@@ -385,7 +392,8 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     if n == 0 {
         return;
     }
-    let go_parallel = parallel && 2 * rows * cols * n >= PARALLEL_MIN_WORK;
+    let min_work = if n == 1 && a.integer_products() && b.integer_products() { QPARALLEL_MIN_WORK } else { PARALLEL_MIN_WORK };
+    let go_parallel = parallel && 2 * rows * cols * n >= min_work;
     match (a.integer_products(), b.integer_products()) {
         (true, true) => return with_quantized(xs, cols, |q| qmatmul_pair(a, b, q, a_out, b_out, go_parallel)),
         (false, false) => {}
