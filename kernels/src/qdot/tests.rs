@@ -130,10 +130,21 @@ fn extreme_scales_zero_rows_and_the_most_negative_int8_agree_across_isas() {
     every_isa_agrees("int4 near-max scales", &WeightRow::Int4 { packed: &packed, scales: &big_scales, group: 32, n }, &acts);
     let zero_scales = vec![0.0; n.div_ceil(64)];
     every_isa_agrees("int4 zero scales", &WeightRow::Int4 { packed: &packed, scales: &zero_scales, group: 64, n }, &acts);
-    for e in [0u8, 1, 127, 200, 254] {
+    for e in [0u8, 1, 2, 127, 200, 254] {
         let sc = vec![e; n.div_ceil(32)];
         every_isa_agrees(&format!("mxfp4 e={e}"), &WeightRow::Mxfp4 { packed: &packed, scales: &sc, n }, &acts);
     }
+    // e = 255 is e8m0's NaN (refused on load): the result is NaN on every ISA, never a number.
+    let mut sc = (0..n.div_ceil(32)).map(|b| [3u8, 130, 77][b % 3]).collect::<Vec<u8>>();
+    sc[5] = 255;
+    for isa in IntIsa::all_available() {
+        assert!(qdots_rows_with::<1, 1>(isa, [&WeightRow::Mxfp4 { packed: &packed, scales: &sc, n }], [&acts[0]])[0][0].is_nan(), "{isa:?}");
+    }
+    every_isa_agrees(
+        "mxfp4 mixed e",
+        &WeightRow::Mxfp4 { packed: &packed, scales: &sc[..5].iter().chain(&sc[6..]).chain([&9u8]).copied().collect::<Vec<u8>>(), n },
+        &acts,
+    );
 }
 
 #[test]

@@ -44,6 +44,17 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
             _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*s), _mm512_set1_ps(*s.add(1)))
         }
         Fmt::Int4 { group: 128 } => _mm512_set1_ps(*(row.scales as *const f32).add(c)),
+        Fmt::Mxfp4 => {
+            // `half_e8m0` of the chunk's four e8m0 bytes at once: (e − 1) << 23, the subnormal
+            // 1 << (21 + e) for e ≤ 1, NaN for 255.
+            let e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((row.scales.add(4 * c) as *const i32).read_unaligned()));
+            let normal = _mm_slli_epi32::<23>(_mm_sub_epi32(e, _mm_set1_epi32(1)));
+            let subnormal = _mm_sllv_epi32(_mm_set1_epi32(1), _mm_add_epi32(e, _mm_set1_epi32(21)));
+            let bits = _mm_blendv_epi8(normal, subnormal, _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
+            let bits = _mm_blendv_epi8(bits, _mm_set1_epi32(f32::NAN.to_bits() as i32), _mm_cmpeq_epi32(e, _mm_set1_epi32(255)));
+            let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(bits)))
+        }
         _ => {
             let b = 4 * c;
             per_block_512([row.factor(fmt, b), row.factor(fmt, b + 1), row.factor(fmt, b + 2), row.factor(fmt, b + 3)])
@@ -362,10 +373,24 @@ unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut
         o[n + i..n + i + 4].copy_from_slice(&b);
         i += 4;
     }
-    while i < n {
-        let [a, b] = core512::<2, 1>(fmt, ws, cols, [&xs[i]]);
-        (o[i], o[n + i]) = (a[0], b[0]);
-        i += 1;
+    // What is left (one to three rows) in one pass too: a batch's experts often get two or three
+    // rows each, and every pass decodes the weights again.
+    match n - i {
+        3 => {
+            let [a, b] = core512::<2, 3>(fmt, ws, cols, [&xs[i], &xs[i + 1], &xs[i + 2]]);
+            o[i..i + 3].copy_from_slice(&a);
+            o[n + i..n + i + 3].copy_from_slice(&b);
+        }
+        2 => {
+            let [a, b] = core512::<2, 2>(fmt, ws, cols, [&xs[i], &xs[i + 1]]);
+            o[i..i + 2].copy_from_slice(&a);
+            o[n + i..n + i + 2].copy_from_slice(&b);
+        }
+        1 => {
+            let [a, b] = core512::<2, 1>(fmt, ws, cols, [&xs[i]]);
+            (o[i], o[n + i]) = (a[0], b[0]);
+        }
+        _ => {}
     }
 }
 
@@ -380,8 +405,15 @@ pub(super) unsafe fn qmatmul_t_avx512vnni(w: &QMatrix<'_>, xs: &[QRow<'_>], firs
         r += 2;
     }
     if r < rows {
-        for (i, x) in xs.iter().enumerate() {
-            out[r * n + i] = core512::<1, 1>(fmt, [w.raw(first + r)], cols, [x])[0][0];
+        // The odd last row, four activation rows a pass.
+        let (row, o) = (w.raw(first + r), &mut out[r * n..(r + 1) * n]);
+        let mut i = 0;
+        while i + 4 <= n {
+            o[i..i + 4].copy_from_slice(&core512::<1, 4>(fmt, [row], cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]])[0]);
+            i += 4;
+        }
+        for (slot, x) in o[i..].iter_mut().zip(&xs[i..]) {
+            *slot = core512::<1, 1>(fmt, [row], cols, [x])[0][0];
         }
     }
 }
