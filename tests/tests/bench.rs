@@ -81,6 +81,7 @@ fn tune_writes_choices_the_other_verbs_read_under_their_flags() {
     let o = shimmer(&["tune", "--model", c.to_str().unwrap(), "--gen-tokens", "2", "--disk-probe-mb", "1", "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let printed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(!c.join("shimmer-usage.json").exists(), "tune writes nothing but its own file");
     let path = c.join("shimmer-tune.json");
     let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     assert_eq!(printed, written);

@@ -59,7 +59,8 @@ pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
     if candidates.last() != Some(&cores) {
         candidates.push(cores);
     }
-    let opts = ExpertOptions { ram: ram_gb.map(RamBudget::Gb), ..ExpertOptions::default() };
+    // No routing heat learned or written: tune writes nothing but its file.
+    let opts = ExpertOptions { ram: ram_gb.map(RamBudget::Gb), usage: UsageFile::Off, ..ExpertOptions::default() };
     let bench = crate::bench::BenchOptions { prompt_tokens: 16, gen_tokens: a.gen_tokens, probe_mb: 1, text: None, preload: true, parallel: 0 };
     let mut by_threads = Vec::new();
     for &t in &candidates {
