@@ -23,11 +23,16 @@ fn byte_mask(len: usize) -> u64 {
     }
 }
 
-/// Lane `L` of a 4-bit half (`L = 4·kb + j`) takes block `kb`'s factor.
+/// Four block factors spread over a 4-bit half's lanes: lane `L = 4·kb + j` takes block `kb`'s.
+#[inline(always)]
+unsafe fn spread4(f: __m128) -> __m512 {
+    let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f))
+}
+
 #[inline(always)]
 unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
-    let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(f[0], f[1], f[2], f[3])))
+    spread4(_mm_setr_ps(f[0], f[1], f[2], f[3]))
 }
 
 /// The four weight factors of chunk `c` as `per_block_512` lays them out, without scalar code
@@ -35,10 +40,7 @@ unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
 #[inline(always)]
 unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
     match fmt {
-        Fmt::Int4 { group: 32 } => {
-            let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-            _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps((row.scales as *const f32).add(4 * c))))
-        }
+        Fmt::Int4 { group: 32 } => spread4(_mm_loadu_ps((row.scales as *const f32).add(4 * c))),
         Fmt::Int4 { group: 64 } => {
             let s = (row.scales as *const f32).add(2 * c);
             _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*s), _mm512_set1_ps(*s.add(1)))
@@ -52,8 +54,7 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
             let subnormal = _mm_sllv_epi32(_mm_set1_epi32(1), _mm_add_epi32(e, _mm_set1_epi32(21)));
             let bits = _mm_blendv_epi8(normal, subnormal, _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
             let bits = _mm_blendv_epi8(bits, _mm_set1_epi32(f32::NAN.to_bits() as i32), _mm_cmpeq_epi32(e, _mm_set1_epi32(255)));
-            let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-            _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(bits)))
+            spread4(_mm_castsi128_ps(bits))
         }
         _ => {
             let b = 4 * c;
