@@ -190,19 +190,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     if Container::is_container(dir) {
         let c = Container::open(dir, &engine.spec)?;
         format = c.manifest.expert_quant.clone();
-        let mut blobs: Vec<(u64, u64)> = c.manifest.blobs.iter().map(|b| (b.offset, b.length)).collect();
-        // A fixed shuffle: no readahead-friendly order.
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        for i in (1..blobs.len()).rev() {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            blobs.swap(i, (s >> 33) as usize % (i + 1));
-        }
-        let budget = bench.probe_mb * 1_000_000;
-        let mut taken = 0;
-        blobs.retain(|b| {
-            taken += b.1;
-            taken <= budget.max(b.1)
-        });
+        let blobs = shimmer_store::probe::shuffled_within(c.manifest.blobs.iter().map(|b| (b.offset, b.length)).collect(), bench.probe_mb * 1_000_000);
         let experts = c.experts_path();
         let probe = |depth: usize, reads: &[(u64, u64)]| {
             shimmer_store::probe::read_bandwidth(&experts, reads, depth, true)

@@ -373,12 +373,7 @@ fn disk(dir: &Path, bytes: u64) -> DiskReport {
         report.error = Some(format!("cannot write a probe file: {e}"));
         return report;
     }
-    let mut reads: Vec<(u64, u64)> = (0..blocks).map(|b| (b * READ_BYTES, READ_BYTES)).collect();
-    let mut s = 0x9e37_79b9_7f4a_7c15u64;
-    for i in (1..reads.len()).rev() {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        reads.swap(i, (s >> 33) as usize % (i + 1));
-    }
+    let reads = shimmer_store::probe::shuffled_within((0..blocks).map(|b| (b * READ_BYTES, READ_BYTES)).collect(), u64::MAX);
     report.direct_io = shimmer_store::uncached::open(&path, true).is_ok() && shimmer_store::probe::read_bandwidth(&path, &reads[..1], 1, true).is_ok();
     if !report.direct_io {
         report.error = Some("reads bypassing the page cache are refused here, so what follows is the page cache, not the disk".to_string());

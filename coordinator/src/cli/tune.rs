@@ -76,18 +76,8 @@ pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
     let threads = by_threads.iter().find(|b| b.1 >= 0.97 * best).map(|b| b.0);
 
     let mut by_depth = Vec::new();
-    if let Some((path, mut blobs)) = model.expert_blobs() {
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        for i in (1..blobs.len()).rev() {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            blobs.swap(i, (s >> 33) as usize % (i + 1));
-        }
-        let budget = a.disk_probe_mb * 1_000_000;
-        let mut taken = 0;
-        blobs.retain(|b| {
-            taken += b.1;
-            taken <= budget.max(b.1)
-        });
+    if let Some((path, blobs)) = model.expert_blobs() {
+        let blobs = shimmer_store::probe::shuffled_within(blobs, a.disk_probe_mb * 1_000_000);
         let direct = shimmer_store::probe::read_bandwidth(&path, &blobs[..blobs.len().min(1)], 1, true).is_ok();
         for depth in DEPTHS {
             let gbs = shimmer_store::probe::read_bandwidth(&path, &blobs, depth, direct).with_context(|| format!("cannot read {}", path.display()))?;

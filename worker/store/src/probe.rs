@@ -33,3 +33,34 @@ pub fn read_bandwidth(path: &Path, reads: &[(u64, u64)], depth: usize, direct: b
     })?;
     Ok(total as f64 / t0.elapsed().as_secs_f64().max(1e-9))
 }
+
+/// `reads` in a fixed shuffled order (nothing a readahead could follow), cut to the first that
+/// together stay within `budget` bytes (at least one): the sample every bandwidth probe reads.
+pub fn shuffled_within(mut reads: Vec<(u64, u64)>, budget: u64) -> Vec<(u64, u64)> {
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..reads.len()).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        reads.swap(i, (s >> 33) as usize % (i + 1));
+    }
+    let mut taken = 0u64;
+    reads.retain(|r| {
+        taken = taken.saturating_add(r.1);
+        taken <= budget.max(r.1)
+    });
+    reads
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_sample_is_a_shuffled_prefix_within_the_budget() {
+        let reads: Vec<(u64, u64)> = (0..100).map(|i| (i * 4096, 4096)).collect();
+        let all = super::shuffled_within(reads.clone(), u64::MAX);
+        assert_ne!(all, reads, "shuffled");
+        let mut sorted = all.clone();
+        sorted.sort();
+        assert_eq!(sorted, reads, "a permutation");
+        assert_eq!(super::shuffled_within(reads.clone(), 10 * 4096), all[..10]);
+        assert_eq!(super::shuffled_within(reads, 1).len(), 1, "at least one");
+    }
+}
