@@ -89,8 +89,10 @@ pub struct QRow<'a> {
     /// `q` in the 4-bit layout: per chunk, the 64 even elements then the 64 odd ones.
     split: &'a [i8],
     /// Per 4-bit lane (32 a chunk: the even half's 16, then the odd half's), `−8 · Σ q` and
-    /// `−12 · Σ q` over its four elements.
+    /// `−12 · Σ q` over its four elements (for `vpdpbusd`/`pmaddubsw`; NEON multiplies signed).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     neg8: &'a [i32],
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     neg12: &'a [i32],
     /// `d_b`, `padded / 32` values.
     scales: &'a [f32],
@@ -241,6 +243,7 @@ pub(crate) const E2M1_TWICE: [i8; 16] = {
 /// `2 · e2m1 + 12` by nibble: MXFP4's integers offset to unsigned (0..=24), for `vpdpbusd` and
 /// `pmaddubsw`, whose unsigned side the weights then are (the offset is taken back with the
 /// activations' `neg12`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const E2M1_TWICE_PLUS12: [u8; 16] = {
     let mut t = [0u8; 16];
     let mut i = 0;
@@ -370,8 +373,9 @@ impl<'a> QMatrix<'a> {
         }
     }
 
-    /// Row `r`'s raw parts (`r < rows`, which the callers check once per call).
+    /// Row `r`'s raw parts (`r < rows`, which the callers check once per call): the x86 row loops.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) unsafe fn raw(&self, r: usize) -> RawRow {
         let scale = if self.fmt == Fmt::Int8 { *self.int8_scales.add(r) } else { 1.0 };
         RawRow { data: self.data.add(r * self.row_bytes), scales: self.scales.wrapping_add(r * self.row_scale_bytes), scale }
