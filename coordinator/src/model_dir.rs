@@ -21,7 +21,7 @@ use shimmer_store::{ExpertStore, Source, StoreOptions};
 use crate::engine::{EngineError, ExpertOptions, RamBudget, UsageFile};
 
 /// Bytes kept free for everything else when the RAM budget is `auto`.
-const AUTO_RESERVE_BYTES: u64 = 1 << 30;
+pub(crate) const AUTO_RESERVE_BYTES: u64 = 1 << 30;
 
 enum Kind {
     Container(Box<Container>),

@@ -44,10 +44,11 @@ thread_local! {
     static QUANT_SCRATCH: Cell<QuantRows> = Cell::new(QuantRows::default());
 }
 
-/// `f` over `xs` (rows of `n`) quantised, without allocating once this thread has warmed up.
-fn with_quantized<R>(xs: &[f32], n: usize, f: impl FnOnce(&QuantRows) -> R) -> R {
+/// `f` over `xs` (rows of `n`) quantised — with the 4-bit layout when `nibbles` — without
+/// allocating once this thread has warmed up.
+fn with_quantized<R>(xs: &[f32], n: usize, nibbles: bool, f: impl FnOnce(&QuantRows) -> R) -> R {
     let mut q = QUANT_SCRATCH.with(|c| c.take());
-    q.quantize(xs, n);
+    q.quantize_for(xs, n, nibbles);
     let r = f(&q);
     QUANT_SCRATCH.with(|c| c.set(q));
     r
@@ -252,7 +253,7 @@ impl Matrix {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(out.len(), self.rows, "matvec output length");
         if self.integer_products() {
-            return with_quantized(x, self.cols, |q| self.qmatvec(&q.row(0), 0, out, parallel));
+            return with_quantized(x, self.cols, self.nibbles(), |q| self.qmatvec(&q.row(0), 0, out, parallel));
         }
         if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
             let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
@@ -266,6 +267,11 @@ impl Matrix {
                 *slot = self.dot_row(r, x);
             }
         }
+    }
+
+    /// Whether the integer path reads this matrix's weights as nibbles (int4, MXFP4).
+    fn nibbles(&self) -> bool {
+        self.qmatrix().is_some_and(|w| w.nibbles())
     }
 
     /// The integer path's view of this matrix's rows (int8, int4 of whole-block groups, MXFP4).
@@ -297,7 +303,7 @@ impl Matrix {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(out.len(), rows.len(), "matvec output length");
         if self.integer_products() {
-            return with_quantized(x, self.cols, |q| self.qmatvec(&q.row(0), rows.start, out, false));
+            return with_quantized(x, self.cols, self.nibbles(), |q| self.qmatvec(&q.row(0), rows.start, out, false));
         }
         for (slot, r) in out.iter_mut().zip(rows) {
             *slot = self.dot_row(r, x);
@@ -323,7 +329,7 @@ impl Matrix {
             return;
         }
         if self.integer_products() {
-            return with_quantized(xs, self.cols, |q| self.qmatmul(q, out, parallel));
+            return with_quantized(xs, self.cols, self.nibbles(), |q| self.qmatmul(q, out, parallel));
         }
         let x_rows: Vec<&[f32]> = xs.chunks_exact(self.cols).collect();
         // Transposed result (weight row major), filled in parallel over weight rows.
@@ -395,7 +401,7 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     let min_work = if n == 1 && a.integer_products() && b.integer_products() { QPARALLEL_MIN_WORK } else { PARALLEL_MIN_WORK };
     let go_parallel = parallel && 2 * rows * cols * n >= min_work;
     match (a.integer_products(), b.integer_products()) {
-        (true, true) => return with_quantized(xs, cols, |q| qmatmul_pair(a, b, q, a_out, b_out, go_parallel)),
+        (true, true) => return with_quantized(xs, cols, a.nibbles() || b.nibbles(), |q| qmatmul_pair(a, b, q, a_out, b_out, go_parallel)),
         (false, false) => {}
         _ => {
             // One of each kind: two products (the same bits as each alone).
@@ -453,9 +459,21 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
 /// `matmul_pair` for integer products.
 fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out: &mut [f32], parallel: bool) {
     let (rows, n) = (a.rows, q.rows());
+    let (Some(qa), Some(qb)) = (a.qmatrix(), b.qmatrix()) else { unreachable!("integer products are taken for integer formats only") };
+    if qa.fmt != qb.fmt {
+        // Two formats (nothing converts so, but nothing forbids it): each its own product, the
+        // same bits as together.
+        if n == 1 {
+            a.qmatvec(&q.row(0), 0, a_out, parallel);
+            b.qmatvec(&q.row(0), 0, b_out, parallel);
+        } else {
+            a.qmatmul(q, a_out, parallel);
+            b.qmatmul(q, b_out, parallel);
+        }
+        return;
+    }
     if n == 1 {
         let x = q.row(0);
-        let (Some(qa), Some(qb)) = (a.qmatrix(), b.qmatrix()) else { unreachable!("integer products are taken for integer formats only") };
         if parallel {
             a_out.par_chunks_mut(16).zip(b_out.par_chunks_mut(16)).enumerate().for_each(|(c, (oa, ob))| qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob));
         } else {
@@ -464,7 +482,6 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
         return;
     }
     let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
-    let (Some(qa), Some(qb)) = (a.qmatrix(), b.qmatrix()) else { unreachable!("integer products are taken for integer formats only") };
     // Per weight row, A's n results then B's.
     let mut t = vec![0.0f32; rows * 2 * n];
     if parallel {
@@ -664,6 +681,11 @@ mod tests {
                     Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(wb, rows, cols)),
                 ),
                 (Matrix::from_f32(rows, cols, wa.to_vec()), Matrix::from_quant(shimmer_common::quant::quantize_int8(wb, rows, cols))),
+                // Two integer formats in one pair.
+                (
+                    Matrix::from_quant(shimmer_common::quant::quantize_int4(wa, rows, cols, 64)),
+                    Matrix::from_quant(shimmer_common::quant::quantize_int8(wb, rows, cols)),
+                ),
             ] {
                 let (mut pa, mut pb, mut sa, mut sb) = (vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows], vec![0.0; n * rows]);
                 for parallel in [false, true] {

@@ -117,6 +117,12 @@ impl QRow<'_> {
         (self.biased[i] ^ 0x80) as i8
     }
 
+    /// Whether the row carries the 4-bit layout (`quantize_for` with `nibbles`), which int4 and
+    /// MXFP4 products read.
+    pub fn has_nibbles(&self) -> bool {
+        self.split.len() == self.biased.len()
+    }
+
     /// The scale `d_b` of block `b`.
     #[inline]
     pub fn scale(&self, b: usize) -> f32 {
@@ -125,8 +131,15 @@ impl QRow<'_> {
 }
 
 impl QuantRows {
-    /// `xs` (whole rows of `n` values) quantised, reusing this buffer's memory.
+    /// `xs` (whole rows of `n` values) quantised for every weight format, reusing this buffer's
+    /// memory.
     pub fn quantize(&mut self, xs: &[f32], n: usize) {
+        self.quantize_for(xs, n, true)
+    }
+
+    /// `quantize`, with the 4-bit layout only when `nibbles` (an int8 matrix's products do not
+    /// read it; the 4-bit paths refuse rows without it).
+    pub fn quantize_for(&mut self, xs: &[f32], n: usize, nibbles: bool) {
         let rows = xs.len().checked_div(n).unwrap_or(0);
         assert_eq!(rows * n, xs.len(), "activation input is not whole rows");
         let padded = n.div_ceil(CHUNK) * CHUNK;
@@ -143,13 +156,16 @@ impl QuantRows {
         self.scales8.clear();
         self.scales8.extend(self.scales.iter().flat_map(|d| [*d; 8]));
         self.scales4.clear();
+        self.split.clear();
+        self.neg8.clear();
+        self.neg12.clear();
+        if !nibbles {
+            return;
+        }
         self.scales4.extend(self.scales.iter().flat_map(|d| [*d; 4]));
         // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
-        self.split.clear();
         self.split.resize(rows * padded, 0);
-        self.neg8.clear();
         self.neg8.resize(rows * padded / 4, 0);
-        self.neg12.clear();
         self.neg12.resize(rows * padded / 4, 0);
         for ((chunk, split), (n8, n12)) in self
             .biased
@@ -175,15 +191,17 @@ impl QuantRows {
     pub fn row(&self, r: usize) -> QRow<'_> {
         let p = self.padded;
         let (b, q, e) = (p / QBLOCK, p / 4, p / 8);
+        // Without the 4-bit layout its slices are empty (`QRow::has_nibbles`).
+        let part = |v: usize| if self.split.is_empty() { 0..0 } else { r * v..(r + 1) * v };
         QRow {
             n: self.n,
             biased: &self.biased[r * p..(r + 1) * p],
-            split: &self.split[r * p..(r + 1) * p],
-            neg8: &self.neg8[r * q..(r + 1) * q],
-            neg12: &self.neg12[r * q..(r + 1) * q],
+            split: &self.split[part(p)],
+            neg8: &self.neg8[part(q)],
+            neg12: &self.neg12[part(q)],
             scales: &self.scales[r * b..(r + 1) * b],
             scales8: &self.scales8[r * q..(r + 1) * q],
-            scales4: &self.scales4[r * e..(r + 1) * e],
+            scales4: &self.scales4[part(e)],
         }
     }
 }
@@ -381,6 +399,20 @@ impl<'a> QMatrix<'a> {
         RawRow { data: self.data.add(r * self.row_bytes), scales: self.scales.wrapping_add(r * self.row_scale_bytes), scale }
     }
 
+    /// Every activation row is as long as a weight row and, for 4-bit weights, carries their
+    /// layout (the row loops read it through raw pointers).
+    fn check_activations(&self, xs: &[QRow<'_>]) {
+        for x in xs {
+            assert_eq!(x.n, self.cols, "activation row and weight rows differ in length");
+            assert!(self.fmt == Fmt::Int8 || x.has_nibbles(), "4-bit weights need activations quantised with their layout");
+        }
+    }
+
+    /// Whether the rows are 4-bit (their products read the activations' 4-bit layout).
+    pub fn nibbles(&self) -> bool {
+        self.fmt != Fmt::Int8
+    }
+
     /// Row `r` as the dot kernels read it.
     pub fn row(&self, r: usize) -> WeightRow<'a> {
         assert!(r < self.rows, "row {r} of {}", self.rows);
@@ -405,7 +437,7 @@ impl<'a> QMatrix<'a> {
 /// `out[i] = W[first + i] · x` for every `i`; each result is exactly `qdot_scalar`'s.
 pub fn qmatvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
     assert!(first + out.len() <= w.rows, "rows {first}..{} of {}", first + out.len(), w.rows);
-    assert_eq!(x.n, w.cols, "activation row and weight rows differ in length");
+    w.check_activations(std::slice::from_ref(x));
     match int_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int_isa` returns only what `available` confirmed; the rows are in the matrix.
@@ -431,7 +463,7 @@ pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize
     assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
     assert_eq!(a_out.len(), b_out.len(), "paired outputs differ in length");
     assert!(first + a_out.len() <= a.rows, "rows {first}..{} of {}", first + a_out.len(), a.rows);
-    assert_eq!(x.n, a.cols, "activation row and weight rows differ in length");
+    a.check_activations(std::slice::from_ref(x));
     match int_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
@@ -454,7 +486,7 @@ pub fn qmatmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]
         return;
     }
     assert!(out.len().is_multiple_of(n) && first + out.len() / n <= w.rows, "rows {first}.. of {} for {} results", w.rows, out.len());
-    assert!(xs.iter().all(|x| x.n == w.cols), "activation rows and weight rows differ in length");
+    w.check_activations(xs);
     match int_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
@@ -476,7 +508,7 @@ pub fn qmatmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: 
     }
     assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
     assert!(out.len().is_multiple_of(2 * n) && first + out.len() / (2 * n) <= a.rows, "rows {first}.. of {} for {} results", a.rows, out.len());
-    assert!(xs.iter().all(|x| x.n == a.cols), "activation rows and weight rows differ in length");
+    a.check_activations(xs);
     match int_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
@@ -722,9 +754,11 @@ fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_
         assert!(is_integer(w), "the integer path takes int8, int4 and MXFP4 rows only");
         assert_eq!(w.len(), first.len(), "weight rows of one pass differ in length");
     }
+    let nibbles = !matches!(first, WeightRow::Int8 { .. });
     for x in &xs {
         // Equal, not just long enough: blocks past the weight row must not take part.
         assert_eq!(x.n, first.len(), "activation row and weight row differ in length");
+        assert!(!nibbles || x.has_nibbles(), "4-bit weights need activations quantised with their layout");
     }
     let same = ws.iter().all(|w| match (w, first) {
         (WeightRow::Int8 { .. }, WeightRow::Int8 { .. }) | (WeightRow::Mxfp4 { .. }, WeightRow::Mxfp4 { .. }) => true,

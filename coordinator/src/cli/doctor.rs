@@ -15,8 +15,8 @@ use super::*;
 
 /// The largest probe file a directory may be asked for (MB).
 const MAX_PROBE_MB: u64 = 65_536;
-/// The queue depths the disk is measured at.
-const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+/// The queue depths a disk is measured at (here and by `tune`).
+pub(super) const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
 /// One read of the disk probe (aligned for O_DIRECT).
 const READ_BYTES: u64 = 1 << 20;
 
@@ -201,14 +201,31 @@ fn read_small(path: &str) -> Option<String> {
     Some(s)
 }
 
-fn cpu() -> CpuReport {
-    let info = cpuinfo();
+/// The setting of `(setting, figure)` pairs, in the order measured, that first reaches `share`
+/// of the best figure: the fewest threads or the shallowest queue that pays.
+pub(super) fn first_within(measured: &[(usize, f64)], share: f64) -> Option<usize> {
+    let best = measured.iter().map(|m| m.1).fold(0.0f64, f64::max);
+    measured.iter().find(|m| m.1 >= share * best).map(|m| m.0)
+}
+
+/// The CPU's name as the OS gives it.
+pub(super) fn cpu_model() -> String {
+    cpu_model_of(&cpuinfo())
+}
+
+fn cpu_model_of(info: &[Vec<(String, String)>]) -> String {
     let field = |key: &str| info.iter().flat_map(|b| b.iter()).find(|(k, _)| k == key).map(|(_, v)| v.clone());
-    let model = field("model name")
+    field("model name")
         .or_else(|| field("Model"))
         .or_else(|| field("CPU part").map(|p| format!("ARM part {p}")))
         .or_else(macos_brand)
-        .unwrap_or_else(|| "unknown".to_string());
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+fn cpu() -> CpuReport {
+    let info = cpuinfo();
+    let field = |key: &str| info.iter().flat_map(|b| b.iter()).find(|(k, _)| k == key).map(|(_, v)| v.clone());
+    let model = cpu_model_of(&info);
     let mut cores: Vec<(String, String)> =
         info.iter().filter_map(|b| Some((b.iter().find(|(k, _)| k == "physical id")?.1.clone(), b.iter().find(|(k, _)| k == "core id")?.1.clone()))).collect();
     cores.sort();
@@ -387,8 +404,7 @@ fn disk(dir: &Path, bytes: u64) -> DiskReport {
             }
         }
     }
-    let best = report.gb_s_by_depth.iter().map(|d| d.1).fold(0.0f64, f64::max);
-    report.best_depth = report.gb_s_by_depth.iter().find(|d| d.1 >= 0.9 * best).map(|d| d.0);
+    report.best_depth = first_within(&report.gb_s_by_depth, 0.9);
     report
 }
 
@@ -472,4 +488,15 @@ fn advise(cpu: &CpuReport, memory: &MemoryReport, numa: &[NumaNode], disks: &[Di
         r.push("GPUs were found, but this shimmer computes on the CPU only".to_string());
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_first_setting_within_a_share_of_the_best_is_chosen() {
+        let m = [(1, 10.0), (2, 19.0), (4, 20.0), (8, 19.5)];
+        assert_eq!(super::first_within(&m, 0.9), Some(2));
+        assert_eq!(super::first_within(&m, 1.0), Some(4));
+        assert_eq!(super::first_within(&[], 0.9), None);
+    }
 }

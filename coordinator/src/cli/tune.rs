@@ -31,9 +31,6 @@ pub(super) struct TuneArgs {
     json: bool,
 }
 
-/// Queue depths the container's reads are measured at.
-const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
-
 pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
     if a.gen_tokens == 0 || a.gen_tokens > 4096 {
         bail!("--gen-tokens must be between 1 and 4096 (got {})", a.gen_tokens);
@@ -49,8 +46,7 @@ pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
     // The expert memory: nothing to choose when all experts fit beside the dense weights with a
     // reserve (a checkpoint keeps them in memory, a container's `auto` holds them all); else what
     // is available now less those (the `auto` budget, fixed at this measurement).
-    let reserve = 1u64 << 30;
-    let expert_ram = available.map(|m| m.saturating_sub(dense_bytes).saturating_sub(reserve));
+    let expert_ram = available.map(|m| m.saturating_sub(dense_bytes).saturating_sub(crate::model_dir::AUTO_RESERVE_BYTES));
     let ram_gb = expert_ram.filter(|b| *b > 0 && *b < experts_bytes).map(|b| (b as f64 / 1e9 * 1000.0).floor() / 1000.0).filter(|g| *g > 0.0);
 
     // Threads: powers of two up to the cores, and the core count itself.
@@ -72,28 +68,22 @@ pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
         by_threads.push((t, r.decode_tok_s));
     }
     // The fewest threads within 3 % of the fastest: more threads than pay only contend.
-    let best = by_threads.iter().map(|b| b.1).fold(0.0f64, f64::max);
-    let threads = by_threads.iter().find(|b| b.1 >= 0.97 * best).map(|b| b.0);
+    let threads = super::doctor::first_within(&by_threads, 0.97);
 
     let mut by_depth = Vec::new();
     if let Some((path, blobs)) = model.expert_blobs() {
         let blobs = shimmer_store::probe::shuffled_within(blobs, a.disk_probe_mb * 1_000_000);
         let direct = shimmer_store::probe::read_bandwidth(&path, &blobs[..blobs.len().min(1)], 1, true).is_ok();
-        for depth in DEPTHS {
+        for depth in super::doctor::DEPTHS {
             let gbs = shimmer_store::probe::read_bandwidth(&path, &blobs, depth, direct).with_context(|| format!("cannot read {}", path.display()))?;
             by_depth.push((depth, gbs / 1e9));
         }
     }
-    let best_disk = by_depth.iter().map(|d| d.1).fold(0.0f64, f64::max);
-    let io_depth = by_depth.iter().find(|d| d.1 >= 0.9 * best_disk).map(|d| d.0);
+    let io_depth = super::doctor::first_within(&by_depth, 0.9);
 
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim().to_string())))
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     let file = TuneFile {
         version: VERSION,
-        cpu,
+        cpu: super::doctor::cpu_model(),
         threads,
         io_depth,
         ram_gb,

@@ -281,3 +281,31 @@ fn the_quantisers_rounding_is_round_ties_even() {
         assert_eq!(round_small_ties_even(y), y.round_ties_even(), "{y}");
     }
 }
+
+/// Activations quantised without the 4-bit layout serve int8 weights with the same bits, and
+/// 4-bit weights refuse them (the row loops would read the layout through raw pointers).
+#[test]
+fn rows_without_the_4bit_layout_serve_int8_and_are_refused_by_4bit_weights() {
+    let (rows, cols) = (5usize, 300usize);
+    let w = values(rows * cols, 31, 1.0);
+    let x = values(cols, 32, 2.0);
+    let (mut full, mut lean) = (QuantRows::default(), QuantRows::default());
+    full.quantize(&x, cols);
+    lean.quantize_for(&x, cols, false);
+    assert!(full.row(0).has_nibbles() && !lean.row(0).has_nibbles());
+    let q8 = quantize_int8(&w, rows, cols);
+    let QuantMatrix::Int8 { q, scales, .. } = &q8 else { unreachable!() };
+    let m = QMatrix::int8(q, scales, rows, cols);
+    let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
+    qmatvec(&m, &full.row(0), 0, &mut a);
+    qmatvec(&m, &lean.row(0), 0, &mut b);
+    assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    let q4 = quantize_int4(&w, rows, cols, 32);
+    let QuantMatrix::Int4 { packed, scales, .. } = &q4 else { unreachable!() };
+    let m4 = QMatrix::int4(packed, scales, 32, rows, cols);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| qmatvec(&m4, &lean.row(0), 0, &mut b)));
+    assert!(refused.is_err(), "a 4-bit product took activations without their layout");
+    let row = m4.row(0);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| qdots_rows::<1, 1>([&row], [&lean.row(0)])));
+    assert!(refused.is_err());
+}
