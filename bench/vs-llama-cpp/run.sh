@@ -77,7 +77,7 @@ for model in m1b demo; do
         say "llama-batched-bench gave no result (exit $?): $(tail -n 2 "$WORK/batched.err" | tr '\n' ' ')"
       fi
       "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
-        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --parallel "$PARALLEL" --json 2>/dev/null \
+        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --warmup 1 --parallel "$PARALLEL" --json 2>/dev/null \
         | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"
     done
   done

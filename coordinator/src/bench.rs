@@ -107,6 +107,8 @@ pub struct BenchOptions {
     pub text: Option<String>,
     /// Read every expert the budget holds before timing (a resident-model benchmark).
     pub preload: bool,
+    /// Runs of the prompt and decode steps on a throwaway sequence before timing.
+    pub warmup: usize,
     /// Also decode this many sequences at once (0: not measured): llama-batched-bench's `-npl`.
     pub parallel: usize,
 }
@@ -151,6 +153,15 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let (ids, continuation) = text_ids.split_at(bench.prompt_tokens.max(1));
     if bench.preload {
         engine.preload_experts()?;
+    }
+    for _ in 0..bench.warmup {
+        // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves them;
+        // the store's counters and the routing trace start after.
+        let mut warm = engine.new_session();
+        engine.step(&mut warm, ids)?;
+        for next in continuation {
+            engine.step(&mut warm, &[*next])?;
+        }
     }
     let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
     engine.record_trace(&trace_path)?;

@@ -207,7 +207,9 @@ pub fn dots<const N: usize>(w: &WeightRow<'_>, xs: [&[f32]; N]) -> [f32; N] {
 /// result is exactly `dot(ws[m], xs[k])`.
 #[inline]
 pub fn dots_rows<const M: usize, const N: usize>(ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
-    dots_rows_with(isa(), ws, xs)
+    // `isa` returns only what `available` confirmed: no feature checks per call (they were a
+    // measurable share of a small model's decode).
+    dots_rows_unchecked_isa(isa(), ws, xs)
 }
 
 /// `dots` with a given ISA (which must be available).
@@ -217,6 +219,13 @@ pub fn dots_with<const N: usize>(isa: Isa, w: &WeightRow<'_>, xs: [&[f32]; N]) -
 
 /// `dots_rows` with a given ISA (which must be available).
 pub fn dots_rows_with<const M: usize, const N: usize>(isa: Isa, ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
+    dots_rows_unchecked_isa(isa, ws, xs)
+}
+
+/// `dots_rows_with` for an ISA known to be available.
+#[inline]
+fn dots_rows_unchecked_isa<const M: usize, const N: usize>(isa: Isa, ws: [&WeightRow<'_>; M], xs: [&[f32]; N]) -> [[f32; N]; M] {
     let Some(first) = ws.first() else { return [[0.0; N]; M] };
     for w in &ws {
         assert_eq!(w.len(), first.len(), "weight rows of one pass differ in length");
@@ -224,7 +233,6 @@ pub fn dots_rows_with<const M: usize, const N: usize>(isa: Isa, ws: [&WeightRow<
     for x in &xs {
         assert!(x.len() >= first.len(), "activation row shorter than the weight row");
     }
-    assert!(isa.available(), "{} is not available on this machine", isa.name());
     if M > 1 && !ws.iter().all(|w| w.same_format(first)) {
         // Rows stored differently cannot share a decode; each goes alone (same bits).
         let mut out = [[0.0; N]; M];

@@ -358,11 +358,7 @@ impl Matrix {
         } else {
             t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
         }
-        for (r, col) in t.chunks(n).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * self.rows + r] = *v;
-            }
-        }
+        transpose_into(&t, self.rows, n, n, out);
     }
 
     /// `matmul_on` for integer products: pairs of weight rows against groups of quantised rows.
@@ -378,9 +374,23 @@ impl Matrix {
         } else {
             qdot::qmatmul_t(&w, &acts, 0, &mut t);
         }
-        for (r, col) in t.chunks(n).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * self.rows + r] = *v;
+        transpose_into(&t, self.rows, n, n, out);
+    }
+}
+
+/// `out[i * rows + r] = t[r * stride + i]` for `i < n`, in tiles: one weight row's results at a
+/// time scattered over a prompt's rows touched a new cache line per value (a visible share of
+/// prefill).
+fn transpose_into(t: &[f32], rows: usize, n: usize, stride: usize, out: &mut [f32]) {
+    const TILE: usize = 16;
+    for r0 in (0..rows).step_by(TILE) {
+        let r1 = (r0 + TILE).min(rows);
+        for i0 in (0..n).step_by(TILE) {
+            let i1 = (i0 + TILE).min(n);
+            for i in i0..i1 {
+                for r in r0..r1 {
+                    out[i * rows + r] = t[r * stride + i];
+                }
             }
         }
     }
@@ -448,12 +458,8 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     } else {
         t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
     }
-    for (r, both) in t.chunks(2 * n).enumerate() {
-        for i in 0..n {
-            a_out[i * rows + r] = both[i];
-            b_out[i * rows + r] = both[n + i];
-        }
-    }
+    transpose_into(&t, rows, n, 2 * n, a_out);
+    transpose_into(&t[n..], rows, n, 2 * n, b_out);
 }
 
 /// `matmul_pair` for integer products.
@@ -490,12 +496,8 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     } else {
         qdot::qmatmul_pair_t(&qa, &qb, &acts, 0, &mut t);
     }
-    for (r, both) in t.chunks(2 * n).enumerate() {
-        for i in 0..n {
-            a_out[i * rows + r] = both[i];
-            b_out[i * rows + r] = both[n + i];
-        }
-    }
+    transpose_into(&t, rows, n, 2 * n, a_out);
+    transpose_into(&t[n..], rows, n, 2 * n, b_out);
 }
 
 #[inline]

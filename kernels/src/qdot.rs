@@ -209,6 +209,19 @@ impl QuantRows {
 /// One row quantised into `biased` (`q + 128`, at least `x.len()` rounded up to 32 bytes,
 /// already holding 128 in its padding) and `scales` (one per block).
 fn quantize_row(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::isa() == crate::dot::Isa::Avx512 {
+        // SAFETY: `isa` returns AVX-512 (F and BW) only where the machine has it; the slices
+        // are as `quantize_row_scalar` takes them.
+        return unsafe { x86::quantize_row_avx512(x, biased, scales) };
+    }
+    quantize_row_scalar(x, biased, scales)
+}
+
+/// The quantiser's definition: per block of `QBLOCK`, `d = amax / 127` and `q = round(x · 127 /
+/// amax)` ties to even; a block with a NaN or infinity gets a NaN scale and zeros. Every vector
+/// version gives these bits.
+pub(crate) fn quantize_row_scalar(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
     for (b, block) in x.chunks(QBLOCK).enumerate() {
         let finite = block.iter().all(|v| v.is_finite());
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -232,9 +245,10 @@ fn quantize_row(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
 /// additions, where `round_ties_even` is a call into libm on a baseline x86-64 build.
 #[inline(always)]
 fn round_small_ties_even(y: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
-    (y + MAGIC) - MAGIC
+    (y + ROUND_MAGIC) - ROUND_MAGIC
 }
+
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
 
 /// Whether the integer path takes this row: int8, MXFP4, and int4 whose groups are whole blocks.
 pub fn is_integer(w: &WeightRow<'_>) -> bool {

@@ -19,6 +19,10 @@ pub(super) struct BenchArgs {
     /// llama-bench does after its warm-up).
     #[arg(long)]
     pub(super) preload: bool,
+    /// Run the prompt and the decode steps this many times on a throwaway sequence before timing
+    /// (llama-bench's warm-up run); 0 keeps a streaming run cold. At most 16.
+    #[arg(long, default_value_t = 0)]
+    pub(super) warmup: usize,
     /// How much of the experts file the disk-bandwidth probe reads (MB, 10^6 bytes).
     #[arg(long, default_value_t = 1024)]
     pub(super) disk_probe_mb: u64,
@@ -37,6 +41,9 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     if a.parallel > 256 {
         bail!("--parallel must be at most 256 sequences (got {})", a.parallel);
     }
+    if a.warmup > 16 {
+        bail!("--warmup must be at most 16 runs (got {})", a.warmup);
+    }
     let dir = model_dir(&a.model)?;
     let store = a.store.options(&dir)?;
     let text = match &a.text {
@@ -52,6 +59,7 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
             probe_mb: a.disk_probe_mb,
             text,
             preload: a.preload,
+            warmup: a.warmup,
             parallel: a.parallel,
         },
     )?;

@@ -309,3 +309,49 @@ fn rows_without_the_4bit_layout_serve_int8_and_are_refused_by_4bit_weights() {
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| qdots_rows::<1, 1>([&row], [&lean.row(0)])));
     assert!(refused.is_err());
 }
+
+/// The vector quantiser gives the scalar definition's bytes and scales: rows of every length
+/// around a block, values of every magnitude, blocks with a NaN or an infinity, all-zero blocks,
+/// and blocks so small that 127 / amax overflows (0 · ∞ is NaN there, which becomes 0).
+#[test]
+fn the_vector_quantiser_gives_the_scalar_bits() {
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    for len in [1usize, 15, 16, 17, 31, 32, 33, 64, 100, 257] {
+        rows.push(values(len, len as u64, 3.0));
+        rows.push(values(len, 99 + len as u64, 1e-30));
+        rows.push(vec![0.0; len]);
+    }
+    let mut odd = values(96, 5, 2.0);
+    (odd[3], odd[40], odd[70]) = (f32::NAN, f32::INFINITY, f32::NEG_INFINITY);
+    rows.push(odd);
+    let mut tiny = vec![0.0f32; 40];
+    (tiny[1], tiny[33]) = (f32::from_bits(1), -f32::from_bits(3)); // subnormal amax: 127/amax = ∞
+    tiny[5] = 1e-38;
+    rows.push(tiny);
+    let mut s = 3u64;
+    rows.push(
+        (0..512)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                f32::from_bits((s >> 32) as u32) // any bit pattern: NaNs, infinities, subnormals
+            })
+            .collect(),
+    );
+    for x in &rows {
+        let blocks = x.len().div_ceil(QBLOCK);
+        let (mut want_q, mut want_d) = (vec![0x80u8; blocks * QBLOCK], vec![0.0f32; blocks]);
+        quantize_row_scalar(x, &mut want_q, &mut want_d);
+        let (mut q, mut d) = (vec![0x80u8; blocks * QBLOCK], vec![0.0f32; blocks]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::Isa::Avx512.available() {
+            // SAFETY: the machine has AVX-512 F and BW (checked just above).
+            unsafe { super::x86::quantize_row_avx512(x, &mut q, &mut d) };
+        } else {
+            quantize_row(x, &mut q, &mut d);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        quantize_row(x, &mut q, &mut d);
+        assert_eq!(q, want_q, "bytes, row of {}", x.len());
+        assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "scales, row of {}", x.len());
+    }
+}

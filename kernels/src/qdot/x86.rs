@@ -428,3 +428,55 @@ pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>,
         tile2(fmt, [a.raw(first + r), b.raw(first + r)], cols, xs, o);
     }
 }
+
+/// `quantize_row_scalar`'s bits, a block of 32 at a time: the finite check and the absolute
+/// maximum on the values' bit patterns (for finite non-negative floats the integer order is the
+/// float order, so the maximum is exact), then the same multiply, magic-number rounding and clamp
+/// as IEEE single operations.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn quantize_row_avx512(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
+    let abs_mask = _mm512_set1_epi32(0x7FFF_FFFF);
+    let inf_bits = _mm512_set1_epi32(0x7F80_0000);
+    let magic = _mm512_set1_ps(super::ROUND_MAGIC);
+    let (lo_q, hi_q) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let flip = _mm_set1_epi8(0x80u8 as i8);
+    for (b, block) in x.chunks(super::QBLOCK).enumerate() {
+        let len = block.len();
+        let m0: __mmask16 = if len >= 16 { 0xFFFF } else { (1u16 << len) - 1 };
+        let m1: __mmask16 = if len >= 32 {
+            0xFFFF
+        } else if len > 16 {
+            (1u16 << (len - 16)) - 1
+        } else {
+            0
+        };
+        // SAFETY: masked loads read only the block's own elements.
+        let v0 = _mm512_maskz_loadu_ps(m0, block.as_ptr());
+        let v1 = _mm512_maskz_loadu_ps(m1, block.as_ptr().wrapping_add(16));
+        let a0 = _mm512_and_si512(_mm512_castps_si512(v0), abs_mask);
+        let a1 = _mm512_and_si512(_mm512_castps_si512(v1), abs_mask);
+        let out = &mut biased[b * super::QBLOCK..b * super::QBLOCK + len];
+        if _mm512_cmpge_epi32_mask(a0, inf_bits) | _mm512_cmpge_epi32_mask(a1, inf_bits) != 0 {
+            scales[b] = f32::NAN;
+            out.fill(0x80);
+            continue;
+        }
+        let amax = f32::from_bits(_mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1)));
+        scales[b] = amax / 127.0;
+        let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+        let q = |v: __m512| {
+            let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, inv), magic), magic);
+            // NaN (0 · ∞, when 127 / amax overflows) passes through min and max with the NaN
+            // second, converts to 0x8000_0000 and truncates to the byte 0 — the scalar's `NaN as
+            // i8`.
+            _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(lo_q, _mm512_min_ps(hi_q, r)))), flip)
+        };
+        let mut bytes = [0u8; 32];
+        _mm_storeu_si128(bytes.as_mut_ptr().cast(), q(v0));
+        _mm_storeu_si128(bytes.as_mut_ptr().wrapping_add(16).cast(), q(v1));
+        out.copy_from_slice(&bytes[..len]);
+    }
+}
