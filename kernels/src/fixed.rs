@@ -31,6 +31,16 @@ pub fn accumulate(acc: &mut [i64], y: &[f32]) -> Result<(), FixedPointOverflow> 
 /// `accumulate(acc, y · w)`: the product formed in f32 element by element, as the caller of
 /// `accumulate` would, without a buffer for it.
 pub fn accumulate_weighted(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::isa() == crate::dot::Isa::Avx512 && std::is_x86_feature_detected!("avx512dq") {
+        // SAFETY: AVX-512 F, BW (`isa`) and DQ (checked) are present.
+        return unsafe { accumulate_weighted_avx512(acc, y, w) };
+    }
+    accumulate_weighted_scalar(acc, y, w)
+}
+
+/// `accumulate_weighted`'s definition; the vector version gives its bits and its errors.
+pub fn accumulate_weighted_scalar(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
     for (a, v) in acc.iter_mut().zip(y) {
         let weighted = v * w;
         let f = weighted as f64;
@@ -41,6 +51,42 @@ pub fn accumulate_weighted(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), Fix
         *a = a.wrapping_add(round_half_away(f * FIXED_SCALE));
     }
     Ok(())
+}
+
+/// `accumulate_weighted_scalar`, eight values at a time: the same f32 product, widening, range
+/// check, scaling and ties-away rounding (truncate, compare the exact remainder with ±0.5) in
+/// 64-bit lanes. A group of eight with a value out of range is left to the scalar loop, which
+/// adds the values before it and reports the same one.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and DQ.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+unsafe fn accumulate_weighted_avx512(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
+    use std::arch::x86_64::*;
+    let n = acc.len().min(y.len());
+    let (wv, scale, limit) = (_mm256_set1_ps(w), _mm512_set1_pd(FIXED_SCALE), _mm512_set1_pd(LIMIT));
+    let (half, neg_half, one) = (_mm512_set1_pd(0.5), _mm512_set1_pd(-0.5), _mm512_set1_epi64(1));
+    let abs_mask = _mm512_castsi512_pd(_mm512_set1_epi64(i64::MAX));
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, within both slices.
+        let f = _mm512_cvtps_pd(_mm256_mul_ps(_mm256_loadu_ps(y.as_ptr().add(i)), wv));
+        // Ordered less-than: NaN fails it, as in the scalar test.
+        if _mm512_cmp_pd_mask::<_CMP_LT_OQ>(_mm512_and_pd(f, abs_mask), limit) != 0xFF {
+            return accumulate_weighted_scalar(&mut acc[i..n], &y[i..n], w);
+        }
+        let x = _mm512_mul_pd(f, scale);
+        let t = _mm512_cvttpd_epi64(x);
+        let frac = _mm512_sub_pd(x, _mm512_cvtepi64_pd(t));
+        let up = _mm512_cmp_pd_mask::<_CMP_GE_OQ>(frac, half);
+        let down = _mm512_cmp_pd_mask::<_CMP_LE_OQ>(frac, neg_half);
+        let r = _mm512_mask_sub_epi64(_mm512_mask_add_epi64(t, up, t, one), down, t, one);
+        let a = acc.as_mut_ptr().add(i).cast::<__m512i>();
+        _mm512_storeu_si512(a, _mm512_add_epi64(_mm512_loadu_si512(a), r));
+        i += 8;
+    }
+    accumulate_weighted_scalar(&mut acc[i..n], &y[i..n], w)
 }
 
 /// `x.round() as i64` for |x| < 2^63 — ties away from zero — without `round`, which a baseline
@@ -77,6 +123,46 @@ pub fn to_f32(acc: &[i64], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vector sum gives the scalar one's bits, and on a value out of range the same error
+    /// and the same partial sums.
+    #[test]
+    fn the_vector_sum_gives_the_scalar_bits_and_errors() {
+        let mut s = 11u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for len in [0usize, 1, 7, 8, 9, 31, 256, 1000] {
+            for scale in [1e-12f32, 0.5, 3.0, 1e6, 1e9] {
+                let y: Vec<f32> = (0..len).map(|_| ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale).collect();
+                let start: Vec<i64> = (0..len).map(|_| (next() >> 8) as i64 - (1 << 55)).collect();
+                for w in [0.25f32, -0.731, 1.0] {
+                    let (mut a, mut b) = (start.clone(), start.clone());
+                    let ra = accumulate_weighted(&mut a, &y, w);
+                    let rb = accumulate_weighted_scalar(&mut b, &y, w);
+                    assert_eq!(ra, rb, "len {len} scale {scale}");
+                    assert_eq!(a, b, "len {len} scale {scale} w {w}");
+                }
+            }
+        }
+        // Exact ties after scaling (k + 0.5 units), both signs.
+        let y: Vec<f32> = (0..64).map(|k| (k as f32 - 32.0 + 0.5) / FIXED_SCALE as f32).collect();
+        let (mut a, mut b) = (vec![0i64; 64], vec![0i64; 64]);
+        assert_eq!(accumulate_weighted(&mut a, &y, 1.0), accumulate_weighted_scalar(&mut b, &y, 1.0));
+        assert_eq!(a, b);
+        for bad in [f32::NAN, f32::INFINITY, 3e9] {
+            let mut y: Vec<f32> = (0..40).map(|k| k as f32 * 0.1).collect();
+            y[21] = bad;
+            let (mut a, mut b) = (vec![5i64; 40], vec![5i64; 40]);
+            let (ra, rb) = (accumulate_weighted(&mut a, &y, 1.0), accumulate_weighted_scalar(&mut b, &y, 1.0));
+            assert!(ra.is_err());
+            assert_eq!(format!("{ra:?}"), format!("{rb:?}"));
+            assert_eq!(a, b, "partial sums before {bad}");
+        }
+    }
 
     #[test]
     fn rounding_matches_round_ties_away_everywhere_the_sum_reaches() {

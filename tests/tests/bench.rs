@@ -52,6 +52,8 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
         "--ram-gb",
         "1",
         "--preload",
+        "--warmup",
+        "1",
         "--threads",
         "1",
         "--prompt-tokens",
@@ -67,6 +69,10 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     assert_eq!(r["decode_hit_rate"], 1.0);
     assert_eq!(r["machine"]["threads"], 1);
     assert!(r["roofline_tok_s"].as_f64().unwrap() > 0.0 && r["active_bytes_per_token"].as_u64().unwrap() > 0);
+    // A warm-up is bounded before anything runs.
+    let o = shimmer(&["bench", "--model", c.to_str().unwrap(), "--warmup", "17", "--gen-tokens", "1"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--warmup must be at most 16"), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// `shimmer tune` measures every thread count up to the cores and the container's reads at every
