@@ -64,6 +64,11 @@ const PARALLEL_MIN_WORK: usize = 1 << 16;
 /// 2,368 with the float path's bound, within the runs' spread.)
 const QPARALLEL_MIN_WORK: usize = 1 << 18;
 
+/// Weights from which a one-row product is split over an active team (`team.rs`): its threads
+/// are awake and take a chunk in well under a microsecond, so products of a small model's size
+/// (the demo's 256 × 256) pay too.
+const TEAM_MIN_WORK: usize = 1 << 15;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum WeightData {
     F32(Vec<f32>),
@@ -255,7 +260,14 @@ impl Matrix {
         if self.integer_products() {
             return with_quantized(x, self.cols, self.nibbles(), |q| self.qmatvec(&q.row(0), 0, out, parallel));
         }
-        if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
+        if let Some(team) = crate::team::active().filter(|_| parallel && self.rows * self.cols >= TEAM_MIN_WORK) {
+            let chunk = (self.rows / (4 * team.threads())).max(16);
+            crate::team::for_each_chunk_mut(team, out, chunk, |c, o| {
+                for (i, slot) in o.iter_mut().enumerate() {
+                    *slot = self.dot_row(c * chunk + i, x);
+                }
+            });
+        } else if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
             let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
                 for (i, slot) in o.iter_mut().enumerate() {
@@ -290,7 +302,10 @@ impl Matrix {
     /// `out[i] = W[first + i] · x` for a quantised activation row.
     fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
         let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
-        if parallel && out.len() * self.cols >= QPARALLEL_MIN_WORK {
+        if let Some(team) = crate::team::active().filter(|_| parallel && out.len() * self.cols >= TEAM_MIN_WORK) {
+            let chunk = ((out.len() / (4 * team.threads())).max(16) + 3) & !3;
+            crate::team::for_each_chunk_mut(team, out, chunk, |c, o| qdot::qmatvec(&w, x, first + c * chunk, o));
+        } else if parallel && out.len() * self.cols >= QPARALLEL_MIN_WORK {
             let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else {

@@ -357,6 +357,16 @@ impl Decoder {
         experts: &dyn ExpertDispatch,
         observer: &mut dyn MoeObserver,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        // One row (a single sequence's decode step): its products are small, so the pool's
+        // threads stay awake through the step as a team (`shimmer_kernels::team`) instead of
+        // being woken per product. Same bits either way.
+        if segments.iter().map(|seg| seg.tokens.len()).sum::<usize>() == 1 {
+            return shimmer_kernels::team::with_pool_team(|| self.forward_rows(segments, experts, observer));
+        }
+        self.forward_rows(segments, experts, observer)
+    }
+
+    fn forward_rows(&self, segments: &mut [Segment<'_>], experts: &dyn ExpertDispatch, observer: &mut dyn MoeObserver) -> Result<Vec<Vec<f32>>, ForwardError> {
         let s = &self.spec;
         let hd = s.hidden_size;
         let wants: Vec<Logits> = segments.iter().map(|seg| seg.want).collect();

@@ -189,6 +189,11 @@ pub fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<
 /// this machine's single-thread rate, about what waking the pool costs).
 const SERIAL_MACS: usize = 1 << 20;
 
+/// With a forward step's team awake (`shimmer_kernels::team`), experts are spread over it from
+/// this much work: the demo model's four 64-wide experts of a decode step (~200 K multiply-adds)
+/// are worth two threads there.
+const TEAM_MIN_MACS: usize = 1 << 16;
+
 /// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
 /// Their outputs are added afterwards as fixed-point integers, so the order — and which thread,
 /// dispatcher or node computed which expert — cannot change a bit.
@@ -216,7 +221,16 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], 
         }
         Ok(())
     };
-    if macs < SERIAL_MACS {
+    if let Some(team) = shimmer_kernels::team::active().filter(|_| work.len() > 1 && macs >= TEAM_MIN_MACS) {
+        // A forward step's team is awake: its threads take an expert each.
+        let outputs: Vec<std::sync::OnceLock<Vec<f32>>> = work.iter().map(|_| std::sync::OnceLock::new()).collect();
+        team.run(work.len(), &|i| {
+            let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
+        });
+        for (w, ys) in work.iter().zip(outputs) {
+            add(acc, w.1, &ys.into_inner().unwrap_or_default())?;
+        }
+    } else if macs < SERIAL_MACS {
         // The sum is fixed-point, so adding each expert as it is done gives the same bits.
         let mut scratch = FfnScratch::default();
         for w in work {

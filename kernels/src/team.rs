@@ -1,0 +1,400 @@
+//! A team of threads that stays awake through one forward step, so that products too small for
+//! rayon's fork and join still use every core. A rayon wake-up costs ~10 µs, longer than a small
+//! model's whole product takes (the demo model's 256 × 256 int8 matvec: about a microsecond), so
+//! such products ran on one thread and the second core idled (`docs/benchmarks.md`, issue 18,
+//! third pass). Inside `with_team`, the caller and `threads - 1` helper threads share each
+//! product's chunks through one atomic counter and the helpers spin between products; the
+//! kernels ask `active()` and split work through `run` instead of rayon.
+//!
+//! Owns: the helper threads (started on first use, parked between steps), the claim protocol.
+//! Must never: run a task after the `run` that posted it returned (a claim names its job's epoch,
+//! and a job's epoch ends only when all its tasks are done); let a helper spin outside a step
+//! (after `SPIN_ROUNDS` without work it parks); change what a task computes — each chunk is
+//! computed exactly as on one thread, so results are the same bits with or without a team.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+/// Spins without new work before a helper parks (`pause` takes ~10–140 cycles by CPU: about
+/// 20–200 µs): longer than the gaps between one step's products, shorter than a disk read.
+const SPIN_ROUNDS: u32 = 1 << 12;
+
+type TaskFn<'a> = dyn Fn(usize) + Sync + 'a;
+
+/// A claim index no job reaches: the epoch's job is being written.
+const NONE_CLAIMABLE: u64 = 0xFFFF_FFFF;
+
+pub struct Team {
+    /// Which team this is (helpers join each team once).
+    id: u64,
+    /// Helper places not yet taken.
+    seats: AtomicUsize,
+    /// (epoch << 32) | next unclaimed task of the current job. A helper claims task `i` of epoch
+    /// `e` by moving it from (e, i) to (e, i + 1), only while `i < tasks`.
+    claim: AtomicU64,
+    tasks: AtomicUsize,
+    /// Points at the `run` caller's `&TaskFn` (on its stack) while the epoch lasts.
+    job: AtomicPtr<()>,
+    finished: AtomicUsize,
+    closed: AtomicBool,
+    panicked: AtomicBool,
+    /// Helpers parked (not spinning): `run` wakes them.
+    parked: AtomicUsize,
+    park: Mutex<()>,
+    wake: Condvar,
+    helpers: usize,
+}
+
+thread_local! {
+    static ACTIVE: Cell<Option<*const Team>> = const { Cell::new(None) };
+}
+
+/// The helper threads: started on first use, each waiting for a team to join.
+struct Pool {
+    started: Mutex<usize>,
+    slot: Mutex<Option<Arc<Team>>>,
+    posted: Condvar,
+}
+
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<Pool> = OnceLock::new();
+    POOL.get_or_init(|| Pool { started: Mutex::new(0), slot: Mutex::new(None), posted: Condvar::new() })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn helper_main() {
+    let p = pool();
+    let mut last = 0u64;
+    loop {
+        let team = {
+            let mut slot = lock(&p.slot);
+            loop {
+                match slot.as_ref() {
+                    Some(t) if t.id != last => break t.clone(),
+                    _ => slot = p.posted.wait(slot).unwrap_or_else(|e| e.into_inner()),
+                }
+            }
+        };
+        last = team.id;
+        // A helper started for a larger team than this one sits it out.
+        if team.seats.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(1)).is_ok() {
+            team.help();
+        }
+    }
+}
+
+/// Runs `f` with a team of `threads` (the caller and `threads - 1` helpers) active on this
+/// thread. With fewer than two threads, inside another team, or while another thread's team is
+/// active, `f` runs alone (the kernels then use rayon as before).
+pub fn with_team<R>(threads: usize, f: impl FnOnce() -> R) -> R {
+    if threads < 2 || active().is_some() {
+        return f();
+    }
+    static IDS: AtomicU64 = AtomicU64::new(1);
+    let p = pool();
+    let team = Arc::new(Team {
+        id: IDS.fetch_add(1, Ordering::Relaxed),
+        seats: AtomicUsize::new(threads - 1),
+        claim: AtomicU64::new(0),
+        tasks: AtomicUsize::new(0),
+        job: AtomicPtr::new(std::ptr::null_mut()),
+        finished: AtomicUsize::new(0),
+        closed: AtomicBool::new(false),
+        panicked: AtomicBool::new(false),
+        parked: AtomicUsize::new(0),
+        park: Mutex::new(()),
+        wake: Condvar::new(),
+        helpers: threads - 1,
+    });
+    {
+        let mut slot = lock(&p.slot);
+        if slot.is_some() {
+            drop(slot);
+            return f();
+        }
+        let mut started = lock(&p.started);
+        while *started < team.helpers {
+            if std::thread::Builder::new().name(format!("team-{started}")).spawn(helper_main).is_err() {
+                break;
+            }
+            *started += 1;
+        }
+        *slot = Some(team.clone());
+        p.posted.notify_all();
+    }
+    struct Close(Arc<Team>);
+    impl Drop for Close {
+        fn drop(&mut self) {
+            ACTIVE.with(|a| a.set(None));
+            self.0.closed.store(true, Ordering::Release);
+            {
+                let _g = lock(&self.0.park);
+                self.0.wake.notify_all();
+            }
+            let mut slot = lock(&pool().slot);
+            if slot.as_ref().is_some_and(|t| Arc::ptr_eq(t, &self.0)) {
+                *slot = None;
+            }
+        }
+    }
+    let _close = Close(team.clone());
+    ACTIVE.with(|a| a.set(Some(Arc::as_ptr(&team))));
+    f()
+}
+
+/// `with_team` with as many threads as the current rayon pool has (the `--threads` a model
+/// runs with).
+pub fn with_pool_team<R>(f: impl FnOnce() -> R) -> R {
+    with_team(rayon::current_num_threads(), f)
+}
+
+/// The team active on this thread, if any.
+pub fn active() -> Option<&'static Team> {
+    // SAFETY: the pointer is set only inside `with_team`, which holds the Arc for as long as it
+    // is set, and cleared before that Arc is dropped; the reference is used within that call.
+    ACTIVE.with(|a| a.get()).map(|t| unsafe { &*t })
+}
+
+impl Team {
+    /// Threads that take part (the caller and its helpers).
+    pub fn threads(&self) -> usize {
+        self.helpers + 1
+    }
+
+    /// Calls `f(i)` for every `i < tasks`, spread over the team; returns when all are done.
+    pub fn run(&self, tasks: usize, f: &TaskFn<'_>) {
+        if tasks == 0 {
+            return;
+        }
+        // The caller's own tasks see no team: a product inside a task runs on its thread rather
+        // than posting a second job over this one.
+        struct Hidden(Option<*const Team>);
+        impl Drop for Hidden {
+            fn drop(&mut self) {
+                ACTIVE.with(|a| a.set(self.0));
+            }
+        }
+        let _hidden = Hidden(ACTIVE.with(|a| a.replace(None)));
+        assert!(tasks < NONE_CLAIMABLE as usize, "too many tasks for one job");
+        let f_ref: &TaskFn<'_> = f;
+        let epoch = (self.claim.load(Ordering::Relaxed) >> 32) + 1;
+        // First the new epoch with nothing claimable: a helper that read the old epoch's claim
+        // (and may read the new tasks and job below) can no longer win its claim, and one that
+        // reads this value claims nothing.
+        self.claim.store((epoch << 32) | NONE_CLAIMABLE, Ordering::SeqCst);
+        self.finished.store(0, Ordering::Relaxed);
+        self.tasks.store(tasks, Ordering::Relaxed);
+        self.job.store(&f_ref as *const &TaskFn<'_> as *mut (), Ordering::Relaxed);
+        // Publishes the job: a claim of this epoch sees tasks and job.
+        // SeqCst with the helper's `parked` increment and claim load: one of the two sees the
+        // other (no lost wake-up; a 5 ms timeout bounds one anyway).
+        self.claim.store(epoch << 32, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) > 0 {
+            let _g = lock(&self.park);
+            self.wake.notify_all();
+        }
+        while self.work_once() {}
+        while self.finished.load(Ordering::Acquire) < tasks {
+            std::hint::spin_loop();
+        }
+        if self.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a task run by the team panicked");
+        }
+    }
+
+    /// Claims and runs one task of the current job; false when none is left.
+    fn work_once(&self) -> bool {
+        let c = self.claim.load(Ordering::Acquire);
+        let (i, tasks) = ((c & 0xFFFF_FFFF) as usize, self.tasks.load(Ordering::Relaxed));
+        if i >= tasks {
+            return false;
+        }
+        let job = self.job.load(Ordering::Relaxed);
+        if self.claim.compare_exchange(c, c + 1, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return true; // another thread claimed it (or a new job began): look again
+        }
+        // SAFETY: the claim succeeded in the epoch whose claim value we read with task i
+        // unfinished, so that epoch's `run` is still waiting; `tasks` and `job` read after that
+        // value are that epoch's (a later epoch writes them only after storing a new claim value,
+        // which would have made this claim fail), so `job` points at its live `&TaskFn`.
+        let f: &TaskFn<'_> = unsafe { *(job as *const &TaskFn<'_>) };
+        // A panicking task still counts as finished (its `run` must not return while others
+        // run tasks of the same job); `run` raises it once every task is done.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).is_err() {
+            self.panicked.store(true, Ordering::Relaxed);
+        }
+        self.finished.fetch_add(1, Ordering::Release);
+        true
+    }
+
+    fn help(&self) {
+        let mut idle = 0u32;
+        while !self.closed.load(Ordering::Acquire) {
+            if self.work_once() {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < SPIN_ROUNDS {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Park until the next job or the end of the step.
+            let g = lock(&self.park);
+            self.parked.fetch_add(1, Ordering::SeqCst);
+            let seen = self.claim.load(Ordering::SeqCst);
+            let pending = (seen & 0xFFFF_FFFF) < self.tasks.load(Ordering::Relaxed) as u64;
+            if !pending && !self.closed.load(Ordering::Acquire) {
+                drop(self.wake.wait_timeout(g, std::time::Duration::from_millis(5)).unwrap_or_else(|e| e.into_inner()));
+            }
+            self.parked.fetch_sub(1, Ordering::AcqRel);
+            idle = 0;
+        }
+    }
+}
+
+/// `f(chunk index, chunk)` for each `chunk`-long piece of `out`, over the active team.
+pub fn for_each_chunk_mut<T: Send>(team: &Team, out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let chunk = chunk.max(1);
+    let (len, base) = (out.len(), out.as_mut_ptr() as usize);
+    team.run(len.div_ceil(chunk), &|c| {
+        let start = c * chunk;
+        let n = chunk.min(len - start);
+        // SAFETY: chunk c covers [start, start + n) of `out`, disjoint from every other chunk,
+        // and `out` is borrowed mutably for the whole `run`.
+        let piece = unsafe { std::slice::from_raw_parts_mut((base as *mut T).add(start), n) };
+        f(c, piece);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One team at a time per process: the tests take turns (a second concurrent `with_team`
+    /// would run alone, which the tests below would take for a failure).
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        static TURN: Mutex<()> = Mutex::new(());
+        lock(&TURN)
+    }
+
+    #[test]
+    fn every_task_runs_once_and_results_do_not_depend_on_the_team() {
+        let _turn = one_at_a_time();
+        let value = |i: usize| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17);
+        let alone: Vec<u64> = (0..10_007).map(value).collect();
+        for threads in [2, 3, 4] {
+            let got = with_team(threads, || {
+                let team = active().expect("a team is active inside with_team");
+                assert_eq!(team.threads(), threads);
+                let mut all = Vec::new();
+                // Many small jobs back to back, of every size around the chunk.
+                for len in [0usize, 1, 7, 64, 65, 1000, 10_007] {
+                    let mut out = vec![0u64; len];
+                    for_each_chunk_mut(team, &mut out, 64, |c, piece| {
+                        for (k, o) in piece.iter_mut().enumerate() {
+                            *o = value(c * 64 + k);
+                        }
+                    });
+                    all.push(out);
+                }
+                let counts: Vec<AtomicUsize> = (0..500).map(|_| AtomicUsize::new(0)).collect();
+                for _ in 0..200 {
+                    team.run(counts.len(), &|i| {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                }
+                assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 200), "every task exactly once per run");
+                all
+            });
+            for out in got {
+                assert_eq!(out[..], alone[..out.len()]);
+            }
+            assert!(active().is_none(), "the team ends with with_team");
+        }
+    }
+
+    #[test]
+    fn a_panicking_task_is_raised_by_run_after_every_task_finished() {
+        let _turn = one_at_a_time();
+        let done = AtomicUsize::new(0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            with_team(2, || {
+                active().unwrap().run(64, &|i| {
+                    if i == 5 {
+                        panic!("task 5 fails");
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                })
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(done.load(Ordering::Relaxed), 63, "every other task ran before run returned");
+    }
+
+    /// Many tiny jobs back to back, so that helpers often read a job's claim while the next one
+    /// is being posted: every task must run in its own job (a task of a finished job run again
+    /// — the race the claim's "nothing claimable" step closes — would count twice, or crash).
+    #[test]
+    fn tiny_jobs_back_to_back_run_each_task_in_its_own_job() {
+        let _turn = one_at_a_time();
+        with_team(2, || {
+            let team = active().unwrap();
+            let counts: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+            let total = AtomicUsize::new(0);
+            for round in 0..50_000usize {
+                let tasks = 1 + round % 3;
+                let mine: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                team.run(tasks, &|i| {
+                    mine[i].fetch_add(1, Ordering::Relaxed);
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                    total.fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(mine.iter().all(|m| m.load(Ordering::Relaxed) == 1), "round {round}: a task ran twice or not at all");
+            }
+            assert_eq!(total.load(Ordering::Relaxed), (0..50_000usize).map(|r| 1 + r % 3).sum::<usize>());
+        });
+    }
+
+    /// A task that asks for the team (a product inside an expert's task) finds none and runs
+    /// alone, on the caller's thread as on a helper.
+    #[test]
+    fn tasks_see_no_team() {
+        let _turn = one_at_a_time();
+        let seen = with_team(2, || {
+            let team = active().unwrap();
+            let any = AtomicUsize::new(0);
+            team.run(200, &|_| {
+                if active().is_some() {
+                    any.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(active().is_some(), "the team is back after run");
+            any.into_inner()
+        });
+        assert_eq!(seen, 0);
+    }
+
+    #[test]
+    fn a_team_inside_a_team_runs_alone_and_a_panic_ends_the_team() {
+        let _turn = one_at_a_time();
+        let inner = with_team(2, || with_team(2, || active().is_some()));
+        assert!(inner, "the outer team stays active for a nested call");
+        let r = std::panic::catch_unwind(|| with_team(2, || panic!("a task's caller fails")));
+        assert!(r.is_err());
+        assert!(active().is_none());
+        // A later team still forms and works after a step that failed.
+        let sum = with_team(2, || {
+            let total = AtomicUsize::new(0);
+            active().unwrap().run(100, &|i| {
+                total.fetch_add(i, Ordering::Relaxed);
+            });
+            total.into_inner()
+        });
+        assert_eq!(sum, 4950);
+    }
+}
