@@ -198,8 +198,16 @@ impl Team {
             self.wake.notify_all();
         }
         while self.work_once() {}
+        let mut spins = 0u32;
         while self.finished.load(Ordering::Acquire) < tasks {
-            std::hint::spin_loop();
+            // A helper descheduled mid-task (a busy machine) is waited for without taking the
+            // core it needs for a whole time slice.
+            spins += 1;
+            if spins < 1024 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         if self.panicked.swap(false, Ordering::Relaxed) {
             panic!("a task run by the team panicked");
