@@ -261,7 +261,9 @@ impl Matrix {
             return with_quantized(x, self.cols, self.nibbles(), |q| self.qmatvec(&q.row(0), 0, out, parallel));
         }
         if let Some(team) = crate::team::active().filter(|_| parallel && self.rows * self.cols >= TEAM_MIN_WORK) {
-            let chunk = (self.rows / (4 * team.threads())).max(16);
+            // One chunk per thread: a claim costs a cache line's trip between cores, about what
+            // a small model's 16 rows take.
+            let chunk = self.rows.div_ceil(team.threads()).max(16);
             crate::team::for_each_chunk_mut(team, out, chunk, |c, o| {
                 for (i, slot) in o.iter_mut().enumerate() {
                     *slot = self.dot_row(c * chunk + i, x);
@@ -303,7 +305,7 @@ impl Matrix {
     fn qmatvec(&self, x: &qdot::QRow<'_>, first: usize, out: &mut [f32], parallel: bool) {
         let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
         if let Some(team) = crate::team::active().filter(|_| parallel && out.len() * self.cols >= TEAM_MIN_WORK) {
-            let chunk = ((out.len() / (4 * team.threads())).max(16) + 3) & !3;
+            let chunk = (out.len().div_ceil(team.threads()).max(16) + 3) & !3;
             crate::team::for_each_chunk_mut(team, out, chunk, |c, o| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else if parallel && out.len() * self.cols >= QPARALLEL_MIN_WORK {
             let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;

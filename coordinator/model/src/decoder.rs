@@ -357,10 +357,12 @@ impl Decoder {
         experts: &dyn ExpertDispatch,
         observer: &mut dyn MoeObserver,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
-        // One row (a single sequence's decode step): its products are small, so the pool's
-        // threads stay awake through the step as a team (`shimmer_kernels::team`) instead of
-        // being woken per product. Same bits either way.
-        if segments.iter().map(|seg| seg.tokens.len()).sum::<usize>() == 1 {
+        // One row (a single sequence's decode step) of a model whose step reads enough weights:
+        // the pool's threads stay awake through the step as a team (`shimmer_kernels::team`)
+        // instead of being woken per product. Same bits either way. Below the bound the
+        // team's claims cost what splitting saves (the demo model decoded slower with it:
+        // `docs/benchmarks.md`, issue 18, third pass).
+        if segments.iter().map(|seg| seg.tokens.len()).sum::<usize>() == 1 && self.dense_bytes_per_token() >= TEAM_MIN_STEP_BYTES {
             return shimmer_kernels::team::with_pool_team(|| self.forward_rows(segments, experts, observer));
         }
         self.forward_rows(segments, experts, observer)
@@ -547,6 +549,10 @@ impl Decoder {
         Some(ids)
     }
 }
+
+/// Dense weight bytes a decode step must read for it to run as a team: m1b (93 MB int8) gains
+/// 10–17 %, the demo model (3–6 MB) loses.
+const TEAM_MIN_STEP_BYTES: u64 = 16 << 20;
 
 pub(crate) fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let w = weight.len();
