@@ -568,6 +568,35 @@ mod tests {
         }
     }
 
+    /// A product split over a forward step's team gives the bits it gives on one thread (and
+    /// through rayon), in every format, at sizes around the team's bound.
+    #[test]
+    fn products_over_a_team_are_the_same_bits() {
+        use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+        for &(rows, cols) in &[(128, 256), (300, 160), (1030, 64), (2049, 48)] {
+            let (w, x) = random(rows, cols, (rows + 3 * cols) as u64);
+            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone()))];
+            for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
+                mats.push(Matrix::from_quant(q));
+            }
+            for m in &mats {
+                let (mut alone, mut pooled) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+                m.matvec_on(&x, &mut alone, false);
+                m.matvec_on(&x, &mut pooled, true);
+                let _turn = crate::team::test_turn();
+                let teamed = crate::team::with_team(3, || {
+                    assert!(crate::team::active().is_some(), "a team while no other is active");
+                    let mut out = vec![0.0f32; rows];
+                    m.matvec_on(&x, &mut out, true);
+                    out
+                });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&teamed), bits(&alone), "{rows}x{cols} {}", m.integer_products());
+                assert_eq!(bits(&pooled), bits(&alone));
+            }
+        }
+    }
+
     #[test]
     fn quantised_matvec_matches_the_dequantised_reference() {
         use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4};

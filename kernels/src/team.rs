@@ -279,15 +279,20 @@ pub fn for_each_chunk_mut<T: Send>(team: &Team, out: &mut [T], chunk: usize, f: 
     });
 }
 
+/// One team at a time per process: tests that need a team take turns (a second concurrent
+/// `with_team` would run alone, which they would take for a failure).
+#[cfg(test)]
+pub(crate) fn test_turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    lock(&TURN)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// One team at a time per process: the tests take turns (a second concurrent `with_team`
-    /// would run alone, which the tests below would take for a failure).
     fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-        static TURN: Mutex<()> = Mutex::new(());
-        lock(&TURN)
+        test_turn()
     }
 
     #[test]

@@ -245,3 +245,38 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shimmer_kernels::matrix::WeightData;
+
+    /// Experts spread over a forward step's team add up to the bits they give on one thread.
+    #[test]
+    fn experts_over_a_team_are_the_same_bits() {
+        let (h, inter, n_experts) = (64usize, 96usize, 8usize);
+        let mut s = 5u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        };
+        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert { gate: m(inter, h), up: m(inter, h), down: m(h, inter) }).collect();
+        let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.37).sin()).collect();
+        let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.05 + e as f32 * 0.1)]).collect();
+        let work: Vec<(&Expert, &[(usize, f32)])> = experts.iter().zip(&rows).map(|(e, r)| (e, &r[..])).collect();
+        let ids: Vec<u32> = (0..n_experts as u32).collect();
+        let weights: Vec<f32> = rows.iter().map(|r| r[0].1).collect();
+        let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
+        assert!(3 * h * inter * n_experts >= TEAM_MIN_MACS, "the team path is taken");
+        let mut alone = vec![0i64; h];
+        apply_experts(&batch, &work, &mut alone).unwrap();
+        let teamed = shimmer_kernels::team::with_team(2, || {
+            assert!(shimmer_kernels::team::active().is_some());
+            let mut acc = vec![0i64; h];
+            apply_experts(&batch, &work, &mut acc).unwrap();
+            acc
+        });
+        assert_eq!(teamed, alone);
+    }
+}
