@@ -65,8 +65,8 @@ const PARALLEL_MIN_WORK: usize = 1 << 16;
 const QPARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// Weights from which a one-row product is split over an active team (`team.rs`): its threads
-/// are awake and take a chunk in well under a microsecond, so products of a small model's size
-/// (the demo's 256 × 256) pay too.
+/// are awake and take a chunk in well under a microsecond, so products below rayon's bound
+/// (`QPARALLEL_MIN_WORK`) pay too.
 const TEAM_MIN_WORK: usize = 1 << 15;
 
 #[derive(Debug, Clone, PartialEq)]

@@ -1,14 +1,15 @@
-//! A team of threads that stays awake through one forward step, so that products too small for
-//! rayon's fork and join still use every core. A rayon wake-up costs ~10 µs, longer than a small
-//! model's whole product takes (the demo model's 256 × 256 int8 matvec: about a microsecond), so
-//! such products ran on one thread and the second core idled (`docs/benchmarks.md`, issue 18,
-//! third pass). Inside `with_team`, the caller and `threads - 1` helper threads share each
-//! product's chunks through one atomic counter and the helpers spin between products; the
-//! kernels ask `active()` and split work through `run` instead of rayon.
+//! A team of threads that stays awake through one forward step, so that a decode step's products
+//! are split without rayon's fork and join (a wake-up costs ~10 µs, as much as one of m1b's
+//! products takes). Inside `with_team`, the caller and `threads - 1` helper threads share each
+//! product's chunks through one atomic claim and the helpers spin between products; the kernels
+//! ask `active()` and split work through `run` instead of rayon. The decoder forms a team only
+//! for steps that read enough weights: for the demo model's ~1 µs products the claims cost what
+//! splitting saves (`docs/benchmarks.md`, issue 18, third pass).
 //!
 //! Owns: the helper threads (started on first use, parked between steps), the claim protocol.
 //! Must never: run a task after the `run` that posted it returned (a claim names its job's epoch,
-//! and a job's epoch ends only when all its tasks are done); let a helper spin outside a step
+//! a job's epoch ends only when all its tasks are done, and a new epoch opens with nothing
+//! claimable before its job is written); let a helper spin outside a step
 //! (after `SPIN_ROUNDS` without work it parks); change what a task computes — each chunk is
 //! computed exactly as on one thread, so results are the same bits with or without a team.
 

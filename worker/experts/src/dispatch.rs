@@ -190,8 +190,7 @@ pub fn expert_users(batch: &MoeBatch<'_>, num_experts: usize) -> Result<Vec<Vec<
 const SERIAL_MACS: usize = 1 << 20;
 
 /// With a forward step's team awake (`shimmer_kernels::team`), experts are spread over it from
-/// this much work: the demo model's four 64-wide experts of a decode step (~200 K multiply-adds)
-/// are worth two threads there.
+/// this much work (its threads take an expert in well under a microsecond).
 const TEAM_MIN_MACS: usize = 1 << 16;
 
 /// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
@@ -228,7 +227,8 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], 
             let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
         });
         for (w, ys) in work.iter().zip(outputs) {
-            add(acc, w.1, &ys.into_inner().unwrap_or_default())?;
+            // `run` returns only after every task finished (and raises a task's panic).
+            add(acc, w.1, &ys.into_inner().expect("every expert's output is set"))?;
         }
     } else if macs < SERIAL_MACS {
         // The sum is fixed-point, so adding each expert as it is done gives the same bits.
