@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod dot;
 pub mod fixed;
+pub mod gating;
 pub mod matrix;
 pub mod ops;
 pub mod qdot;

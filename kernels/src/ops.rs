@@ -29,17 +29,11 @@ pub fn softmax_in_place(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-#[inline]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
+/// SiLU as every device computes it (`gating.rs`: no libm, the same bits everywhere).
+pub use crate::gating::silu;
 
-/// `gate = silu(gate) ⊙ up`, in place (SwiGLU).
-pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
-    }
-}
+/// `gate = silu(gate) ⊙ up`, in place (SwiGLU), as every device computes it (`gating.rs`).
+pub use crate::gating::swiglu_in_place;
 
 /// Rotary embedding, "rotate half" layout: for i < d/2, (x[i], x[i+d/2]) rotates by the angle
 /// whose cos/sin are `cos[i]`, `sin[i]`.
