@@ -31,8 +31,11 @@
 pub const EXP_MIN: f32 = f32::from_bits(0xC2AE_0000); // −87
 /// Above this, `exp` is +inf (e^x ≥ 2^128 · (1 − 2^−25)).
 pub const EXP_MAX: f32 = f32::from_bits(0x42B1_7217); // 88.72283
-                                                      // The constants are written as bit patterns, here and in the shaders, so that no compiler's
-                                                      // decimal parsing or constant folding stands between them.
+
+// The constants are written as bit patterns, here and in the shaders, so that no compiler's
+// decimal parsing or constant folding stands between them.
+
+/// log2(e).
 pub const LOG2E: f32 = f32::from_bits(0x3FB8_AA3B);
 /// 1.5 · 2^23: adding it rounds a value of magnitude < 2^22 to an integer (ties to even).
 pub const ROUND: f32 = f32::from_bits(0x4B40_0000);

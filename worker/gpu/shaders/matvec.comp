@@ -1,0 +1,84 @@
+#version 450
+// One weight row · one activation row per workgroup, in kernels/src/dot.rs's canonical order:
+// 64 lanes (one per invocation), each a chain of fused multiply-adds over its elements
+// (l, l + 64, …, zero-padded to a multiple of 64), then the fixed tree [32, 16, 8, 4, 2, 1].
+// Built once per weight format (-DFORMAT_F32 / _BF16 / _F16); see shaders/README.md.
+#extension GL_EXT_spirv_intrinsics : require
+#extension GL_GOOGLE_include_directive : require
+
+// SignedZeroInfNanPreserve for 32-bit floats (SPV_KHR_float_controls): the driver may not
+// assume away infinities, NaNs or the sign of zero.
+spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);
+
+#include "fma.glsl"
+
+layout(local_size_x = 64) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer Weights { uint w[]; };
+layout(std430, set = 0, binding = 1) readonly buffer Input { float x[]; };
+layout(std430, set = 0, binding = 2) writeonly buffer Output { float y[]; };
+
+layout(push_constant) uniform Params {
+    uint w_offset;   // the matrix's first element, in elements of its format
+    uint rows;       // output values per activation row
+    uint cols;       // the dot products' length
+    uint x_offset;   // first activation value
+    uint y_offset;   // first output value
+} p;
+
+shared float lanes[64];
+
+float weight(uint e) {
+#if defined(FORMAT_F32)
+    return uintBitsToFloat(w[e]);
+#elif defined(FORMAT_BF16)
+    uint h = (w[e >> 1] >> ((e & 1u) * 16u)) & 0xffffu;
+    return uintBitsToFloat(h << 16);
+#elif defined(FORMAT_F16)
+    // Widened by hand, exactly (subnormal halves become normal floats; no device conversion
+    // that might flush them).
+    uint h = (w[e >> 1] >> ((e & 1u) * 16u)) & 0xffffu;
+    uint sign = (h & 0x8000u) << 16;
+    uint ex = (h >> 10) & 0x1fu;
+    uint man = h & 0x3ffu;
+    if (ex == 0u) {
+        precise float v = float(man) * 5.9604644775390625e-8; // man · 2^-24, exact
+        return uintBitsToFloat(floatBitsToUint(v) | sign);
+    }
+    if (ex == 31u) {
+        return uintBitsToFloat(sign | 0x7f800000u | (man << 13));
+    }
+    return uintBitsToFloat(sign | ((ex + 112u) << 23) | (man << 13));
+#else
+#error "define FORMAT_F32, FORMAT_BF16 or FORMAT_F16"
+#endif
+}
+
+void main() {
+    uint row = gl_WorkGroupID.x;
+    uint r = gl_WorkGroupID.y;
+    uint l = gl_LocalInvocationID.x;
+    uint padded = (p.cols + 63u) / 64u * 64u;
+    uint wbase = p.w_offset + row * p.cols;
+    uint xbase = p.x_offset + r * p.cols;
+    precise float acc = 0.0;
+    for (uint i = l; i < padded; i += 64u) {
+        // Past the row's end both sides are 0, as in the CPU's zero padding (which turns a lane's
+        // −0 into +0: the padded fma is done, not skipped).
+        float wv = i < p.cols ? weight(wbase + i) : 0.0;
+        float xv = i < p.cols ? x[xbase + i] : 0.0;
+        acc = FMA(wv, xv, acc);
+    }
+    lanes[l] = acc;
+    barrier();
+    for (uint s = 32u; s > 0u; s >>= 1) {
+        if (l < s) {
+            precise float t = lanes[l] + lanes[l + s];
+            lanes[l] = t;
+        }
+        barrier();
+    }
+    if (l == 0u) {
+        y[p.y_offset + r * p.rows + row] = lanes[0];
+    }
+}

@@ -1,0 +1,282 @@
+//! The device seam: what a GPU backend does for the tier — hold experts' weights in its memory
+//! and compute experts over rows — and the image of an expert it uploads.
+//!
+//! Must never: hand back a partial result (an error covers the whole submission), or accept an
+//! expert whose format it cannot compute exactly (`ExpertImage::of` refuses it by name).
+
+use shimmer_experts::Expert;
+use shimmer_kernels::matrix::WeightData;
+use shimmer_kernels::{Activations, Matrix};
+
+/// What went wrong on a device. `kind` labels `shimmer_gpu_faults_total`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GpuError {
+    /// No driver, no device, or a build without the backend: the tier is simply off.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The device's arithmetic does not give the CPU's bits (the self-test names the case).
+    #[error("{0}")]
+    NotBitIdentical(String),
+    /// A weight format or shape this backend does not compute (the expert stays on the CPU).
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("device memory exhausted: {0}")]
+    OutOfMemory(String),
+    #[error("the device did not finish within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("the device was lost: {0}")]
+    Lost(String),
+    #[error("device error: {0}")]
+    Device(String),
+    /// `SHIMMER_GPU_FAULT` made this submission fail (tests of the fallback).
+    #[error("injected fault (SHIMMER_GPU_FAULT)")]
+    Injected,
+}
+
+impl GpuError {
+    /// The fault's kind, as `/metrics` labels it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GpuError::Unavailable(_) => "unavailable",
+            GpuError::NotBitIdentical(_) => "not_bit_identical",
+            GpuError::Unsupported(_) => "unsupported",
+            GpuError::OutOfMemory(_) => "out_of_memory",
+            GpuError::Timeout(_) => "timeout",
+            GpuError::Lost(_) => "lost",
+            GpuError::Device(_) => "device",
+            GpuError::Injected => "injected",
+        }
+    }
+
+    /// Every kind, in the order `/metrics` lists them.
+    pub const KINDS: [&'static str; 6] = ["out_of_memory", "timeout", "lost", "device", "injected", "unsupported"];
+}
+
+/// A weight matrix's element format on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl WeightFormat {
+    pub fn element_bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4,
+            WeightFormat::Bf16 | WeightFormat::F16 => 2,
+        }
+    }
+}
+
+/// Where one matrix lies in an expert's image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixLayout {
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    /// From the image's start; a multiple of 4.
+    pub byte_offset: usize,
+}
+
+impl MatrixLayout {
+    /// The matrix's first element, counted in its format's elements from the image's start.
+    pub fn element_offset(&self) -> usize {
+        self.byte_offset / self.format.element_bytes()
+    }
+}
+
+/// An expert's three matrices as the device stores them: their elements back to back, little
+/// endian, each matrix starting on a 4-byte boundary.
+#[derive(Debug, Clone)]
+pub struct ExpertImage {
+    pub bytes: Vec<u8>,
+    pub gate: MatrixLayout,
+    pub up: MatrixLayout,
+    pub down: MatrixLayout,
+}
+
+impl ExpertImage {
+    /// The image of `expert`, or `Unsupported` naming the format the device cannot compute with
+    /// the CPU's bits (today: f32, bf16 and f16 weights with f32 activations — checkpoints run
+    /// as they are; the integer formats' quantised activations are next).
+    pub fn of(expert: &Expert) -> Result<Self, GpuError> {
+        let mut bytes = Vec::with_capacity(expert.bytes());
+        let mut put = |name: &str, m: &Matrix| -> Result<MatrixLayout, GpuError> {
+            let byte_offset = bytes.len();
+            let format = match (&m.data, m.activations) {
+                (WeightData::F32(v), Activations::F32) => {
+                    v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::F32
+                }
+                (WeightData::Bf16(v), Activations::F32) => {
+                    v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::Bf16
+                }
+                (WeightData::F16(v), Activations::F32) => {
+                    v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::F16
+                }
+                (data, act) => {
+                    return Err(GpuError::Unsupported(format!(
+                        "the {name} matrix's format ({}, {act:?} activations) has no GPU kernel yet",
+                        format_name(data)
+                    )));
+                }
+            };
+            if m.rows.checked_mul(m.cols).is_none_or(|n| n * format.element_bytes() + byte_offset != bytes.len()) {
+                return Err(GpuError::Unsupported(format!("the {name} matrix's data does not match its {}×{} shape", m.rows, m.cols)));
+            }
+            bytes.resize(bytes.len().next_multiple_of(4), 0);
+            Ok(MatrixLayout { format, rows: m.rows, cols: m.cols, byte_offset })
+        };
+        let gate = put("gate", &expert.gate)?;
+        let up = put("up", &expert.up)?;
+        let down = put("down", &expert.down)?;
+        if up.rows != gate.rows || up.cols != gate.cols || down.cols != gate.rows || down.rows != gate.cols {
+            return Err(GpuError::Unsupported(format!(
+                "expert shapes disagree: gate {}×{}, up {}×{}, down {}×{}",
+                gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
+            )));
+        }
+        Ok(ExpertImage { bytes, gate, up, down })
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.gate.cols
+    }
+
+    pub fn intermediate(&self) -> usize {
+        self.gate.rows
+    }
+}
+
+fn format_name(data: &WeightData) -> &'static str {
+    match data {
+        WeightData::F32(_) => "f32",
+        WeightData::Bf16(_) => "bf16",
+        WeightData::F16(_) => "f16",
+        WeightData::Int8 { .. } => "int8",
+        WeightData::Int4 { .. } => "int4",
+        WeightData::Fp8 { .. } => "fp8",
+        WeightData::Mxfp4 { .. } => "mxfp4",
+    }
+}
+
+/// An expert resident on a device. Only the device that made it can use or release it.
+#[derive(Debug)]
+pub struct DeviceExpert {
+    /// The device's own handle (an allocation).
+    pub handle: u64,
+    pub bytes: u64,
+    pub gate: MatrixLayout,
+    pub up: MatrixLayout,
+    pub down: MatrixLayout,
+}
+
+impl DeviceExpert {
+    pub fn hidden(&self) -> usize {
+        self.gate.cols
+    }
+
+    pub fn intermediate(&self) -> usize {
+        self.gate.rows
+    }
+}
+
+/// One expert over the rows that chose it: `rows` is `n × hidden`, row-major.
+pub struct Job<'a> {
+    pub expert: &'a DeviceExpert,
+    pub rows: &'a [f32],
+}
+
+/// A GPU backend.
+pub trait Device: Send + Sync {
+    /// The device as the banner names it (model, driver, API).
+    fn name(&self) -> String;
+
+    /// Bytes of device memory the device reports for holding experts.
+    fn memory_bytes(&self) -> u64;
+
+    /// Copies an expert's image into device memory.
+    fn upload(&self, image: &ExpertImage) -> Result<DeviceExpert, GpuError>;
+
+    /// Frees a resident expert's memory.
+    fn release(&self, expert: DeviceExpert);
+
+    /// Each job's expert FFN over its rows, `n × hidden` per job, in one submission: the bits
+    /// `Expert::forward_rows` gives on the CPU.
+    fn forward(&self, jobs: &[Job<'_>]) -> Result<Vec<Vec<f32>>, GpuError>;
+}
+
+/// A shared device is a device (tests keep a handle to script the one a tier owns).
+impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+    fn memory_bytes(&self) -> u64 {
+        (**self).memory_bytes()
+    }
+    fn upload(&self, image: &ExpertImage) -> Result<DeviceExpert, GpuError> {
+        (**self).upload(image)
+    }
+    fn release(&self, expert: DeviceExpert) {
+        (**self).release(expert)
+    }
+    fn forward(&self, jobs: &[Job<'_>]) -> Result<Vec<Vec<f32>>, GpuError> {
+        (**self).forward(jobs)
+    }
+}
+
+/// Checks that `device` computes an expert with the CPU's bits on values chosen to expose the
+/// ways a device can differ: an `fma` that rounds its product, flushed subnormals, and SiLU's
+/// edges (exp's range ends, infinities, signed zeros). Run once when a device is opened.
+pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
+    let (hidden, inter) = (80usize, 72usize);
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut value = |i: usize| -> f32 {
+        let r = next();
+        match i % 11 {
+            // An fma whose product needs more than 24 bits: unfused, it rounds differently.
+            0 => 1.0 + 2f32.powi(-12),
+            1 => 1.0 - 2f32.powi(-12),
+            // Subnormals, which a device that flushes them turns into 0.
+            2 => f32::from_bits((r as u32) & 0x007f_ffff | 1),
+            _ => ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5,
+        }
+    };
+    let f32m = |rows: usize, cols: usize, v: &mut dyn FnMut(usize) -> f32| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(v).collect()));
+    let expert = Expert { gate: f32m(inter, hidden, &mut value), up: f32m(inter, hidden, &mut value), down: f32m(hidden, inter, &mut value) };
+    // Rows whose gate products reach exp's edges: large, tiny, zero, signed zero.
+    let mut rows = Vec::new();
+    for (r, scale) in [1.0f32, 40.0, 300.0, -300.0, 1e-30].into_iter().enumerate() {
+        rows.extend((0..hidden).map(|i| if (i + r) % 13 == 0 { -0.0 } else { ((i * 7 + r * 3) % 17) as f32 / 8.0 - 1.0 } * scale));
+    }
+    let mut want = vec![0.0f32; rows.len()];
+    expert.forward_rows(&rows, &mut Default::default(), &mut want, false);
+    let image = ExpertImage::of(&expert)?;
+    let resident = device.upload(&image)?;
+    let got = device.forward(&[Job { expert: &resident, rows: &rows }]);
+    device.release(resident);
+    let got = got?.into_iter().next().unwrap_or_default();
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    match got.iter().zip(&want).position(|(a, b)| !same(*a, *b)) {
+        None if got.len() == want.len() => Ok(()),
+        None => Err(GpuError::NotBitIdentical(format!("{}: the self-test expert gave {} values, the CPU {}", device.name(), got.len(), want.len()))),
+        Some(i) => Err(GpuError::NotBitIdentical(format!(
+            "{}: the self-test expert's output {i} is {:e} ({:#010x}) on the device and {:e} ({:#010x}) on the CPU — \
+             its arithmetic differs (an unfused fma or flushed subnormals), so experts stay on the CPU",
+            device.name(),
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        ))),
+    }
+}

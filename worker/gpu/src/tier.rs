@@ -1,0 +1,409 @@
+//! The VRAM tier: which experts are resident on the device under a byte budget, which of a
+//! layer's experts run there, and what happens when the device fails.
+//!
+//! The decisions are two small state machines that take events and time and return decisions
+//! (`Residency`: hit, admit after evicting, or leave on the CPU; `Health`: usable now, or backing
+//! off after a fault), tested by replaying sequences; `VramTier` carries them out on a `Device`.
+//!
+//! Every expert a call does not compute — unsupported format, over budget, device backing off,
+//! a fault in its submission — comes back as `None`, and the caller computes it on the CPU:
+//! the same bits, so a fault costs time, never a token.
+//!
+//! Must never: return an output for an expert whose submission failed; keep using a device in
+//! back-off; hold more resident bytes than the budget.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use shimmer_experts::Expert;
+
+use crate::device::{Device, DeviceExpert, ExpertImage, GpuError, Job};
+
+/// A routed expert: its layer and index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertKey {
+    pub layer: u32,
+    pub expert: u32,
+}
+
+/// What `Residency` says about an expert a step wants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Resident: compute it on the device.
+    Hit,
+    /// Upload it (after releasing `evict`, least recently used first), then compute it there.
+    Admit { evict: Vec<ExpertKey> },
+    /// Leave it on the CPU (larger than the budget, or only pinned experts to evict).
+    Cpu,
+}
+
+/// Which experts are resident, by recency, under a byte budget. Pure bookkeeping.
+#[derive(Debug, Clone)]
+pub struct Residency {
+    budget: u64,
+    used: u64,
+    clock: u64,
+    /// Resident experts: bytes and last use.
+    resident: HashMap<ExpertKey, (u64, u64)>,
+    /// Experts never evicted (learned from heat by the store's policy).
+    pinned: HashSet<ExpertKey>,
+}
+
+impl Residency {
+    pub fn new(budget: u64) -> Self {
+        Residency { budget, used: 0, clock: 0, resident: HashMap::new(), pinned: HashSet::new() }
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn len(&self) -> usize {
+        self.resident.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.resident.is_empty()
+    }
+
+    pub fn is_resident(&self, key: ExpertKey) -> bool {
+        self.resident.contains_key(&key)
+    }
+
+    /// Keeps `keys` resident once admitted (pins replace the previous set).
+    pub fn set_pins(&mut self, keys: impl IntoIterator<Item = ExpertKey>) {
+        self.pinned = keys.into_iter().collect();
+    }
+
+    /// A step wants `key` (of `bytes` bytes) computed; `busy` are the experts the same step
+    /// already placed on the device, which it must not evict.
+    pub fn request(&mut self, key: ExpertKey, bytes: u64, busy: &[ExpertKey]) -> Decision {
+        self.clock += 1;
+        if let Some(entry) = self.resident.get_mut(&key) {
+            entry.1 = self.clock;
+            return Decision::Hit;
+        }
+        if bytes > self.budget {
+            return Decision::Cpu;
+        }
+        let mut victims: Vec<(u64, ExpertKey, u64)> =
+            self.resident.iter().filter(|(k, _)| !self.pinned.contains(k) && !busy.contains(k)).map(|(k, &(b, used))| (used, *k, b)).collect();
+        victims.sort_unstable();
+        let mut free = self.budget - self.used;
+        let mut evict = Vec::new();
+        for (_, k, b) in victims {
+            if free >= bytes {
+                break;
+            }
+            free += b;
+            evict.push(k);
+        }
+        if free < bytes {
+            return Decision::Cpu;
+        }
+        Decision::Admit { evict }
+    }
+
+    /// The upload `request` asked for is done.
+    pub fn admitted(&mut self, key: ExpertKey, bytes: u64) {
+        if self.resident.insert(key, (bytes, self.clock)).is_none() {
+            self.used += bytes;
+        }
+        debug_assert!(self.used <= self.budget, "resident bytes {} exceed the budget {}", self.used, self.budget);
+    }
+
+    /// `key` left the device.
+    pub fn evicted(&mut self, key: ExpertKey) {
+        if let Some((bytes, _)) = self.resident.remove(&key) {
+            self.used -= bytes;
+        }
+    }
+
+    /// The device ran out of memory below the budget: the budget becomes what is resident now.
+    pub fn shrink_to_used(&mut self) {
+        self.budget = self.used;
+    }
+}
+
+/// Whether the device may be used now: after a fault it rests for a back-off that doubles with
+/// each fault in a row (from `BASE` up to `MAX`), then gets one more try.
+#[derive(Debug, Clone, Default)]
+pub struct Health {
+    faults_in_a_row: u32,
+    resting_until: Option<Instant>,
+}
+
+impl Health {
+    pub const BASE: Duration = Duration::from_millis(500);
+    pub const MAX: Duration = Duration::from_secs(60);
+
+    pub fn usable(&self, now: Instant) -> bool {
+        self.resting_until.is_none_or(|t| now >= t)
+    }
+
+    /// A fault at `now`; returns how long the device now rests.
+    pub fn fault(&mut self, now: Instant) -> Duration {
+        self.faults_in_a_row = self.faults_in_a_row.saturating_add(1);
+        let rest = Self::BASE.saturating_mul(1 << (self.faults_in_a_row - 1).min(16)).min(Self::MAX);
+        self.resting_until = Some(now + rest);
+        rest
+    }
+
+    pub fn success(&mut self) {
+        self.faults_in_a_row = 0;
+        self.resting_until = None;
+    }
+
+    pub fn faults_in_a_row(&self) -> u32 {
+        self.faults_in_a_row
+    }
+}
+
+/// The tier's counters, for `/metrics` and the banner.
+#[derive(Debug, Default)]
+pub struct GpuCounters {
+    faults: [AtomicU64; GpuError::KINDS.len()],
+    pub uploads: AtomicU64,
+    pub upload_bytes: AtomicU64,
+    pub evictions: AtomicU64,
+    /// Expert computations done on the device, and those handed back to the CPU.
+    pub device_experts: AtomicU64,
+    pub cpu_experts: AtomicU64,
+    pub resident_bytes: AtomicU64,
+    pub resident_experts: AtomicU64,
+}
+
+impl GpuCounters {
+    fn fault(&self, e: &GpuError) {
+        if let Some(i) = GpuError::KINDS.iter().position(|k| *k == e.kind()) {
+            self.faults[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Faults by kind, in `GpuError::KINDS`' order.
+    pub fn faults(&self) -> Vec<(&'static str, u64)> {
+        GpuError::KINDS.iter().zip(&self.faults).map(|(k, n)| (*k, n.load(Ordering::Relaxed))).collect()
+    }
+
+    pub fn total_faults(&self) -> u64 {
+        self.faults.iter().map(|n| n.load(Ordering::Relaxed)).sum()
+    }
+}
+
+/// One expert a step wants computed over its rows (`rows` is `n × hidden`).
+pub struct TierJob<'a> {
+    pub key: ExpertKey,
+    pub expert: &'a Expert,
+    pub rows: &'a [f32],
+}
+
+/// A device, the experts resident on it and the decisions above.
+pub struct VramTier {
+    device: Box<dyn Device>,
+    state: Mutex<TierState>,
+    counters: GpuCounters,
+    /// `SHIMMER_GPU_FAULT=N`: the N-th and every N-th later submission fails.
+    fault_every: Option<u64>,
+    submissions: AtomicU64,
+}
+
+struct TierState {
+    residency: Residency,
+    resident: HashMap<ExpertKey, DeviceExpert>,
+    health: Health,
+    /// Experts the device cannot compute (their format): asked once, then left on the CPU.
+    unsupported: HashSet<ExpertKey>,
+}
+
+/// Reads `SHIMMER_GPU_FAULT`: a positive integer, or an error naming the value.
+pub fn fault_every_from_env() -> Result<Option<u64>, String> {
+    match std::env::var("SHIMMER_GPU_FAULT") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!("SHIMMER_GPU_FAULT={v:?} is not a positive integer (the N-th and every N-th later GPU submission fails)")),
+        },
+    }
+}
+
+impl VramTier {
+    /// A tier on `device` holding at most `budget` bytes (capped at the device's memory).
+    pub fn new(device: Box<dyn Device>, budget: u64, fault_every: Option<u64>) -> Self {
+        let budget = budget.min(device.memory_bytes());
+        VramTier {
+            device,
+            state: Mutex::new(TierState {
+                residency: Residency::new(budget),
+                resident: HashMap::new(),
+                health: Health::default(),
+                unsupported: HashSet::new(),
+            }),
+            counters: GpuCounters::default(),
+            fault_every,
+            submissions: AtomicU64::new(0),
+        }
+    }
+
+    pub fn device_name(&self) -> String {
+        self.device.name()
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.state().residency.budget()
+    }
+
+    pub fn counters(&self) -> &GpuCounters {
+        &self.counters
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, TierState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `keys` resident once they are uploaded (the store's learned pins).
+    pub fn set_pins(&self, keys: impl IntoIterator<Item = ExpertKey>) {
+        self.state().residency.set_pins(keys);
+    }
+
+    pub fn is_resident(&self, key: ExpertKey) -> bool {
+        self.state().residency.is_resident(key)
+    }
+
+    /// Computes what it can of `jobs` on the device: for each job its outputs, or `None` for
+    /// the caller to compute on the CPU.
+    pub fn forward(&self, now: Instant, jobs: &[TierJob<'_>]) -> Vec<Option<Vec<f32>>> {
+        let mut out: Vec<Option<Vec<f32>>> = jobs.iter().map(|_| None).collect();
+        let mut state = self.state();
+        if jobs.is_empty() || !state.health.usable(now) {
+            self.counters.cpu_experts.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+            return out;
+        }
+        let mut on_device = Vec::new();
+        let mut busy = Vec::new();
+        for (i, job) in jobs.iter().enumerate() {
+            if self.place(&mut state, now, job, &busy) {
+                on_device.push(i);
+                busy.push(job.key);
+            }
+            if !state.health.usable(now) {
+                break;
+            }
+        }
+        if !on_device.is_empty() && state.health.usable(now) {
+            let n = self.submissions.fetch_add(1, Ordering::Relaxed) + 1;
+            let result = if self.fault_every.is_some_and(|every| n.is_multiple_of(every)) {
+                Err(GpuError::Injected)
+            } else {
+                let device_jobs: Vec<Job<'_>> = on_device.iter().map(|&i| Job { expert: &state.resident[&jobs[i].key], rows: jobs[i].rows }).collect();
+                self.device.forward(&device_jobs)
+            };
+            match result {
+                Ok(outputs) if outputs.len() == on_device.len() => {
+                    state.health.success();
+                    for (&i, ys) in on_device.iter().zip(outputs) {
+                        out[i] = Some(ys);
+                    }
+                }
+                Ok(outputs) => self.fault(&mut state, now, GpuError::Device(format!("{} outputs for {} jobs", outputs.len(), on_device.len()))),
+                Err(e) => self.fault(&mut state, now, e),
+            }
+        }
+        let done = out.iter().filter(|o| o.is_some()).count() as u64;
+        self.counters.device_experts.fetch_add(done, Ordering::Relaxed);
+        self.counters.cpu_experts.fetch_add(jobs.len() as u64 - done, Ordering::Relaxed);
+        out
+    }
+
+    /// Makes `job`'s expert resident if the policy says so; whether it is.
+    fn place(&self, state: &mut TierState, now: Instant, job: &TierJob<'_>, busy: &[ExpertKey]) -> bool {
+        if state.unsupported.contains(&job.key) {
+            return false;
+        }
+        let bytes = job.expert.bytes() as u64;
+        match state.residency.request(job.key, bytes, busy) {
+            Decision::Hit => true,
+            Decision::Cpu => false,
+            Decision::Admit { evict } => {
+                for k in evict {
+                    if let Some(e) = state.resident.remove(&k) {
+                        self.device.release(e);
+                    }
+                    state.residency.evicted(k);
+                    self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                }
+                let image = match ExpertImage::of(job.expert) {
+                    Ok(image) => image,
+                    Err(e) => {
+                        tracing::debug!("expert {:?} stays on the CPU: {e}", job.key);
+                        state.unsupported.insert(job.key);
+                        return false;
+                    }
+                };
+                match self.device.upload(&image) {
+                    Ok(resident) => {
+                        // The residency counts the expert's bytes as the CPU holds them, which
+                        // is what the budget means to a user (`--vram-gb`).
+                        state.residency.admitted(job.key, bytes);
+                        state.resident.insert(job.key, resident);
+                        self.counters.uploads.fetch_add(1, Ordering::Relaxed);
+                        self.counters.upload_bytes.fetch_add(image.bytes.len() as u64, Ordering::Relaxed);
+                        self.publish(state);
+                        true
+                    }
+                    Err(GpuError::Unsupported(why)) => {
+                        tracing::debug!("expert {:?} stays on the CPU: {why}", job.key);
+                        state.unsupported.insert(job.key);
+                        false
+                    }
+                    Err(e @ GpuError::OutOfMemory(_)) => {
+                        // The device holds less than the budget said: what fits now is the budget.
+                        self.counters.fault(&e);
+                        state.residency.shrink_to_used();
+                        tracing::warn!("the GPU ran out of memory at {} resident bytes; that is its budget from now on ({e})", state.residency.used());
+                        false
+                    }
+                    Err(e) => {
+                        self.fault(state, now, e);
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    fn fault(&self, state: &mut TierState, now: Instant, e: GpuError) {
+        self.counters.fault(&e);
+        let rest = state.health.fault(now);
+        tracing::warn!("GPU fault ({}): {e}; its experts run on the CPU, device retried in {rest:?}", e.kind());
+        if matches!(e, GpuError::Lost(_)) {
+            // A lost device's memory is gone: everything is uploaded again when it comes back.
+            for (k, resident) in state.resident.drain() {
+                self.device.release(resident);
+                state.residency.evicted(k);
+            }
+            self.publish(state);
+        }
+    }
+
+    fn publish(&self, state: &TierState) {
+        self.counters.resident_bytes.store(state.residency.used(), Ordering::Relaxed);
+        self.counters.resident_experts.store(state.residency.len() as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for VramTier {
+    fn drop(&mut self) {
+        let mut state = self.state();
+        let resident: Vec<DeviceExpert> = state.resident.drain().map(|(_, e)| e).collect();
+        drop(state);
+        for e in resident {
+            self.device.release(e);
+        }
+    }
+}

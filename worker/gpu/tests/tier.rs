@@ -1,0 +1,233 @@
+//! The VRAM tier's host logic on the CPU-backed device: residency under a budget, eviction,
+//! pins, fallback on every kind of fault with the CPU's bits, back-off and the fault-injection
+//! hook. The state machines are driven by replayed sequences with explicit time.
+
+use std::time::{Duration, Instant};
+
+use shimmer_experts::Expert;
+use shimmer_gpu::device::GpuError;
+use shimmer_gpu::fake::FakeDevice;
+use shimmer_gpu::tier::{Decision, ExpertKey, Health, Residency, TierJob, VramTier};
+use shimmer_kernels::matrix::WeightData;
+use shimmer_kernels::Matrix;
+
+fn key(layer: u32, expert: u32) -> ExpertKey {
+    ExpertKey { layer, expert }
+}
+
+#[test]
+fn residency_evicts_least_recently_used_and_never_exceeds_the_budget() {
+    let mut r = Residency::new(300);
+    // Replay: (expert, bytes, what the policy must say).
+    let admit = |evict: &[u32]| Decision::Admit { evict: evict.iter().map(|&e| key(0, e)).collect() };
+    let steps: Vec<(u32, u64, Decision)> = vec![
+        (1, 100, admit(&[])),
+        (2, 100, admit(&[])),
+        (3, 100, admit(&[])),
+        (1, 100, Decision::Hit),
+        (4, 100, admit(&[2])),    // 2 is the least recently used
+        (5, 200, admit(&[3, 1])), // two to make room, oldest first
+        (6, 400, Decision::Cpu),  // larger than the whole budget
+        (4, 100, Decision::Hit),
+    ];
+    for (i, (e, bytes, want)) in steps.into_iter().enumerate() {
+        let got = r.request(key(0, e), bytes, &[]);
+        assert_eq!(got, want, "step {i}: expert {e}");
+        if let Decision::Admit { evict } = got {
+            for k in evict {
+                r.evicted(k);
+            }
+            r.admitted(key(0, e), bytes);
+        }
+        assert!(r.used() <= r.budget(), "step {i}: {} bytes resident over a budget of {}", r.used(), r.budget());
+    }
+    assert!(r.is_resident(key(0, 4)) && r.is_resident(key(0, 5)) && !r.is_resident(key(0, 1)));
+    // An expert the same step already placed is not a victim: 5 is older, but busy.
+    assert_eq!(r.request(key(0, 7), 200, &[key(0, 5)]), Decision::Cpu);
+    assert_eq!(r.request(key(0, 7), 100, &[key(0, 5)]), Decision::Admit { evict: vec![key(0, 4)] });
+}
+
+#[test]
+fn pinned_experts_are_never_evicted() {
+    let mut r = Residency::new(200);
+    r.set_pins([key(1, 1), key(1, 2)]);
+    for e in [1, 2] {
+        assert_eq!(r.request(key(1, e), 100, &[]), Decision::Admit { evict: vec![] });
+        r.admitted(key(1, e), 100);
+    }
+    // Full of pinned experts: a newcomer stays on the CPU.
+    assert_eq!(r.request(key(1, 3), 100, &[]), Decision::Cpu);
+    r.set_pins([key(1, 2)]);
+    assert_eq!(r.request(key(1, 3), 100, &[]), Decision::Admit { evict: vec![key(1, 1)] });
+}
+
+#[test]
+fn health_backs_off_doubling_to_a_ceiling_and_recovers() {
+    let t0 = Instant::now();
+    let mut h = Health::default();
+    assert!(h.usable(t0));
+    let mut now = t0;
+    let mut rests = Vec::new();
+    for _ in 0..12 {
+        let rest = h.fault(now);
+        assert!(!h.usable(now) && !h.usable(now + rest - Duration::from_millis(1)));
+        assert!(h.usable(now + rest));
+        rests.push(rest);
+        now += rest;
+    }
+    assert_eq!(rests[0], Health::BASE);
+    assert_eq!(rests[1], Health::BASE * 2);
+    assert_eq!(rests[2], Health::BASE * 4);
+    assert_eq!(*rests.last().unwrap(), Health::MAX);
+    h.success();
+    assert_eq!(h.faults_in_a_row(), 0);
+    assert_eq!(h.fault(now), Health::BASE, "a success resets the back-off");
+}
+
+struct Rng(u64);
+impl Rng {
+    fn value(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
+    }
+}
+
+fn experts(n: usize, hidden: usize, inter: usize) -> Vec<Expert> {
+    let mut rng = Rng(7);
+    let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| rng.value()).collect()));
+    (0..n).map(|_| Expert { gate: m(inter, hidden), up: m(inter, hidden), down: m(hidden, inter) }).collect()
+}
+
+fn cpu(expert: &Expert, rows: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows.len()];
+    expert.forward_rows(rows, &mut Default::default(), &mut out, false);
+    out
+}
+
+/// What a caller does: the tier's outputs where it has them, the CPU's otherwise.
+fn step(tier: &VramTier, now: Instant, experts: &[Expert], chosen: &[u32], rows: &[f32]) -> (Vec<Vec<f32>>, usize) {
+    let jobs: Vec<TierJob<'_>> = chosen.iter().map(|&e| TierJob { key: key(0, e), expert: &experts[e as usize], rows }).collect();
+    let outs = tier.forward(now, &jobs);
+    let on_device = outs.iter().filter(|o| o.is_some()).count();
+    let full = outs.into_iter().zip(chosen).map(|(o, &e)| o.unwrap_or_else(|| cpu(&experts[e as usize], rows))).collect();
+    (full, on_device)
+}
+
+#[test]
+fn a_tier_under_a_small_budget_evicts_and_gives_the_cpus_bits() {
+    let (hidden, inter) = (48, 40);
+    let all = experts(8, hidden, inter);
+    let bytes = all[0].bytes() as u64;
+    // Room for three experts.
+    let tier = VramTier::new(Box::new(FakeDevice::new(1 << 30)), 3 * bytes, None);
+    let mut rng = Rng(9);
+    let rows: Vec<f32> = (0..2 * hidden).map(|_| rng.value()).collect();
+    let now = Instant::now();
+    for round in 0..10u32 {
+        let chosen = [round % 8, (round * 3 + 1) % 8];
+        let (outs, _) = step(&tier, now, &all, &chosen, &rows);
+        for (o, &e) in outs.iter().zip(&chosen) {
+            assert_eq!(o, &cpu(&all[e as usize], &rows), "round {round}, expert {e}");
+        }
+        let c = tier.counters();
+        assert!(c.resident_bytes.load(std::sync::atomic::Ordering::Relaxed) <= 3 * bytes);
+    }
+    let c = tier.counters();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(load(&c.evictions) > 0, "a three-expert budget over eight experts evicts");
+    assert_eq!(load(&c.cpu_experts), 0, "every expert fits the budget, so all ran on the device");
+    assert_eq!(load(&c.device_experts), 20);
+    assert_eq!(c.total_faults(), 0);
+}
+
+#[test]
+fn every_fault_kind_falls_back_to_the_cpu_and_backs_off() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(3, hidden, inter);
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 16.0 - 1.0).collect();
+    let want: Vec<Vec<f32>> = all.iter().map(|e| cpu(e, &rows)).collect();
+    for fault in [
+        GpuError::Device("VK_ERROR_UNKNOWN".into()),
+        GpuError::Timeout(Duration::from_secs(1)),
+        GpuError::Lost("VK_ERROR_DEVICE_LOST".into()),
+        GpuError::OutOfMemory("VK_ERROR_OUT_OF_DEVICE_MEMORY".into()),
+    ] {
+        let kind = fault.kind();
+        let device = std::sync::Arc::new(FakeDevice::new(1 << 30));
+        let tier = VramTier::new(Box::new(device.clone()), 1 << 20, None);
+        let t0 = Instant::now();
+        let (outs, on_device) = step(&tier, t0, &all, &[0, 1, 2], &rows);
+        assert_eq!((outs, on_device), (want.clone(), 3), "{kind}: a healthy first step");
+        // The next submission fails: the step still gives the CPU's bits.
+        device.fail_next(fault);
+        let (outs, on_device) = step(&tier, t0, &all, &[0, 1, 2], &rows);
+        assert_eq!(outs, want, "{kind}: the failed step's outputs");
+        assert_eq!(on_device, 0, "{kind}: nothing from a failed submission is used");
+        assert_eq!(tier.counters().faults().iter().find(|(k, _)| *k == kind).map(|x| x.1), Some(1), "{kind} counted");
+        // Resting: the device is not asked at all.
+        let calls = device.calls();
+        let (outs, on_device) = step(&tier, t0 + Health::BASE / 2, &all, &[0, 1, 2], &rows);
+        assert_eq!((outs, on_device, device.calls()), (want.clone(), 0, calls), "{kind}: a resting device is left alone");
+        // After the back-off it is tried again and used.
+        let (outs, on_device) = step(&tier, t0 + Health::BASE, &all, &[0, 1, 2], &rows);
+        assert_eq!((outs, on_device), (want.clone(), 3), "{kind}: retried after the back-off");
+        if kind == "lost" {
+            assert_eq!(device.calls().0, 6, "a lost device's experts are uploaded again");
+        }
+    }
+}
+
+#[test]
+fn out_of_memory_on_upload_shrinks_the_budget_to_what_fits() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(4, hidden, inter);
+    let bytes = all[0].bytes() as u64;
+    // The device holds two experts though it reports room for all and the budget says four.
+    let tier = VramTier::new(Box::new(FakeDevice::new(2 * bytes + bytes / 2).reporting(1 << 30)), 4 * bytes, None);
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0 - 2.0).collect();
+    let (outs, on_device) = step(&tier, Instant::now(), &all, &[0, 1, 2, 3], &rows);
+    assert_eq!(outs, all.iter().map(|e| cpu(e, &rows)).collect::<Vec<_>>());
+    assert_eq!(on_device, 2);
+    assert_eq!(tier.budget(), 2 * bytes);
+    // From then on the tier evicts within what fits rather than failing.
+    let (outs, on_device) = step(&tier, Instant::now(), &all, &[2, 3], &rows);
+    assert_eq!((outs[1].clone(), on_device), (cpu(&all[3], &rows), 2));
+}
+
+#[test]
+fn shimmer_gpu_fault_fails_every_nth_submission_with_the_same_tokens() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(4, hidden, inter);
+    let rows: Vec<f32> = (0..3 * hidden).map(|i| (i as f32 * 0.37).sin()).collect();
+    let tier = VramTier::new(Box::new(FakeDevice::new(1 << 30)), 1 << 30, Some(3));
+    let mut now = Instant::now();
+    let mut failed = Vec::new();
+    for s in 1..=9u32 {
+        let (outs, on_device) = step(&tier, now, &all, &[s % 4, (s + 1) % 4], &rows);
+        assert_eq!(outs[0], cpu(&all[(s % 4) as usize], &rows), "submission {s}");
+        if on_device == 0 {
+            failed.push(s);
+        }
+        now += Health::MAX; // past any back-off
+    }
+    assert_eq!(failed, vec![3, 6, 9], "the 3rd and every 3rd later submission fails");
+    assert_eq!(tier.counters().faults().iter().find(|(k, _)| *k == "injected").map(|x| x.1), Some(3));
+}
+
+#[test]
+fn experts_the_device_cannot_compute_stay_on_the_cpu_and_are_asked_once() {
+    let (hidden, inter) = (32, 24);
+    let q = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::Int8 { q: vec![3; rows * cols], scales: vec![0.01; rows] });
+    let int8 = Expert { gate: q(inter, hidden), up: q(inter, hidden), down: q(hidden, inter) };
+    let device = std::sync::Arc::new(FakeDevice::new(1 << 30));
+    let tier = VramTier::new(Box::new(device.clone()), 1 << 30, None);
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0).collect();
+    for _ in 0..3 {
+        let outs = tier.forward(Instant::now(), &[TierJob { key: key(2, 0), expert: &int8, rows: &rows }]);
+        assert!(outs[0].is_none());
+    }
+    assert_eq!(device.calls(), (0, 0), "an int8 expert never reaches the device");
+    assert_eq!(tier.counters().total_faults(), 0, "an unsupported format is not a fault");
+}
