@@ -80,6 +80,8 @@ pub struct Engine {
     trace: std::sync::Mutex<Option<crate::trace_recorder::TraceRecorder>>,
     /// Dense weights' bytes, reported beside the expert budget when the store is in use.
     pub dense_bytes: Option<u64>,
+    /// The VRAM tier, when experts are computed on a GPU (for its telemetry).
+    vram: Option<std::sync::Arc<shimmer_gpu::VramTier>>,
     /// Compute threads (as many as the global rayon pool has: one per core unless set).
     pool: rayon::ThreadPool,
 }
@@ -177,6 +179,8 @@ pub struct ExpertOptions {
     pub usage: UsageFile,
     /// A worker's placement assignment: pinned and read at start (`StoreOptions::assigned`).
     pub assigned: Option<Vec<Vec<u16>>>,
+    /// The VRAM tier above RAM (`--gpu`, `--vram-gb`): experts it holds are computed there.
+    pub vram: Option<std::sync::Arc<shimmer_gpu::VramTier>>,
 }
 
 impl Default for ExpertOptions {
@@ -189,6 +193,7 @@ impl Default for ExpertOptions {
             io_depth: shimmer_store::DEFAULT_IO_DEPTH,
             usage: UsageFile::BesideModel,
             assigned: None,
+            vram: None,
         }
     }
 }
@@ -206,13 +211,19 @@ impl Engine {
         let store = model.is_container() || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
         let (dense, dense_bytes) = model.dense()?;
         if !store {
-            let experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16, None)?;
+            let mut experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16, None)?;
             tracing::debug!(experts_bytes = experts.bytes(), "model loaded");
-            return Self::new(&model, dense, Experts::InProcess(Box::new(experts)));
+            if let Some(tier) = &opts.vram {
+                experts = experts.with_accelerator(tier.clone());
+            }
+            let mut engine = Self::new(&model, dense, Experts::InProcess(Box::new(experts)))?;
+            engine.vram = opts.vram.clone();
+            return Ok(engine);
         }
         let experts = model.expert_store(opts, dense_bytes)?;
         let mut engine = Self::new(&model, dense, Experts::Store(Box::new(experts)))?;
         engine.dense_bytes = Some(dense_bytes);
+        engine.vram = opts.vram.clone();
         Ok(engine)
     }
 
@@ -251,6 +262,7 @@ impl Engine {
             fingerprint: model.fingerprint.clone(),
             trace: std::sync::Mutex::new(None),
             dense_bytes: None,
+            vram: None,
             pool,
         })
     }
@@ -288,6 +300,11 @@ impl Engine {
     /// Links to the workers and their counters, when the experts are on a cluster.
     pub fn cluster_telemetry(&self) -> Option<shimmer_cluster::ClusterTelemetry> {
         self.experts.cluster().map(RemoteExperts::telemetry_snapshot)
+    }
+
+    /// The VRAM tier's counters, when experts are computed on a GPU.
+    pub fn gpu_telemetry(&self) -> Option<shimmer_gpu::GpuTelemetry> {
+        self.vram.as_ref().map(|t| t.telemetry())
     }
 
     /// The expert store's counters, when the experts are in one.

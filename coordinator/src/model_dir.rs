@@ -171,7 +171,14 @@ impl ModelDir {
         let store = ExpertStore::open(
             source,
             &self.spec,
-            StoreOptions { budget_bytes, prefetch: opts.prefetch, io_depth: opts.io_depth, usage, assigned: opts.assigned.clone() },
+            StoreOptions {
+                budget_bytes,
+                prefetch: opts.prefetch,
+                io_depth: opts.io_depth,
+                usage,
+                assigned: opts.assigned.clone(),
+                accelerator: opts.vram.clone().map(|t| t as std::sync::Arc<dyn shimmer_experts::Accelerator>),
+            },
         )
         .map_err(|e| EngineError::Input(e.to_string()))?;
         tracing::info!(budget_bytes, all_bytes, resident_bytes, "expert store open");

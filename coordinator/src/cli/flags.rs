@@ -34,6 +34,14 @@ pub(super) struct StoreArgs {
     /// Neither read nor write routing heat.
     #[arg(long)]
     pub(super) no_usage: bool,
+    /// Compute experts on a GPU from its memory (the VRAM tier above RAM): `auto` uses a GPU
+    /// when this binary has a backend for it (cargo feature `vulkan`), `vulkan` insists (and also
+    /// accepts drivers that run on the CPU, such as lavapipe), `none` never.
+    #[arg(long, value_name = "auto|cuda|vulkan|none", default_value = "auto")]
+    pub(super) gpu: shimmer_gpu::GpuChoice,
+    /// GPU memory for experts in GB (default: 90 % of the device's).
+    #[arg(long, value_name = "GB")]
+    pub(super) vram_gb: Option<f64>,
 }
 
 /// How the routed experts are reached on a cluster (docs/cluster.md).
@@ -158,7 +166,37 @@ impl StoreArgs {
             (Some(p), false) => UsageFile::File(p.clone()),
             (None, false) => UsageFile::BesideModel,
         };
-        Ok(ExpertOptions { ram, direct_io: self.direct_io, mirror: self.mirror.clone(), prefetch: !self.no_prefetch, io_depth, usage, assigned: None })
+        Ok(ExpertOptions {
+            ram,
+            direct_io: self.direct_io,
+            mirror: self.mirror.clone(),
+            prefetch: !self.no_prefetch,
+            io_depth,
+            usage,
+            assigned: None,
+            vram: self.vram_tier()?,
+        })
+    }
+
+    /// The VRAM tier `--gpu` and `--vram-gb` ask for, opened once per process (verbs that open
+    /// a model twice share it); `None` when there is no GPU to use.
+    fn vram_tier(&self) -> Result<Option<std::sync::Arc<shimmer_gpu::VramTier>>> {
+        static TIER: std::sync::Mutex<Option<std::sync::Arc<shimmer_gpu::VramTier>>> = std::sync::Mutex::new(None);
+        let budget = match self.vram_gb {
+            None => None,
+            Some(gb) if gb > 0.0 && gb <= 1e6 => Some((gb * 1e9) as u64),
+            Some(gb) => bail!("--vram-gb must be a size in (0, 1e6] GB, got {gb}"),
+        };
+        if self.gpu == shimmer_gpu::GpuChoice::None {
+            return Ok(None);
+        }
+        let mut held = TIER.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = held.as_ref() {
+            return Ok(Some(t.clone()));
+        }
+        let tier = shimmer_gpu::tier(self.gpu, budget).map_err(|e| anyhow::anyhow!("--gpu {}: {e}", self.gpu))?;
+        *held = tier.clone();
+        Ok(tier)
     }
 }
 

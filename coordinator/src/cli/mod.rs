@@ -270,17 +270,40 @@ fn open_as(dir: &std::path::Path, experts: &ExpertArgs, json: bool, member: Opti
             if store.no_prefetch { ", no prefetch" } else { "" },
         );
     }
+    if let Some(g) = engine.gpu_telemetry().filter(|_| !json) {
+        eprintln!("shimmer: VRAM tier: {:.3} GB for experts on {}", g.budget_bytes as f64 / 1e9, g.device);
+    }
     Ok(engine)
 }
 
 fn store_json(engine: &Engine) -> serde_json::Value {
-    match engine.store_telemetry() {
+    let mut out = match engine.store_telemetry() {
         Some(t) => json!({"dense_bytes": engine.dense_bytes, "experts": t}),
         None => serde_json::Value::Null,
+    };
+    if let Some(g) = engine.gpu_telemetry() {
+        if out.is_null() {
+            out = json!({});
+        }
+        out["vram"] = json!(g);
     }
+    out
 }
 
 fn store_summary(engine: &Engine) {
+    if let Some(g) = engine.gpu_telemetry() {
+        let faults: u64 = g.faults.iter().map(|(_, n)| n).sum();
+        eprintln!(
+            "[vram: {} experts computed on the GPU, {} on the CPU; {} uploads ({:.1} MB), {} evictions; {} resident ({:.1} MB); {faults} faults]",
+            g.device_experts,
+            g.cpu_experts,
+            g.uploads,
+            g.upload_bytes as f64 / 1e6,
+            g.evictions,
+            g.resident_experts,
+            g.resident_bytes as f64 / 1e6,
+        );
+    }
     if let Some(t) = engine.store_telemetry() {
         eprintln!(
             "[experts: {} RAM hits, {} joined in-flight reads, {} disk misses; {:.1} MB read at {:.2} GB/s; prefetch {} issued / {} used; waited {:.1} ms on I/O{}]",

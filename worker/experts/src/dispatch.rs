@@ -13,6 +13,7 @@ use shimmer_common::spec::LayerMlp;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_kernels::{fixed, Activations, FixedPointOverflow, Matrix};
 
+use crate::accelerator::{AccelJob, Accelerator};
 use crate::expert::{Expert, FfnScratch};
 use crate::weights::load_matrix;
 
@@ -77,6 +78,8 @@ pub trait ExpertDispatch: Send + Sync {
 pub struct InProcessExperts {
     /// Indexed by layer; `None` for dense layers.
     layers: Vec<Option<Vec<Expert>>>,
+    /// Where some experts are computed instead of this CPU (a GPU's VRAM tier).
+    accelerator: Option<std::sync::Arc<dyn Accelerator>>,
 }
 
 impl InProcessExperts {
@@ -136,11 +139,17 @@ impl InProcessExperts {
             }
             layers.push(Some(experts));
         }
-        Ok(InProcessExperts { layers })
+        Ok(InProcessExperts { layers, accelerator: None })
     }
 
     pub fn bytes(&self) -> usize {
         self.layers.iter().flatten().flatten().map(Expert::bytes).sum()
+    }
+
+    /// Computes experts on `accelerator` where it can (the same bits; the rest on this CPU).
+    pub fn with_accelerator(mut self, accelerator: std::sync::Arc<dyn Accelerator>) -> Self {
+        self.accelerator = Some(accelerator);
+        self
     }
 }
 
@@ -158,9 +167,13 @@ impl InProcessExperts {
         let layer = batch.layer;
         let experts = self.layers.get(layer).and_then(Option::as_ref).ok_or(DispatchError::NotMoeLayer { layer })?;
         let users = expert_users(batch, experts.len())?;
-        let work: Vec<(&Expert, &[(usize, f32)])> =
-            users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).map(|(e, u)| (&experts[e], u.as_slice())).collect();
-        apply_experts(batch, &work, acc)?;
+        let work: Vec<Work<'_>> = users
+            .iter()
+            .enumerate()
+            .filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32))
+            .map(|(e, u)| (e as u32, &experts[e], u.as_slice()))
+            .collect();
+        apply_experts(batch, &work, self.accelerator.as_deref(), acc)?;
         Ok(())
     }
 }
@@ -193,11 +206,53 @@ const SERIAL_MACS: usize = 1 << 20;
 /// this much work (its threads take an expert in well under a microsecond).
 const TEAM_MIN_MACS: usize = 1 << 16;
 
-/// Applies each expert to the rows that chose it and adds the weighted outputs into `acc`.
-/// Their outputs are added afterwards as fixed-point integers, so the order — and which thread,
-/// dispatcher or node computed which expert — cannot change a bit.
-pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
+/// One expert's share of a batch: its id, its weights, the (row, weight) pairs that chose it.
+pub type Work<'a> = (u32, &'a Expert, &'a [(usize, f32)]);
+
+/// The rows that chose an expert, gathered into one `n × hidden` block.
+pub fn gather_rows(batch: &MoeBatch<'_>, rows: &[(usize, f32)]) -> Vec<f32> {
+    let h = batch.hidden;
+    let mut xs = Vec::with_capacity(rows.len() * h);
+    for &(row, _) in rows {
+        xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
+    }
+    xs
+}
+
+/// Adds an expert's outputs (`ys`, one row per entry of `rows`) into `acc`, weighted, in fixed point.
+pub fn add_weighted(batch: &MoeBatch<'_>, rows: &[(usize, f32)], ys: &[f32], acc: &mut [i64]) -> Result<(), DispatchError> {
     let (h, layer) = (batch.hidden, batch.layer);
+    for (&(row, w), y) in rows.iter().zip(ys.chunks_exact(h)) {
+        fixed::accumulate_weighted(&mut acc[row * h..(row + 1) * h], y, w).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
+    }
+    Ok(())
+}
+
+/// Applies each expert to the rows that chose it and adds the weighted outputs into `acc` —
+/// on `accelerator` where it computes them, on this CPU otherwise. Their outputs are added
+/// afterwards as fixed-point integers, so the order — and which thread, device, dispatcher or
+/// node computed which expert — cannot change a bit.
+pub fn apply_experts(batch: &MoeBatch<'_>, work: &[Work<'_>], accelerator: Option<&dyn Accelerator>, acc: &mut [i64]) -> Result<(), DispatchError> {
+    let Some(accelerator) = accelerator.filter(|_| !work.is_empty()) else {
+        let cpu: Vec<(&Expert, &[(usize, f32)])> = work.iter().map(|(_, e, r)| (*e, *r)).collect();
+        return apply_on_cpu(batch, &cpu, acc);
+    };
+    let gathered: Vec<Vec<f32>> = work.iter().map(|(_, _, rows)| gather_rows(batch, rows)).collect();
+    let jobs: Vec<AccelJob<'_>> = work.iter().zip(&gathered).map(|((id, e, _), xs)| AccelJob { expert: *id, weights: Some(*e), rows: xs }).collect();
+    let outputs = accelerator.forward(batch.layer, &jobs);
+    let mut cpu = Vec::new();
+    for (i, (_, expert, rows)) in work.iter().enumerate() {
+        match outputs.get(i).and_then(Option::as_ref) {
+            Some(ys) if ys.len() == rows.len() * batch.hidden => add_weighted(batch, rows, ys, acc)?,
+            _ => cpu.push((*expert, *rows)),
+        }
+    }
+    apply_on_cpu(batch, &cpu, acc)
+}
+
+/// `apply_experts` on this CPU.
+fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
+    let h = batch.hidden;
     // Small work (a decode step of a small model) runs on this thread: waking the pool's threads
     // costs more than it saves. Otherwise experts are spread over the threads, each running its
     // rows as one batched product (weights read once per group of rows), or, a lone expert, its
@@ -206,20 +261,12 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], 
     let parallel_inside = work.len() == 1 && macs >= SERIAL_MACS;
     // One expert over the rows that chose it: its outputs, row after row.
     let one = |scratch: &mut FfnScratch, (expert, rows): &(&Expert, &[(usize, f32)])| -> Vec<f32> {
-        let mut xs = Vec::with_capacity(rows.len() * h);
-        for &(row, _) in rows.iter() {
-            xs.extend_from_slice(&batch.rows[row * h..(row + 1) * h]);
-        }
+        let xs = gather_rows(batch, rows);
         let mut ys = vec![0.0f32; rows.len() * h];
         expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
         ys
     };
-    let add = |acc: &mut [i64], rows: &[(usize, f32)], ys: &[f32]| -> Result<(), DispatchError> {
-        for (&(row, w), y) in rows.iter().zip(ys.chunks_exact(h)) {
-            fixed::accumulate_weighted(&mut acc[row * h..(row + 1) * h], y, w).map_err(|overflow| DispatchError::Overflow { layer, overflow })?;
-        }
-        Ok(())
-    };
+    let add = |acc: &mut [i64], rows: &[(usize, f32)], ys: &[f32]| add_weighted(batch, rows, ys, acc);
     if let Some(team) = shimmer_kernels::team::active().filter(|_| work.len() > 1 && macs >= TEAM_MIN_MACS) {
         // A forward step's team is awake: its threads take an expert each.
         let outputs: Vec<std::sync::OnceLock<Vec<f32>>> = work.iter().map(|_| std::sync::OnceLock::new()).collect();
@@ -264,19 +311,72 @@ mod tests {
         let experts: Vec<Expert> = (0..n_experts).map(|_| Expert { gate: m(inter, h), up: m(inter, h), down: m(h, inter) }).collect();
         let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.37).sin()).collect();
         let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.05 + e as f32 * 0.1)]).collect();
-        let work: Vec<(&Expert, &[(usize, f32)])> = experts.iter().zip(&rows).map(|(e, r)| (e, &r[..])).collect();
+        let work: Vec<Work<'_>> = experts.iter().zip(&rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect();
         let ids: Vec<u32> = (0..n_experts as u32).collect();
         let weights: Vec<f32> = rows.iter().map(|r| r[0].1).collect();
         let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
         assert!(3 * h * inter * n_experts >= TEAM_MIN_MACS, "the team path is taken");
         let mut alone = vec![0i64; h];
-        apply_experts(&batch, &work, &mut alone).unwrap();
+        apply_experts(&batch, &work, None, &mut alone).unwrap();
         let teamed = shimmer_kernels::team::with_team(2, || {
             assert!(shimmer_kernels::team::active().is_some());
             let mut acc = vec![0i64; h];
-            apply_experts(&batch, &work, &mut acc).unwrap();
+            apply_experts(&batch, &work, None, &mut acc).unwrap();
             acc
         });
         assert_eq!(teamed, alone);
+    }
+
+    /// Computes the even-numbered experts (on this CPU, as a device with the CPU's bits would)
+    /// and declines the odd ones; one answer for an expert it was not asked about is ignored.
+    struct EvenExperts {
+        asked: std::sync::Mutex<Vec<u32>>,
+    }
+
+    impl Accelerator for EvenExperts {
+        fn holds(&self, _: usize, expert: u32) -> bool {
+            expert % 2 == 0
+        }
+        fn forward(&self, _layer: usize, jobs: &[AccelJob<'_>]) -> Vec<Option<Vec<f32>>> {
+            self.asked.lock().unwrap().extend(jobs.iter().map(|j| j.expert));
+            jobs.iter()
+                .map(|j| {
+                    let e = j.weights.filter(|_| j.expert % 2 == 0)?;
+                    let mut ys = vec![0.0f32; j.rows.len()];
+                    e.forward_rows(j.rows, &mut FfnScratch::default(), &mut ys, false);
+                    Some(ys)
+                })
+                .collect()
+        }
+    }
+
+    /// Experts an accelerator computes and those it leaves to the CPU add up to the bits of
+    /// computing all on the CPU; every expert is offered to it once.
+    #[test]
+    fn an_accelerator_computing_some_experts_gives_the_same_bits() {
+        let (h, inter, n_experts, n_rows, top_k) = (48usize, 40usize, 6usize, 5usize, 3usize);
+        let mut s = 11u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        };
+        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert { gate: m(inter, h), up: m(inter, h), down: m(h, inter) }).collect();
+        let x: Vec<f32> = (0..n_rows * h).map(|i| (i as f32 * 0.13).cos()).collect();
+        let ids: Vec<u32> = (0..n_rows * top_k).map(|i| ((i * 7 + i / top_k) % n_experts) as u32).collect();
+        let weights: Vec<f32> = (0..n_rows * top_k).map(|i| 0.1 + (i % 5) as f32 * 0.07).collect();
+        let batch = MoeBatch { layer: 3, hidden: h, rows: &x, top_k, experts: &ids, weights: &weights };
+        let users = expert_users(&batch, n_experts).unwrap();
+        let work: Vec<Work<'_>> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, u)| (e as u32, &experts[e], u.as_slice())).collect();
+        let mut on_cpu = vec![0i64; n_rows * h];
+        apply_experts(&batch, &work, None, &mut on_cpu).unwrap();
+        let accel = EvenExperts { asked: Default::default() };
+        let mut mixed = vec![0i64; n_rows * h];
+        apply_experts(&batch, &work, Some(&accel), &mut mixed).unwrap();
+        assert_eq!(mixed, on_cpu);
+        let mut asked = accel.asked.into_inner().unwrap();
+        asked.sort_unstable();
+        assert_eq!(asked, work.iter().map(|w| w.0).collect::<Vec<_>>());
+        assert!(asked.iter().any(|e| e % 2 == 0) && asked.iter().any(|e| e % 2 == 1), "both kinds occur");
     }
 }

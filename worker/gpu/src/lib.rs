@@ -26,7 +26,7 @@ pub mod tier;
 pub mod vulkan;
 
 pub use device::{Device, DeviceExpert, GpuError, Job};
-pub use tier::{ExpertKey, GpuCounters, TierJob, VramTier};
+pub use tier::{ExpertKey, GpuCounters, GpuTelemetry, TierJob, VramTier};
 
 /// Which GPU backend a verb uses (`--gpu`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +36,17 @@ pub enum GpuChoice {
     Cuda,
     Vulkan,
     None,
+}
+
+impl std::fmt::Display for GpuChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuChoice::Auto => "auto",
+            GpuChoice::Cuda => "cuda",
+            GpuChoice::Vulkan => "vulkan",
+            GpuChoice::None => "none",
+        })
+    }
 }
 
 impl std::str::FromStr for GpuChoice {
@@ -51,13 +62,14 @@ impl std::str::FromStr for GpuChoice {
     }
 }
 
-/// The device `choice` names, opened and self-tested; `Ok(None)` when `Auto` finds none.
+/// The device `choice` names, opened and self-tested; `Ok(None)` for `none`, and for `auto`
+/// when there is no usable GPU (drivers that run on the CPU, such as lavapipe, only by name).
 pub fn open(choice: GpuChoice) -> Result<Option<Box<dyn Device>>, GpuError> {
     match choice {
         GpuChoice::None => Ok(None),
-        GpuChoice::Cuda => Err(GpuError::Unavailable("this build has no CUDA backend yet (issue 19); use --gpu vulkan".into())),
-        GpuChoice::Vulkan => open_vulkan().map(Some),
-        GpuChoice::Auto => match open_vulkan() {
+        GpuChoice::Cuda => Err(GpuError::Unavailable("this build has no CUDA backend yet; use --gpu vulkan".into())),
+        GpuChoice::Vulkan => open_vulkan(true).map(Some),
+        GpuChoice::Auto => match open_vulkan(false) {
             Ok(d) => Ok(Some(d)),
             Err(e) => {
                 tracing::info!("no GPU: {e}");
@@ -67,12 +79,21 @@ pub fn open(choice: GpuChoice) -> Result<Option<Box<dyn Device>>, GpuError> {
     }
 }
 
+/// The VRAM tier on the device `choice` names, holding at most `budget_bytes` (default: 90 % of
+/// the device's memory); `SHIMMER_GPU_FAULT` read here.
+pub fn tier(choice: GpuChoice, budget_bytes: Option<u64>) -> Result<Option<std::sync::Arc<VramTier>>, GpuError> {
+    let fault_every = tier::fault_every_from_env().map_err(GpuError::Unavailable)?;
+    let Some(device) = open(choice)? else { return Ok(None) };
+    let budget = budget_bytes.unwrap_or(device.memory_bytes() / 10 * 9);
+    Ok(Some(std::sync::Arc::new(VramTier::new(device, budget, fault_every))))
+}
+
 #[cfg(feature = "vulkan")]
-fn open_vulkan() -> Result<Box<dyn Device>, GpuError> {
-    Ok(Box::new(vulkan::VulkanDevice::open()?))
+fn open_vulkan(cpu_drivers: bool) -> Result<Box<dyn Device>, GpuError> {
+    Ok(Box::new(vulkan::VulkanDevice::open_with(&vulkan::Options { cpu_drivers, ..vulkan::Options::default() })?))
 }
 
 #[cfg(not(feature = "vulkan"))]
-fn open_vulkan() -> Result<Box<dyn Device>, GpuError> {
-    Err(GpuError::Unavailable("this binary was built without Vulkan (cargo build --features vulkan)".into()))
+fn open_vulkan(_cpu_drivers: bool) -> Result<Box<dyn Device>, GpuError> {
+    Err(GpuError::Unavailable("this binary was built without Vulkan (cargo build --release -p shimmer-coordinator --features vulkan)".into()))
 }

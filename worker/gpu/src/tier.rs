@@ -196,10 +196,28 @@ impl GpuCounters {
     }
 }
 
+/// What the tier holds and did, for the banner, `/metrics`, the dashboard and `--json`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct GpuTelemetry {
+    pub device: String,
+    pub budget_bytes: u64,
+    pub resident_bytes: u64,
+    pub resident_experts: u64,
+    pub uploads: u64,
+    pub upload_bytes: u64,
+    pub evictions: u64,
+    /// Expert computations done on the device, and those handed back to the CPU.
+    pub device_experts: u64,
+    pub cpu_experts: u64,
+    /// Faults by kind (`GpuError::KINDS`).
+    pub faults: Vec<(String, u64)>,
+}
+
 /// One expert a step wants computed over its rows (`rows` is `n × hidden`).
 pub struct TierJob<'a> {
     pub key: ExpertKey,
-    pub expert: &'a Expert,
+    /// Its weights, for an upload if it is not resident; `None`: compute it only if resident.
+    pub expert: Option<&'a Expert>,
     pub rows: &'a [f32],
 }
 
@@ -260,6 +278,23 @@ impl VramTier {
 
     pub fn counters(&self) -> &GpuCounters {
         &self.counters
+    }
+
+    pub fn telemetry(&self) -> GpuTelemetry {
+        let c = &self.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        GpuTelemetry {
+            device: self.device.name(),
+            budget_bytes: self.budget(),
+            resident_bytes: load(&c.resident_bytes),
+            resident_experts: load(&c.resident_experts),
+            uploads: load(&c.uploads),
+            upload_bytes: load(&c.upload_bytes),
+            evictions: load(&c.evictions),
+            device_experts: load(&c.device_experts),
+            cpu_experts: load(&c.cpu_experts),
+            faults: c.faults().into_iter().map(|(k, n)| (k.to_string(), n)).collect(),
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, TierState> {
@@ -325,7 +360,11 @@ impl VramTier {
         if state.unsupported.contains(&job.key) {
             return false;
         }
-        let bytes = job.expert.bytes() as u64;
+        let Some(expert) = job.expert else {
+            // No weights at hand: only a resident expert can run (and counts as used).
+            return state.residency.is_resident(job.key) && state.residency.request(job.key, 0, busy) == Decision::Hit;
+        };
+        let bytes = expert.bytes() as u64;
         match state.residency.request(job.key, bytes, busy) {
             Decision::Hit => true,
             Decision::Cpu => false,
@@ -337,7 +376,7 @@ impl VramTier {
                     state.residency.evicted(k);
                     self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                 }
-                let image = match ExpertImage::of(job.expert) {
+                let image = match ExpertImage::of(expert) {
                     Ok(image) => image,
                     Err(e) => {
                         tracing::debug!("expert {:?} stays on the CPU: {e}", job.key);
@@ -394,6 +433,25 @@ impl VramTier {
     fn publish(&self, state: &TierState) {
         self.counters.resident_bytes.store(state.residency.used(), Ordering::Relaxed);
         self.counters.resident_experts.store(state.residency.len() as u64, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for VramTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VramTier").field("device", &self.device.name()).field("budget", &self.budget()).finish()
+    }
+}
+
+impl shimmer_experts::Accelerator for VramTier {
+    fn holds(&self, layer: usize, expert: u32) -> bool {
+        let state = self.state();
+        state.health.usable(Instant::now()) && state.residency.is_resident(ExpertKey { layer: layer as u32, expert })
+    }
+
+    fn forward(&self, layer: usize, jobs: &[shimmer_experts::AccelJob<'_>]) -> Vec<Option<Vec<f32>>> {
+        let jobs: Vec<TierJob<'_>> =
+            jobs.iter().map(|j| TierJob { key: ExpertKey { layer: layer as u32, expert: j.expert }, expert: j.weights, rows: j.rows }).collect();
+        VramTier::forward(self, Instant::now(), &jobs)
     }
 }
 

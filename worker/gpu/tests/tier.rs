@@ -108,7 +108,7 @@ fn cpu(expert: &Expert, rows: &[f32]) -> Vec<f32> {
 
 /// What a caller does: the tier's outputs where it has them, the CPU's otherwise.
 fn step(tier: &VramTier, now: Instant, experts: &[Expert], chosen: &[u32], rows: &[f32]) -> (Vec<Vec<f32>>, usize) {
-    let jobs: Vec<TierJob<'_>> = chosen.iter().map(|&e| TierJob { key: key(0, e), expert: &experts[e as usize], rows }).collect();
+    let jobs: Vec<TierJob<'_>> = chosen.iter().map(|&e| TierJob { key: key(0, e), expert: Some(&experts[e as usize]), rows }).collect();
     let outs = tier.forward(now, &jobs);
     let on_device = outs.iter().filter(|o| o.is_some()).count();
     let full = outs.into_iter().zip(chosen).map(|(o, &e)| o.unwrap_or_else(|| cpu(&experts[e as usize], rows))).collect();
@@ -225,9 +225,26 @@ fn experts_the_device_cannot_compute_stay_on_the_cpu_and_are_asked_once() {
     let tier = VramTier::new(Box::new(device.clone()), 1 << 30, None);
     let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0).collect();
     for _ in 0..3 {
-        let outs = tier.forward(Instant::now(), &[TierJob { key: key(2, 0), expert: &int8, rows: &rows }]);
+        let outs = tier.forward(Instant::now(), &[TierJob { key: key(2, 0), expert: Some(&int8), rows: &rows }]);
         assert!(outs[0].is_none());
     }
     assert_eq!(device.calls(), (0, 0), "an int8 expert never reaches the device");
     assert_eq!(tier.counters().total_faults(), 0, "an unsupported format is not a fault");
+}
+
+/// A job without weights runs only if its expert is resident; a resident one counts as used.
+#[test]
+fn jobs_without_weights_run_only_on_resident_experts() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(2, hidden, inter);
+    let tier = VramTier::new(Box::new(FakeDevice::new(1 << 30)), 1 << 30, None);
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0 - 2.0).collect();
+    let now = Instant::now();
+    let blind = |e: u32| tier.forward(now, &[TierJob { key: key(0, e), expert: None, rows: &rows }]).remove(0);
+    assert_eq!(blind(0), None, "not resident yet");
+    step(&tier, now, &all, &[0], &rows);
+    assert_eq!(blind(0), Some(cpu(&all[0], &rows)));
+    assert_eq!(blind(1), None);
+    use shimmer_experts::Accelerator;
+    assert!(tier.holds(0, 0) && !tier.holds(0, 1) && !tier.holds(1, 0));
 }

@@ -49,7 +49,7 @@ use shimmer_common::ModelSpec;
 
 use crate::policy::{Decision, Key, LayerLru};
 use crate::usage::Usage;
-use shimmer_experts::{DispatchError, Expert, ExpertDispatch, MoeBatch};
+use shimmer_experts::{AccelJob, Accelerator, DispatchError, Expert, ExpertDispatch, MoeBatch};
 pub use source::Source;
 
 pub const DEFAULT_IO_DEPTH: usize = 16;
@@ -76,6 +76,9 @@ pub struct StoreOptions {
     /// placement assignment); replaces the pins learned from `usage`. Capped so that top-k slots
     /// per layer stay free for the experts it is asked for beyond these.
     pub assigned: Option<Vec<Vec<u16>>>,
+    /// The tier above RAM (a GPU's VRAM): experts it holds are computed there without being
+    /// read; experts in RAM are offered to it (it may upload them).
+    pub accelerator: Option<Arc<dyn Accelerator>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -243,6 +246,7 @@ struct Inner {
     counters: Counters,
     usage: Mutex<Option<Usage>>,
     telemetry_base: StoreTelemetry,
+    accelerator: Option<Arc<dyn Accelerator>>,
 }
 
 pub struct ExpertStore {
@@ -320,6 +324,7 @@ impl ExpertStore {
             counters: Counters::default(),
             usage: Mutex::new(opts.usage),
             telemetry_base,
+            accelerator: opts.accelerator,
         });
         let readers = (0..io_depth)
             .map(|n| {
@@ -576,24 +581,18 @@ impl Inner {
     }
 }
 
-impl ExpertDispatch for ExpertStore {
-    fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
-        let inner = &self.inner;
-        let layer = batch.layer;
-        let pos = inner.moe_position.get(layer).copied().flatten().ok_or(DispatchError::NotMoeLayer { layer })?;
-        let users = shimmer_experts::dispatch::expert_users(batch, inner.num_experts)?;
-        if let Some(u) = lock(&inner.usage).as_mut() {
-            for e in batch.experts {
-                u.record(layer, *e as usize);
-            }
+impl ExpertStore {
+    /// Finds each of `keys` (one layer's experts) in RAM or in flight, or starts its read on
+    /// demand: the resident ones go to `ready`, the rest to `waiting`.
+    fn look_up(&self, layer: usize, mut keys: Vec<Key>, ready: &mut Vec<(usize, Arc<Expert>)>, waiting: &mut Vec<(usize, Arc<Pending>)>) {
+        if keys.is_empty() {
+            return;
         }
-        // Resident experts, and those being read (by this batch or an earlier prefetch).
-        let mut ready: Vec<(usize, Arc<Expert>)> = Vec::new();
-        let mut waiting: Vec<(usize, Arc<Pending>)> = Vec::new();
+        let inner = &self.inner;
         let mut jobs = Vec::new();
+        let first_waiting = waiting.len();
         {
             let mut st = lock(&inner.state);
-            let mut keys: Vec<Key> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, _)| (pos, e as u16)).collect();
             crate::policy::batch_order(&st.policy, &mut keys);
             for key in keys {
                 let e = key.1 as usize;
@@ -626,24 +625,59 @@ impl ExpertDispatch for ExpertStore {
                 }
             }
         }
-        {
-            // Demand first; a queued prefetch this batch now needs is promoted to demand.
-            let mut q = lock(&inner.queues);
-            let pendings: Vec<&Arc<Pending>> = waiting.iter().map(|(_, p)| p).collect();
-            let before = q.demand.len();
-            q.promote(&pendings);
-            q.demand.extend(jobs);
-            // One reader per new read: waking all of them on every layer of every token (most
-            // find nothing to do) costs more than the experts' compute on a small machine.
-            for _ in before..q.demand.len() {
-                inner.work.notify_one();
+        // Demand first; a queued prefetch this batch now needs is promoted to demand.
+        let mut q = lock(&inner.queues);
+        let pendings: Vec<&Arc<Pending>> = waiting[first_waiting..].iter().map(|(_, p)| p).collect();
+        let before = q.demand.len();
+        q.promote(&pendings);
+        q.demand.extend(jobs);
+        // One reader per new read: waking all of them on every layer of every token (most find
+        // nothing to do) costs more than the experts' compute on a small machine.
+        for _ in before..q.demand.len() {
+            inner.work.notify_one();
+        }
+    }
+}
+
+impl ExpertDispatch for ExpertStore {
+    fn dispatch(&self, batch: &MoeBatch<'_>, acc: &mut [i64]) -> Result<(), DispatchError> {
+        let inner = &self.inner;
+        let layer = batch.layer;
+        let pos = inner.moe_position.get(layer).copied().flatten().ok_or(DispatchError::NotMoeLayer { layer })?;
+        let users = shimmer_experts::dispatch::expert_users(batch, inner.num_experts)?;
+        if let Some(u) = lock(&inner.usage).as_mut() {
+            for e in batch.experts {
+                u.record(layer, *e as usize);
             }
+        }
+        // Resident experts, and those being read (by this batch or an earlier prefetch).
+        let mut ready: Vec<(usize, Arc<Expert>)> = Vec::new();
+        let mut waiting: Vec<(usize, Arc<Pending>)> = Vec::new();
+        let accelerator = inner.accelerator.as_deref();
+        let keys = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, _)| (pos, e as u16));
+        // The tier above RAM first: what the accelerator holds needs no RAM slot and no read.
+        let (on_device, keys): (Vec<Key>, Vec<Key>) = keys.partition(|k| accelerator.is_some_and(|a| a.holds(layer, k.1 as u32)));
+        let on_device: Vec<usize> = on_device.into_iter().map(|k| k.1 as usize).collect();
+        self.look_up(layer, keys, &mut ready, &mut waiting);
+        if let Some(a) = accelerator.filter(|_| !on_device.is_empty()) {
+            let gathered: Vec<Vec<f32>> = on_device.iter().map(|&e| shimmer_experts::dispatch::gather_rows(batch, &users[e])).collect();
+            let jobs: Vec<AccelJob<'_>> = on_device.iter().zip(&gathered).map(|(&e, xs)| AccelJob { expert: e as u32, weights: None, rows: xs }).collect();
+            let outputs = a.forward(layer, &jobs);
+            let mut declined = Vec::new();
+            for (i, &e) in on_device.iter().enumerate() {
+                match outputs.get(i).and_then(Option::as_ref) {
+                    Some(ys) if ys.len() == gathered[i].len() => shimmer_experts::dispatch::add_weighted(batch, &users[e], ys, acc)?,
+                    // A fault, or evicted meanwhile: from RAM or disk like any other expert.
+                    _ => declined.push((pos, e as u16)),
+                }
+            }
+            self.look_up(layer, declined, &mut ready, &mut waiting);
         }
         // Compute what is ready while the rest is read; then each read expert as it arrives.
         loop {
             if !ready.is_empty() {
-                let work: Vec<(&Expert, &[(usize, f32)])> = ready.iter().map(|(e, x)| (x.as_ref(), users[*e].as_slice())).collect();
-                shimmer_experts::dispatch::apply_experts(batch, &work, acc)?;
+                let work: Vec<shimmer_experts::dispatch::Work<'_>> = ready.iter().map(|(e, x)| (*e as u32, x.as_ref(), users[*e].as_slice())).collect();
+                shimmer_experts::dispatch::apply_experts(batch, &work, accelerator, acc)?;
                 ready.clear();
             }
             if waiting.is_empty() {
@@ -677,7 +711,9 @@ impl ExpertDispatch for ExpertStore {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let inner = &self.inner;
         let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { return };
-        let mut unique: Vec<u32> = experts.iter().copied().filter(|e| (*e as usize) < inner.num_experts).collect();
+        // Experts the tier above RAM holds will not be read.
+        let held = |e: u32| inner.accelerator.as_ref().is_some_and(|a| a.holds(layer, e));
+        let mut unique: Vec<u32> = experts.iter().copied().filter(|e| (*e as usize) < inner.num_experts && !held(*e)).collect();
         unique.sort_unstable();
         unique.dedup();
         let cap = inner.io_depth;

@@ -61,6 +61,9 @@ pub struct Options {
     pub self_test: bool,
     /// How the shaders fuse multiply-adds.
     pub fma: Fma,
+    /// Whether a driver that runs on the CPU (lavapipe) counts as a device: yes when asked for
+    /// Vulkan by name, no for `--gpu auto` (it would only be slower than the CPU kernels).
+    pub cpu_drivers: bool,
 }
 
 /// Which shaders compute the fused multiply-adds.
@@ -77,7 +80,7 @@ pub enum Fma {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { timeout: Duration::from_secs(30), force_staging: false, device_index: None, arena_bytes: ARENA_BYTES, self_test: true, fma: Fma::Auto }
+        Options { timeout: Duration::from_secs(30), force_staging: false, device_index: None, arena_bytes: ARENA_BYTES, self_test: true, fma: Fma::Auto, cpu_drivers: true }
     }
 }
 
@@ -323,6 +326,9 @@ impl State {
                 continue;
             }
             let families = instance.get_physical_device_queue_family_properties(pd);
+            if !options.cpu_drivers && props.device_type == vk::PhysicalDeviceType::CPU {
+                continue;
+            }
             if let Some(family) = families.iter().position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE)) {
                 usable.push((pd, props, family as u32));
             }
@@ -333,7 +339,13 @@ impl State {
                 .iter()
                 .copied()
                 .min_by_key(|(_, p, _)| device_rank(p.device_type))
-                .ok_or_else(|| GpuError::Unavailable("no Vulkan 1.2 device with a compute queue".into()))?,
+                .ok_or_else(|| {
+                    GpuError::Unavailable(if options.cpu_drivers {
+                        "no Vulkan 1.2 device with a compute queue".into()
+                    } else {
+                        "no Vulkan 1.2 GPU (drivers that run on the CPU, such as lavapipe, are used only with --gpu vulkan)".into()
+                    })
+                })?,
         };
         let (pd, props, family) = chosen;
         let mut v12 = vk::PhysicalDeviceVulkan12Properties::default();
