@@ -83,6 +83,14 @@ DASHBOARDS = {
                     q(f"sum(increase(shimmer_expert_mirror_fallbacks_total[{RATE}]))", "mirror fallbacks"),
                 ]),
             ],
+            [
+                ("Experts in VRAM", "bytes", [
+                    q("sum(shimmer_vram_resident_bytes)", "resident"),
+                    q("sum(shimmer_vram_budget_bytes)", "budget"),
+                ]),
+                ("VRAM uploads per second", "Bps", [q(f"sum(rate(shimmer_vram_upload_bytes_total[{RATE}]))", "uploaded")]),
+                ("GPU faults (recomputed on the CPU)", "short", [q(f"sum by (kind) (increase(shimmer_gpu_faults_total[{RATE}]))", "{{kind}}")]),
+            ],
         ],
     },
     "cluster": {

@@ -39,6 +39,7 @@ pub struct Metrics {
     prefix_hits: IntCounter,
     prefix_tokens: IntCounter,
     store: StoreSeries,
+    gpu: GpuSeries,
     cluster: ClusterCollector,
     /// Counter values already exported (counters only go up; the sources are running totals).
     seen: Mutex<[u64; SEEN]>,
@@ -89,6 +90,54 @@ impl StoreSeries {
     }
 }
 
+/// The VRAM tier's series: faults by kind, uploads, evictions, what is resident, and expert
+/// computations done on the GPU (`shimmer_expert_accesses_total{tier="vram"}`).
+struct GpuSeries {
+    faults: IntCounterVec,
+    uploads: IntCounter,
+    upload_bytes: IntCounter,
+    evictions: IntCounter,
+    resident_bytes: IntGauge,
+    resident: IntGauge,
+    budget_bytes: IntGauge,
+    /// Running totals already exported, by series (kinds of fault included).
+    seen: Mutex<std::collections::HashMap<String, u64>>,
+}
+
+impl GpuSeries {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let s = GpuSeries {
+            faults: IntCounterVec::new(
+                Opts::new("shimmer_gpu_faults_total", "GPU submissions that failed (their experts were recomputed on the CPU), by kind"),
+                &["kind"],
+            )?,
+            uploads: IntCounter::new("shimmer_vram_uploads_total", "Experts uploaded to the GPU")?,
+            upload_bytes: IntCounter::new("shimmer_vram_upload_bytes_total", "Expert bytes uploaded to the GPU")?,
+            evictions: IntCounter::new("shimmer_vram_evictions_total", "Experts evicted from the GPU's memory")?,
+            resident_bytes: IntGauge::new("shimmer_vram_resident_bytes", "Expert bytes resident in GPU memory")?,
+            resident: IntGauge::new("shimmer_vram_resident_experts", "Experts resident in GPU memory")?,
+            budget_bytes: IntGauge::new("shimmer_vram_budget_bytes", "GPU memory the VRAM tier may use for experts")?,
+            seen: Mutex::new(Default::default()),
+        };
+        for c in [
+            Box::new(s.faults.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(s.uploads.clone()),
+            Box::new(s.upload_bytes.clone()),
+            Box::new(s.evictions.clone()),
+            Box::new(s.resident_bytes.clone()),
+            Box::new(s.resident.clone()),
+            Box::new(s.budget_bytes.clone()),
+        ] {
+            registry.register(c)?;
+        }
+        // Every kind from the start, at 0: an alert on a rate needs the series before the first fault.
+        for kind in shimmer_gpu::GpuError::KINDS {
+            s.faults.with_label_values(&[kind]);
+        }
+        Ok(s)
+    }
+}
+
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
@@ -133,6 +182,7 @@ impl Metrics {
             registry.register(c)?;
         }
         let store = StoreSeries::new(&registry)?;
+        let gpu = GpuSeries::new(&registry)?;
         let cluster = ClusterCollector::new()?;
         registry.register(Box::new(cluster.clone()))?;
         Ok(Metrics {
@@ -152,6 +202,7 @@ impl Metrics {
             prefix_hits,
             prefix_tokens,
             store,
+            gpu,
             cluster,
             seen: Mutex::new([0; SEEN]),
         })
@@ -179,6 +230,30 @@ impl Metrics {
     pub fn request_finished(&self, after: Duration, ok: bool) {
         self.e2e.observe(after.as_secs_f64());
         self.requests.with_label_values(&[if ok { "success" } else { "failure" }]).inc();
+    }
+
+    /// Brings the VRAM tier's series up to its running totals (before `render`).
+    pub fn set_gpu(&self, g: Option<&shimmer_gpu::GpuTelemetry>) {
+        let Some(g) = g else { return };
+        let series = &self.gpu;
+        let mut seen = series.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut bump = |name: &str, now: u64, c: &IntCounter| {
+            let was = seen.entry(name.to_string()).or_insert(0);
+            if now > *was {
+                c.inc_by(now - *was);
+                *was = now;
+            }
+        };
+        bump("uploads", g.uploads, &series.uploads);
+        bump("upload_bytes", g.upload_bytes, &series.upload_bytes);
+        bump("evictions", g.evictions, &series.evictions);
+        bump("device_experts", g.device_experts, &self.expert_accesses.with_label_values(&["vram", "hit"]));
+        for (kind, n) in &g.faults {
+            bump(&format!("fault:{kind}"), *n, &series.faults.with_label_values(&[kind.as_str()]));
+        }
+        series.resident_bytes.set(g.resident_bytes as i64);
+        series.resident.set(g.resident_experts as i64);
+        series.budget_bytes.set(g.budget_bytes as i64);
     }
 
     /// The text exposition, with the batcher's and the store's totals brought up to date.
@@ -538,6 +613,44 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
         }
         assert!(text.lines().any(|l| l == "shimmer_e2e_request_latency_seconds_count 2"), "cancelled requests have no end-to-end latency");
+    }
+
+    #[test]
+    fn the_gpu_series_follow_the_tiers_running_totals_with_every_fault_kind() {
+        let m = Metrics::new().unwrap();
+        let stats = BatcherStats::default();
+        let before = m.render(&stats, None, None).unwrap();
+        assert!(before.lines().any(|l| l == "shimmer_gpu_faults_total{kind=\"timeout\"} 0"), "{before}");
+        let mut g = shimmer_gpu::GpuTelemetry {
+            device: "test".into(),
+            budget_bytes: 1000,
+            resident_bytes: 600,
+            resident_experts: 3,
+            uploads: 5,
+            upload_bytes: 1000,
+            evictions: 2,
+            device_experts: 40,
+            cpu_experts: 4,
+            faults: vec![("injected".into(), 2), ("lost".into(), 1)],
+        };
+        m.set_gpu(Some(&g));
+        g.faults[0].1 = 3;
+        g.device_experts = 41;
+        m.set_gpu(Some(&g));
+        let text = m.render(&stats, None, None).unwrap();
+        for line in [
+            "shimmer_gpu_faults_total{kind=\"injected\"} 3",
+            "shimmer_gpu_faults_total{kind=\"lost\"} 1",
+            "shimmer_gpu_faults_total{kind=\"timeout\"} 0",
+            "shimmer_expert_accesses_total{result=\"hit\",tier=\"vram\"} 41",
+            "shimmer_vram_uploads_total 5",
+            "shimmer_vram_evictions_total 2",
+            "shimmer_vram_resident_bytes 600",
+            "shimmer_vram_resident_experts 3",
+            "shimmer_vram_budget_bytes 1000",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
+        }
     }
 
     #[test]

@@ -194,6 +194,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>, headers: HeaderMap) ->
     let store = state.engine.store_telemetry();
     let cluster = state.engine.cluster_telemetry();
     let raft = state.control.as_ref().map(|c| metrics::render_raft(&c.metrics()));
+    state.metrics.set_gpu(state.engine.gpu_telemetry().as_ref());
     match (state.metrics.render(&st, store.as_ref(), cluster.as_ref()), raft.transpose()) {
         (Ok(text), Ok(raft)) => ([("content-type", "text/plain; version=0.0.4")], text + &raft.unwrap_or_default()).into_response(),
         (Err(e), _) | (_, Err(e)) => {

@@ -167,12 +167,8 @@ impl InProcessExperts {
         let layer = batch.layer;
         let experts = self.layers.get(layer).and_then(Option::as_ref).ok_or(DispatchError::NotMoeLayer { layer })?;
         let users = expert_users(batch, experts.len())?;
-        let work: Vec<Work<'_>> = users
-            .iter()
-            .enumerate()
-            .filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32))
-            .map(|(e, u)| (e as u32, &experts[e], u.as_slice()))
-            .collect();
+        let work: Vec<Work<'_>> =
+            users.iter().enumerate().filter(|(e, u)| !u.is_empty() && owns(layer, *e as u32)).map(|(e, u)| (e as u32, &experts[e], u.as_slice())).collect();
         apply_experts(batch, &work, self.accelerator.as_deref(), acc)?;
         Ok(())
     }
@@ -335,13 +331,13 @@ mod tests {
 
     impl Accelerator for EvenExperts {
         fn holds(&self, _: usize, expert: u32) -> bool {
-            expert % 2 == 0
+            expert.is_multiple_of(2)
         }
         fn forward(&self, _layer: usize, jobs: &[AccelJob<'_>]) -> Vec<Option<Vec<f32>>> {
             self.asked.lock().unwrap().extend(jobs.iter().map(|j| j.expert));
             jobs.iter()
                 .map(|j| {
-                    let e = j.weights.filter(|_| j.expert % 2 == 0)?;
+                    let e = j.weights.filter(|_| j.expert.is_multiple_of(2))?;
                     let mut ys = vec![0.0f32; j.rows.len()];
                     e.forward_rows(j.rows, &mut FfnScratch::default(), &mut ys, false);
                     Some(ys)
@@ -377,6 +373,6 @@ mod tests {
         let mut asked = accel.asked.into_inner().unwrap();
         asked.sort_unstable();
         assert_eq!(asked, work.iter().map(|w| w.0).collect::<Vec<_>>());
-        assert!(asked.iter().any(|e| e % 2 == 0) && asked.iter().any(|e| e % 2 == 1), "both kinds occur");
+        assert!(asked.iter().any(|e| e.is_multiple_of(2)) && asked.iter().any(|e| !e.is_multiple_of(2)), "both kinds occur");
     }
 }

@@ -80,7 +80,15 @@ pub enum Fma {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { timeout: Duration::from_secs(30), force_staging: false, device_index: None, arena_bytes: ARENA_BYTES, self_test: true, fma: Fma::Auto, cpu_drivers: true }
+        Options {
+            timeout: Duration::from_secs(30),
+            force_staging: false,
+            device_index: None,
+            arena_bytes: ARENA_BYTES,
+            self_test: true,
+            fma: Fma::Auto,
+            cpu_drivers: true,
+        }
     }
 }
 
@@ -335,17 +343,13 @@ impl State {
         }
         let chosen = match options.device_index {
             Some(i) => usable.get(i).copied().ok_or_else(|| GpuError::Unavailable(format!("no Vulkan 1.2 device {i} (there are {})", usable.len())))?,
-            None => usable
-                .iter()
-                .copied()
-                .min_by_key(|(_, p, _)| device_rank(p.device_type))
-                .ok_or_else(|| {
-                    GpuError::Unavailable(if options.cpu_drivers {
-                        "no Vulkan 1.2 device with a compute queue".into()
-                    } else {
-                        "no Vulkan 1.2 GPU (drivers that run on the CPU, such as lavapipe, are used only with --gpu vulkan)".into()
-                    })
-                })?,
+            None => usable.iter().copied().min_by_key(|(_, p, _)| device_rank(p.device_type)).ok_or_else(|| {
+                GpuError::Unavailable(if options.cpu_drivers {
+                    "no Vulkan 1.2 device with a compute queue".into()
+                } else {
+                    "no Vulkan 1.2 GPU (drivers that run on the CPU, such as lavapipe, are used only with --gpu vulkan)".into()
+                })
+            })?,
         };
         let (pd, props, family) = chosen;
         let mut v12 = vk::PhysicalDeviceVulkan12Properties::default();

@@ -1,0 +1,162 @@
+//! The VRAM tier on a real Vulkan driver (Mesa's lavapipe in the test command): placement may
+//! change speed, never the model. Every logit bit and every greedy token are the same with the
+//! experts on the CPU, all in VRAM, or split across VRAM, RAM and disk at budgets down to a few
+//! experts; with faults injected into the GPU's submissions; and through the `shimmer` binary's
+//! `--gpu vulkan --vram-gb`. Each case also checks that the GPU did compute experts, so a tier
+//! that silently fell back to the CPU cannot pass.
+#![cfg(feature = "vulkan")]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
+use shimmer_coordinator::sampling::SamplingParams;
+use shimmer_gpu::vulkan::VulkanDevice;
+use shimmer_gpu::VramTier;
+use shimmer_tests::{fixture, fixtures, shimmer};
+
+fn demo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
+}
+
+/// All logits of a teacher-forced pass (as bits) and a greedy continuation.
+fn answers(engine: &Engine) -> (Vec<u32>, Vec<u32>) {
+    let v = engine.spec.vocab_size as u32;
+    let ids: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % v.min(400)).collect();
+    let logits: Vec<u32> = engine.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
+    let mut session = engine.new_session();
+    let opts = GenerateOptions { max_tokens: 10, sampling: SamplingParams::default(), stop: vec![] };
+    let gen = engine.generate(&mut session, &ids[..6], &opts, |_| true).unwrap();
+    (logits, gen.output_ids)
+}
+
+#[track_caller]
+fn same(got: &(Vec<u32>, Vec<u32>), want: &(Vec<u32>, Vec<u32>), what: &str) {
+    if let Some(i) = got.0.iter().zip(&want.0).position(|(a, b)| a != b) {
+        panic!("{what}: logit {i} differs: {} vs {}", f32::from_bits(got.0[i]), f32::from_bits(want.0[i]));
+    }
+    assert_eq!(got.0.len(), want.0.len(), "{what}: logit count");
+    assert_eq!(got.1, want.1, "{what}: greedy tokens");
+}
+
+fn tier(budget: u64, fault_every: Option<u64>) -> Arc<VramTier> {
+    let device = VulkanDevice::open().unwrap_or_else(|e| panic!("no usable Vulkan device ({e}); the test command installs mesa-vulkan-drivers"));
+    Arc::new(VramTier::new(Box::new(device), budget, fault_every))
+}
+
+fn open(dir: &Path, ram: Option<f64>, vram: Option<Arc<VramTier>>) -> Engine {
+    let opts = ExpertOptions { ram: ram.map(RamBudget::Gb), usage: UsageFile::Off, vram, ..ExpertOptions::default() };
+    Engine::open(dir, &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// One expert's bytes in this model (as the CPU holds them).
+fn expert_bytes(dir: &Path) -> u64 {
+    let spec = shimmer_common::ModelSpec::from_dir(dir).unwrap();
+    shimmer_store::expert_bytes_of(dir, &spec).unwrap()
+}
+
+/// Every oracle fixture as it is published (f32 and bf16 checkpoints) and the demo: the CPU's
+/// answers with every expert in VRAM, with three experts' worth of VRAM (eviction on every
+/// layer), and with three in VRAM over a store holding a fraction in RAM (the rest from disk).
+#[test]
+fn vram_ram_and_disk_splits_give_the_cpus_bits() {
+    let mut models: Vec<PathBuf> = fixtures().into_iter().map(fixture).collect();
+    models.push(demo());
+    for dir in models {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let want = answers(&open(&dir, None, None));
+        let e = expert_bytes(&dir);
+        let cases: [(&str, Option<f64>, u64); 3] =
+            [("all in VRAM", None, 1 << 40), ("three experts in VRAM", None, 3 * e), ("three in VRAM, a store with 40 % in RAM", Some(0.0), 3 * e)];
+        for (what, ram, budget) in cases {
+            let t = tier(budget, None);
+            // The store's budget: enough for a few layers' working sets, far from all experts.
+            let ram = ram.map(|_| {
+                let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
+                let moe = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as f64;
+                (moe * spec.moe.num_experts as f64 * 0.4).max(spec.moe.top_k as f64 + 1.0) * e as f64 / 1e9
+            });
+            let got = answers(&open(&dir, ram, Some(t.clone())));
+            same(&got, &want, &format!("{name}: {what}"));
+            let g = t.telemetry();
+            assert!(g.device_experts > 0, "{name}: {what}: the GPU computed no expert ({g:?})");
+            assert_eq!(g.faults.iter().map(|f| f.1).sum::<u64>(), 0, "{name}: {what}: {g:?}");
+            if budget < (1 << 40) {
+                assert!(g.evictions > 0 && g.resident_bytes <= budget, "{name}: {what}: a three-expert budget evicts ({g:?})");
+            }
+        }
+    }
+}
+
+/// `SHIMMER_GPU_FAULT`-style injection (every 2nd submission fails) and an expert budget that
+/// forces uploads: the failed submissions are recomputed on the CPU with the same bits.
+#[test]
+fn injected_faults_change_no_bit() {
+    for dir in [fixture("qwen3_moe"), demo()] {
+        let want = answers(&open(&dir, None, None));
+        let t = tier(4 * expert_bytes(&dir), Some(2));
+        let got = answers(&open(&dir, None, Some(t.clone())));
+        same(&got, &want, &format!("{}: every 2nd submission failing", dir.display()));
+        let g = t.telemetry();
+        let injected = g.faults.iter().find(|f| f.0 == "injected").map_or(0, |f| f.1);
+        assert!(injected > 0 && g.device_experts > 0, "{g:?}");
+    }
+}
+
+fn output_ids(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "shimmer failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    v["output_ids"].clone()
+}
+
+/// The binary: `shimmer generate --gpu vulkan --vram-gb X` gives the CPU's tokens on the demo,
+/// all in VRAM and split across VRAM, RAM and disk, with faults injected too; the GPU computed
+/// experts (its telemetry in --json says so).
+#[test]
+fn shimmer_generate_on_vulkan_gives_the_cpus_tokens() {
+    let demo = demo();
+    let d = demo.to_str().unwrap();
+    let base = ["generate", "--model", d, "--prompt", "The Duke of", "--max-tokens", "16", "--temperature", "0", "--json", "--no-usage"];
+    let want = output_ids(&shimmer(&[&base[..], &["--gpu", "none"]].concat()));
+    let e_gb = expert_bytes(&demo) as f64 / 1e9;
+    let few = format!("{}", 3.0 * e_gb);
+    let ram = format!("{}", 40.0 * e_gb);
+    let cases: Vec<Vec<&str>> =
+        vec![vec!["--gpu", "vulkan"], vec!["--gpu", "vulkan", "--vram-gb", &few], vec!["--gpu", "vulkan", "--vram-gb", &few, "--ram-gb", &ram]];
+    for extra in &cases {
+        let out = shimmer(&[&base[..], extra].concat());
+        assert_eq!(output_ids(&out), want, "{extra:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let vram = &v["timings"]["store"]["vram"];
+        assert!(vram["device_experts"].as_u64().unwrap_or(0) > 0, "{extra:?}: the GPU computed no expert: {vram}");
+    }
+    let out = shimmer_tests::output_within(
+        std::process::Command::new(shimmer_tests::shimmer_bin()).args([&base[..], &cases[1]].concat()).env("SHIMMER_GPU_FAULT", "3"),
+        shimmer_tests::COMMAND_LIMIT,
+    );
+    assert_eq!(output_ids(&out), want, "SHIMMER_GPU_FAULT=3");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let faults = &v["timings"]["store"]["vram"]["faults"];
+    assert!(faults.as_array().unwrap().iter().any(|f| f[0] == "injected" && f[1].as_u64().unwrap() > 0), "{faults}");
+}
+
+/// Bad GPU flags fail with a message naming the flag.
+#[test]
+fn bad_gpu_flags_are_named() {
+    let demo = demo();
+    let d = demo.to_str().unwrap();
+    let out = shimmer(&["generate", "--model", d, "--prompt", "x", "--max-tokens", "1", "--gpu", "metal"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--gpu") && stderr.contains("unknown GPU backend `metal`"), "{stderr}");
+    let out = shimmer(&["generate", "--model", d, "--prompt", "x", "--max-tokens", "1", "--gpu", "vulkan", "--vram-gb", "0"]);
+    shimmer_tests::assert_clean_failure(&out, &["--vram-gb"]);
+    let out = shimmer_tests::output_within(
+        std::process::Command::new(shimmer_tests::shimmer_bin())
+            .args(["generate", "--model", d, "--prompt", "x", "--max-tokens", "1", "--gpu", "vulkan"])
+            .env("SHIMMER_GPU_FAULT", "zero"),
+        shimmer_tests::COMMAND_LIMIT,
+    );
+    shimmer_tests::assert_clean_failure(&out, &["SHIMMER_GPU_FAULT"]);
+    let out = shimmer(&["generate", "--model", d, "--prompt", "x", "--max-tokens", "1", "--gpu", "cuda"]);
+    shimmer_tests::assert_clean_failure(&out, &["--gpu cuda", "no CUDA backend"]);
+}
