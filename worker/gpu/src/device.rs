@@ -231,7 +231,7 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
 /// Checks that `device` computes an expert with the CPU's bits on values chosen to expose the
 /// ways a device can differ: an `fma` that rounds its product, flushed subnormals, and SiLU's
 /// edges (exp's range ends, infinities, signed zeros). Run once when a device is opened.
-pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
+fn self_test_cases() -> [(Expert, Vec<f32>); 3] {
     let (hidden, inter) = (80usize, 72usize);
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = move || {
@@ -240,12 +240,13 @@ pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
         s ^= s << 17;
         s
     };
-    let mut value = |i: usize| -> f32 {
+    let mut value = move |i: usize| -> f32 {
         let r = next();
         match i % 11 {
-            // An fma whose product needs more than 24 bits: unfused, it rounds differently.
+            // Products of these need more than 24 bits ((1 + 2^-12)² = 1 + 2^-11 + 2^-24): an
+            // unfused fma rounds them first.
             0 => 1.0 + 2f32.powi(-12),
-            1 => 1.0 - 2f32.powi(-12),
+            1 => -1.0 - 2f32.powi(-12),
             // Subnormals, which a device that flushes them turns into 0.
             2 => f32::from_bits((r as u32) & 0x007f_ffff | 1),
             _ => ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5,
@@ -258,13 +259,48 @@ pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
     for (r, scale) in [1.0f32, 40.0, 300.0, -300.0, 1e-30].into_iter().enumerate() {
         rows.extend((0..hidden).map(|i| if (i + r) % 13 == 0 { -0.0 } else { ((i * 7 + r * 3) % 17) as f32 / 8.0 - 1.0 } * scale));
     }
-    let mut want = vec![0.0f32; rows.len()];
-    expert.forward_rows(&rows, &mut Default::default(), &mut want, false);
-    let image = ExpertImage::of(&expert)?;
-    let resident = device.upload(&image)?;
-    let got = device.forward(&[Job { expert: &resident, rows: &rows }]);
-    device.release(resident);
-    let got = got?.into_iter().next().unwrap_or_default();
+    // Outputs in the subnormal range (gate and up products ~1e-10, their SwiGLU ~1e-20, down
+    // weights ~1e-21): a device that flushes subnormal results gives zeros or other low bits.
+    let tiny = |scale: f32| {
+        let mut v = value;
+        move |i: usize| v(i) * scale
+    };
+    let small = Expert { gate: f32m(inter, hidden, &mut tiny(4e-10)), up: f32m(inter, hidden, &mut tiny(4e-10)), down: f32m(hidden, inter, &mut tiny(4e-21)) };
+    let small_rows: Vec<f32> = (0..2 * hidden).map(|i| ((i * 5) % 13) as f32 / 6.0 - 1.0).collect();
+    // Subnormal operands: every gate weight subnormal, activations ~1e20 (so the gate products
+    // are normal); a device that flushes subnormal operands computes a zero gate.
+    let subnormal = |i: usize| f32::from_bits(((i as u32).wrapping_mul(2654435761) & 0x007f_ffff) | 1) * if i % 3 == 0 { -1.0 } else { 1.0 };
+    let flushy = Expert { gate: f32m(inter, hidden, &mut { subnormal }), up: f32m(inter, hidden, &mut tiny(1.0)), down: f32m(hidden, inter, &mut tiny(1.0)) };
+    let flushy_rows: Vec<f32> = (0..hidden).map(|i| (((i * 3) % 7) as f32 - 3.0) * 1e20).collect();
+    [(expert, rows), (small, small_rows), (flushy, flushy_rows)]
+}
+
+/// Checks that `device` computes an expert with the CPU's bits (see `self_test_cases`). Run once
+/// when a device is opened.
+pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
+    let owned = self_test_cases();
+    let cases: Vec<(&Expert, &Vec<f32>)> = owned.iter().map(|(e, x)| (e, x)).collect();
+    let mut want = Vec::new();
+    for &(e, x) in &cases {
+        let mut y = vec![0.0f32; x.len()];
+        e.forward_rows(x, &mut Default::default(), &mut y, false);
+        want.extend(y);
+    }
+    let mut resident = Vec::new();
+    for &(e, _) in &cases {
+        match device.upload(&ExpertImage::of(e)?) {
+            Ok(r) => resident.push(r),
+            Err(err) => {
+                resident.into_iter().for_each(|r| device.release(r));
+                return Err(err);
+            }
+        }
+    }
+    let jobs: Vec<Job<'_>> = resident.iter().zip(&cases).map(|(r, (_, x))| Job { expert: r, rows: x }).collect();
+    let got = device.forward(&jobs);
+    drop(jobs);
+    resident.into_iter().for_each(|r| device.release(r));
+    let got: Vec<f32> = got?.into_iter().flatten().collect();
     let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
     match got.iter().zip(&want).position(|(a, b)| !same(*a, *b)) {
         None if got.len() == want.len() => Ok(()),
@@ -278,5 +314,25 @@ pub fn self_test(device: &dyn Device) -> Result<(), GpuError> {
             want[i],
             want[i].to_bits()
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The self-test can tell: some of its CPU outputs are subnormal (a device that flushes them
+    /// gives other bits) and its fma cases round differently when the product is rounded first.
+    #[test]
+    fn the_self_test_exposes_flushing_and_unfused_fma() {
+        let cases = self_test_cases();
+        let mut y = vec![0.0f32; cases[1].1.len()];
+        cases[1].0.forward_rows(&cases[1].1, &mut Default::default(), &mut y, false);
+        let subnormal = y.iter().filter(|v| v.is_subnormal()).count();
+        eprintln!("{:?}", &y[..8]);
+        eprintln!("{:?}", &y[80..88]);
+        assert!(subnormal > 10, "only {subnormal} of {} outputs are subnormal", y.len());
+        let a = 1.0f32 + 2f32.powi(-12);
+        assert_ne!(a.mul_add(a, -1.0), a * a - 1.0, "the fma case's product needs more than 24 bits");
     }
 }
