@@ -269,7 +269,7 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 3] {
     let small_rows: Vec<f32> = (0..2 * hidden).map(|i| ((i * 5) % 13) as f32 / 6.0 - 1.0).collect();
     // Subnormal operands: every gate weight subnormal, activations ~1e20 (so the gate products
     // are normal); a device that flushes subnormal operands computes a zero gate.
-    let subnormal = |i: usize| f32::from_bits(((i as u32).wrapping_mul(2654435761) & 0x007f_ffff) | 1) * if i % 3 == 0 { -1.0 } else { 1.0 };
+    let subnormal = |i: usize| f32::from_bits(((i as u32).wrapping_mul(2654435761) & 0x007f_ffff) | 1) * if i.is_multiple_of(3) { -1.0 } else { 1.0 };
     let flushy = Expert { gate: f32m(inter, hidden, &mut { subnormal }), up: f32m(inter, hidden, &mut tiny(1.0)), down: f32m(hidden, inter, &mut tiny(1.0)) };
     let flushy_rows: Vec<f32> = (0..hidden).map(|i| (((i * 3) % 7) as f32 - 3.0) * 1e20).collect();
     [(expert, rows), (small, small_rows), (flushy, flushy_rows)]
