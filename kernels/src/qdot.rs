@@ -206,6 +206,28 @@ impl QuantRows {
     }
 }
 
+/// `xs` (whole rows of `n` values) quantised as every product of this module quantises them, in
+/// the plainest layout — for devices that take the quantised activations from here (the GPU's
+/// integer kernels): per row, `q` as `i8` for `⌈n / 32⌉ · 32` values (zero past `n`) and the
+/// `⌈n / 32⌉` block scales `d_b`.
+pub fn quantize_plain(xs: &[f32], n: usize, q: &mut Vec<i8>, scales: &mut Vec<f32>) {
+    let rows = xs.len().checked_div(n).unwrap_or(0);
+    assert_eq!(rows * n, xs.len(), "activation input is not whole rows");
+    let blocks = n.div_ceil(QBLOCK);
+    q.clear();
+    q.resize(rows * blocks * QBLOCK, 0);
+    scales.clear();
+    scales.resize(rows * blocks, 0.0);
+    let mut biased = vec![0x80u8; blocks * QBLOCK];
+    for (r, x) in xs.chunks_exact(n.max(1)).enumerate() {
+        biased.fill(0x80);
+        quantize_row(x, &mut biased, &mut scales[r * blocks..(r + 1) * blocks]);
+        for (o, b) in q[r * blocks * QBLOCK..(r + 1) * blocks * QBLOCK].iter_mut().zip(&biased) {
+            *o = (b ^ 0x80) as i8;
+        }
+    }
+}
+
 /// One row quantised into `biased` (`q + 128`, at least `x.len()` rounded up to 32 bytes,
 /// already holding 128 in its padding) and `scales` (one per block).
 fn quantize_row(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {

@@ -160,3 +160,28 @@ fn bad_gpu_flags_are_named() {
     let out = shimmer(&["generate", "--model", d, "--prompt", "x", "--max-tokens", "1", "--gpu", "cuda"]);
     shimmer_tests::assert_clean_failure(&out, &["--gpu cuda", "no CUDA backend"]);
 }
+
+/// The demo's converted containers (int4-g32, int8 per row, MXFP4: integer products on the GPU,
+/// their activations quantised by the CPU's own quantiser) give the CPU's bits with every expert
+/// in VRAM and with three experts' worth over a store holding a fraction in RAM.
+#[test]
+fn the_demos_quantised_containers_give_the_cpus_bits_on_the_gpu() {
+    use shimmer_common::quant::QuantScheme;
+    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
+    for scheme in [QuantScheme::Int4 { group: 32 }, QuantScheme::Int8PerRow, QuantScheme::Mxfp4] {
+        let dir = tempfile::tempdir().unwrap();
+        convert(&demo(), dir.path(), ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap();
+        let want = answers(&open(dir.path(), None, None));
+        let e = expert_bytes(dir.path());
+        for (what, ram, budget) in [("all in VRAM", None, 1u64 << 40), ("three in VRAM, 40 experts in RAM", Some(40.0 * e as f64 / 1e9), 3 * e)] {
+            let t = tier(budget, None);
+            let got = answers(&open(dir.path(), ram, Some(t.clone())));
+            same(&got, &want, &format!("demo {scheme:?}: {what}"));
+            let g = t.telemetry();
+            assert!(g.device_experts > 0, "demo {scheme:?}: {what}: {g:?}");
+            if budget == 1 << 40 {
+                assert_eq!(g.cpu_experts, 0, "demo {scheme:?}: every expert has a GPU kernel: {g:?}");
+            }
+        }
+    }
+}

@@ -355,3 +355,28 @@ fn the_vector_quantiser_gives_the_scalar_bits() {
         assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "scales, row of {}", x.len());
     }
 }
+
+/// `quantize_plain` gives the values and scales every product reads (`QRow::q`, `QRow::scale`),
+/// with zeros past the row's end, for rows that do and do not fill their last block.
+#[test]
+fn the_plain_layout_holds_what_the_products_read() {
+    for n in [1usize, 31, 32, 100, 257] {
+        let xs: Vec<f32> = (0..3 * n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 * if i % 7 == 0 { 40.0 } else { 1.0 }).collect();
+        let (mut q, mut d) = (Vec::new(), Vec::new());
+        quantize_plain(&xs, n, &mut q, &mut d);
+        let mut rows = QuantRows::default();
+        rows.quantize(&xs, n);
+        let blocks = n.div_ceil(QBLOCK);
+        assert_eq!((q.len(), d.len()), (3 * blocks * QBLOCK, 3 * blocks));
+        for r in 0..3 {
+            let row = rows.row(r);
+            for i in 0..blocks * QBLOCK {
+                let want = if i < n { row.q(i) } else { 0 };
+                assert_eq!(q[r * blocks * QBLOCK + i], want, "n {n}, row {r}, value {i}");
+            }
+            for b in 0..blocks {
+                assert_eq!(d[r * blocks + b].to_bits(), row.scale(b).to_bits(), "n {n}, row {r}, block {b}");
+            }
+        }
+    }
+}

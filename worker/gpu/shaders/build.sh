@@ -13,5 +13,10 @@ for format in f32 bf16 f16; do
     cc -DFORMAT_"$upper" "$here/matvec.comp" -o "$out/matvec_$format.spv"
     cc -DFORMAT_"$upper" -DEXACT_FMA "$here/matvec.comp" -o "$out/matvec_${format}_exact.spv"
 done
+for format in int8 int4 mxfp4; do
+    upper="$(echo "$format" | tr a-z A-Z)"
+    cc -DFORMAT_"$upper" "$here/qmatvec.comp" -o "$out/qmatvec_$format.spv"
+    cc -DFORMAT_"$upper" -DEXACT_FMA "$here/qmatvec.comp" -o "$out/qmatvec_${format}_exact.spv"
+done
 cc "$here/swiglu.comp" -o "$out/swiglu.spv"
 cc -DEXACT_FMA "$here/swiglu.comp" -o "$out/swiglu_exact.spv"

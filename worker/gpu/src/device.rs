@@ -52,19 +52,43 @@ impl GpuError {
     pub const KINDS: [&'static str; 6] = ["out_of_memory", "timeout", "lost", "device", "injected", "unsupported"];
 }
 
-/// A weight matrix's element format on the device.
+/// A weight matrix's format on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
     F32,
     Bf16,
     F16,
+    /// int8 per row (`q`, one f32 row scale), integer products with int8 activations.
+    Int8,
+    /// int4 with one f32 scale per `group` values (a multiple of 32), integer products.
+    Int4 {
+        group: u32,
+    },
+    /// MXFP4: e2m1 nibbles, one e8m0 scale per 32 values, integer products.
+    Mxfp4,
 }
 
 impl WeightFormat {
+    /// Bytes per element of the float formats (whose elements the shaders index).
     pub fn element_bytes(self) -> usize {
         match self {
             WeightFormat::F32 => 4,
             WeightFormat::Bf16 | WeightFormat::F16 => 2,
+            WeightFormat::Int8 => 1,
+            WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 => 0,
+        }
+    }
+
+    /// Whether its products take int8 activations (`shimmer_kernels::qdot`).
+    pub fn is_integer(self) -> bool {
+        matches!(self, WeightFormat::Int8 | WeightFormat::Int4 { .. } | WeightFormat::Mxfp4)
+    }
+
+    /// Bytes of one row's values (4-bit rows are padded to whole bytes).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 => cols.div_ceil(2),
+            other => cols * other.element_bytes(),
         }
     }
 }
@@ -75,19 +99,23 @@ pub struct MatrixLayout {
     pub format: WeightFormat,
     pub rows: usize,
     pub cols: usize,
-    /// From the image's start; a multiple of 4.
+    /// Its values, from the image's start; a multiple of 4.
     pub byte_offset: usize,
+    /// Its scales (integer formats: int8's row scales and int4's group scales as f32, MXFP4's
+    /// e8m0 bytes), from the image's start; a multiple of 4. 0 for the float formats.
+    pub scales_offset: usize,
 }
 
 impl MatrixLayout {
-    /// The matrix's first element, counted in its format's elements from the image's start.
+    /// The matrix's first element, counted in its format's elements from the image's start
+    /// (float formats).
     pub fn element_offset(&self) -> usize {
-        self.byte_offset / self.format.element_bytes()
+        self.byte_offset / self.format.element_bytes().max(1)
     }
 }
 
-/// An expert's three matrices as the device stores them: their elements back to back, little
-/// endian, each matrix starting on a 4-byte boundary.
+/// An expert's three matrices as the device stores them: each matrix's values, then (integer
+/// formats) its scales, little endian, each part starting on a 4-byte boundary.
 #[derive(Debug, Clone)]
 pub struct ExpertImage {
     pub bytes: Vec<u8>,
@@ -98,12 +126,16 @@ pub struct ExpertImage {
 
 impl ExpertImage {
     /// The image of `expert`, or `Unsupported` naming the format the device cannot compute with
-    /// the CPU's bits (today: f32, bf16 and f16 weights with f32 activations — checkpoints run
-    /// as they are; the integer formats' quantised activations are next).
+    /// the CPU's bits. Computed: checkpoints run as they are (f32, bf16, f16 with f32
+    /// activations) and the container formats with integer products (int8, int4 in whole blocks
+    /// of 32, MXFP4 — int8 activations). Not yet: fp8, and the integer formats with f32
+    /// activations (`quant-eval`'s comparison).
     pub fn of(expert: &Expert) -> Result<Self, GpuError> {
         let mut bytes = Vec::with_capacity(expert.bytes());
         let mut put = |name: &str, m: &Matrix| -> Result<MatrixLayout, GpuError> {
             let byte_offset = bytes.len();
+            let mut scales_offset = 0;
+            let align = |bytes: &mut Vec<u8>| bytes.resize(bytes.len().next_multiple_of(4), 0);
             let format = match (&m.data, m.activations) {
                 (WeightData::F32(v), Activations::F32) => {
                     v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
@@ -117,6 +149,29 @@ impl ExpertImage {
                     v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
                     WeightFormat::F16
                 }
+                (WeightData::Int8 { q, scales }, Activations::Int8) if scales.len() == m.rows => {
+                    bytes.extend(q.iter().map(|v| *v as u8));
+                    align(&mut bytes);
+                    scales_offset = bytes.len();
+                    scales.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::Int8
+                }
+                (WeightData::Int4 { packed, scales, group }, Activations::Int8)
+                    if *group > 0 && group.is_multiple_of(32) && *group <= u32::MAX as usize && scales.len() == m.rows * m.cols.div_ceil(*group) =>
+                {
+                    bytes.extend_from_slice(packed);
+                    align(&mut bytes);
+                    scales_offset = bytes.len();
+                    scales.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::Int4 { group: *group as u32 }
+                }
+                (WeightData::Mxfp4 { packed, scales }, Activations::Int8) if scales.len() == m.rows * m.cols.div_ceil(32) => {
+                    bytes.extend_from_slice(packed);
+                    align(&mut bytes);
+                    scales_offset = bytes.len();
+                    bytes.extend_from_slice(scales);
+                    WeightFormat::Mxfp4
+                }
                 (data, act) => {
                     return Err(GpuError::Unsupported(format!(
                         "the {name} matrix's format ({}, {act:?} activations) has no GPU kernel yet",
@@ -124,11 +179,13 @@ impl ExpertImage {
                     )));
                 }
             };
-            if m.rows.checked_mul(m.cols).is_none_or(|n| n * format.element_bytes() + byte_offset != bytes.len()) {
+            let values = m.rows.checked_mul(format.row_bytes(m.cols)).ok_or_else(|| GpuError::Unsupported(format!("the {name} matrix is too large")))?;
+            let end = if format.is_integer() { scales_offset } else { bytes.len() };
+            if values + byte_offset > end || (format.is_integer() && end - byte_offset - values >= 4) || (!format.is_integer() && values + byte_offset != end) {
                 return Err(GpuError::Unsupported(format!("the {name} matrix's data does not match its {}×{} shape", m.rows, m.cols)));
             }
-            bytes.resize(bytes.len().next_multiple_of(4), 0);
-            Ok(MatrixLayout { format, rows: m.rows, cols: m.cols, byte_offset })
+            align(&mut bytes);
+            Ok(MatrixLayout { format, rows: m.rows, cols: m.cols, byte_offset, scales_offset })
         };
         let gate = put("gate", &expert.gate)?;
         let up = put("up", &expert.up)?;
@@ -231,7 +288,7 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
 /// Checks that `device` computes an expert with the CPU's bits on values chosen to expose the
 /// ways a device can differ: an `fma` that rounds its product, flushed subnormals, and SiLU's
 /// edges (exp's range ends, infinities, signed zeros). Run once when a device is opened.
-fn self_test_cases() -> [(Expert, Vec<f32>); 3] {
+fn self_test_cases() -> [(Expert, Vec<f32>); 4] {
     let (hidden, inter) = (80usize, 72usize);
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = move || {
@@ -272,7 +329,27 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 3] {
     let subnormal = |i: usize| f32::from_bits(((i as u32).wrapping_mul(2654435761) & 0x007f_ffff) | 1) * if i.is_multiple_of(3) { -1.0 } else { 1.0 };
     let flushy = Expert { gate: f32m(inter, hidden, &mut { subnormal }), up: f32m(inter, hidden, &mut tiny(1.0)), down: f32m(hidden, inter, &mut tiny(1.0)) };
     let flushy_rows: Vec<f32> = (0..hidden).map(|i| (((i * 3) % 7) as f32 - 3.0) * 1e20).collect();
-    [(expert, rows), (small, small_rows), (flushy, flushy_rows)]
+    // Integer products: MXFP4 weights so small that their block scales are subnormal (e8m0 ≤ 1)
+    // and int4 ones with tiny group scales, against activations with zero and outlier blocks.
+    let mut w = value;
+    let tiny_w: Vec<f32> = (0..inter * hidden).map(|i| w(i) * 1e-38).collect();
+    let quantised = Expert {
+        gate: Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&tiny_w, inter, hidden)),
+        up: Matrix::from_quant(shimmer_common::quant::quantize_int4(&tiny_w.iter().map(|v| v * 1e8).collect::<Vec<_>>(), inter, hidden, 32)),
+        down: Matrix::from_quant(shimmer_common::quant::quantize_int8(&(0..hidden * inter).map(&mut w).collect::<Vec<_>>(), hidden, inter)),
+    };
+    let quantised_rows: Vec<f32> = (0..2 * hidden)
+        .map(|i| {
+            if i < 32 {
+                0.0
+            } else if i % 29 == 0 {
+                3e4
+            } else {
+                ((i * 7) % 19) as f32 * 1e18
+            }
+        })
+        .collect();
+    [(expert, rows), (small, small_rows), (flushy, flushy_rows), (quantised, quantised_rows)]
 }
 
 /// Checks that `device` computes an expert with the CPU's bits (see `self_test_cases`). Run once
@@ -322,16 +399,31 @@ mod tests {
     use super::*;
 
     /// The self-test can tell: some of its CPU outputs are subnormal (a device that flushes them
-    /// gives other bits) and its fma cases round differently when the product is rounded first.
+    /// gives other bits), flushing its subnormal gate weights zeroes an output that is not zero,
+    /// its MXFP4 block scales include subnormal ones, and its fma cases round differently when
+    /// the product is rounded first.
     #[test]
     fn the_self_test_exposes_flushing_and_unfused_fma() {
         let cases = self_test_cases();
-        let mut y = vec![0.0f32; cases[1].1.len()];
-        cases[1].0.forward_rows(&cases[1].1, &mut Default::default(), &mut y, false);
+        let forward = |(e, x): &(Expert, Vec<f32>)| {
+            let mut y = vec![0.0f32; x.len()];
+            e.forward_rows(x, &mut Default::default(), &mut y, false);
+            y
+        };
+        let y = forward(&cases[1]);
         let subnormal = y.iter().filter(|v| v.is_subnormal()).count();
-        eprintln!("{:?}", &y[..8]);
-        eprintln!("{:?}", &y[80..88]);
-        assert!(subnormal > 10, "only {subnormal} of {} outputs are subnormal", y.len());
+        assert!(subnormal > 40, "only {subnormal} of {} outputs are subnormal", y.len());
+        let y = forward(&cases[2]);
+        assert!(y.iter().filter(|v| v.is_normal()).count() > 60, "{y:?}");
+        let [_, _, (flushy, x), quantised] = cases;
+        let zero_gate = Matrix::new(flushy.gate.rows, flushy.gate.cols, WeightData::F32(vec![0.0; flushy.gate.rows * flushy.gate.cols]));
+        let flushed = Expert { gate: zero_gate, up: flushy.up, down: flushy.down };
+        assert!(forward(&(flushed, x)).iter().all(|v| *v == 0.0));
+        match &quantised.0.gate.data {
+            WeightData::Mxfp4 { scales, .. } => assert!(scales.iter().filter(|e| **e <= 1).count() > 100, "{scales:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(forward(&quantised).iter().filter(|v| **v != 0.0).count() > 100);
         let a = 1.0f32 + 2f32.powi(-12);
         assert_ne!(a.mul_add(a, -1.0), a * a - 1.0, "the fma case's product needs more than 24 bits");
     }

@@ -68,14 +68,24 @@ impl FakeDevice {
 
 /// The expert an image describes, read back from its bytes.
 pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
+    let part = |offset: usize, len: Option<usize>| -> Result<&[u8], GpuError> {
+        let end = len.and_then(|l| l.checked_add(offset));
+        end.and_then(|end| image.bytes.get(offset..end)).ok_or_else(|| GpuError::Unsupported("a matrix lies outside its image".into()))
+    };
+    let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+    let u16s = |b: &[u8]| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<u16>>();
     let matrix = |m: &MatrixLayout| -> Result<Matrix, GpuError> {
-        let n = m.rows.checked_mul(m.cols).ok_or_else(|| GpuError::Unsupported("matrix size overflows".into()))?;
-        let end = n.checked_mul(m.format.element_bytes()).and_then(|b| b.checked_add(m.byte_offset));
-        let bytes = end.and_then(|end| image.bytes.get(m.byte_offset..end)).ok_or_else(|| GpuError::Unsupported("a matrix lies outside its image".into()))?;
+        let values = part(m.byte_offset, m.rows.checked_mul(m.format.row_bytes(m.cols)))?;
         let data = match m.format {
-            WeightFormat::F32 => WeightData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-            WeightFormat::Bf16 => WeightData::Bf16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
-            WeightFormat::F16 => WeightData::F16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+            WeightFormat::F32 => WeightData::F32(f32s(values)),
+            WeightFormat::Bf16 => WeightData::Bf16(u16s(values)),
+            WeightFormat::F16 => WeightData::F16(u16s(values)),
+            WeightFormat::Int8 => WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?) },
+            WeightFormat::Int4 { group } => {
+                let n = m.rows * m.cols.div_ceil(group as usize);
+                WeightData::Int4 { packed: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), group: group as usize }
+            }
+            WeightFormat::Mxfp4 => WeightData::Mxfp4 { packed: values.to_vec(), scales: part(m.scales_offset, Some(m.rows * m.cols.div_ceil(32)))?.to_vec() },
         };
         Ok(Matrix::new(m.rows, m.cols, data))
     };
@@ -172,8 +182,32 @@ mod tests {
     #[test]
     fn formats_without_a_kernel_are_refused_by_name() {
         let q = WeightData::Int8 { q: vec![1; 30], scales: vec![1.0; 6] };
-        let expert = Expert { gate: Matrix::new(6, 5, q.clone()), up: Matrix::new(6, 5, q), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
+        // int8 weights with f32 activations (quant-eval's comparison): no GPU kernel.
+        let m = |rows, cols| Matrix::new(rows, cols, q.clone()).with_activations(shimmer_kernels::Activations::F32);
+        let expert = Expert { gate: m(6, 5), up: m(6, 5), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
         let err = ExpertImage::of(&expert).unwrap_err();
         assert!(matches!(err, GpuError::Unsupported(_)) && err.to_string().contains("int8"), "{err}");
+        let fp8 = WeightData::Fp8 { q: vec![0x38; 30], scales: vec![1.0], block: 128 };
+        let expert = Expert { gate: Matrix::new(6, 5, fp8.clone()), up: Matrix::new(6, 5, fp8), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
+        assert!(ExpertImage::of(&expert).unwrap_err().to_string().contains("fp8"));
+    }
+
+    /// Integer formats' images read back as the same matrices (values and scales).
+    #[test]
+    fn integer_images_round_trip() {
+        use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+        let w: Vec<f32> = (0..70 * 45).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+        for make in [
+            &(|w: &[f32], r, c| Matrix::from_quant(quantize_int8(w, r, c))) as &dyn Fn(&[f32], usize, usize) -> Matrix,
+            &|w: &[f32], r, c| Matrix::from_quant(quantize_int4(w, r, c, 32)),
+            &|w: &[f32], r, c| Matrix::from_quant(quantize_int4(w, r, c, 64)),
+            &|w: &[f32], r, c| Matrix::from_quant(quantize_mxfp4(w, r, c)),
+        ] {
+            let expert = Expert { gate: make(&w, 70, 45), up: make(&w, 70, 45), down: make(&w, 45, 70) };
+            let back = expert_from_image(&ExpertImage::of(&expert).unwrap()).unwrap();
+            for (a, b) in [(&expert.gate, &back.gate), (&expert.up, &back.up), (&expert.down, &back.down)] {
+                assert_eq!(format!("{:?} {:?}", a.data, a.activations), format!("{:?} {:?}", b.data, b.activations));
+            }
+        }
     }
 }

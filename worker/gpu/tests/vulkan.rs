@@ -1,8 +1,10 @@
 //! The Vulkan backend on a real driver (Mesa's lavapipe in the test command): every weight format
-//! it computes and every batch shape give the CPU's bits, through mapped and staged uploads,
+//! it computes (f32, bf16, f16; int8, int4 g32/g64/g128 and MXFP4 with integer products) and
+//! every batch shape give the CPU's bits, through mapped and staged uploads,
 //! over several arenas, with experts released and their ranges reused.
 #![cfg(feature = "vulkan")]
 
+use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
 use shimmer_experts::Expert;
 use shimmer_gpu::device::{Device, ExpertImage, Job};
 use shimmer_gpu::vulkan::{Fma, Options, VulkanDevice};
@@ -37,6 +39,9 @@ enum Format {
     F32,
     Bf16,
     F16,
+    Int8,
+    Int4(usize),
+    Mxfp4,
 }
 
 fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
@@ -45,6 +50,9 @@ fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
         Format::F32 => WeightData::F32((0..n).map(|_| rng.value()).collect()),
         // Every bit pattern but NaNs and infinities, subnormals included.
         Format::Bf16 => WeightData::Bf16((0..n).map(|_| (rng.value().to_bits() >> 16) as u16).collect()),
+        Format::Int8 => return Matrix::from_quant(quantize_int8(&floats(rng, n), rows, cols)),
+        Format::Int4(group) => return Matrix::from_quant(quantize_int4(&floats(rng, n), rows, cols, group)),
+        Format::Mxfp4 => return Matrix::from_quant(quantize_mxfp4(&floats(rng, n), rows, cols)),
         Format::F16 => WeightData::F16(
             (0..n)
                 .map(|_| {
@@ -60,6 +68,19 @@ fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
         ),
     };
     Matrix::new(rows, cols, data)
+}
+
+/// Ordinary weights with a few zeros and outliers (the integer formats' scales follow the
+/// outliers; zero groups give zero scales).
+fn floats(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| match rng.next() % 37 {
+            0 => 3.0,
+            1 => 0.0,
+            _ if i % 97 < 32 && i % 5 == 0 => 0.0,
+            _ => rng.value(),
+        })
+        .collect()
 }
 
 fn expert(rng: &mut Rng, hidden: usize, inter: usize, format: Format) -> Expert {
@@ -96,7 +117,7 @@ fn open(options: Options) -> VulkanDevice {
 fn check_device(device: &VulkanDevice, seed: u64) {
     let mut rng = Rng(seed);
     let shapes = [(64usize, 128usize), (80, 72), (200, 130), (1, 3), (96, 1)];
-    let formats = [Format::F32, Format::Bf16, Format::F16];
+    let formats = [Format::F32, Format::Bf16, Format::F16, Format::Int8, Format::Int4(32), Format::Int4(64), Format::Int4(128), Format::Mxfp4];
     let mut experts = Vec::new();
     for &(h, i) in &shapes {
         for &f in &formats {
@@ -114,7 +135,18 @@ fn check_device(device: &VulkanDevice, seed: u64) {
     }
     // One job at a time, too (a submission of one expert).
     for ((e, f), r) in experts.iter().zip(&resident) {
-        let x: Vec<f32> = (0..4 * e.down.rows).map(|_| rng.value()).collect();
+        // Blocks of zeros (a zero scale) and outliers (the rest of their block quantises to 0).
+        let x: Vec<f32> = (0..4 * e.down.rows)
+            .map(|i| {
+                if i < 40 {
+                    0.0
+                } else if i % 53 == 0 {
+                    1e3
+                } else {
+                    rng.value()
+                }
+            })
+            .collect();
         let got = device.forward(&[Job { expert: r, rows: &x }]).unwrap();
         assert_same_bits(&got[0], &cpu(e, &x), &format!("{f:?} alone"));
     }

@@ -19,20 +19,51 @@ use ash::vk;
 use crate::arena::Arena;
 use crate::device::{self, Device, DeviceExpert, ExpertImage, GpuError, Job, MatrixLayout, WeightFormat};
 
-/// The shaders with the device's `fma()`: matvec per weight format (f32, bf16, f16), SwiGLU.
-const SHADERS: [&[u8]; 4] = [
+/// The shaders with the device's `fma()`: matvec per float weight format (f32, bf16, f16),
+/// SwiGLU, and the integer matvec per format (int8, int4, MXFP4) — indexed by `pipeline_of`.
+const SHADERS: [&[u8]; PIPELINES] = [
     include_bytes!("../../shaders/matvec_f32.spv"),
     include_bytes!("../../shaders/matvec_bf16.spv"),
     include_bytes!("../../shaders/matvec_f16.spv"),
     include_bytes!("../../shaders/swiglu.spv"),
+    include_bytes!("../../shaders/qmatvec_int8.spv"),
+    include_bytes!("../../shaders/qmatvec_int4.spv"),
+    include_bytes!("../../shaders/qmatvec_mxfp4.spv"),
 ];
 /// The same with an exact fused multiply-add emulated through binary64 (`shaders/fma.glsl`).
-const SHADERS_EXACT_FMA: [&[u8]; 4] = [
+const SHADERS_EXACT_FMA: [&[u8]; PIPELINES] = [
     include_bytes!("../../shaders/matvec_f32_exact.spv"),
     include_bytes!("../../shaders/matvec_bf16_exact.spv"),
     include_bytes!("../../shaders/matvec_f16_exact.spv"),
     include_bytes!("../../shaders/swiglu_exact.spv"),
+    include_bytes!("../../shaders/qmatvec_int8_exact.spv"),
+    include_bytes!("../../shaders/qmatvec_int4_exact.spv"),
+    include_bytes!("../../shaders/qmatvec_mxfp4_exact.spv"),
 ];
+const PIPELINES: usize = 7;
+const SWIGLU: usize = 3;
+/// Push constants: the largest shader's (the integer matvec's eight words).
+const PUSH_BYTES: u32 = 32;
+/// Descriptor sets per arena: gate and up from f32 rows, gate and up from quantised rows, down
+/// from f32 rows, down from quantised rows (`SET_*` below).
+const SETS_PER_ARENA: usize = 6;
+const SET_GATE: usize = 0;
+const SET_UP: usize = 1;
+const SET_QGATE: usize = 2;
+const SET_QUP: usize = 3;
+const SET_DOWN: usize = 4;
+const SET_QDOWN: usize = 5;
+
+fn pipeline_of(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::F32 => 0,
+        WeightFormat::Bf16 => 1,
+        WeightFormat::F16 => 2,
+        WeightFormat::Int8 => 4,
+        WeightFormat::Int4 { .. } => 5,
+        WeightFormat::Mxfp4 => 6,
+    }
+}
 
 /// The largest arena; smaller where the device's storage-buffer range is smaller.
 const ARENA_BYTES: u64 = 1 << 30;
@@ -132,8 +163,8 @@ struct State {
     float64: bool,
     exact_fma: bool,
     /// Matvec per weight format (f32, bf16, f16), then SwiGLU.
-    pipelines: [vk::Pipeline; 4],
-    shaders: [vk::ShaderModule; 4],
+    pipelines: [vk::Pipeline; PIPELINES],
+    shaders: [vk::ShaderModule; PIPELINES],
     descriptor_pool: vk::DescriptorPool,
     pool_sets: u32,
     command_pool: vk::CommandPool,
@@ -143,9 +174,13 @@ struct State {
     in_flight: bool,
     lost: bool,
     arenas: Vec<WeightArena>,
-    /// Host-visible input and output rows; device-local gate and up products.
+    /// Host-visible input rows (f32, and quantised), output rows, and the gate products read back
+    /// and quantised for integer down projections; device-local gate and up products.
     x: Option<Buffer>,
+    qx: Option<Buffer>,
     y: Option<Buffer>,
+    gh: Option<Buffer>,
+    qg: Option<Buffer>,
     g: Option<Buffer>,
     u: Option<Buffer>,
     staging: Option<Buffer>,
@@ -300,8 +335,8 @@ impl State {
             max_groups: [limits.max_compute_work_group_count[0], limits.max_compute_work_group_count[1]],
             set_layout: vk::DescriptorSetLayout::null(),
             pipeline_layout: vk::PipelineLayout::null(),
-            pipelines: [vk::Pipeline::null(); 4],
-            shaders: [vk::ShaderModule::null(); 4],
+            pipelines: [vk::Pipeline::null(); PIPELINES],
+            shaders: [vk::ShaderModule::null(); PIPELINES],
             descriptor_pool: vk::DescriptorPool::null(),
             pool_sets: 0,
             command_pool: vk::CommandPool::null(),
@@ -311,7 +346,10 @@ impl State {
             lost: false,
             arenas: Vec::new(),
             x: None,
+            qx: None,
             y: None,
+            gh: None,
+            qg: None,
             g: None,
             u: None,
             staging: None,
@@ -381,7 +419,7 @@ impl State {
         self.set_layout = d
             .create_descriptor_set_layout(&vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings), None)
             .map_err(|r| vk_error("creating the descriptor set layout", r))?;
-        let push = vk::PushConstantRange { stage_flags: vk::ShaderStageFlags::COMPUTE, offset: 0, size: 20 };
+        let push = vk::PushConstantRange { stage_flags: vk::ShaderStageFlags::COMPUTE, offset: 0, size: PUSH_BYTES };
         self.pipeline_layout = d
             .create_pipeline_layout(
                 &vk::PipelineLayoutCreateInfo::default().set_layouts(std::slice::from_ref(&self.set_layout)).push_constant_ranges(std::slice::from_ref(&push)),
@@ -405,7 +443,7 @@ impl State {
     /// (Re)builds the pipelines from the shaders with the device's fma or the emulated one.
     unsafe fn load_pipelines(&mut self, exact_fma: bool) -> Result<(), GpuError> {
         let d = &self.device;
-        for i in 0..4 {
+        for i in 0..PIPELINES {
             d.destroy_pipeline(std::mem::take(&mut self.pipelines[i]), None);
             d.destroy_shader_module(std::mem::take(&mut self.shaders[i]), None);
         }
@@ -500,7 +538,7 @@ impl State {
         let size = size.next_power_of_two().min(self.max_buffer).max(size);
         let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
         let choices: &[vk::MemoryPropertyFlags] = match which {
-            Scratch::X | Scratch::Y | Scratch::Staging => &[host | vk::MemoryPropertyFlags::HOST_CACHED, host],
+            Scratch::X | Scratch::Qx | Scratch::Y | Scratch::Gh | Scratch::Qg | Scratch::Staging => &[host | vk::MemoryPropertyFlags::HOST_CACHED, host],
             Scratch::G | Scratch::U => &[vk::MemoryPropertyFlags::DEVICE_LOCAL, vk::MemoryPropertyFlags::empty()],
         };
         let b = self.buffer(size, choices, "allocating scratch memory")?;
@@ -511,7 +549,10 @@ impl State {
     fn scratch(&mut self, which: Scratch) -> &mut Option<Buffer> {
         match which {
             Scratch::X => &mut self.x,
+            Scratch::Qx => &mut self.qx,
             Scratch::Y => &mut self.y,
+            Scratch::Gh => &mut self.gh,
+            Scratch::Qg => &mut self.qg,
             Scratch::G => &mut self.g,
             Scratch::U => &mut self.u,
             Scratch::Staging => &mut self.staging,
@@ -598,7 +639,11 @@ impl State {
             self.arenas[index].ranges.release(offset, len);
             return Err(e);
         }
-        let shift = |m: &MatrixLayout| MatrixLayout { byte_offset: m.byte_offset + offset as usize, ..*m };
+        let shift = |m: &MatrixLayout| MatrixLayout {
+            byte_offset: m.byte_offset + offset as usize,
+            scales_offset: if m.format.is_integer() { m.scales_offset + offset as usize } else { 0 },
+            ..*m
+        };
         Ok(DeviceExpert {
             handle: ((index as u64) << HANDLE_OFFSET_BITS) | offset,
             bytes: len,
@@ -643,55 +688,155 @@ impl State {
 
     unsafe fn forward(&mut self, jobs: &[Job<'_>]) -> Result<Vec<Vec<f32>>, GpuError> {
         self.usable()?;
-        // Where each job's rows, products and outputs lie in the scratch buffers (in f32s).
-        struct Place {
-            n: u32,
-            x: u32,
-            g: u32,
-            y: u32,
-        }
-        let (mut xs, mut gs) = (0u64, 0u64);
-        let mut places = Vec::with_capacity(jobs.len());
-        for (j, job) in jobs.iter().enumerate() {
-            let (h, i) = (job.expert.hidden() as u64, job.expert.intermediate() as u64);
-            if h == 0 || !(job.rows.len() as u64).is_multiple_of(h) {
-                return Err(GpuError::Unsupported(format!("job {j}: {} values are not whole rows of {h}", job.rows.len())));
-            }
-            let n = job.rows.len() as u64 / h;
-            if n > self.max_groups[1] as u64 || i.max(h) > self.max_groups[0] as u64 {
-                return Err(GpuError::Unsupported(format!(
-                    "job {j}: {n} rows of an expert {h}×{i} exceed the device's workgroup counts {:?}",
-                    self.max_groups
-                )));
-            }
-            places.push(Place { n: n as u32, x: xs as u32, g: gs as u32, y: xs as u32 });
-            xs += n * h;
-            gs += n * i;
-            if (xs.max(gs) * 4) > self.max_buffer {
-                return Err(GpuError::Unsupported(format!("a submission of {} rows exceeds the device's buffer range", xs / h)));
-            }
-        }
-        if xs == 0 {
+        let plan = Plan::of(jobs, self.max_groups, self.max_buffer)?;
+        if plan.x_floats == 0 {
             return Ok(jobs.iter().map(|_| Vec::new()).collect());
         }
-        self.ensure(Scratch::X, xs * 4)?;
-        self.ensure(Scratch::Y, xs * 4)?;
-        self.ensure(Scratch::G, gs * 4)?;
-        self.ensure(Scratch::U, gs * 4)?;
-        let (x, y, g, u) =
-            (self.x.as_ref().expect("ensured"), self.y.as_ref().expect("ensured"), self.g.as_ref().expect("ensured"), self.u.as_ref().expect("ensured"));
-        let (xb, yb, gb, ub) = (x.buffer, y.buffer, g.buffer, u.buffer);
-        let (xp, yp) = (x.mapped.expect("host-visible").cast::<f32>(), y.mapped.expect("host-visible").cast::<f32>());
-        for (job, place) in jobs.iter().zip(&places) {
-            std::ptr::copy_nonoverlapping(job.rows.as_ptr(), xp.add(place.x as usize), job.rows.len());
+        let bytes = |words: u64| (words * 4).max(16);
+        self.ensure(Scratch::X, bytes(plan.x_floats))?;
+        self.ensure(Scratch::Qx, bytes(plan.qx_words))?;
+        self.ensure(Scratch::Y, bytes(plan.x_floats))?;
+        self.ensure(Scratch::G, bytes(plan.g_floats))?;
+        self.ensure(Scratch::U, bytes(plan.g_floats))?;
+        self.ensure(Scratch::Gh, bytes(plan.g_floats))?;
+        self.ensure(Scratch::Qg, bytes(plan.qg_words))?;
+        let host = |b: &Option<Buffer>| b.as_ref().and_then(|b| b.mapped).expect("scratch is host-visible").cast::<u32>();
+        let (xp, qxp, yp, ghp, qgp) = (host(&self.x), host(&self.qx), host(&self.y), host(&self.gh), host(&self.qg));
+        // The rows: as they are for float matrices, quantised by the CPU's own quantiser for
+        // integer ones (so the device never divides).
+        let (mut q, mut scales) = (Vec::new(), Vec::new());
+        for (job, p) in jobs.iter().zip(&plan.places) {
+            std::ptr::copy_nonoverlapping(job.rows.as_ptr().cast::<u32>(), xp.add(p.x as usize), job.rows.len());
+            if job.expert.gate.format.is_integer() || job.expert.up.format.is_integer() {
+                shimmer_kernels::qdot::quantize_plain(job.rows, job.expert.hidden(), &mut q, &mut scales);
+                write_quantised(qxp, p.qx, p.qxs, &q, &scales);
+            }
         }
+        let sets = self.descriptor_sets(jobs)?;
+        let set_of = |job: &Job<'_>, k: usize| sets.arena_set(job.expert.handle >> HANDLE_OFFSET_BITS, k);
 
-        // Descriptor sets: per arena used, (weights, X, G), (weights, X, U), (weights, G, Y); and
-        // (G, U, ·) for the gating.
-        let mut arenas_used: Vec<usize> = jobs.iter().map(|j| (j.expert.handle >> HANDLE_OFFSET_BITS) as usize).collect();
-        arenas_used.sort_unstable();
-        arenas_used.dedup();
-        let wanted = 3 * arenas_used.len() as u32 + 1;
+        // Gate and up, the gating; then (one submission) the down projections, unless some
+        // down projection is integer: its input, the gating's output, is read back and quantised
+        // on the host first, and the down projections are a second submission.
+        self.begin()?;
+        for (job, p) in jobs.iter().zip(&plan.places).filter(|(_, p)| p.n > 0) {
+            for (m, float_set, int_set, out) in [(&job.expert.gate, SET_GATE, SET_QGATE, p.g), (&job.expert.up, SET_UP, SET_QUP, p.g)] {
+                if m.format.is_integer() {
+                    self.record_qmatvec(m, set_of(job, int_set), p.qx, p.qxs, out, p.n);
+                } else {
+                    self.record_matvec(m, set_of(job, float_set), p.x, out, p.n);
+                }
+            }
+        }
+        self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
+        let d = &self.device;
+        d.cmd_bind_pipeline(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipelines[SWIGLU]);
+        d.cmd_bind_descriptor_sets(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[sets.swiglu], &[]);
+        for (job, p) in jobs.iter().zip(&plan.places).filter(|(_, p)| p.n > 0) {
+            let width = job.expert.intermediate() as u32;
+            d.cmd_push_constants(self.commands, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&[p.g, width, 0, 0, 0, 0, 0, 0]));
+            d.cmd_dispatch(self.commands, width.div_ceil(LANES), p.n, 1);
+        }
+        let quantised_down = jobs.iter().any(|j| j.expert.down.format.is_integer());
+        if quantised_down {
+            // The gating's output to the host, for the jobs whose down projection is integer.
+            self.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_READ);
+            let regions: Vec<vk::BufferCopy> = jobs
+                .iter()
+                .zip(&plan.places)
+                .filter(|(j, p)| p.n > 0 && j.expert.down.format.is_integer())
+                .map(|(j, p)| {
+                    let at = p.g as u64 * 4;
+                    vk::BufferCopy { src_offset: at, dst_offset: at, size: (p.n as usize * j.expert.intermediate()) as u64 * 4 }
+                })
+                .collect();
+            let (g, gh) = (self.g.as_ref().expect("ensured").buffer, self.gh.as_ref().expect("ensured").buffer);
+            self.device.cmd_copy_buffer(self.commands, g, gh, &regions);
+            let b = vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::HOST_READ);
+            self.device.cmd_pipeline_barrier(
+                self.commands,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &[b],
+                &[],
+                &[],
+            );
+            self.device.end_command_buffer(self.commands).map_err(|r| vk_error("recording commands", r))?;
+            self.submit_and_wait()?;
+            let mut gated = Vec::new();
+            for (job, p) in jobs.iter().zip(&plan.places).filter(|(j, p)| p.n > 0 && j.expert.down.format.is_integer()) {
+                let len = p.n as usize * job.expert.intermediate();
+                gated.resize(len, 0.0f32);
+                std::ptr::copy_nonoverlapping(ghp.add(p.g as usize).cast::<f32>(), gated.as_mut_ptr(), len);
+                shimmer_kernels::qdot::quantize_plain(&gated, job.expert.intermediate(), &mut q, &mut scales);
+                write_quantised(qgp, p.qg, p.qgs, &q, &scales);
+            }
+            self.begin()?;
+        } else {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ);
+        }
+        for (job, p) in jobs.iter().zip(&plan.places).filter(|(_, p)| p.n > 0) {
+            let m = &job.expert.down;
+            if m.format.is_integer() {
+                self.record_qmatvec(m, set_of(job, SET_QDOWN), p.qg, p.qgs, p.y, p.n);
+            } else {
+                self.record_matvec(m, set_of(job, SET_DOWN), p.g, p.y, p.n);
+            }
+        }
+        self.barrier(vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ);
+        self.device.end_command_buffer(self.commands).map_err(|r| vk_error("recording commands", r))?;
+        self.submit_and_wait()?;
+        Ok(jobs
+            .iter()
+            .zip(&plan.places)
+            .map(|(job, p)| {
+                let len = job.rows.len();
+                let mut out = vec![0.0f32; len];
+                std::ptr::copy_nonoverlapping(yp.add(p.y as usize).cast::<f32>(), out.as_mut_ptr(), len);
+                out
+            })
+            .collect())
+    }
+
+    /// A memory barrier from compute shader writes to `dst_stage`'s `dst` accesses.
+    unsafe fn barrier(&self, dst_stage: vk::PipelineStageFlags, dst: vk::AccessFlags) {
+        let b = vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::SHADER_WRITE).dst_access_mask(dst);
+        self.device.cmd_pipeline_barrier(self.commands, vk::PipelineStageFlags::COMPUTE_SHADER, dst_stage, vk::DependencyFlags::empty(), &[b], &[], &[]);
+    }
+
+    /// `m` over `n` f32 rows at `input` (floats), into `output` (floats).
+    unsafe fn record_matvec(&self, m: &MatrixLayout, set: vk::DescriptorSet, input: u32, output: u32, n: u32) {
+        let d = &self.device;
+        d.cmd_bind_pipeline(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipelines[pipeline_of(m.format)]);
+        d.cmd_bind_descriptor_sets(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[set], &[]);
+        let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output, 0, 0, 0];
+        d.cmd_push_constants(self.commands, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&push));
+        d.cmd_dispatch(self.commands, m.rows as u32, n, 1);
+    }
+
+    /// `m` (an integer format) over `n` quantised rows at word `input` with their block scales
+    /// at word `scales`, into `output` (floats).
+    unsafe fn record_qmatvec(&self, m: &MatrixLayout, set: vk::DescriptorSet, input: u32, scales: u32, output: u32, n: u32) {
+        let d = &self.device;
+        d.cmd_bind_pipeline(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipelines[pipeline_of(m.format)]);
+        d.cmd_bind_descriptor_sets(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[set], &[]);
+        let group = match m.format {
+            WeightFormat::Int4 { group } => group,
+            _ => 32,
+        };
+        let push = [m.byte_offset as u32, m.scales_offset as u32, m.rows as u32, m.cols as u32, group, input, scales, output];
+        d.cmd_push_constants(self.commands, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&push));
+        d.cmd_dispatch(self.commands, m.rows as u32, n, 1);
+    }
+
+    /// This submission's descriptor sets: `SETS_PER_ARENA` for each arena its jobs use, and the
+    /// gating's.
+    unsafe fn descriptor_sets(&mut self, jobs: &[Job<'_>]) -> Result<Sets, GpuError> {
+        let mut arenas: Vec<u64> = jobs.iter().map(|j| j.expert.handle >> HANDLE_OFFSET_BITS).collect();
+        arenas.sort_unstable();
+        arenas.dedup();
+        let wanted = (SETS_PER_ARENA * arenas.len() + 1) as u32;
         self.ensure_descriptor_pool(wanted)?;
         let d = &self.device;
         d.reset_descriptor_pool(self.descriptor_pool, vk::DescriptorPoolResetFlags::empty()).map_err(|r| vk_error("resetting descriptors", r))?;
@@ -699,12 +844,15 @@ impl State {
         let sets = d
             .allocate_descriptor_sets(&vk::DescriptorSetAllocateInfo::default().descriptor_pool(self.descriptor_pool).set_layouts(&layouts))
             .map_err(|r| vk_error("allocating descriptors", r))?;
+        let b = |o: &Option<Buffer>| o.as_ref().expect("ensured").buffer;
+        let (x, qx, g, u, qg, y) = (b(&self.x), b(&self.qx), b(&self.g), b(&self.u), b(&self.qg), b(&self.y));
         let mut triples: Vec<[vk::Buffer; 3]> = Vec::new();
-        for &a in &arenas_used {
-            let w = self.arenas[a].buffer.buffer;
-            triples.extend([[w, xb, gb], [w, xb, ub], [w, gb, yb]]);
+        for &a in &arenas {
+            let w = self.arenas[a as usize].buffer.buffer;
+            // In SET_* order.
+            triples.extend([[w, x, g], [w, x, u], [w, qx, g], [w, qx, u], [w, g, y], [w, qg, y]]);
         }
-        triples.push([gb, ub, yb]);
+        triples.push([g, u, y]);
         let infos: Vec<[vk::DescriptorBufferInfo; 3]> =
             triples.iter().map(|t| t.map(|buffer| vk::DescriptorBufferInfo { buffer, offset: 0, range: vk::WHOLE_SIZE })).collect();
         let writes: Vec<vk::WriteDescriptorSet> = sets
@@ -721,56 +869,7 @@ impl State {
             })
             .collect();
         d.update_descriptor_sets(&writes, &[]);
-
-        self.begin()?;
-        let d = &self.device;
-        let cb = self.commands;
-        let set_of = |job: &Job<'_>, k: usize| sets[3 * arenas_used.binary_search(&((job.expert.handle >> HANDLE_OFFSET_BITS) as usize)).expect("listed") + k];
-        let matvec = |job: &Job<'_>, m: &MatrixLayout, k: usize, input: u32, output: u32, n: u32| {
-            let pipeline = self.pipelines[match m.format {
-                WeightFormat::F32 => 0,
-                WeightFormat::Bf16 => 1,
-                WeightFormat::F16 => 2,
-            }];
-            d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, pipeline);
-            d.cmd_bind_descriptor_sets(cb, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[set_of(job, k)], &[]);
-            let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output];
-            d.cmd_push_constants(cb, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&push));
-            d.cmd_dispatch(cb, m.rows as u32, n, 1);
-        };
-        let barrier = |dst_stage: vk::PipelineStageFlags, dst: vk::AccessFlags| {
-            let b = vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::SHADER_WRITE).dst_access_mask(dst);
-            d.cmd_pipeline_barrier(cb, vk::PipelineStageFlags::COMPUTE_SHADER, dst_stage, vk::DependencyFlags::empty(), &[b], &[], &[]);
-        };
-        for (job, p) in jobs.iter().zip(&places).filter(|(_, p)| p.n > 0) {
-            matvec(job, &job.expert.gate, 0, p.x, p.g, p.n);
-            matvec(job, &job.expert.up, 1, p.x, p.g, p.n);
-        }
-        barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
-        d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, self.pipelines[3]);
-        d.cmd_bind_descriptor_sets(cb, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[sets[sets.len() - 1]], &[]);
-        for (job, p) in jobs.iter().zip(&places).filter(|(_, p)| p.n > 0) {
-            let width = job.expert.intermediate() as u32;
-            d.cmd_push_constants(cb, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&[p.g, width, 0, 0, 0]));
-            d.cmd_dispatch(cb, width.div_ceil(LANES), p.n, 1);
-        }
-        barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ);
-        for (job, p) in jobs.iter().zip(&places).filter(|(_, p)| p.n > 0) {
-            matvec(job, &job.expert.down, 2, p.g, p.y, p.n);
-        }
-        barrier(vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ);
-        d.end_command_buffer(cb).map_err(|r| vk_error("recording commands", r))?;
-        self.submit_and_wait()?;
-        Ok(jobs
-            .iter()
-            .zip(&places)
-            .map(|(job, p)| {
-                let len = job.rows.len();
-                let mut out = vec![0.0f32; len];
-                std::ptr::copy_nonoverlapping(yp.add(p.y as usize), out.as_mut_ptr(), len);
-                out
-            })
-            .collect())
+        Ok(Sets { swiglu: sets[sets.len() - 1], arenas, sets })
     }
 
     unsafe fn ensure_descriptor_pool(&mut self, sets: u32) -> Result<(), GpuError> {
@@ -796,10 +895,102 @@ impl State {
 #[derive(Clone, Copy)]
 enum Scratch {
     X,
+    Qx,
     Y,
+    Gh,
+    Qg,
     G,
     U,
     Staging,
+}
+
+/// The descriptor sets of one submission.
+struct Sets {
+    arenas: Vec<u64>,
+    sets: Vec<vk::DescriptorSet>,
+    swiglu: vk::DescriptorSet,
+}
+
+impl Sets {
+    fn arena_set(&self, arena: u64, k: usize) -> vk::DescriptorSet {
+        self.sets[SETS_PER_ARENA * self.arenas.binary_search(&arena).expect("every job's arena has sets") + k]
+    }
+}
+
+/// Where one job's rows, products and outputs lie in the scratch buffers (in 4-byte words).
+struct Place {
+    n: u32,
+    /// f32 rows in X, and the outputs at the same offset in Y.
+    x: u32,
+    y: u32,
+    /// Quantised rows and their block scales in QX (for integer gate and up projections).
+    qx: u32,
+    qxs: u32,
+    /// Gate (and, at the same offset, up) products in G and U.
+    g: u32,
+    /// The gating's output quantised in QG, and its block scales (integer down projections).
+    qg: u32,
+    qgs: u32,
+}
+
+/// The scratch layout of a submission, checked against the device's limits.
+struct Plan {
+    places: Vec<Place>,
+    x_floats: u64,
+    g_floats: u64,
+    qx_words: u64,
+    qg_words: u64,
+}
+
+impl Plan {
+    fn of(jobs: &[Job<'_>], max_groups: [u32; 2], max_buffer: u64) -> Result<Plan, GpuError> {
+        // Quantised rows: per row `blocks · 8` words of values; the scales after all values.
+        let (mut xs, mut gs, mut qx, mut qxs, mut qg, mut qgs) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+        let mut shapes = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter().enumerate() {
+            let (h, i) = (job.expert.hidden() as u64, job.expert.intermediate() as u64);
+            if h == 0 || !(job.rows.len() as u64).is_multiple_of(h) {
+                return Err(GpuError::Unsupported(format!("job {j}: {} values are not whole rows of {h}", job.rows.len())));
+            }
+            let n = job.rows.len() as u64 / h;
+            if n > max_groups[1] as u64 || i.max(h) > max_groups[0] as u64 {
+                return Err(GpuError::Unsupported(format!("job {j}: {n} rows of an expert {h}×{i} exceed the device's workgroup counts {max_groups:?}")));
+            }
+            let (hb, ib) = (h.div_ceil(32), i.div_ceil(32));
+            shapes.push((n, xs, gs, qx, qg));
+            xs += n * h;
+            gs += n * i;
+            qx += n * hb * 8;
+            qxs += n * hb;
+            qg += n * ib * 8;
+            qgs += n * ib;
+        }
+        let (x_floats, g_floats, qx_words, qg_words) = (xs, gs, qx + qxs, qg + qgs);
+        if 4 * x_floats.max(g_floats).max(qx_words).max(qg_words) > max_buffer.min(u32::MAX as u64) {
+            return Err(GpuError::Unsupported(format!("a submission of {} values exceeds the device's buffer range", x_floats.max(g_floats))));
+        }
+        // The scales follow the values: their offsets are known once all values are counted.
+        let (mut sx, mut sg) = (qx, qg);
+        let places = jobs
+            .iter()
+            .zip(shapes)
+            .map(|(job, (n, x, g, qxo, qgo))| {
+                let (hb, ib) = ((job.expert.hidden() as u64).div_ceil(32), (job.expert.intermediate() as u64).div_ceil(32));
+                let p = Place { n: n as u32, x: x as u32, y: x as u32, qx: qxo as u32, qxs: sx as u32, g: g as u32, qg: qgo as u32, qgs: sg as u32 };
+                sx += n * hb;
+                sg += n * ib;
+                p
+            })
+            .collect();
+        Ok(Plan { places, x_floats, g_floats, qx_words, qg_words })
+    }
+}
+
+/// Quantised rows (`q`, `blocks · 32` a row) and their scales into a mapped buffer: values from
+/// word `at`, scales from word `scales_at`.
+unsafe fn write_quantised(base: *mut u32, at: u32, scales_at: u32, q: &[i8], scales: &[f32]) {
+    std::ptr::copy_nonoverlapping(q.as_ptr().cast::<u8>(), base.add(at as usize).cast::<u8>(), q.len());
+    std::ptr::copy_nonoverlapping(scales.as_ptr().cast::<u32>(), base.add(scales_at as usize), scales.len());
 }
 
 fn as_bytes(words: &[u32]) -> &[u8] {
@@ -813,7 +1004,10 @@ impl Drop for State {
         // are ignored by the destroy calls).
         unsafe {
             let _ = self.device.device_wait_idle();
-            for b in [self.x.take(), self.y.take(), self.g.take(), self.u.take(), self.staging.take()].into_iter().flatten() {
+            for b in [self.x.take(), self.qx.take(), self.y.take(), self.gh.take(), self.qg.take(), self.g.take(), self.u.take(), self.staging.take()]
+                .into_iter()
+                .flatten()
+            {
                 self.destroy(&b);
             }
             for a in std::mem::take(&mut self.arenas) {
