@@ -302,6 +302,11 @@ impl Engine {
         self.experts.cluster().map(RemoteExperts::telemetry_snapshot)
     }
 
+    /// Which experts of `layer` the VRAM tier holds (`None`: no GPU).
+    pub fn vram_experts(&self, layer: usize) -> Option<Vec<bool>> {
+        self.vram.as_ref().map(|t| t.resident_in_layer(layer, self.spec.moe.num_experts))
+    }
+
     /// The VRAM tier's counters, when experts are computed on a GPU.
     pub fn gpu_telemetry(&self) -> Option<shimmer_gpu::GpuTelemetry> {
         self.vram.as_ref().map(|t| t.telemetry())

@@ -132,3 +132,24 @@ def test_the_dashboard_chats_and_shows_live_figures(server):
     assert facts["brain"] > 0 and "RAM" in facts["tiers"], facts
     assert facts["raft_hidden"] and facts["raft"] == [], "a single box has no control plane to show"
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def test_the_dashboard_shows_the_vram_tier(make_server):
+    """With the experts on a GPU (Mesa's lavapipe through `--gpu vulkan`; the test command builds
+    the binary with its `vulkan` feature), the tier bar counts bytes served from VRAM, the Brain
+    colours the experts VRAM holds, and /metrics counts VRAM accesses — all from one chat."""
+    assert CHROMIUM, "chromium is not installed (scripts/test installs Debian's chromium package)"
+    s = make_server("--gpu", "vulkan")
+    assert any("VRAM tier" in line for line in s.log), "".join(s.log)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+        facts, errors = asyncio.run(drive(s.url + "/", profile, shot="dashboard-vram.png"))
+    assert errors == [], errors
+    assert facts["error"] == 0 and len(facts["answer"].strip()) > 0, facts
+    # The second turn's experts were uploaded by the first: served from VRAM.
+    snap = json.loads(urllib.request.urlopen(s.url + "/api/dashboard").read())
+    assert "vram" in snap["tier"], snap["tier"][:64]
+    assert snap["tiers"]["vram_bytes"] > 0, snap["tiers"]
+    metrics = urllib.request.urlopen(s.url + "/metrics").read().decode()
+    hits = [line for line in metrics.splitlines() if line.startswith('shimmer_expert_accesses_total{result="hit",tier="vram"}')]
+    assert hits and float(hits[0].split()[-1]) > 0, hits
+    assert 'shimmer_gpu_faults_total{kind="injected"} 0' in metrics

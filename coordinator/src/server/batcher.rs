@@ -148,6 +148,7 @@ impl Batcher {
                 let moe_layers: Vec<usize> = (0..engine.spec.num_layers).filter(|l| engine.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
                 let last_store = engine.store_telemetry();
                 let last_network_wait = engine.network_wait();
+                let last_vram_hits = engine.gpu_telemetry().map(|g| g.vram_hits);
                 Loop {
                     engine,
                     rx,
@@ -162,6 +163,7 @@ impl Batcher {
                     expert_bytes,
                     last_store,
                     last_network_wait,
+                    last_vram_hits,
                     pieces: None,
                     metrics,
                 }
@@ -238,6 +240,8 @@ struct Loop {
     last_store: Option<shimmer_store::StoreTelemetry>,
     /// On a cluster, the network wait so far (its growth is a step's wait on workers).
     last_network_wait: Option<std::time::Duration>,
+    /// The VRAM tier's hits so far (its growth is what a step computed from VRAM).
+    last_vram_hits: Option<u64>,
     /// Each token's text as it extends an output (built at the first constrained request).
     pieces: Option<Vec<Option<String>>>,
     metrics: Arc<super::metrics::Metrics>,
@@ -372,6 +376,7 @@ impl Loop {
             self.last_network_wait = Some(now);
             now.saturating_sub(before)
         });
+        let store_less = store.is_none() && network_wait.is_none();
         let (io_wait, ram_bytes, disk_bytes, remote_bytes) = match (&store, &self.last_store, network_wait) {
             (_, _, Some(wait)) => (wait, 0, 0, routing.distinct * self.expert_bytes),
             (Some(now), Some(before), None) => (
@@ -383,6 +388,15 @@ impl Loop {
             _ => (std::time::Duration::ZERO, routing.distinct * self.expert_bytes, 0, 0),
         };
         self.last_store = store;
+        // Experts computed on the GPU from VRAM: served by the tier above RAM.
+        let vram_hits = self.engine.gpu_telemetry().map(|g| g.vram_hits);
+        let vram_bytes = match (vram_hits, self.last_vram_hits) {
+            (Some(now), Some(before)) => now.saturating_sub(before) * self.expert_bytes,
+            _ => 0,
+        };
+        self.last_vram_hits = vram_hits;
+        // Without a store every expert not computed from VRAM was in RAM.
+        let ram_bytes = if store_less { ram_bytes.saturating_sub(vram_bytes) } else { ram_bytes };
         for i in &which {
             self.active[*i].breakdown.add_step(&routing.phases, io_wait);
         }
@@ -426,6 +440,7 @@ impl Loop {
         }
         {
             let mut dash = self.dash.lock().unwrap_or_else(|e| e.into_inner());
+            dash.tiers.vram_bytes += vram_bytes;
             dash.tiers.ram_bytes += ram_bytes;
             dash.tiers.disk_bytes += disk_bytes;
             dash.tiers.remote_bytes += remote_bytes;

@@ -123,6 +123,16 @@ fn snapshot(state: &AppState) -> dashboard::Snapshot {
     let dash = state.dashboard.lock().unwrap_or_else(|e| e.into_inner());
     let mut snap =
         dash.snapshot(st.running, st.waiting, &|layer| engine.resident_experts(layer), engine.cluster_telemetry(), &|layer| engine.first_holders(layer));
+    // The tier above RAM: experts the GPU holds are VRAM's, whatever RAM holds.
+    for (i, layer) in snap.moe_layers.iter().enumerate() {
+        if let Some(held) = engine.vram_experts(*layer) {
+            for (e, _) in held.iter().enumerate().filter(|(_, h)| **h) {
+                if let Some(t) = snap.tier.get_mut(i * snap.experts + e) {
+                    *t = "vram";
+                }
+            }
+        }
+    }
     snap.control = state.control.as_ref().map(|c| c.local_status());
     snap
 }

@@ -8,7 +8,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:-$here}"
 cc() { glslc --target-env=vulkan1.2 -O -I "$here" "$@"; }
-for format in f32 bf16 f16; do
+for format in f32 bf16 f16 fp8; do
     upper="$(echo "$format" | tr a-z A-Z)"
     cc -DFORMAT_"$upper" "$here/matvec.comp" -o "$out/matvec_$format.spv"
     cc -DFORMAT_"$upper" -DEXACT_FMA "$here/matvec.comp" -o "$out/matvec_${format}_exact.spv"

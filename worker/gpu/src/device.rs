@@ -58,6 +58,11 @@ pub enum WeightFormat {
     F32,
     Bf16,
     F16,
+    /// fp8-e4m3 with one f32 scale per `block` × `block` tile (DeepSeek-V3's checkpoints), f32
+    /// activations.
+    Fp8 {
+        block: u32,
+    },
     /// int8 per row (`q`, one f32 row scale), integer products with int8 activations.
     Int8,
     /// int4 with one f32 scale per `group` values (a multiple of 32), integer products.
@@ -74,7 +79,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => 4,
             WeightFormat::Bf16 | WeightFormat::F16 => 2,
-            WeightFormat::Int8 => 1,
+            WeightFormat::Int8 | WeightFormat::Fp8 { .. } => 1,
             WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 => 0,
         }
     }
@@ -82,6 +87,11 @@ impl WeightFormat {
     /// Whether its products take int8 activations (`shimmer_kernels::qdot`).
     pub fn is_integer(self) -> bool {
         matches!(self, WeightFormat::Int8 | WeightFormat::Int4 { .. } | WeightFormat::Mxfp4)
+    }
+
+    /// Whether its scales follow its values in the image.
+    pub fn has_scales(self) -> bool {
+        self.is_integer() || matches!(self, WeightFormat::Fp8 { .. })
     }
 
     /// Bytes of one row's values (4-bit rows are padded to whole bytes).
@@ -101,8 +111,8 @@ pub struct MatrixLayout {
     pub cols: usize,
     /// Its values, from the image's start; a multiple of 4.
     pub byte_offset: usize,
-    /// Its scales (integer formats: int8's row scales and int4's group scales as f32, MXFP4's
-    /// e8m0 bytes), from the image's start; a multiple of 4. 0 for the float formats.
+    /// Its scales (int8's row scales, int4's group scales and fp8's block scales as f32, MXFP4's
+    /// e8m0 bytes), from the image's start; a multiple of 4. 0 for f32, bf16 and f16.
     pub scales_offset: usize,
 }
 
@@ -127,9 +137,9 @@ pub struct ExpertImage {
 impl ExpertImage {
     /// The image of `expert`, or `Unsupported` naming the format the device cannot compute with
     /// the CPU's bits. Computed: checkpoints run as they are (f32, bf16, f16 with f32
-    /// activations) and the container formats with integer products (int8, int4 in whole blocks
-    /// of 32, MXFP4 — int8 activations). Not yet: fp8, and the integer formats with f32
-    /// activations (`quant-eval`'s comparison).
+    /// activations; fp8 with block scales) and the container formats with integer products (int8,
+    /// int4 in whole blocks of 32, MXFP4 — int8 activations). Not yet: the integer formats with
+    /// f32 activations (`quant-eval`'s comparison).
     pub fn of(expert: &Expert) -> Result<Self, GpuError> {
         let mut bytes = Vec::with_capacity(expert.bytes());
         let mut put = |name: &str, m: &Matrix| -> Result<MatrixLayout, GpuError> {
@@ -148,6 +158,15 @@ impl ExpertImage {
                 (WeightData::F16(v), Activations::F32) => {
                     v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
                     WeightFormat::F16
+                }
+                (WeightData::Fp8 { q, scales, block }, Activations::F32)
+                    if *block > 0 && *block <= u32::MAX as usize && scales.len() == m.rows.div_ceil(*block) * m.cols.div_ceil(*block) =>
+                {
+                    bytes.extend_from_slice(q);
+                    align(&mut bytes);
+                    scales_offset = bytes.len();
+                    scales.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    WeightFormat::Fp8 { block: *block as u32 }
                 }
                 (WeightData::Int8 { q, scales }, Activations::Int8) if scales.len() == m.rows => {
                     bytes.extend(q.iter().map(|v| *v as u8));
@@ -180,8 +199,8 @@ impl ExpertImage {
                 }
             };
             let values = m.rows.checked_mul(format.row_bytes(m.cols)).ok_or_else(|| GpuError::Unsupported(format!("the {name} matrix is too large")))?;
-            let end = if format.is_integer() { scales_offset } else { bytes.len() };
-            if values + byte_offset > end || (format.is_integer() && end - byte_offset - values >= 4) || (!format.is_integer() && values + byte_offset != end) {
+            let end = if format.has_scales() { scales_offset } else { bytes.len() };
+            if values + byte_offset > end || (format.has_scales() && end - byte_offset - values >= 4) || (!format.has_scales() && values + byte_offset != end) {
                 return Err(GpuError::Unsupported(format!("the {name} matrix's data does not match its {}×{} shape", m.rows, m.cols)));
             }
             align(&mut bytes);
@@ -288,7 +307,7 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
 /// Checks that `device` computes an expert with the CPU's bits on values chosen to expose the
 /// ways a device can differ: an `fma` that rounds its product, flushed subnormals, and SiLU's
 /// edges (exp's range ends, infinities, signed zeros). Run once when a device is opened.
-fn self_test_cases() -> [(Expert, Vec<f32>); 4] {
+fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
     let (hidden, inter) = (80usize, 72usize);
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = move || {
@@ -349,7 +368,16 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 4] {
             }
         })
         .collect();
-    [(expert, rows), (small, small_rows), (flushy, flushy_rows), (quantised, quantised_rows)]
+    // fp8 with block scales so small that the scaled weights are subnormal, against activations
+    // ~1e30 (so the gate products are normal).
+    let fp8 = |scale: f32, k: u8| {
+        let q: Vec<u8> = (0..inter * hidden).map(|i| (i as u8).wrapping_mul(37).wrapping_add(k) & 0x77).collect();
+        WeightData::Fp8 { q, scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)], block: 16 }
+    };
+    let scaled =
+        Expert { gate: Matrix::new(inter, hidden, fp8(1e-41, 1)), up: Matrix::new(inter, hidden, fp8(1e-3, 2)), down: f32m(hidden, inter, &mut tiny(1.0)) };
+    let scaled_rows: Vec<f32> = (0..hidden).map(|i| ((i % 9) as f32 - 4.0) * 1e30).collect();
+    [(expert, rows), (small, small_rows), (flushy, flushy_rows), (quantised, quantised_rows), (scaled, scaled_rows)]
 }
 
 /// Checks that `device` computes an expert with the CPU's bits (see `self_test_cases`). Run once
@@ -415,7 +443,7 @@ mod tests {
         assert!(subnormal > 40, "only {subnormal} of {} outputs are subnormal", y.len());
         let y = forward(&cases[2]);
         assert!(y.iter().filter(|v| v.is_normal()).count() > 60, "{y:?}");
-        let [_, _, (flushy, x), quantised] = cases;
+        let [_, _, (flushy, x), quantised, scaled] = cases;
         let zero_gate = Matrix::new(flushy.gate.rows, flushy.gate.cols, WeightData::F32(vec![0.0; flushy.gate.rows * flushy.gate.cols]));
         let flushed = Expert { gate: zero_gate, up: flushy.up, down: flushy.down };
         assert!(forward(&(flushed, x)).iter().all(|v| *v == 0.0));
@@ -424,6 +452,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(forward(&quantised).iter().filter(|v| **v != 0.0).count() > 100);
+        // The fp8 case's scaled gate weights are subnormal, and its outputs are not zero.
+        let row0 = scaled.0.gate.row(0);
+        assert!((0..scaled.0.gate.cols).filter(|c| row0.get(*c).is_subnormal()).count() > 20);
+        assert!(forward(&scaled).iter().filter(|v| v.is_normal()).count() > 60);
         let a = 1.0f32 + 2f32.powi(-12);
         assert_ne!(a.mul_add(a, -1.0), a * a - 1.0, "the fma case's product needs more than 24 bits");
     }

@@ -80,6 +80,10 @@ pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
             WeightFormat::F32 => WeightData::F32(f32s(values)),
             WeightFormat::Bf16 => WeightData::Bf16(u16s(values)),
             WeightFormat::F16 => WeightData::F16(u16s(values)),
+            WeightFormat::Fp8 { block } => {
+                let n = m.rows.div_ceil(block as usize) * m.cols.div_ceil(block as usize);
+                WeightData::Fp8 { q: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), block: block as usize }
+            }
             WeightFormat::Int8 => WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?) },
             WeightFormat::Int4 { group } => {
                 let n = m.rows * m.cols.div_ceil(group as usize);
@@ -187,9 +191,10 @@ mod tests {
         let expert = Expert { gate: m(6, 5), up: m(6, 5), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
         let err = ExpertImage::of(&expert).unwrap_err();
         assert!(matches!(err, GpuError::Unsupported(_)) && err.to_string().contains("int8"), "{err}");
-        let fp8 = WeightData::Fp8 { q: vec![0x38; 30], scales: vec![1.0], block: 128 };
-        let expert = Expert { gate: Matrix::new(6, 5, fp8.clone()), up: Matrix::new(6, 5, fp8), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
-        assert!(ExpertImage::of(&expert).unwrap_err().to_string().contains("fp8"));
+        let mx = WeightData::Mxfp4 { packed: vec![0x12; 18], scales: vec![127; 6] };
+        let m = |rows, cols| Matrix::new(rows, cols, mx.clone()).with_activations(shimmer_kernels::Activations::F32);
+        let expert = Expert { gate: m(6, 5), up: m(6, 5), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
+        assert!(ExpertImage::of(&expert).unwrap_err().to_string().contains("mxfp4"));
     }
 
     /// Integer formats' images read back as the same matrices (values and scales).

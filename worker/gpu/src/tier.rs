@@ -175,6 +175,8 @@ pub struct GpuCounters {
     /// Expert computations done on the device, and those handed back to the CPU.
     pub device_experts: AtomicU64,
     pub cpu_experts: AtomicU64,
+    /// Of `device_experts`, those whose expert was resident already (the rest were uploaded).
+    pub vram_hits: AtomicU64,
     pub resident_bytes: AtomicU64,
     pub resident_experts: AtomicU64,
 }
@@ -209,6 +211,8 @@ pub struct GpuTelemetry {
     /// Expert computations done on the device, and those handed back to the CPU.
     pub device_experts: u64,
     pub cpu_experts: u64,
+    /// Of `device_experts`, those whose expert was resident already (the rest were uploaded).
+    pub vram_hits: u64,
     /// Faults by kind (`GpuError::KINDS`).
     pub faults: Vec<(String, u64)>,
 }
@@ -293,6 +297,7 @@ impl VramTier {
             evictions: load(&c.evictions),
             device_experts: load(&c.device_experts),
             cpu_experts: load(&c.cpu_experts),
+            vram_hits: load(&c.vram_hits),
             faults: c.faults().into_iter().map(|(k, n)| (k.to_string(), n)).collect(),
         }
     }
@@ -310,6 +315,12 @@ impl VramTier {
         self.state().residency.is_resident(key)
     }
 
+    /// Which of `experts` experts of `layer` are resident (the dashboard's Brain).
+    pub fn resident_in_layer(&self, layer: usize, experts: usize) -> Vec<bool> {
+        let state = self.state();
+        (0..experts).map(|e| state.residency.is_resident(ExpertKey { layer: layer as u32, expert: e as u32 })).collect()
+    }
+
     /// Computes what it can of `jobs` on the device: for each job its outputs, or `None` for
     /// the caller to compute on the CPU.
     pub fn forward(&self, now: Instant, jobs: &[TierJob<'_>]) -> Vec<Option<Vec<f32>>> {
@@ -321,10 +332,13 @@ impl VramTier {
         }
         let mut on_device = Vec::new();
         let mut busy = Vec::new();
+        let mut resident_before = Vec::new();
         for (i, job) in jobs.iter().enumerate() {
+            let was_resident = state.residency.is_resident(job.key);
             if self.place(&mut state, now, job, &busy) {
                 on_device.push(i);
                 busy.push(job.key);
+                resident_before.push(was_resident);
             }
             if !state.health.usable(now) {
                 break;
@@ -344,6 +358,8 @@ impl VramTier {
                     for (&i, ys) in on_device.iter().zip(outputs) {
                         out[i] = Some(ys);
                     }
+                    let hits = resident_before.iter().filter(|r| **r).count() as u64;
+                    self.counters.vram_hits.fetch_add(hits, Ordering::Relaxed);
                 }
                 Ok(outputs) => self.fault(&mut state, now, GpuError::Device(format!("{} outputs for {} jobs", outputs.len(), on_device.len()))),
                 Err(e) => self.fault(&mut state, now, e),

@@ -219,18 +219,20 @@ fn shimmer_gpu_fault_fails_every_nth_submission_with_the_same_tokens() {
 #[test]
 fn experts_the_device_cannot_compute_stay_on_the_cpu_and_are_asked_once() {
     let (hidden, inter) = (32, 24);
+    // MXFP4 with f32 activations (quant-eval's comparison): no GPU kernel.
     let q = |rows: usize, cols: usize| {
-        Matrix::new(rows, cols, WeightData::Fp8 { q: vec![0x38; rows * cols], scales: vec![0.01; rows.div_ceil(128) * cols.div_ceil(128)], block: 128 })
+        Matrix::new(rows, cols, WeightData::Mxfp4 { packed: vec![0x12; rows * cols.div_ceil(2)], scales: vec![127; rows * cols.div_ceil(32)] })
+            .with_activations(shimmer_kernels::Activations::F32)
     };
-    let int8 = Expert { gate: q(inter, hidden), up: q(inter, hidden), down: q(hidden, inter) };
+    let unsupported = Expert { gate: q(inter, hidden), up: q(inter, hidden), down: q(hidden, inter) };
     let device = std::sync::Arc::new(FakeDevice::new(1 << 30));
     let tier = VramTier::new(Box::new(device.clone()), 1 << 30, None);
     let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0).collect();
     for _ in 0..3 {
-        let outs = tier.forward(Instant::now(), &[TierJob { key: key(2, 0), expert: Some(&int8), rows: &rows }]);
+        let outs = tier.forward(Instant::now(), &[TierJob { key: key(2, 0), expert: Some(&unsupported), rows: &rows }]);
         assert!(outs[0].is_none());
     }
-    assert_eq!(device.calls(), (0, 0), "an fp8 expert never reaches the device");
+    assert_eq!(device.calls(), (0, 0), "such an expert never reaches the device");
     assert_eq!(tier.counters().total_faults(), 0, "an unsupported format is not a fault");
 }
 

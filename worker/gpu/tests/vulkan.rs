@@ -1,5 +1,6 @@
 //! The Vulkan backend on a real driver (Mesa's lavapipe in the test command): every weight format
-//! it computes (f32, bf16, f16; int8, int4 g32/g64/g128 and MXFP4 with integer products) and
+//! it computes (f32, bf16, f16, fp8 with block scales; int8, int4 g32/g64/g128 and MXFP4 with
+//! integer products) and
 //! every batch shape give the CPU's bits, through mapped and staged uploads,
 //! over several arenas, with experts released and their ranges reused.
 #![cfg(feature = "vulkan")]
@@ -42,6 +43,7 @@ enum Format {
     Int8,
     Int4(usize),
     Mxfp4,
+    Fp8(usize),
 }
 
 fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
@@ -53,6 +55,12 @@ fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
         Format::Int8 => return Matrix::from_quant(quantize_int8(&floats(rng, n), rows, cols)),
         Format::Int4(group) => return Matrix::from_quant(quantize_int4(&floats(rng, n), rows, cols, group)),
         Format::Mxfp4 => return Matrix::from_quant(quantize_mxfp4(&floats(rng, n), rows, cols)),
+        // Every fp8 byte but the two NaNs, subnormals included; scales of all sizes.
+        Format::Fp8(block) => WeightData::Fp8 {
+            q: (0..n).map(|_| (rng.next() as u8) & !if rng.next().is_multiple_of(2) { 0x01 } else { 0x04 }).collect(),
+            scales: (0..rows.div_ceil(block) * cols.div_ceil(block)).map(|_| rng.value().abs() * 0.02 + 1e-3).collect(),
+            block,
+        },
         Format::F16 => WeightData::F16(
             (0..n)
                 .map(|_| {
@@ -117,7 +125,18 @@ fn open(options: Options) -> VulkanDevice {
 fn check_device(device: &VulkanDevice, seed: u64) {
     let mut rng = Rng(seed);
     let shapes = [(64usize, 128usize), (80, 72), (200, 130), (1, 3), (96, 1)];
-    let formats = [Format::F32, Format::Bf16, Format::F16, Format::Int8, Format::Int4(32), Format::Int4(64), Format::Int4(128), Format::Mxfp4];
+    let formats = [
+        Format::F32,
+        Format::Bf16,
+        Format::F16,
+        Format::Int8,
+        Format::Int4(32),
+        Format::Int4(64),
+        Format::Int4(128),
+        Format::Mxfp4,
+        Format::Fp8(16),
+        Format::Fp8(128),
+    ];
     let mut experts = Vec::new();
     for &(h, i) in &shapes {
         for &f in &formats {

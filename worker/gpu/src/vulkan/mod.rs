@@ -20,7 +20,8 @@ use crate::arena::Arena;
 use crate::device::{self, Device, DeviceExpert, ExpertImage, GpuError, Job, MatrixLayout, WeightFormat};
 
 /// The shaders with the device's `fma()`: matvec per float weight format (f32, bf16, f16),
-/// SwiGLU, and the integer matvec per format (int8, int4, MXFP4) — indexed by `pipeline_of`.
+/// SwiGLU, the integer matvec per format (int8, int4, MXFP4), and the fp8 matvec — indexed by
+/// `pipeline_of`.
 const SHADERS: [&[u8]; PIPELINES] = [
     include_bytes!("../../shaders/matvec_f32.spv"),
     include_bytes!("../../shaders/matvec_bf16.spv"),
@@ -29,6 +30,7 @@ const SHADERS: [&[u8]; PIPELINES] = [
     include_bytes!("../../shaders/qmatvec_int8.spv"),
     include_bytes!("../../shaders/qmatvec_int4.spv"),
     include_bytes!("../../shaders/qmatvec_mxfp4.spv"),
+    include_bytes!("../../shaders/matvec_fp8.spv"),
 ];
 /// The same with an exact fused multiply-add emulated through binary64 (`shaders/fma.glsl`).
 const SHADERS_EXACT_FMA: [&[u8]; PIPELINES] = [
@@ -39,8 +41,9 @@ const SHADERS_EXACT_FMA: [&[u8]; PIPELINES] = [
     include_bytes!("../../shaders/qmatvec_int8_exact.spv"),
     include_bytes!("../../shaders/qmatvec_int4_exact.spv"),
     include_bytes!("../../shaders/qmatvec_mxfp4_exact.spv"),
+    include_bytes!("../../shaders/matvec_fp8_exact.spv"),
 ];
-const PIPELINES: usize = 7;
+const PIPELINES: usize = 8;
 const SWIGLU: usize = 3;
 /// Push constants: the largest shader's (the integer matvec's eight words).
 const PUSH_BYTES: u32 = 32;
@@ -62,6 +65,7 @@ fn pipeline_of(format: WeightFormat) -> usize {
         WeightFormat::Int8 => 4,
         WeightFormat::Int4 { .. } => 5,
         WeightFormat::Mxfp4 => 6,
+        WeightFormat::Fp8 { .. } => 7,
     }
 }
 
@@ -641,7 +645,7 @@ impl State {
         }
         let shift = |m: &MatrixLayout| MatrixLayout {
             byte_offset: m.byte_offset + offset as usize,
-            scales_offset: if m.format.is_integer() { m.scales_offset + offset as usize } else { 0 },
+            scales_offset: if m.format.has_scales() { m.scales_offset + offset as usize } else { 0 },
             ..*m
         };
         Ok(DeviceExpert {
@@ -810,7 +814,11 @@ impl State {
         let d = &self.device;
         d.cmd_bind_pipeline(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipelines[pipeline_of(m.format)]);
         d.cmd_bind_descriptor_sets(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[set], &[]);
-        let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output, 0, 0, 0];
+        let (scales, block) = match m.format {
+            WeightFormat::Fp8 { block } => ((m.scales_offset / 4) as u32, block),
+            _ => (0, 1),
+        };
+        let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output, scales, block, 0];
         d.cmd_push_constants(self.commands, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&push));
         d.cmd_dispatch(self.commands, m.rows as u32, n, 1);
     }
