@@ -185,3 +185,45 @@ fn the_demos_quantised_containers_give_the_cpus_bits_on_the_gpu() {
         }
     }
 }
+
+/// The tiers learned from routing heat: with a usage file, the hottest experts of each layer are
+/// pinned in VRAM (as many as half its budget holds) and the next ones in RAM; a second run keeps
+/// every pinned expert resident in VRAM although the budget is small, with the CPU's bits.
+#[test]
+fn learned_heat_pins_the_hottest_experts_in_vram() {
+    let dir = demo();
+    let work = tempfile::tempdir().unwrap();
+    let usage = work.path().join("usage.json");
+    let e = expert_bytes(&dir);
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
+    let moe = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64;
+    let store = |vram: Option<Arc<VramTier>>| {
+        let opts = ExpertOptions {
+            ram: Some(RamBudget::Gb(16.0 * moe as f64 * e as f64 / 1e9)),
+            usage: UsageFile::File(usage.clone()),
+            vram,
+            ..ExpertOptions::default()
+        };
+        Engine::open(&dir, &opts).unwrap()
+    };
+    // A first run learns the heat (saved at the end of the turn).
+    let cold = store(None);
+    let want = answers(&cold);
+    cold.end_turn();
+    drop(cold);
+    let ram_pins_alone = store(None).store_telemetry().unwrap().pinned_experts;
+    // Room for 4 experts per layer: 2 per layer pinned (half the budget), 2 for the rest.
+    let t = tier(4 * moe * e, None);
+    let warm = store(Some(t.clone()));
+    let pins = t.pins();
+    assert_eq!(pins.len() as u64, 2 * moe, "two of each layer's hottest experts are VRAM's: {pins:?}");
+    let ram_pins = warm.store_telemetry().unwrap().pinned_experts;
+    // As many in RAM as without a GPU (the demo's prompt used enough experts per layer), but
+    // the next ones by heat: the hottest are VRAM's.
+    assert!(ram_pins == ram_pins_alone && ram_pins > 0, "RAM pins the next ones: {ram_pins} (alone {ram_pins_alone})");
+    same(&answers(&warm), &want, "VRAM pins from heat");
+    for k in &pins {
+        assert!(t.is_resident(*k), "pinned {k:?} was evicted or never used");
+    }
+    assert!(t.telemetry().evictions > 0, "the unpinned half was used and evicted: {:?}", t.telemetry());
+}

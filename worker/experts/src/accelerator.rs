@@ -26,4 +26,12 @@ pub trait Accelerator: Send + Sync {
 
     /// Each job's outputs (`n × hidden`), or `None` for the caller to compute on the CPU.
     fn forward(&self, layer: usize, jobs: &[AccelJob<'_>]) -> Vec<Option<Vec<f32>>>;
+
+    /// Bytes of experts it may hold (a store splits its learned pins by it: the hottest here).
+    fn capacity_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Keep these (layer, expert) pairs once they are uploaded: the hottest by learned heat.
+    fn pin(&self, _experts: &[(usize, u32)]) {}
 }

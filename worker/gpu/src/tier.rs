@@ -81,6 +81,10 @@ impl Residency {
         self.pinned = keys.into_iter().collect();
     }
 
+    pub fn pins(&self) -> Vec<ExpertKey> {
+        self.pinned.iter().copied().collect()
+    }
+
     /// A step wants `key` (of `bytes` bytes) computed; `busy` are the experts the same step
     /// already placed on the device, which it must not evict.
     pub fn request(&mut self, key: ExpertKey, bytes: u64, busy: &[ExpertKey]) -> Decision {
@@ -311,6 +315,13 @@ impl VramTier {
         self.state().residency.set_pins(keys);
     }
 
+    /// The pinned experts, in order.
+    pub fn pins(&self) -> Vec<ExpertKey> {
+        let mut pins = self.state().residency.pins();
+        pins.sort_unstable();
+        pins
+    }
+
     pub fn is_resident(&self, key: ExpertKey) -> bool {
         self.state().residency.is_resident(key)
     }
@@ -462,6 +473,14 @@ impl shimmer_experts::Accelerator for VramTier {
     fn holds(&self, layer: usize, expert: u32) -> bool {
         let state = self.state();
         state.health.usable(Instant::now()) && state.residency.is_resident(ExpertKey { layer: layer as u32, expert })
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.budget()
+    }
+
+    fn pin(&self, experts: &[(usize, u32)]) {
+        self.set_pins(experts.iter().map(|&(layer, expert)| ExpertKey { layer: layer as u32, expert }));
     }
 
     fn forward(&self, layer: usize, jobs: &[shimmer_experts::AccelJob<'_>]) -> Vec<Option<Vec<f32>>> {

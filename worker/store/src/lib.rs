@@ -280,8 +280,18 @@ impl ExpertStore {
         let pins = match (&opts.assigned, &opts.usage) {
             (Some(a), _) => a.iter().map(|l| l.iter().copied().take(slots_per_layer.saturating_sub(top_k)).collect()).collect(),
             (None, Some(u)) => {
-                let hottest = u.hottest(slots_per_layer / 2);
-                spec.layers.iter().zip(hottest).filter(|(k, _)| **k == LayerMlp::Moe).map(|(_, p)| p).collect()
+                // The tiers learned from heat: the hottest experts of each layer are pinned in the
+                // tier above RAM (as many as half its capacity holds), the next ones in RAM.
+                let above =
+                    opts.accelerator.as_ref().map_or(0, |a| (a.capacity_bytes() / 2 / expert_bytes / moe_layers as u64) as usize).min(spec.moe.num_experts);
+                let hottest = u.hottest(above + slots_per_layer / 2);
+                let per_layer: Vec<(usize, Vec<u16>)> =
+                    spec.layers.iter().zip(hottest).enumerate().filter(|(_, (k, _))| **k == LayerMlp::Moe).map(|(l, (_, p))| (l, p)).collect();
+                if let Some(a) = opts.accelerator.as_ref().filter(|_| above > 0) {
+                    let vram: Vec<(usize, u32)> = per_layer.iter().flat_map(|(l, hot)| hot.iter().take(above).map(move |e| (*l, *e as u32))).collect();
+                    a.pin(&vram);
+                }
+                per_layer.into_iter().map(|(_, hot)| hot.into_iter().skip(above).collect()).collect()
             }
             (None, None) => vec![Vec::new(); moe_layers],
         };
