@@ -90,8 +90,8 @@ impl StoreSeries {
     }
 }
 
-/// The VRAM tier's series: faults by kind, uploads, evictions, what is resident, and expert
-/// computations done on the GPU (`shimmer_expert_accesses_total{tier="vram"}`).
+/// The VRAM tier's series: faults by kind, uploads, evictions, what is resident, and experts
+/// computed from VRAM, resident already (`shimmer_expert_accesses_total{tier="vram"}`).
 struct GpuSeries {
     faults: IntCounterVec,
     uploads: IntCounter,
@@ -247,7 +247,7 @@ impl Metrics {
         bump("uploads", g.uploads, &series.uploads);
         bump("upload_bytes", g.upload_bytes, &series.upload_bytes);
         bump("evictions", g.evictions, &series.evictions);
-        bump("device_experts", g.device_experts, &self.expert_accesses.with_label_values(&["vram", "hit"]));
+        bump("vram_hits", g.vram_hits, &self.expert_accesses.with_label_values(&["vram", "hit"]));
         for (kind, n) in &g.faults {
             bump(&format!("fault:{kind}"), *n, &series.faults.with_label_values(&[kind.as_str()]));
         }
@@ -629,13 +629,14 @@ mod tests {
             uploads: 5,
             upload_bytes: 1000,
             evictions: 2,
-            device_experts: 40,
+            device_experts: 50,
             cpu_experts: 4,
+            vram_hits: 40,
             faults: vec![("injected".into(), 2), ("lost".into(), 1)],
         };
         m.set_gpu(Some(&g));
         g.faults[0].1 = 3;
-        g.device_experts = 41;
+        g.vram_hits = 41;
         m.set_gpu(Some(&g));
         let text = m.render(&stats, None, None).unwrap();
         for line in [
