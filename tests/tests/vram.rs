@@ -82,7 +82,9 @@ fn vram_ram_and_disk_splits_give_the_cpus_bits() {
             assert!(g.device_experts > 0, "{name}: {what}: the GPU computed no expert ({g:?})");
             assert_eq!(g.faults.iter().map(|f| f.1).sum::<u64>(), 0, "{name}: {what}: {g:?}");
             if budget < (1 << 40) {
-                assert!(g.evictions > 0 && g.resident_bytes <= budget, "{name}: {what}: a three-expert budget evicts ({g:?})");
+                // Constrained: experts were evicted for others, or left on the CPU (which depends
+                // on measured costs and frequencies; the policy's own tests are in shimmer-gpu).
+                assert!((g.evictions > 0 || g.cpu_experts > 0) && g.resident_bytes <= budget, "{name}: {what}: a three-expert budget ({g:?})");
             }
         }
     }
@@ -225,5 +227,6 @@ fn learned_heat_pins_the_hottest_experts_in_vram() {
     for k in &pins {
         assert!(t.is_resident(*k), "pinned {k:?} was evicted or never used");
     }
-    assert!(t.telemetry().evictions > 0, "the unpinned half was used and evicted: {:?}", t.telemetry());
+    let g = t.telemetry();
+    assert!(g.evictions > 0 || g.cpu_experts > 0, "the unpinned half was contended: {g:?}");
 }

@@ -34,4 +34,8 @@ pub trait Accelerator: Send + Sync {
 
     /// Keep these (layer, expert) pairs once they are uploaded: the hottest by learned heat.
     fn pin(&self, _experts: &[(usize, u32)]) {}
+
+    /// The CPU computed experts it declined, of `byte_rows` (expert bytes × rows), in `elapsed`:
+    /// what it weighs an upload against.
+    fn cpu_took(&self, _byte_rows: u64, _elapsed: std::time::Duration) {}
 }

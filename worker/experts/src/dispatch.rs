@@ -243,7 +243,14 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[Work<'_>], accelerator: Optio
             _ => cpu.push((*expert, *rows)),
         }
     }
-    apply_on_cpu(batch, &cpu, acc)
+    if cpu.is_empty() {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    apply_on_cpu(batch, &cpu, acc)?;
+    let byte_rows: usize = cpu.iter().map(|(e, rows)| e.bytes() * rows.len()).sum();
+    accelerator.cpu_took(byte_rows as u64, started.elapsed());
+    Ok(())
 }
 
 /// `apply_experts` on this CPU.

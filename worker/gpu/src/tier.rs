@@ -39,7 +39,15 @@ pub enum Decision {
     Cpu,
 }
 
-/// Which experts are resident, by recency, under a byte budget. Pure bookkeeping.
+/// Which experts are resident under a byte budget, and whether a newcomer is worth uploading.
+/// Pure bookkeeping: events in (requests, uploads, measured costs), decisions out.
+///
+/// The policy: a resident expert is a hit. A newcomer is uploaded when the budget has room;
+/// when room must be made, the least recently used unpinned experts are the victims, and the
+/// newcomer is admitted only if it has been asked for more often (recently) than each of them —
+/// a scan or a one-off does not flush the experts that keep coming back. And, once the costs
+/// are measured, an upload must pay for itself: its time at most what computing the expert on
+/// the CPU would cost over the uses its frequency predicts (else the CPU computes it).
 #[derive(Debug, Clone)]
 pub struct Residency {
     budget: u64,
@@ -49,11 +57,34 @@ pub struct Residency {
     resident: HashMap<ExpertKey, (u64, u64)>,
     /// Experts never evicted (learned from heat by the store's policy).
     pinned: HashSet<ExpertKey>,
+    /// Recent requests per expert, halved every `DECAY_EVERY` requests.
+    frequency: HashMap<ExpertKey, u32>,
+    costs: Costs,
+}
+
+/// Measured costs, as exponentially weighted averages (`None` until measured).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Costs {
+    /// Seconds an upload takes per byte.
+    pub upload_s_per_byte: Option<f64>,
+    /// Seconds the CPU takes per expert byte and row.
+    pub cpu_s_per_byte_row: Option<f64>,
+}
+
+impl Costs {
+    const WEIGHT: f64 = 0.2;
+
+    fn blend(old: Option<f64>, new: f64) -> Option<f64> {
+        Some(old.map_or(new, |o| o + Self::WEIGHT * (new - o)))
+    }
 }
 
 impl Residency {
+    /// Requests between halvings of every frequency.
+    pub const DECAY_EVERY: u64 = 4096;
+
     pub fn new(budget: u64) -> Self {
-        Residency { budget, used: 0, clock: 0, resident: HashMap::new(), pinned: HashSet::new() }
+        Residency { budget, used: 0, clock: 0, resident: HashMap::new(), pinned: HashSet::new(), frequency: HashMap::new(), costs: Costs::default() }
     }
 
     pub fn budget(&self) -> u64 {
@@ -85,16 +116,55 @@ impl Residency {
         self.pinned.iter().copied().collect()
     }
 
-    /// A step wants `key` (of `bytes` bytes) computed; `busy` are the experts the same step
-    /// already placed on the device, which it must not evict.
-    pub fn request(&mut self, key: ExpertKey, bytes: u64, busy: &[ExpertKey]) -> Decision {
+    pub fn costs(&self) -> Costs {
+        self.costs
+    }
+
+    /// An upload of `bytes` took `seconds`.
+    pub fn uploaded_in(&mut self, bytes: u64, seconds: f64) {
+        if bytes > 0 {
+            self.costs.upload_s_per_byte = Costs::blend(self.costs.upload_s_per_byte, seconds / bytes as f64);
+        }
+    }
+
+    /// The CPU computed experts of `byte_rows` (expert bytes × rows) in `seconds`.
+    pub fn cpu_took(&mut self, byte_rows: u64, seconds: f64) {
+        if byte_rows > 0 {
+            self.costs.cpu_s_per_byte_row = Costs::blend(self.costs.cpu_s_per_byte_row, seconds / byte_rows as f64);
+        }
+    }
+
+    fn frequency(&self, key: &ExpertKey) -> u32 {
+        self.frequency.get(key).copied().unwrap_or(0)
+    }
+
+    /// A step wants `key` (of `bytes` bytes) computed over `rows` rows; `busy` are the experts
+    /// the same step already placed on the device, which it must not evict.
+    pub fn request(&mut self, key: ExpertKey, bytes: u64, rows: usize, busy: &[ExpertKey]) -> Decision {
         self.clock += 1;
+        if self.clock.is_multiple_of(Self::DECAY_EVERY) {
+            self.frequency.retain(|_, f| {
+                *f /= 2;
+                *f > 0
+            });
+        }
+        let freq = {
+            let f = self.frequency.entry(key).or_insert(0);
+            *f = f.saturating_add(1);
+            *f
+        };
         if let Some(entry) = self.resident.get_mut(&key) {
             entry.1 = self.clock;
             return Decision::Hit;
         }
         if bytes > self.budget {
             return Decision::Cpu;
+        }
+        // An upload must pay for itself over the uses this expert's frequency predicts.
+        if let (Some(up), Some(cpu)) = (self.costs.upload_s_per_byte, self.costs.cpu_s_per_byte_row) {
+            if up * bytes as f64 > cpu * (bytes * rows.max(1) as u64) as f64 * freq as f64 {
+                return Decision::Cpu;
+            }
         }
         let mut victims: Vec<(u64, ExpertKey, u64)> =
             self.resident.iter().filter(|(k, _)| !self.pinned.contains(k) && !busy.contains(k)).map(|(k, &(b, used))| (used, *k, b)).collect();
@@ -109,6 +179,10 @@ impl Residency {
             evict.push(k);
         }
         if free < bytes {
+            return Decision::Cpu;
+        }
+        // Room made only for an expert asked for more often than each expert it displaces.
+        if evict.iter().any(|v| self.frequency(v) >= freq && !self.pinned.contains(&key)) {
             return Decision::Cpu;
         }
         Decision::Admit { evict }
@@ -389,10 +463,10 @@ impl VramTier {
         }
         let Some(expert) = job.expert else {
             // No weights at hand: only a resident expert can run (and counts as used).
-            return state.residency.is_resident(job.key) && state.residency.request(job.key, 0, busy) == Decision::Hit;
+            return state.residency.is_resident(job.key) && state.residency.request(job.key, 0, rows_of(job), busy) == Decision::Hit;
         };
         let bytes = expert.bytes() as u64;
-        match state.residency.request(job.key, bytes, busy) {
+        match state.residency.request(job.key, bytes, rows_of(job), busy) {
             Decision::Hit => true,
             Decision::Cpu => false,
             Decision::Admit { evict } => {
@@ -411,7 +485,12 @@ impl VramTier {
                         return false;
                     }
                 };
-                match self.device.upload(&image) {
+                let started = std::time::Instant::now();
+                let uploaded = self.device.upload(&image);
+                if uploaded.is_ok() {
+                    state.residency.uploaded_in(image.bytes.len() as u64, started.elapsed().as_secs_f64());
+                }
+                match uploaded {
                     Ok(resident) => {
                         // The residency counts the expert's bytes as the CPU holds them, which
                         // is what the budget means to a user (`--vram-gb`).
@@ -463,6 +542,12 @@ impl VramTier {
     }
 }
 
+/// A job's activation rows.
+fn rows_of(job: &TierJob<'_>) -> usize {
+    let hidden = job.expert.map_or(0, |e| e.down.rows);
+    job.rows.len().checked_div(hidden).unwrap_or(1)
+}
+
 impl std::fmt::Debug for VramTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VramTier").field("device", &self.device.name()).field("budget", &self.budget()).finish()
@@ -477,6 +562,10 @@ impl shimmer_experts::Accelerator for VramTier {
 
     fn capacity_bytes(&self) -> u64 {
         self.budget()
+    }
+
+    fn cpu_took(&self, byte_rows: u64, elapsed: std::time::Duration) {
+        self.state().residency.cpu_took(byte_rows, elapsed.as_secs_f64());
     }
 
     fn pin(&self, experts: &[(usize, u32)]) {

@@ -15,36 +15,78 @@ fn key(layer: u32, expert: u32) -> ExpertKey {
     ExpertKey { layer, expert }
 }
 
-#[test]
-fn residency_evicts_least_recently_used_and_never_exceeds_the_budget() {
-    let mut r = Residency::new(300);
-    // Replay: (expert, bytes, what the policy must say).
-    let admit = |evict: &[u32]| Decision::Admit { evict: evict.iter().map(|&e| key(0, e)).collect() };
-    let steps: Vec<(u32, u64, Decision)> = vec![
-        (1, 100, admit(&[])),
-        (2, 100, admit(&[])),
-        (3, 100, admit(&[])),
-        (1, 100, Decision::Hit),
-        (4, 100, admit(&[2])),    // 2 is the least recently used
-        (5, 200, admit(&[3, 1])), // two to make room, oldest first
-        (6, 400, Decision::Cpu),  // larger than the whole budget
-        (4, 100, Decision::Hit),
-    ];
-    for (i, (e, bytes, want)) in steps.into_iter().enumerate() {
-        let got = r.request(key(0, e), bytes, &[]);
-        assert_eq!(got, want, "step {i}: expert {e}");
-        if let Decision::Admit { evict } = got {
-            for k in evict {
-                r.evicted(k);
+/// Replays a trace through `Residency`, carrying out its decisions; returns them.
+fn replay(r: &mut Residency, trace: &[(u32, u64)]) -> Vec<Decision> {
+    trace
+        .iter()
+        .map(|&(e, bytes)| {
+            let d = r.request(key(0, e), bytes, 1, &[]);
+            if let Decision::Admit { evict } = &d {
+                for k in evict {
+                    r.evicted(*k);
+                }
+                r.admitted(key(0, e), bytes);
             }
-            r.admitted(key(0, e), bytes);
-        }
-        assert!(r.used() <= r.budget(), "step {i}: {} bytes resident over a budget of {}", r.used(), r.budget());
+            assert!(r.used() <= r.budget(), "{} bytes resident over a budget of {}", r.used(), r.budget());
+            d
+        })
+        .collect()
+}
+
+#[test]
+fn residency_admits_while_there_is_room_then_only_what_is_asked_for_more_often() {
+    let mut r = Residency::new(300);
+    let admit = |evict: &[u32]| Decision::Admit { evict: evict.iter().map(|&e| key(0, e)).collect() };
+    let trace = [(1, 100), (2, 100), (3, 100), (1, 100), (4, 100), (4, 100), (5, 200), (6, 400), (4, 100)];
+    let want = vec![
+        admit(&[]),
+        admit(&[]),
+        admit(&[]),
+        Decision::Hit,
+        Decision::Cpu, // 4 (asked once) does not displace 2 (asked once)
+        admit(&[2]),   // asked twice now: it displaces the least recently used
+        Decision::Cpu, // 5 would displace 3 and 1, asked as often as it
+        Decision::Cpu, // larger than the whole budget
+        Decision::Hit,
+    ];
+    assert_eq!(replay(&mut r, &trace), want);
+    assert!(r.is_resident(key(0, 4)) && r.is_resident(key(0, 1)) && !r.is_resident(key(0, 2)));
+    // An expert the same step already placed is not a victim.
+    for _ in 0..5 {
+        r.request(key(0, 7), 100, 1, &[]);
     }
-    assert!(r.is_resident(key(0, 4)) && r.is_resident(key(0, 5)) && !r.is_resident(key(0, 1)));
-    // An expert the same step already placed is not a victim: 5 is older, but busy.
-    assert_eq!(r.request(key(0, 7), 200, &[key(0, 5)]), Decision::Cpu);
-    assert_eq!(r.request(key(0, 7), 100, &[key(0, 5)]), Decision::Admit { evict: vec![key(0, 4)] });
+    assert_eq!(r.request(key(0, 7), 100, 1, &[key(0, 3), key(0, 1)]), Decision::Admit { evict: vec![key(0, 4)] });
+}
+
+/// A scan over more experts than fit does not flush the ones that keep coming back (under plain
+/// LRU every access of this trace would miss).
+#[test]
+fn a_scan_does_not_flush_the_experts_that_keep_coming_back() {
+    let mut r = Residency::new(4 * 100);
+    let mut trace = Vec::new();
+    for round in 0..50u32 {
+        trace.extend([(0, 100), (1, 100), (2, 100)]);
+        trace.push((10 + round, 100)); // a one-off each round
+    }
+    let decisions = replay(&mut r, &trace);
+    let hits = decisions.iter().filter(|d| **d == Decision::Hit).count();
+    assert!(hits >= 3 * 49, "the three recurring experts hit after their first round: {hits} hits");
+    assert!((0..3).all(|e| r.is_resident(key(0, e))));
+}
+
+/// With costs measured, an upload slower than the CPU over the uses the expert's frequency
+/// predicts is not made; as the expert keeps coming back it becomes worth it.
+#[test]
+fn an_upload_must_pay_for_itself() {
+    let mut r = Residency::new(1 << 20);
+    r.uploaded_in(1000, 3e-3); // 3 µs a byte
+    r.cpu_took(1000, 1e-3); // 1 µs a byte and row
+    assert_eq!(r.request(key(0, 1), 1000, 1, &[]), Decision::Cpu, "asked once: 3 ms to upload against 1 ms on the CPU");
+    assert_eq!(r.request(key(0, 1), 1000, 1, &[]), Decision::Cpu);
+    assert_eq!(r.request(key(0, 1), 1000, 1, &[]), Decision::Admit { evict: vec![] }, "a third request pays for it");
+    // A prefill's many rows pay for it at once.
+    assert_eq!(r.request(key(0, 2), 1000, 8, &[]), Decision::Admit { evict: vec![] });
+    assert!(r.costs().upload_s_per_byte.is_some() && r.costs().cpu_s_per_byte_row.is_some());
 }
 
 #[test]
@@ -52,13 +94,13 @@ fn pinned_experts_are_never_evicted() {
     let mut r = Residency::new(200);
     r.set_pins([key(1, 1), key(1, 2)]);
     for e in [1, 2] {
-        assert_eq!(r.request(key(1, e), 100, &[]), Decision::Admit { evict: vec![] });
+        assert_eq!(r.request(key(1, e), 100, 1, &[]), Decision::Admit { evict: vec![] });
         r.admitted(key(1, e), 100);
     }
     // Full of pinned experts: a newcomer stays on the CPU.
-    assert_eq!(r.request(key(1, 3), 100, &[]), Decision::Cpu);
+    assert_eq!(r.request(key(1, 3), 100, 1, &[]), Decision::Cpu);
     r.set_pins([key(1, 2)]);
-    assert_eq!(r.request(key(1, 3), 100, &[]), Decision::Admit { evict: vec![key(1, 1)] });
+    assert_eq!(r.request(key(1, 3), 100, 1, &[]), Decision::Admit { evict: vec![key(1, 1)] });
 }
 
 #[test]
@@ -137,8 +179,9 @@ fn a_tier_under_a_small_budget_evicts_and_gives_the_cpus_bits() {
     let c = tier.counters();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     assert!(load(&c.evictions) > 0, "a three-expert budget over eight experts evicts");
-    assert_eq!(load(&c.cpu_experts), 0, "every expert fits the budget, so all ran on the device");
-    assert_eq!(load(&c.device_experts), 20);
+    // Newcomers asked for no more often than the experts they would displace stay on the CPU.
+    assert_eq!(load(&c.device_experts) + load(&c.cpu_experts), 20);
+    assert!(load(&c.device_experts) >= 10 && load(&c.cpu_experts) > 0, "{:?}", tier.telemetry());
     assert_eq!(c.total_faults(), 0);
 }
 
