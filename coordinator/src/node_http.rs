@@ -28,6 +28,8 @@ struct Node {
     control: Option<Arc<ControlPlane>>,
     /// The key /metrics requires, if any.
     metrics_key: Option<String>,
+    /// The VRAM tier, when this worker computes experts on a GPU.
+    vram: Option<Arc<shimmer_gpu::VramTier>>,
 }
 
 /// Starts the endpoints on `rt`; returns the address they listen on.
@@ -38,6 +40,7 @@ pub fn start(
     fingerprint: String,
     control: Option<Arc<ControlPlane>>,
     metrics_key: Option<String>,
+    vram: Option<Arc<shimmer_gpu::VramTier>>,
 ) -> Result<SocketAddr, String> {
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(addr))
@@ -48,6 +51,7 @@ pub fn start(
         fingerprint,
         control,
         metrics_key,
+        vram,
     });
     // The same connection handling as the API's (header deadline, idle keep-alive closed); it
     // serves until the runtime stops.
@@ -91,6 +95,22 @@ fn render(node: &Node) -> Result<String, prometheus::Error> {
     series.gauge("shimmer_worker_assigned_experts", "Experts the placement gives this worker", status.assigned_experts as i64)?;
     series.gauge("shimmer_worker_budget_bytes", "RAM given to the expert cache", status.budget_bytes as i64)?;
     series.gauge("shimmer_worker_epoch", "The placement epoch this worker reports (the active one)", status.epoch as i64)?;
+    if let Some(g) = node.vram.as_ref().map(|t| t.telemetry()) {
+        // The VRAM tier's series, named as on a coordinator (docs/api.md).
+        let faults = prometheus::IntCounterVec::new(
+            prometheus::Opts::new("shimmer_gpu_faults_total", "GPU submissions that failed (their experts were recomputed on the CPU), by kind"),
+            &["kind"],
+        )?;
+        for (kind, n) in &g.faults {
+            faults.with_label_values(&[kind.as_str()]).inc_by(*n);
+        }
+        series.register(Box::new(faults))?;
+        series.counter("shimmer_worker_vram_hits_total", "Experts this worker computed on its GPU from VRAM", g.vram_hits)?;
+        series.counter("shimmer_vram_uploads_total", "Experts uploaded to the GPU", g.uploads)?;
+        series.counter("shimmer_vram_evictions_total", "Experts evicted from the GPU's memory", g.evictions)?;
+        series.gauge("shimmer_vram_resident_bytes", "Expert bytes resident in GPU memory", g.resident_bytes as i64)?;
+        series.gauge("shimmer_vram_budget_bytes", "GPU memory the VRAM tier may use for experts", g.budget_bytes as i64)?;
+    }
     let mut text = series.render()?;
     if let Some(c) = &node.control {
         text += &crate::server::metrics::render_raft(&c.metrics())?;

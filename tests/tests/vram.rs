@@ -230,3 +230,54 @@ fn learned_heat_pins_the_hottest_experts_in_vram() {
     let g = t.telemetry();
     assert!(g.evictions > 0 || g.cpu_experts > 0, "the unpinned half was contended: {g:?}");
 }
+
+/// A `shimmer worker --gpu vulkan` serves a coordinator the single box's tokens, computing its
+/// experts on the GPU; its /metrics carries the VRAM tier's series.
+#[test]
+fn a_worker_computing_on_its_gpu_serves_the_single_box_tokens() {
+    const TOKEN: &str = "vram-test-token-0123456789abcdef";
+    let demo = demo();
+    let d = demo.to_str().unwrap();
+    let mut child = std::process::Command::new(shimmer_tests::shimmer_bin())
+        .args(["worker", "--model", d, "--no-usage", "--listen", "127.0.0.2:0", "--http-listen", "127.0.0.2:0", "--join-token", TOKEN, "--gpu", "vulkan"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = shimmer_tests::StderrLines::of(&mut child);
+    let seen = lines.until(shimmer_tests::COMMAND_LIMIT, |l| l.contains("metrics on http://")).unwrap_or_else(|e| {
+        let _ = child.kill();
+        panic!("the worker did not start: {e}")
+    });
+    let find = |needle: &str| seen.iter().find(|l| l.contains(needle)).cloned().unwrap_or_else(|| panic!("no `{needle}` line in {seen:?}"));
+    let serving = find("worker serving");
+    let addr = serving[serving.find(" on ").unwrap() + 4..].split_whitespace().next().unwrap().to_string();
+    assert!(find("VRAM tier").contains("llvmpipe"), "{seen:?}");
+    let http = find("metrics on http://");
+    let http = http[http.find("http://").unwrap()..].trim().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let placement = tmp.path().join("placement.json");
+    let p = shimmer(&["plan", "--model", d, "--workers", &addr, "--out", placement.to_str().unwrap()]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let args = ["generate", "--model", d, "--prompt-ids", "1,5,9,2,7", "--max-tokens", "12", "--json", "--gpu", "none"];
+    let single = output_ids(&shimmer(&args));
+    let cluster = output_ids(&shimmer(&[&args[..], &["--placement", placement.to_str().unwrap(), "--join-token", TOKEN]].concat()));
+    assert_eq!(cluster, single, "the GPU worker's tokens");
+    let text = http_get(http.trim_start_matches("http://"), "/metrics");
+    let value = |name: &str| text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().last()).and_then(|v| v.parse::<f64>().ok());
+    assert!(value("shimmer_vram_uploads_total").is_some_and(|v| v > 0.0), "{text}");
+    assert!(text.contains("shimmer_gpu_faults_total{kind=\"injected\"} 0"), "{text}");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The body of `GET path` from `host:port` (HTTP/1.0, no client library needed).
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or(response)
+}

@@ -105,6 +105,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         store: a.store.options(&dir)?,
         member: member.as_ref().map(|m| m.1.clone()),
     };
+    let vram = opts.store.vram.clone();
     let worker = crate::node::Worker::start(&dir, opts).with_context(|| format!("cannot serve the experts of {}", dir.display()))?;
     let (status, epoch) = (&worker.status, worker.epoch);
     // Tests and scripts wait for this line.
@@ -118,6 +119,9 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         status.expert_bytes as f64 / 1e6,
         status.budget_bytes as f64 / 1e9,
     );
+    if let Some(t) = &vram {
+        eprintln!("shimmer: worker VRAM tier: {:.3} GB for experts on {}", t.budget() as f64 / 1e9, t.device_name());
+    }
     let stop_following = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let control = match member {
         Some((trust, name, data_addr, control_addr)) => {
@@ -126,7 +130,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
                 kind: shimmer_control::NodeKind::Worker,
                 control_addr,
                 data_addr: Some(data_addr),
-                capacity: shimmer_control::state::Capacity { vram: 0, ram: status.budget_bytes, disk: 0 },
+                capacity: shimmer_control::state::Capacity { vram: vram.as_ref().map_or(0, |t| t.budget()), ram: status.budget_bytes, disk: 0 },
                 models: vec![shimmer_control::state::ModelOnDisk {
                     fingerprint: worker.fingerprint.clone(),
                     expert_bytes: status.expert_bytes,
@@ -148,7 +152,7 @@ pub(super) fn worker(a: WorkerArgs) -> Result<ExitCode> {
         format!("{host}:{}", crate::node_http::DEFAULT_HTTP_PORT)
     });
     let metrics_key = super::metrics_api_key(&a.metrics_api_key)?;
-    let http = crate::node_http::start(&worker.runtime(), &http_listen, worker.state.clone(), worker.fingerprint.clone(), control.clone(), metrics_key)
+    let http = crate::node_http::start(&worker.runtime(), &http_listen, worker.state.clone(), worker.fingerprint.clone(), control.clone(), metrics_key, vram)
         .map_err(|e| anyhow::anyhow!(e))?;
     eprintln!("shimmer: worker health, readiness and metrics on http://{http}");
     let why = worker.wait_for_signal_or(|| control.as_ref().is_some_and(|c| c.stopped()));
