@@ -1,12 +1,13 @@
-"""Compiles the VRAM tier's CUDA kernels (kernels.cu) to PTX with NVRTC for sm_80 (A100) and sm_90
-(H100/H200) and assembles each with ptxas, on a machine without a GPU or a CUDA toolkit: NVRTC and
-ptxas come from NVIDIA's PyPI wheels (nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12, pinned in
-requirements.txt). Checks that every kernel the host launches is there, that the arithmetic is what
-the bit-identity needs — fused multiply-adds only where written (`fma.rn.f32`), no contracted or
-approximate float instruction, no division, no flush-to-zero — and writes the PTX to OUT_DIR if
-given (the device check carries it to a GPU).
+"""Compiles the VRAM tier's CUDA kernels (kernels.cu) to PTX with NVRTC and assembles it with ptxas
+for sm_70 (V100), sm_80 (A100) and sm_90 (H100/H200), on a machine without a GPU or a CUDA toolkit:
+NVRTC and ptxas come from NVIDIA's PyPI wheels (nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12,
+pinned in requirements.txt). Checks that every kernel the host launches is there, that no float
+instruction could round differently from the CPU — no contractible or approximate one, no
+division, no flush-to-zero — and that the committed `kernels.ptx` (compute_70, which the driver
+compiles for any newer GPU; the binary embeds it, so running needs no NVRTC) is what this source
+compiles to.
 
-    python worker/gpu/cuda/check_ptx.py [OUT_DIR]
+    python worker/gpu/cuda/check_ptx.py [--write] [OUT_DIR]    (--write: update kernels.ptx)
 """
 import ctypes
 import pathlib
@@ -16,7 +17,9 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 KERNELS = ["matvec_f32", "matvec_bf16", "matvec_f16", "matvec_fp8", "qmatvec_int8", "qmatvec_int4", "qmatvec_mxfp4", "swiglu"]
-ARCHS = ["80", "90"]
+# The PTX's virtual architecture, and the GPUs it is assembled for.
+PTX_ARCH = "70"
+SM = ["70", "80", "90"]
 # What a PTX float instruction may be: round-to-nearest, explicit. `mad`, float arithmetic without
 # .rn, any .approx or .ftz, and division are not allowed.
 # An add, sub or mul without a rounding mode may be contracted into an fma by ptxas.
@@ -72,28 +75,33 @@ def check(lib, rc: int, what: str):
 
 
 def main():
-    out = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    out = pathlib.Path(args[0]) if args else pathlib.Path("/tmp")
     lib = nvrtc()
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     ptxas = nvidia_dir("cuda_nvcc") / "bin" / "ptxas"
-    source = (HERE / "kernels.cu").read_bytes()
-    for arch in ARCHS:
-        ptx = compile_ptx(lib, source, arch)
-        entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
-        missing = [k for k in KERNELS if k not in entries]
-        assert not missing, f"compute_{arch}: kernels missing from the PTX: {missing}"
-        for pattern in FORBIDDEN:
-            bad = re.findall(r"^.*" + pattern + r".*$", ptx, re.M)
-            assert not bad, f"compute_{arch}: a float instruction the bit-identity forbids ({pattern}): {bad[:3]}"
-        assert "fma.rn.f32" in ptx, f"compute_{arch}: no fused multiply-add in the PTX"
-        path = (out or pathlib.Path("/tmp")) / f"shimmer-kernels-sm{arch}.ptx"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(ptx)
-        cubin = path.with_suffix(".cubin")
-        r = subprocess.run([str(ptxas), f"-arch=sm_{arch}", str(path), "-o", str(cubin)], capture_output=True, text=True)
-        assert r.returncode == 0, f"ptxas -arch=sm_{arch} rejected the PTX:\n{r.stderr}"
-        print(f"sm_{arch}: {len(entries)} kernels, PTX {len(ptx)} bytes, cubin {cubin.stat().st_size} bytes (NVRTC {major.value}.{minor.value})")
+    ptx = compile_ptx(lib, (HERE / "kernels.cu").read_bytes(), PTX_ARCH)
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    missing = [k for k in KERNELS if k not in entries]
+    assert not missing, f"kernels missing from the PTX: {missing}"
+    for pattern in FORBIDDEN:
+        bad = re.findall(r"^.*" + pattern + r".*$", ptx, re.M)
+        assert not bad, f"a float instruction the bit-identity forbids ({pattern}): {bad[:3]}"
+    assert "fma.rn.f32" in ptx, "no fused multiply-add in the PTX"
+    committed = HERE / "kernels.ptx"
+    if "--write" in sys.argv:
+        committed.write_text(ptx)
+    elif committed.read_text() != ptx:
+        raise SystemExit("error: worker/gpu/cuda/kernels.ptx is not what kernels.cu compiles to: run python worker/gpu/cuda/check_ptx.py --write")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "shimmer-kernels.ptx"
+    path.write_text(ptx)
+    for sm in SM:
+        cubin = out / f"shimmer-kernels-sm{sm}.cubin"
+        r = subprocess.run([str(ptxas), f"-arch=sm_{sm}", str(path), "-o", str(cubin)], capture_output=True, text=True)
+        assert r.returncode == 0, f"ptxas -arch=sm_{sm} rejected the PTX:\n{r.stderr}"
+        print(f"sm_{sm}: {len(entries)} kernels, cubin {cubin.stat().st_size} bytes (PTX {len(ptx)} bytes for compute_{PTX_ARCH}, NVRTC {major.value}.{minor.value})")
 
 
 if __name__ == "__main__":

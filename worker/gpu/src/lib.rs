@@ -5,7 +5,8 @@
 //! rows), the tier over it (`VramTier`: which experts are resident under a byte budget, what
 //! runs on the device and what falls back to the CPU, faults and their back-off, the fault
 //! injection hook `SHIMMER_GPU_FAULT`), and the backends: Vulkan through `ash` (feature
-//! `vulkan`, shaders in `shaders/`) and a CPU-backed device for testing the host logic.
+//! `vulkan`, shaders in `shaders/`), CUDA through `cudarc` (feature `cuda`, kernels in `cuda/`),
+//! and a CPU-backed device for testing the host logic.
 //!
 //! Bit-identity: each shader computes every dot product in `shimmer_kernels::dot`'s canonical
 //! order (the 64 lanes, FMA for FMA, the fixed reduction tree) and SiLU gating as
@@ -19,6 +20,8 @@
 //! time (drivers are loaded at run time, so the binary starts on machines without one).
 
 pub mod arena;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod fake;
 pub mod tier;
@@ -63,16 +66,17 @@ impl std::str::FromStr for GpuChoice {
 }
 
 /// The device `choice` names, opened and self-tested; `Ok(None)` for `none`, and for `auto`
-/// when there is no usable GPU (drivers that run on the CPU, such as lavapipe, only by name).
+/// when there is no usable GPU (CUDA first, then Vulkan; drivers that run on the CPU, such as
+/// lavapipe, only by name).
 pub fn open(choice: GpuChoice) -> Result<Option<Box<dyn Device>>, GpuError> {
     match choice {
         GpuChoice::None => Ok(None),
-        GpuChoice::Cuda => Err(GpuError::Unavailable("this build has no CUDA backend yet; use --gpu vulkan".into())),
+        GpuChoice::Cuda => open_cuda().map(Some),
         GpuChoice::Vulkan => open_vulkan(true).map(Some),
-        GpuChoice::Auto => match open_vulkan(false) {
+        GpuChoice::Auto => match open_cuda().or_else(|cuda| open_vulkan(false).map_err(|vulkan| (cuda, vulkan))) {
             Ok(d) => Ok(Some(d)),
-            Err(e) => {
-                tracing::info!("no GPU: {e}");
+            Err((cuda, vulkan)) => {
+                tracing::info!("no GPU: {cuda}; {vulkan}");
                 Ok(None)
             }
         },
@@ -86,6 +90,16 @@ pub fn tier(choice: GpuChoice, budget_bytes: Option<u64>) -> Result<Option<std::
     let Some(device) = open(choice)? else { return Ok(None) };
     let budget = budget_bytes.unwrap_or(device.memory_bytes() / 10 * 9);
     Ok(Some(std::sync::Arc::new(VramTier::new(device, budget, fault_every))))
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda() -> Result<Box<dyn Device>, GpuError> {
+    Ok(Box::new(cuda::CudaDevice::open(0)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda() -> Result<Box<dyn Device>, GpuError> {
+    Err(GpuError::Unavailable("this binary was built without CUDA (cargo build --release -p shimmer-coordinator --features cuda)".into()))
 }
 
 #[cfg(feature = "vulkan")]
