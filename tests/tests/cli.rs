@@ -495,7 +495,11 @@ fn doctor_describes_the_machine_and_measures_the_disk_it_is_pointed_at() {
     let out = shimmer(&["doctor", "--json", "--dir", dir.path().to_str().unwrap(), "--disk-probe-mb", "8"]);
     let v = json_stdout(&out);
     let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-    assert_eq!(keys, ["cpu", "memory", "numa_nodes", "disks", "gpus", "recommendations"]);
+    assert_eq!(keys, ["cpu", "memory", "numa_nodes", "disks", "gpus", "gpu_check", "recommendations"]);
+    // A device checked, or why none was (on this project's machines: no GPU, and `auto` skips
+    // lavapipe, a CPU driver).
+    let check = &v["gpu_check"];
+    assert!(check["device"].is_string() != check["unavailable"].is_string(), "{check}");
     let cores = v["cpu"]["logical_cores"].as_u64().unwrap();
     assert_eq!(cores as usize, std::thread::available_parallelism().unwrap().get());
     assert_eq!(v["cpu"]["integer_kernels"], shimmer_kernels::qdot::int_isa().name());

@@ -284,3 +284,20 @@ fn http_get(addr: &str, path: &str) -> String {
     stream.read_to_string(&mut response).unwrap();
     response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or(response)
 }
+
+/// `shimmer doctor --gpu vulkan` opens the device, self-tests it and compares every weight format
+/// with the CPU: all the same bits on lavapipe.
+#[test]
+fn doctor_checks_every_format_on_the_gpu() {
+    let out = shimmer(&["doctor", "--json", "--disk-probe-mb", "0", "--gpu", "vulkan"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let check = &v["gpu_check"];
+    assert!(check["device"].as_str().unwrap_or("").contains("llvmpipe"), "{check}");
+    let formats = check["formats"].as_array().unwrap();
+    assert_eq!(formats.len(), 9, "{check}");
+    for f in formats {
+        assert!(f["differing"] == 0 && f["detail"].is_null() && f["outputs"].as_u64().unwrap() > 0, "{f}");
+    }
+    assert!(v["recommendations"].as_array().unwrap().iter().any(|r| r.as_str().unwrap().starts_with("--gpu vulkan --vram-gb")), "{v}");
+}

@@ -30,6 +30,10 @@ pub(super) struct DoctorArgs {
     /// the disks.
     #[arg(long, default_value_t = 256)]
     disk_probe_mb: u64,
+    /// The GPU to check (`auto`: the first usable one; `vulkan` also takes a driver that runs on
+    /// the CPU): opened, self-tested, and every weight format compared with the CPU bit for bit.
+    #[arg(long, value_name = "auto|cuda|vulkan|none", default_value = "auto")]
+    gpu: shimmer_gpu::GpuChoice,
     #[arg(long)]
     json: bool,
 }
@@ -41,7 +45,37 @@ pub(crate) struct DoctorReport {
     pub numa_nodes: Vec<NumaNode>,
     pub disks: Vec<DiskReport>,
     pub gpus: Vec<GpuReport>,
+    /// The device `--gpu` opened and its formats against the CPU; or why none was.
+    pub gpu_check: GpuCheck,
     pub recommendations: Vec<String>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct GpuCheck {
+    pub device: Option<String>,
+    pub memory_bytes: u64,
+    pub formats: Vec<shimmer_gpu::check::FormatCheck>,
+    /// Why no device was checked (no backend, no driver, the self-test refused it).
+    pub unavailable: Option<String>,
+}
+
+impl GpuCheck {
+    fn of(choice: shimmer_gpu::GpuChoice) -> Self {
+        match shimmer_gpu::open(choice) {
+            Ok(Some(device)) => GpuCheck {
+                device: Some(device.name()),
+                memory_bytes: device.memory_bytes(),
+                formats: shimmer_gpu::check::check_formats(device.as_ref()),
+                unavailable: None,
+            },
+            Ok(None) if choice == shimmer_gpu::GpuChoice::None => GpuCheck { unavailable: Some("not asked (--gpu none)".into()), ..GpuCheck::default() },
+            Ok(None) => GpuCheck {
+                unavailable: Some("no GPU this binary can use (builds with --features cuda or vulkan; CPU drivers only with --gpu vulkan)".into()),
+                ..GpuCheck::default()
+            },
+            Err(e) => GpuCheck { unavailable: Some(e.to_string()), ..GpuCheck::default() },
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -113,7 +147,7 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
             bail!("--dir {}: not a directory", d.display());
         }
     }
-    let report = examine(&dirs, a.disk_probe_mb * 1_000_000);
+    let report = examine(&dirs, a.disk_probe_mb * 1_000_000, a.gpu);
     let mut out = std::io::stdout().lock();
     if a.json {
         writeln!(out, "{}", serde_json::to_string(&report)?)?;
@@ -162,13 +196,25 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
     for g in &report.gpus {
         writeln!(out, "gpu      {} {}", g.vendor, g.name)?;
     }
+    let check = &report.gpu_check;
+    match (&check.device, &check.unavailable) {
+        (Some(d), _) => {
+            let formats: Vec<String> = check.formats.iter().map(|f| format!("{} {}", f.format, if f.passed() { "same bits" } else { "DIFFERS" })).collect();
+            writeln!(out, "vram     {d}, {:.1} GB: {}", check.memory_bytes as f64 / 1e9, formats.join(", "))?;
+            for f in check.formats.iter().filter(|f| !f.passed()) {
+                writeln!(out, "         {}: {}", f.format, f.detail.as_deref().unwrap_or("no outputs"))?;
+            }
+        }
+        (None, Some(why)) => writeln!(out, "vram     {why}")?,
+        (None, None) => {}
+    }
     for r in &report.recommendations {
         writeln!(out, "advice   {r}")?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-pub(crate) fn examine(dirs: &[PathBuf], probe_bytes: u64) -> DoctorReport {
+pub(crate) fn examine(dirs: &[PathBuf], probe_bytes: u64, gpu: shimmer_gpu::GpuChoice) -> DoctorReport {
     let cpu = cpu();
     let threads = cpu.logical_cores;
     let memory = MemoryReport {
@@ -180,8 +226,9 @@ pub(crate) fn examine(dirs: &[PathBuf], probe_bytes: u64) -> DoctorReport {
     let numa_nodes = numa_nodes();
     let disks = if probe_bytes == 0 { Vec::new() } else { dirs.iter().map(|d| disk(d, probe_bytes)).collect() };
     let gpus = gpus();
-    let recommendations = advise(&cpu, &memory, &numa_nodes, &disks, &gpus);
-    DoctorReport { cpu, memory, numa_nodes, disks, gpus, recommendations }
+    let gpu_check = GpuCheck::of(gpu);
+    let recommendations = advise(&cpu, &memory, &numa_nodes, &disks, &gpus, &gpu_check, gpu);
+    DoctorReport { cpu, memory, numa_nodes, disks, gpus, gpu_check, recommendations }
 }
 
 /// `/proc/cpuinfo`'s lines `key: value`, per processor block (Linux; empty elsewhere).
@@ -457,7 +504,15 @@ fn gpus() -> Vec<GpuReport> {
     found
 }
 
-fn advise(cpu: &CpuReport, memory: &MemoryReport, numa: &[NumaNode], disks: &[DiskReport], gpus: &[GpuReport]) -> Vec<String> {
+fn advise(
+    cpu: &CpuReport,
+    memory: &MemoryReport,
+    numa: &[NumaNode],
+    disks: &[DiskReport],
+    gpus: &[GpuReport],
+    check: &GpuCheck,
+    choice: shimmer_gpu::GpuChoice,
+) -> Vec<String> {
     let mut r = Vec::new();
     let threads = cpu.physical_cores.unwrap_or(cpu.logical_cores).max(1);
     r.push(format!("--threads {threads}: decode reads memory, one thread per physical core keeps it busy ({} logical)", cpu.logical_cores));
@@ -484,8 +539,14 @@ fn advise(cpu: &CpuReport, memory: &MemoryReport, numa: &[NumaNode], disks: &[Di
             }
         }
     }
-    if !gpus.is_empty() {
-        r.push("GPUs were found, but this shimmer computes on the CPU only".to_string());
+    match &check.device {
+        Some(d) if check.formats.iter().all(|f| f.passed()) => r.push(format!(
+            "--gpu {choice} --vram-gb {:.1}: {d} gives the CPU's bits in every format; experts it holds are computed there",
+            check.memory_bytes as f64 / 1e9 * 0.9
+        )),
+        Some(d) => r.push(format!("{d} differs from the CPU in some format: shimmer computes those experts on the CPU (report it)")),
+        None if !gpus.is_empty() => r.push(format!("GPUs were found, but none is usable: {}", check.unavailable.as_deref().unwrap_or("no backend"))),
+        None => {}
     }
     r
 }

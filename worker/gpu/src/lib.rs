@@ -20,6 +20,7 @@
 //! time (drivers are loaded at run time, so the binary starts on machines without one).
 
 pub mod arena;
+pub mod check;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
