@@ -304,9 +304,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
 }
 
-/// Checks that `device` computes an expert with the CPU's bits on values chosen to expose the
-/// ways a device can differ: an `fma` that rounds its product, flushed subnormals, and SiLU's
-/// edges (exp's range ends, infinities, signed zeros). Run once when a device is opened.
+/// Experts and rows chosen to expose the ways a device can differ from the CPU: an `fma` that
+/// rounds its product, flushed subnormal results or operands, SiLU's edges (exp's range ends,
+/// infinities, signed zeros), subnormal block scales of the integer and fp8 formats.
 fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
     let (hidden, inter) = (80usize, 72usize);
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
