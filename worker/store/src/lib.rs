@@ -435,8 +435,10 @@ impl ExpertStore {
 impl ExpertStore {
     /// Drops the given (layer, expert) pairs from RAM (a worker whose share of a placement
     /// shrank, once no coordinator routes by the old one): their slots go back to the cache,
-    /// a later access reads them again. Pairs being read now, or not resident, are left; returns
-    /// how many were dropped.
+    /// a later access reads them again. A pair being read now loses its slot too: whoever waits
+    /// for the read still gets it, but it does not become resident (a read that finished after
+    /// the release used to leave the worker holding more than its share). Returns how many
+    /// resident pairs were dropped.
     pub fn release(&self, pairs: &[(usize, usize)]) -> usize {
         let inner = &self.inner;
         let mut st = lock(&inner.state);
@@ -444,10 +446,10 @@ impl ExpertStore {
         for &(layer, e) in pairs {
             let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { continue };
             let key = (pos, e.min(u16::MAX as usize) as u16);
-            if matches!(st.slots.get(&key), Some(Slot::Ready(_))) {
-                st.slots.remove(&key);
+            if let Some(slot) = st.slots.remove(&key) {
                 st.policy.forget(key);
-                dropped += 1;
+                st.prefetched_unused.remove(&key);
+                dropped += usize::from(matches!(slot, Slot::Ready(_)));
             }
         }
         dropped
