@@ -230,17 +230,16 @@ pub fn add_weighted(batch: &MoeBatch<'_>, rows: &[(usize, f32)], ys: &[f32], acc
 /// node computed which expert — cannot change a bit.
 pub fn apply_experts(batch: &MoeBatch<'_>, work: &[Work<'_>], accelerator: Option<&dyn Accelerator>, acc: &mut [i64]) -> Result<(), DispatchError> {
     let Some(accelerator) = accelerator.filter(|_| !work.is_empty()) else {
-        let cpu: Vec<(&Expert, &[(usize, f32)])> = work.iter().map(|(_, e, r)| (*e, *r)).collect();
-        return apply_on_cpu(batch, &cpu, acc);
+        return apply_on_cpu(batch, work, acc);
     };
     let gathered: Vec<Vec<f32>> = work.iter().map(|(_, _, rows)| gather_rows(batch, rows)).collect();
     let jobs: Vec<AccelJob<'_>> = work.iter().zip(&gathered).map(|((id, e, _), xs)| AccelJob { expert: *id, weights: Some(*e), rows: xs }).collect();
     let outputs = accelerator.forward(batch.layer, &jobs);
     let mut cpu = Vec::new();
-    for (i, (_, expert, rows)) in work.iter().enumerate() {
+    for (i, w) in work.iter().enumerate() {
         match outputs.get(i).and_then(Option::as_ref) {
-            Some(ys) if ys.len() == rows.len() * batch.hidden => add_weighted(batch, rows, ys, acc)?,
-            _ => cpu.push((*expert, *rows)),
+            Some(ys) if ys.len() == w.2.len() * batch.hidden => add_weighted(batch, w.2, ys, acc)?,
+            _ => cpu.push(*w),
         }
     }
     if cpu.is_empty() {
@@ -248,22 +247,22 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[Work<'_>], accelerator: Optio
     }
     let started = std::time::Instant::now();
     apply_on_cpu(batch, &cpu, acc)?;
-    let byte_rows: usize = cpu.iter().map(|(e, rows)| e.bytes() * rows.len()).sum();
+    let byte_rows: usize = cpu.iter().map(|(_, e, rows)| e.bytes() * rows.len()).sum();
     accelerator.cpu_took(byte_rows as u64, started.elapsed());
     Ok(())
 }
 
 /// `apply_experts` on this CPU.
-fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: &mut [i64]) -> Result<(), DispatchError> {
+fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Result<(), DispatchError> {
     let h = batch.hidden;
     // Small work (a decode step of a small model) runs on this thread: waking the pool's threads
     // costs more than it saves. Otherwise experts are spread over the threads, each running its
     // rows as one batched product (weights read once per group of rows), or, a lone expert, its
     // product's rows over the threads. Every way computes each row alike: the same bits.
-    let macs: usize = work.iter().map(|(e, rows)| 3 * h * e.intermediate() * rows.len()).sum();
+    let macs: usize = work.iter().map(|(_, e, rows)| 3 * h * e.intermediate() * rows.len()).sum();
     let parallel_inside = work.len() == 1 && macs >= SERIAL_MACS;
     // One expert over the rows that chose it: its outputs, row after row.
-    let one = |scratch: &mut FfnScratch, (expert, rows): &(&Expert, &[(usize, f32)])| -> Vec<f32> {
+    let one = |scratch: &mut FfnScratch, (_, expert, rows): &Work<'_>| -> Vec<f32> {
         let xs = gather_rows(batch, rows);
         let mut ys = vec![0.0f32; rows.len() * h];
         expert.forward_rows(&xs, scratch, &mut ys, parallel_inside);
@@ -278,19 +277,19 @@ fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[(&Expert, &[(usize, f32)])], acc: 
         });
         for (w, ys) in work.iter().zip(outputs) {
             // `run` returns only after every task finished (and raises a task's panic).
-            add(acc, w.1, &ys.into_inner().expect("every expert's output is set"))?;
+            add(acc, w.2, &ys.into_inner().expect("every expert's output is set"))?;
         }
     } else if macs < SERIAL_MACS {
         // The sum is fixed-point, so adding each expert as it is done gives the same bits.
         let mut scratch = FfnScratch::default();
         for w in work {
             let ys = one(&mut scratch, w);
-            add(acc, w.1, &ys)?;
+            add(acc, w.2, &ys)?;
         }
     } else {
         let outputs: Vec<Vec<f32>> = work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect();
         for (w, ys) in work.iter().zip(&outputs) {
-            add(acc, w.1, ys)?;
+            add(acc, w.2, ys)?;
         }
     }
     Ok(())
@@ -331,7 +330,7 @@ mod tests {
     }
 
     /// Computes the even-numbered experts (on this CPU, as a device with the CPU's bits would)
-    /// and declines the odd ones; one answer for an expert it was not asked about is ignored.
+    /// and declines the odd ones.
     struct EvenExperts {
         asked: std::sync::Mutex<Vec<u32>>,
     }
