@@ -2,7 +2,9 @@
 //! reads with a single `pread` (DESIGN.md §4).
 //!
 //! A blob holds six sections in this order: gate data, gate scales, up data, up scales, down data,
-//! down scales (gate and up are `intermediate × hidden`, down is `hidden × intermediate`). Data is
+//! down scales (gate and up are `intermediate × hidden`, down is `hidden × intermediate`), then,
+//! for experts with biases (gpt-oss), three more: the gate, up and down biases as f32
+//! (`intermediate`, `intermediate`, `hidden` values; absent — zero bytes — otherwise). Data is
 //! bf16 words, int8 values or packed int4/e2m1 nibbles as `quant.rs` defines them; scales are f32
 //! (empty for bf16), or e8m0 bytes for MXFP4. Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
 //! multiple of 4 KiB so that consecutive blobs stay O_DIRECT-aligned. Everything is little-endian.
@@ -28,6 +30,29 @@ pub enum StoredMatrix {
     Quant(QuantMatrix),
 }
 
+/// The shape every blob of a container shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// Each expert carries gate, up and down biases.
+    pub biased: bool,
+}
+
+impl BlobShape {
+    /// The shape of `spec`'s routed experts.
+    pub fn of(spec: &crate::ModelSpec) -> Self {
+        BlobShape { hidden: spec.hidden_size, intermediate: spec.moe.expert_intermediate_size, biased: spec.moe.expert_bias }
+    }
+}
+
+/// What a blob holds: `[gate, up, down]`, and their biases if the experts have them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredExpert {
+    pub matrices: [StoredMatrix; 3],
+    pub bias: Option<[Vec<f32>; 3]>,
+}
+
 /// Byte sizes of one matrix's data and scales under `scheme`.
 fn sizes(scheme: QuantScheme, rows: usize, cols: usize) -> (usize, usize) {
     match scheme {
@@ -42,26 +67,40 @@ fn align(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
 
-/// Section (offset, length) pairs for an expert of this shape, and the padded blob length.
-pub fn layout(scheme: QuantScheme, hidden: usize, intermediate: usize) -> ([(usize, usize); 6], usize) {
+/// Section (offset, length) pairs for an expert of this shape (six matrix sections, three bias
+/// sections), and the padded blob length.
+pub fn layout(scheme: QuantScheme, shape: BlobShape) -> ([(usize, usize); 9], usize) {
+    let BlobShape { hidden, intermediate, biased } = shape;
     let shapes = [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)];
-    let mut sections = [(0, 0); 6];
+    let mut sections = [(0, 0); 9];
     let mut at = 0;
-    for (m, (rows, cols)) in shapes.iter().enumerate() {
+    let biases = if biased { [intermediate * 4, intermediate * 4, hidden * 4] } else { [0; 3] };
+    let lengths = shapes.iter().flat_map(|(rows, cols)| {
         let (data, scales) = sizes(scheme, *rows, *cols);
-        for (s, len) in [(2 * m, data), (2 * m + 1, scales)] {
-            at = align(at, SECTION_ALIGN);
-            sections[s] = (at, len);
-            at += len;
-        }
+        [data, scales]
+    });
+    for (s, len) in lengths.chain(biases).enumerate() {
+        at = align(at, SECTION_ALIGN);
+        sections[s] = (at, len);
+        at += len;
     }
     (sections, align(at.max(1), BLOB_ALIGN))
 }
 
-/// Quantises an expert (f32 values) to `scheme` and lays it out as a blob.
-pub fn encode(scheme: QuantScheme, hidden: usize, intermediate: usize, gate: &[f32], up: &[f32], down: &[f32]) -> Vec<u8> {
-    let (sections, total) = layout(scheme, hidden, intermediate);
+/// Quantises an expert (f32 values) to `scheme` and lays it out as a blob, with its biases
+/// (f32, as they are) when the shape says the experts have them.
+pub fn encode(scheme: QuantScheme, shape: BlobShape, [gate, up, down]: [&[f32]; 3], bias: Option<[&[f32]; 3]>) -> Vec<u8> {
+    let BlobShape { hidden, intermediate, .. } = shape;
+    let (sections, total) = layout(scheme, shape);
     let mut blob = vec![0u8; total];
+    if let Some(biases) = bias.filter(|_| shape.biased) {
+        for (b, (off, len)) in biases.iter().zip(&sections[6..]) {
+            let bytes: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // A bias of the wrong length is the caller's bug; the blob keeps its layout.
+            let n = bytes.len().min(*len);
+            blob[*off..*off + n].copy_from_slice(&bytes[..n]);
+        }
+    }
     let shapes = [(intermediate, hidden, gate), (intermediate, hidden, up), (hidden, intermediate, down)];
     for (m, (rows, cols, w)) in shapes.iter().enumerate() {
         let (data, scales): (Vec<u8>, Vec<u8>) = match scheme {
@@ -106,17 +145,11 @@ pub fn checksum(id: BlobId, blob: &[u8]) -> u64 {
     h.finish()
 }
 
-/// Reads `[gate, up, down]` back from a blob, checking its length and (when given) its checksum
-/// as the blob `id`; `what` names the blob in errors (file, layer, expert).
-pub fn decode(
-    blob: &[u8],
-    scheme: QuantScheme,
-    hidden: usize,
-    intermediate: usize,
-    expected_checksum: Option<(BlobId, u64)>,
-    what: &str,
-) -> Result<[StoredMatrix; 3], LoadError> {
-    let (sections, total) = layout(scheme, hidden, intermediate);
+/// Reads an expert back from a blob, checking its length and (when given) its checksum as the
+/// blob `id`; `what` names the blob in errors (file, layer, expert).
+pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_checksum: Option<(BlobId, u64)>, what: &str) -> Result<StoredExpert, LoadError> {
+    let BlobShape { hidden, intermediate, biased } = shape;
+    let (sections, total) = layout(scheme, shape);
     if blob.len() != total {
         return Err(LoadError::malformed(what, format!("blob is {} bytes, its layout needs {total} (truncated or from another format)", blob.len())));
     }
@@ -159,7 +192,8 @@ pub fn decode(
         out.push(matrix);
     }
     let [g, u, d]: [StoredMatrix; 3] = out.try_into().map_err(|_| LoadError::malformed(what, "internal: expected three matrices"))?;
-    Ok([g, u, d])
+    let bias = biased.then(|| [6, 7, 8].map(|s| f32s(&blob[sections[s].0..sections[s].0 + sections[s].1])));
+    Ok(StoredExpert { matrices: [g, u, d], bias })
 }
 
 #[cfg(test)]
@@ -180,23 +214,34 @@ mod tests {
     fn every_format_round_trips_through_an_aligned_blob() {
         let (h, i) = (96, 40); // awkward: 40 is not a multiple of 32
         let (g, u, d) = (values(i * h, 1), values(i * h, 2), values(h * i, 3));
-        for scheme in [
-            QuantScheme::Bf16,
-            QuantScheme::Int8PerRow,
-            QuantScheme::Int4 { group: 32 },
-            QuantScheme::Int4 { group: 64 },
-            QuantScheme::Int4 { group: 128 },
-            QuantScheme::Mxfp4,
-        ] {
-            let blob = encode(scheme, h, i, &g, &u, &d);
+        let (gb, ub, db) = (values(i, 4), values(i, 5), values(h, 6));
+        for (scheme, biased) in [false, true].into_iter().flat_map(|b| {
+            [
+                QuantScheme::Bf16,
+                QuantScheme::Int8PerRow,
+                QuantScheme::Int4 { group: 32 },
+                QuantScheme::Int4 { group: 64 },
+                QuantScheme::Int4 { group: 128 },
+                QuantScheme::Mxfp4,
+            ]
+            .map(|s| (s, b))
+        }) {
+            let shape = BlobShape { hidden: h, intermediate: i, biased };
+            let blob = encode(scheme, shape, [&g, &u, &d], Some([&gb, &ub, &db]));
             assert_eq!(blob.len() % BLOB_ALIGN, 0, "{scheme:?}");
-            let (sections, _) = layout(scheme, h, i);
+            let (sections, _) = layout(scheme, shape);
             assert!(sections.iter().all(|(off, _)| off % 64 == 0));
             let id = BlobId { layer: 1, expert: 2, scheme };
             let sum = checksum(id, &blob);
-            let back = decode(&blob, scheme, h, i, Some((id, sum)), "test").unwrap();
+            let back = decode(&blob, scheme, shape, Some((id, sum)), "test").unwrap();
+            assert_eq!(back.bias, biased.then(|| [gb.clone(), ub.clone(), db.clone()]), "{scheme:?}: biases exactly as given");
+            if !biased {
+                // Experts without biases lay out exactly as before biases existed.
+                assert!(sections[6..].iter().all(|s| s.1 == 0));
+                assert_eq!(blob.len(), align(sections[5].0 + sections[5].1, BLOB_ALIGN));
+            }
             for (m, (orig, rows, cols)) in [(&g, i, h), (&u, i, h), (&d, h, i)].into_iter().enumerate() {
-                let restored: Vec<f32> = match &back[m] {
+                let restored: Vec<f32> = match &back.matrices[m] {
                     StoredMatrix::Bf16 { words, .. } => words.iter().map(|w| half::bf16::from_bits(*w).to_f32()).collect(),
                     StoredMatrix::Quant(q) => quant::dequantize(q),
                 };
@@ -215,29 +260,30 @@ mod tests {
     #[test]
     fn damaged_blobs_are_named_errors() {
         let (h, i) = (64, 32);
-        let blob = encode(QuantScheme::Int4 { group: 32 }, h, i, &values(i * h, 1), &values(i * h, 2), &values(h * i, 3));
+        let shape = BlobShape { hidden: h, intermediate: i, biased: false };
+        let blob = encode(QuantScheme::Int4 { group: 32 }, shape, [&values(i * h, 1), &values(i * h, 2), &values(h * i, 3)], None);
         let scheme = QuantScheme::Int4 { group: 32 };
         let id = BlobId { layer: 3, expert: 7, scheme };
         let sum = checksum(id, &blob);
         let what = "experts.safetensors layer 3 expert 7";
-        let e = decode(&blob[..blob.len() - 1], scheme, h, i, Some((id, sum)), what).unwrap_err().to_string();
+        let e = decode(&blob[..blob.len() - 1], scheme, shape, Some((id, sum)), what).unwrap_err().to_string();
         assert!(e.contains("layer 3 expert 7") && e.contains("truncated"), "{e}");
         let mut bad = blob.clone();
         bad[100] ^= 1;
-        let e = decode(&bad, scheme, h, i, Some((id, sum)), what).unwrap_err().to_string();
+        let e = decode(&bad, scheme, shape, Some((id, sum)), what).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         // The right bytes under another identity: another expert, another layer, another format.
         for other in [BlobId { expert: 8, ..id }, BlobId { layer: 4, ..id }] {
-            let e = decode(&blob, scheme, h, i, Some((other, sum)), what).unwrap_err().to_string();
+            let e = decode(&blob, scheme, shape, Some((other, sum)), what).unwrap_err().to_string();
             assert!(e.contains("checksum mismatch") && e.contains("another expert's blob"), "{other:?}: {e}");
         }
         assert_ne!(checksum(BlobId { scheme: QuantScheme::Int4 { group: 64 }, ..id }, &blob), sum);
-        let e = decode(&blob, scheme, h, i, Some((BlobId { scheme: QuantScheme::Int8PerRow, ..id }, sum)), what).unwrap_err().to_string();
+        let e = decode(&blob, scheme, shape, Some((BlobId { scheme: QuantScheme::Int8PerRow, ..id }, sum)), what).unwrap_err().to_string();
         assert!(e.contains("read as"), "{e}");
         // Negative scale bytes: refused even without a checksum.
-        let (sections, _) = layout(QuantScheme::Int8PerRow, h, i);
-        let mut blob = encode(QuantScheme::Int8PerRow, h, i, &values(i * h, 1), &values(i * h, 2), &values(h * i, 3));
+        let (sections, _) = layout(QuantScheme::Int8PerRow, shape);
+        let mut blob = encode(QuantScheme::Int8PerRow, shape, [&values(i * h, 1), &values(i * h, 2), &values(h * i, 3)], None);
         blob[sections[1].0..sections[1].0 + 4].copy_from_slice(&(-1.0f32).to_le_bytes());
-        assert!(decode(&blob, QuantScheme::Int8PerRow, h, i, None, "x").is_err());
+        assert!(decode(&blob, QuantScheme::Int8PerRow, shape, None, "x").is_err());
     }
 }

@@ -89,6 +89,8 @@ pub struct DenseNames {
     pub o: &'static str,
     pub q_norm: &'static str,
     pub k_norm: &'static str,
+    /// Per-head attention sink logits (`AttentionSpec::sinks`).
+    pub sinks: &'static str,
     /// A dense layer's MLP.
     pub mlp_gate: &'static str,
     pub mlp_up: &'static str,
@@ -109,6 +111,7 @@ impl DenseNames {
         o: "model.layers.{L}.self_attn.o_proj",
         q_norm: "model.layers.{L}.self_attn.q_norm.weight",
         k_norm: "model.layers.{L}.self_attn.k_norm.weight",
+        sinks: "model.layers.{L}.self_attn.sinks",
         mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
         mlp_up: "model.layers.{L}.mlp.up_proj.weight",
         mlp_down: "model.layers.{L}.mlp.down_proj.weight",
@@ -200,6 +203,9 @@ pub struct AttentionSpec {
     pub scale: f32,
     /// Per layer: how many keys (the current one included) a query may see; `None` = all.
     pub sliding_window: Vec<Option<usize>>,
+    /// Each head has a learned sink logit that joins its softmax and takes its share of the
+    /// probability without contributing a value (gpt-oss).
+    pub sinks: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,6 +224,18 @@ pub enum RouterScoring {
     /// highest; weights are the unbiased scores, optionally renormalised, times
     /// `routed_scaling_factor`.
     SigmoidGrouped { n_group: usize, topk_group: usize, norm_topk_prob: bool, routed_scaling_factor: f32 },
+    /// gpt-oss: the top-k of the raw logits (the router's linear bias included), then a softmax
+    /// over those k only.
+    TopKSoftmax,
+}
+
+/// The function between an expert's gate/up projections and its down projection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up` (SwiGLU).
+    Silu,
+    /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `(u + 1) · g · σ(α·g)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -229,6 +247,22 @@ pub struct MoeSpec {
     /// Intermediate size of the always-on shared expert(s) in MoE layers, if any
     /// (`n_shared_experts × moe_intermediate_size`).
     pub shared_intermediate_size: Option<usize>,
+    pub activation: ExpertActivation,
+    /// Each routed expert's three projections carry a bias (gpt-oss).
+    pub expert_bias: bool,
+}
+
+/// How a layer's routed experts are laid out in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// One `out × in` tensor per expert and projection (`{E}` in the names).
+    Separate,
+    /// gpt-oss: one tensor per projection for all of a layer's experts, `experts × in × out`,
+    /// with gate and up fused in `ExpertNames::gate`'s tensor, interleaved along `out` (gate
+    /// column j at 2j, up at 2j + 1), each with an `experts × out` `<name>_bias`; or, as OpenAI
+    /// ships them, MXFP4 `<name>_blocks` (`experts × out × in/32 × 16`) and `<name>_scales`
+    /// (`experts × out × in/32`). `ExpertNames::up` is unused.
+    FusedInterleaved,
 }
 
 /// Tensor-name templates; `{L}` is the layer index, `{E}` the expert index.
@@ -237,8 +271,11 @@ pub struct ExpertNames {
     pub router: &'static str,
     /// The router's selection bias (`e_score_correction_bias`), for sigmoid-grouped routers.
     pub router_bias: Option<&'static str>,
+    /// The router's linear bias, added to its logits (gpt-oss's `mlp.router.bias`).
+    pub router_logit_bias: Option<&'static str>,
     /// `[gate, up, down]` of the shared expert, if the family has one.
     pub shared: Option<[&'static str; 3]>,
+    pub layout: ExpertLayout,
     pub gate: &'static str,
     pub up: &'static str,
     pub down: &'static str,
@@ -254,9 +291,24 @@ impl ExpertNames {
     pub fn shared(&self, layer: usize) -> Option<[String; 3]> {
         self.shared.map(|[g, u, d]| [fill(g, layer, 0), fill(u, layer, 0), fill(d, layer, 0)])
     }
-    /// `[gate, up, down]` weight names of one expert.
+    pub fn router_logit_bias(&self, layer: usize) -> Option<String> {
+        self.router_logit_bias.map(|t| fill(t, layer, 0))
+    }
+    /// `[gate, up, down]` weight names of one expert (`FusedInterleaved`: the layer's fused
+    /// gate-up tensor twice, then down).
     pub fn expert(&self, layer: usize, expert: usize) -> [String; 3] {
         [fill(self.gate, layer, expert), fill(self.up, layer, expert), fill(self.down, layer, expert)]
+    }
+    /// Every tensor name that may hold part of layer `layer`'s routed experts (with `experts` of
+    /// them): what a converter moves into the expert container rather than the dense file.
+    pub fn tensor_names(&self, layer: usize, experts: usize) -> Vec<String> {
+        match self.layout {
+            ExpertLayout::Separate => (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| [format!("{n}_scale_inv"), n]).collect(),
+            ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
+                .into_iter()
+                .flat_map(|n| ["", "_bias", "_blocks", "_scales"].map(|suffix| format!("{n}{suffix}")))
+                .collect(),
+        }
     }
 }
 
@@ -363,6 +415,9 @@ impl ModelSpec {
             if self.moe.top_k > topk_group * (self.moe.num_experts / n_group) {
                 return Err(FieldError::new("num_experts_per_tok", "more than the selected groups hold"));
             }
+        }
+        if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa) {
+            return Err(FieldError::new("architectures", "attention sinks need grouped-query attention"));
         }
         if self.moe.top_k > self.moe.num_experts {
             return Err(FieldError::new("num_experts_per_tok", format!("{} is more than the {} experts", self.moe.top_k, self.moe.num_experts)));

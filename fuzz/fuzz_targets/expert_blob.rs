@@ -13,10 +13,10 @@ fuzz_target!(|data: &[u8]| {
         QuantScheme::Int4 { group: 128 },
         QuantScheme::Mxfp4,
     ][sel as usize % 6];
-    let (h, i) = (8 + (sel as usize >> 3) % 8 * 8, 8);
-    let _ = shimmer_common::expert_blob::decode(blob, scheme, h, i, None, "fuzz");
-    let (_, len) = shimmer_common::expert_blob::layout(scheme, h, i);
+    let shape = shimmer_common::expert_blob::BlobShape { hidden: 8 + (sel as usize >> 3) % 8 * 8, intermediate: 8, biased: sel & 0x80 != 0 };
+    let _ = shimmer_common::expert_blob::decode(blob, scheme, shape, None, "fuzz");
+    let (_, len) = shimmer_common::expert_blob::layout(scheme, shape);
     let mut padded = blob.to_vec();
     padded.resize(len, 0);
-    let _ = shimmer_common::expert_blob::decode(&padded, scheme, h, i, None, "fuzz");
+    let _ = shimmer_common::expert_blob::decode(&padded, scheme, shape, None, "fuzz");
 });

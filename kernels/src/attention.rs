@@ -8,7 +8,8 @@
 //! blocks of `KEY_BLOCK` from key 0; for each block, scores `s_j = dot(k_j, q)·scale` (the
 //! canonical dot, `dot.rs`), `m' = max(m, max_j s_j)`, `c = exp(m − m')` (0 for the first block),
 //! `l = l·c + Σ_j exp(s_j − m')` and `o = o·c + Σ_j exp(s_j − m')·v_j`, summed in key order;
-//! finally `o / l`. Nothing in it depends on which other vectors share the tile, so a prompt row
+//! finally, with a sink logit `z` (gpt-oss), `m' = max(m, z)`, `c = exp(m − m')`,
+//! `l = l·c + exp(z − m')`, `o = o·c`; then `o / l`. Nothing in it depends on which other vectors share the tile, so a prompt row
 //! attends exactly as the same row does in decode (batch invariance, DESIGN.md §1).
 //!
 //! Must never: let a vector see a key past its `last`, or order a sum by anything but key index.
@@ -45,8 +46,15 @@ fn scores_of(key: &[f32], qs: &[&[f32]], out: &mut [f32; TILE]) {
 
 /// The online softmax of one tile: vector `v` sees keys `0..=last[v]`; `score(j, s)` fills
 /// `s[v] = scaled score of key j` for every vector of the tile, `value(j)` is value row `j`; each
-/// vector's result lands in `out[v·d..(v+1)·d]`.
-fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]), value: impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+/// vector's result lands in `out[v·d..(v+1)·d]`. `sinks[v]`, if given, is vector `v`'s sink logit:
+/// it joins the softmax's denominator and contributes no value.
+fn online_tile<'a>(
+    last: &[usize],
+    mut score: impl FnMut(usize, &mut [f32; TILE]),
+    value: impl Fn(usize) -> &'a [f32],
+    sinks: Option<&[f32; TILE]>,
+    out: &mut [f32],
+) {
     let count = last.len();
     let d = out.len() / count.max(1);
     let mut m = [f32::NEG_INFINITY; TILE];
@@ -87,6 +95,12 @@ fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]
         b0 = b1;
     }
     for v in 0..count {
+        if let Some(z) = sinks.map(|s| s[v]) {
+            let m_new = m[v].max(z);
+            let c = if m[v] == f32::NEG_INFINITY { 0.0 } else { (m[v] - m_new).exp() };
+            l[v] = l[v] * c + (z - m_new).exp();
+            out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x *= c);
+        }
         let lv = l[v];
         out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x /= lv);
     }
@@ -95,8 +109,19 @@ fn online_tile<'a>(last: &[usize], mut score: impl FnMut(usize, &mut [f32; TILE]
 /// Grouped-query attention of `n` query rows (`qs`: n × heads·head_dim) at positions
 /// `first..first + n`; `keys`/`values` hold positions `0..first + n` (kv_heads·head_dim each). A
 /// row at position p sees keys `max(0, p + 1 − window)..=p` (transformers' sliding-window mask).
-/// Query head h reads kv head h / (heads / kv_heads). `out`: n × heads·head_dim.
-pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32], values: &[f32], window: Option<usize>, out: &mut [f32]) {
+/// Query head h reads kv head h / (heads / kv_heads); with `sinks` (one logit per query head),
+/// head h's softmax also holds the sink `sinks[h]`. `out`: n × heads·head_dim.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows(
+    shape: &AttentionShape,
+    qs: &[f32],
+    first: usize,
+    keys: &[f32],
+    values: &[f32],
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let d = shape.head_dim;
     let (stride, qd) = (shape.num_kv_heads * d, shape.num_heads * d);
     let n = qs.len() / qd.max(1);
@@ -115,8 +140,10 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
             let lo = lo_of(tile[0].0);
             let mut lasts = [0usize; TILE];
             let mut q: [&[f32]; TILE] = [&[]; TILE];
+            let mut tile_sinks = [0.0f32; TILE];
             for (v, (i, h)) in tile.iter().enumerate() {
                 lasts[v] = first + i - lo;
+                tile_sinks[v] = sinks.map_or(0.0, |s| s[*h]);
                 q[v] = &qs[i * qd + h * d..i * qd + (h + 1) * d];
             }
             let k = tile.len();
@@ -128,12 +155,13 @@ pub fn attend_rows(shape: &AttentionShape, qs: &[f32], first: usize, keys: &[f32
                 s[..k].iter_mut().for_each(|x| *x *= shape.scale);
             };
             let value = |j: usize| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d];
+            let tile_sinks = sinks.map(|_| &tile_sinks);
             if one_row {
                 // Heads h0.. of one row are contiguous in `out`.
-                online_tile(&lasts[..k], score, value, &mut out[i0 * qd + h0 * d..i0 * qd + (h0 + k) * d]);
+                online_tile(&lasts[..k], score, value, tile_sinks, &mut out[i0 * qd + h0 * d..i0 * qd + (h0 + k) * d]);
             } else {
                 gather.resize(TILE * d, 0.0);
-                online_tile(&lasts[..k], score, value, &mut gather[..k * d]);
+                online_tile(&lasts[..k], score, value, tile_sinks, &mut gather[..k * d]);
                 for (v, (i, h)) in tile.iter().enumerate() {
                     out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&gather[v * d..(v + 1) * d]);
                 }
@@ -193,6 +221,7 @@ pub fn attend_latent_rows(
                 }
             },
             |j| &latents[j * rank..(j + 1) * rank],
+            None,
             &mut out[v0 * rank..(v0 + k) * rank],
         );
         v0 += k;
@@ -223,7 +252,7 @@ mod tests {
         let values: Vec<f32> = (0..total * 10).map(|i| f(i + 991)).collect();
         for window in [None, Some(40), Some(1)] {
             let mut out = vec![0.0; n * 30];
-            attend_rows(&shape, &q, first, &keys, &values, window, &mut out);
+            attend_rows(&shape, &q, first, &keys, &values, window, None, &mut out);
             for i in 0..n {
                 let pos = first + i;
                 let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -250,21 +279,63 @@ mod tests {
             let keys: Vec<f32> = (0..n * stride).map(|i| f(i + 300)).collect();
             let values: Vec<f32> = (0..n * stride).map(|i| f(i + 7000)).collect();
             for window in [None, Some(33)] {
+                let sinks: Vec<f32> = (0..heads).map(|h| f(h + 40)).collect();
+                let sinks = (window.is_some()).then_some(sinks.as_slice());
                 let mut all = vec![0.0; n * qd];
-                attend_rows(&shape, &q, 0, &keys, &values, window, &mut all);
+                attend_rows(&shape, &q, 0, &keys, &values, window, sinks, &mut all);
                 for i in 0..n {
                     let mut one = vec![0.0; qd];
-                    attend_rows(&shape, &q[i * qd..(i + 1) * qd], i, &keys[..(i + 1) * stride], &values[..(i + 1) * stride], window, &mut one);
+                    attend_rows(&shape, &q[i * qd..(i + 1) * qd], i, &keys[..(i + 1) * stride], &values[..(i + 1) * stride], window, sinks, &mut one);
                     assert_eq!(bits(&one), bits(&all[i * qd..(i + 1) * qd]), "{heads}/{kv} heads, window {window:?}, row {i}");
                 }
                 // And a prefill split in two chunks (chunked prefill) agrees too.
                 let mut split = vec![0.0; n * qd];
                 let cut = 29;
-                attend_rows(&shape, &q[..cut * qd], 0, &keys[..cut * stride], &values[..cut * stride], window, &mut split[..cut * qd]);
-                attend_rows(&shape, &q[cut * qd..], cut, &keys, &values, window, &mut split[cut * qd..]);
+                attend_rows(&shape, &q[..cut * qd], 0, &keys[..cut * stride], &values[..cut * stride], window, sinks, &mut split[..cut * qd]);
+                attend_rows(&shape, &q[cut * qd..], cut, &keys, &values, window, sinks, &mut split[cut * qd..]);
                 assert_eq!(bits(&split), bits(&all));
             }
         }
+    }
+
+    #[test]
+    fn a_sink_takes_its_share_of_the_softmax_and_adds_no_value() {
+        // Softmax over [scores…, z] with the sink's column dropped, in f64, as transformers does.
+        let shape = AttentionShape { num_heads: 4, num_kv_heads: 2, head_dim: 6, scale: 0.35 };
+        let (total, n, d) = (70, 2, 6);
+        let first = total - n;
+        let q: Vec<f32> = (0..n * 24).map(|i| f(i + 3)).collect();
+        let keys: Vec<f32> = (0..total * 12).map(|i| f(i + 17)).collect();
+        let values: Vec<f32> = (0..total * 12).map(|i| f(i + 555)).collect();
+        // Sinks far below, near and far above the scores.
+        let sinks = [-30.0f32, 0.3, 2.5, 40.0];
+        for window in [None, Some(9)] {
+            let mut out = vec![0.0; n * 24];
+            attend_rows(&shape, &q, first, &keys, &values, window, Some(&sinks), &mut out);
+            for i in 0..n {
+                let pos = first + i;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for (h, z) in sinks.iter().enumerate() {
+                    let kvh = h / 2;
+                    let qv = &q[i * 24 + h * d..i * 24 + (h + 1) * d];
+                    let s: Vec<f64> = (lo..=pos)
+                        .map(|j| keys[j * 12 + kvh * d..j * 12 + (kvh + 1) * d].iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * 0.35)
+                        .collect();
+                    let m = s.iter().fold(*z as f64, |a, b| a.max(*b));
+                    let denom = s.iter().map(|x| (x - m).exp()).sum::<f64>() + (*z as f64 - m).exp();
+                    for c in 0..d {
+                        let want: f64 = (lo..=pos).zip(&s).map(|(j, x)| (x - m).exp() / denom * values[j * 12 + kvh * d + c] as f64).sum();
+                        let got = out[i * 24 + h * d + c] as f64;
+                        assert!((got - want).abs() < 1e-5, "window {window:?} row {i} head {h} dim {c}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+        // A sink of −∞ changes nothing.
+        let (mut plain, mut neg) = (vec![0.0; n * 24], vec![0.0; n * 24]);
+        attend_rows(&shape, &q, first, &keys, &values, None, None, &mut plain);
+        attend_rows(&shape, &q, first, &keys, &values, None, Some(&[f32::NEG_INFINITY; 4]), &mut neg);
+        assert_eq!(bits(&plain), bits(&neg));
     }
 
     #[test]

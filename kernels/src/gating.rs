@@ -151,6 +151,59 @@ unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU of one element, in transformers' order: `g = min(gate, limit)`,
+/// `u = clamp(up, −limit, limit)`, `(u + 1) · (g · σ(α·g))`, with `σ(x) = recip(1 + exp(−x))`.
+/// A NaN stays NaN (as torch's clamp keeps it).
+#[inline(always)]
+pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let g = if gate > limit { limit } else { gate };
+    let u = if up > limit {
+        limit
+    } else if up < -limit {
+        -limit
+    } else {
+        up
+    };
+    (u + 1.0) * (g * recip(1.0 + exp(-(g * alpha))))
+}
+
+/// `gate = clamped_swiglu(gate, up)`, in place, with the best ISA the machine has (the same bits
+/// on every one, as `swiglu_in_place`).
+pub fn clamped_swiglu_in_place(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    #[cfg(target_arch = "x86_64")]
+    match crate::dot::isa() {
+        // SAFETY: `isa` reports AVX-512F (and AVX2+FMA) only when the CPU has them.
+        crate::dot::Isa::Avx512 => return unsafe { clamped_swiglu_avx512(gate, up, alpha, limit) },
+        // SAFETY: as above, AVX2 and FMA.
+        crate::dot::Isa::Avx2 => return unsafe { clamped_swiglu_avx2(gate, up, alpha, limit) },
+        _ => {}
+    }
+    clamped_swiglu_scalar(gate, up, alpha, limit)
+}
+
+/// The definition, one element at a time.
+pub fn clamped_swiglu_scalar(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_swiglu(*g, *u, alpha, limit);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn clamped_swiglu_avx512(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_swiglu(*g, *u, alpha, limit);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn clamped_swiglu_avx2(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_swiglu(*g, *u, alpha, limit);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,6 +313,46 @@ mod tests {
                 crate::dot::Isa::Avx512 => unsafe { swiglu_avx512(&mut got, &up) },
                 crate::dot::Isa::Avx2 => unsafe { swiglu_avx2(&mut got, &up) },
                 _ => swiglu_scalar(&mut got, &up),
+            }
+            assert_eq!(bits(&got), bits(&want), "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn clamped_swiglu_clamps_as_transformers_does_and_every_isa_agrees() {
+        let (alpha, limit) = (1.702f32, 1.5f32);
+        let libm = |g: f32, u: f32| {
+            let (g, u) = (g.min(limit), u.clamp(-limit, limit));
+            (u as f64 + 1.0) * (g as f64 / (1.0 + (-(g as f64) * alpha as f64).exp()))
+        };
+        let gate: Vec<f32> = sweep().step_by(4099).map(|x| x / 20.0).chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY]).collect();
+        let up: Vec<f32> = (0..gate.len()).map(|i| ((i as f32) * 0.618).sin() * 3.0).collect();
+        let mut want = gate.clone();
+        clamped_swiglu_scalar(&mut want, &up, alpha, limit);
+        for ((w, g), u) in want.iter().zip(&gate).zip(&up) {
+            if g.is_nan() {
+                assert!(w.is_nan());
+            } else if g.is_finite() {
+                let r = libm(*g, *u);
+                assert!((*w as f64 - r).abs() <= 1e-6 * r.abs().max(1e-30) + 1e-37, "gate {g} up {u}: {w} vs {r}");
+            }
+        }
+        // Above the limit the gate is the limit; the up side is clamped both ways.
+        assert_eq!(clamped_swiglu(9.0, 0.5, alpha, limit), clamped_swiglu(limit, 0.5, alpha, limit));
+        assert_eq!(clamped_swiglu(0.7, -9.0, alpha, limit), clamped_swiglu(0.7, -limit, alpha, limit));
+        assert_eq!(clamped_swiglu(0.7, 9.0, alpha, limit), clamped_swiglu(0.7, limit, alpha, limit));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut got = gate.clone();
+        clamped_swiglu_in_place(&mut got, &up, alpha, limit);
+        assert_eq!(bits(&got), bits(&want));
+        #[cfg(target_arch = "x86_64")]
+        for isa in crate::dot::Isa::all_available() {
+            let mut got = gate.clone();
+            match isa {
+                // SAFETY: `all_available` lists only ISAs this CPU has.
+                crate::dot::Isa::Avx512 => unsafe { clamped_swiglu_avx512(&mut got, &up, alpha, limit) },
+                crate::dot::Isa::Avx2 => unsafe { clamped_swiglu_avx2(&mut got, &up, alpha, limit) },
+                _ => clamped_swiglu_scalar(&mut got, &up, alpha, limit),
             }
             assert_eq!(bits(&got), bits(&want), "{isa:?}");
         }

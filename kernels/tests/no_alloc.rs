@@ -64,8 +64,8 @@ fn one_tokens_kernels_allocate_nothing() {
             m.matvec_on(&x, out, false);
             matmul_pair(m, m, &x, out, out2, false);
         }
-        attend_rows(&shape, &q, n - 1, &keys, &values, None, attn);
-        attend_rows(&shape, &q, n - 1, &keys, &values, Some(128), attn);
+        attend_rows(&shape, &q, n - 1, &keys, &values, None, None, attn);
+        attend_rows(&shape, &q, n - 1, &keys, &values, Some(128), None, attn);
         attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, n - 1, &lat, &rot, 0.1, o_lat);
     };
     run(&mut out, &mut out2, &mut attn, &mut o_lat);

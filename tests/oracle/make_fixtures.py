@@ -18,6 +18,7 @@ Usage (from the repository root):
   apt-get install -y bible-kjv          # the public-domain text the tokenizers are trained on
   /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py
   /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py --demo models/demo   # the demo model's oracle
+  /tmp/oracle-venv/bin/python tests/oracle/make_fixtures.py --only gpt_oss        # one family's fixtures
 """
 import json
 import math
@@ -29,8 +30,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig,
-                          PreTrainedTokenizerFast, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig,
+                          OlmoeConfig, PreTrainedTokenizerFast, Qwen3MoeConfig)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "fixtures")
@@ -62,6 +63,21 @@ META = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# gpt-oss's harmony layout (the published template's structure and tokens, without its tools and
+# date line, which would make the render depend on the day).
+HARMONY = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Reasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|start|>developer<|message|># Instructions\n\n{{ m.content }}<|end|>"
+    "{%- elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>"
+    "{%- else %}{{ raise_exception('Unknown role: ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>"]
+
 CONVERSATIONS = [
     [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who made the heaven and the earth?"}],
     [{"role": "user", "content": "  Hello there  "}, {"role": "assistant", "content": "Peace be unto you."},
@@ -89,11 +105,11 @@ def corpus():
     return lines
 
 
-def train_tokenizer(lines, vocab_size, bos):
+def train_tokenizer(lines, vocab_size, bos, specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>")):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+    specials = list(specials)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(lines, trainer)
@@ -116,6 +132,9 @@ def randomize(model, std, seed):
                 # A tied head dots each state with its own input embedding; a smaller embedding keeps
                 # the layers, not the echo of the input token, in charge of the prediction.
                 p.copy_(0.5 * std * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):
+                # Sinks comparable with the scores, so that each head's sink takes a real share.
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
@@ -142,7 +161,7 @@ def margins(logits):
 
 
 def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
-         extra_eos=None, prompts=PROMPTS, f32_routers=False):
+         extra_eos=None, prompts=PROMPTS, f32_routers=False, bos_token="<s>", eos_token="<|im_end|>", adjust=None):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -150,6 +169,8 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
         torch.manual_seed(seed + attempt)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         randomize(model, std, seed + attempt)
+        if adjust is not None:
+            adjust(model)
         model = model.to(dtype)
         if f32_routers:
             # As DeepSeek-V3's hub checkpoints: router weights and biases stay f32 in bf16 shards.
@@ -163,7 +184,7 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
             old_spelling(os.path.join(d, "config.json"), old.get("rope_scaling"))
         if extra_eos is not None:
             json.dump({"eos_token_id": extra_eos, "do_sample": False}, open(os.path.join(d, "generation_config.json"), "w"), indent=2)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|im_end|>",
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
                                        unk_token=None, chat_template=template)
         fast.save_pretrained(d)
         if template_in_config:
@@ -313,6 +334,75 @@ def make_fp8(src, dst, block=16):
     save_file(reference, dst.rstrip("/") + ".dequantized.safetensors")
 
 
+FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_encode(w):
+    """OCP MXFP4 along the last axis (groups of 32): e2m1 codes packed two per byte, low nibble
+    first, and e8m0 scale bytes, as gpt-oss ships its experts. Returns (blocks [..., G, 16] u8,
+    scales [..., G] u8, the exact values they stand for)."""
+    *lead, k = w.shape
+    g = w.float().reshape(*lead, k // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).clamp(0, 254)
+    scale = torch.pow(2.0, e - 127)[..., None]
+    x = (g / scale).clamp(-6, 6)
+    code = (x.abs()[..., None] - FP4_GRID).abs().argmin(-1)  # nearest magnitude (ties to the smaller)
+    code = code + 8 * ((x < 0) & (code > 0))
+    values = torch.where(code >= 8, -FP4_GRID[code - 8 * (code >= 8)], FP4_GRID[code % 8]) * scale
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, e.to(torch.uint8), values.reshape(*lead, k)
+
+
+def snap_experts_to_mxfp4(model):
+    """Makes every routed expert weight exactly representable in MXFP4, so the bf16 fixture and
+    its MXFP4 twin (`make_mxfp4`) are the same model."""
+    with torch.no_grad():
+        for mod_name, mod in model.named_modules():
+            if mod_name.endswith("mlp.experts"):
+                # gate_up_proj is [E, hidden, 2·inter] (in × out); the blocks run along the input.
+                _, _, v = mxfp4_encode(mod.gate_up_proj.transpose(1, 2))
+                mod.gate_up_proj.copy_(v.transpose(1, 2))
+                _, _, v = mxfp4_encode(mod.down_proj.transpose(1, 2))
+                mod.down_proj.copy_(v.transpose(1, 2))
+
+
+def make_mxfp4(src, dst):
+    """gpt-oss as OpenAI ships it: the routed experts as `<name>_blocks` / `<name>_scales`
+    (out × in/32 × 16 and out × in/32), everything else as in the bf16 fixture, and
+    `quantization_config.quant_method = mxfp4`. The oracle is transformers reading these files."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in os.listdir(dst):
+        if f.startswith("oracle"):
+            os.remove(os.path.join(dst, f))
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            blocks, scales, values = mxfp4_encode(t.transpose(1, 2))
+            assert torch.equal(values.to(t.dtype), t.transpose(1, 2)), f"{name} is not MXFP4-exact"
+            # transformers' own dequantisation gives back the bf16 tensor bit for bit.
+            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=t.dtype), t), name
+            out[name + "_blocks"], out[name + "_scales"] = blocks.contiguous(), scales.contiguous()
+        else:
+            out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
+    ok, record, logits = oracle(dst, PROMPTS)
+    assert ok, "the MXFP4 twin must follow the bf16 fixture's greedy paths"
+    json.dump(record, open(os.path.join(dst, "oracle.json"), "w"), indent=1, ensure_ascii=False)
+    save_file(logits, os.path.join(dst, "oracle.safetensors"))
+    print(f"{os.path.basename(dst)}: from {os.path.basename(src)}")
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--demo":
         make_demo(sys.argv[2])
@@ -320,7 +410,12 @@ def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--fp8":
         make_fp8(sys.argv[2], sys.argv[3])
         return
+    only = sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "--only" else None
     lines = corpus()
+    if only in (None, "gpt_oss"):
+        make_gpt_oss(lines)
+    if only is not None:
+        return
     tok_plain = train_tokenizer(lines, 512, bos=False)
     tok_bos = train_tokenizer(lines, 640, bos=True)
     end, im_end = tok_plain.token_to_id("<|endoftext|>"), tok_plain.token_to_id("<|im_end|>")
@@ -416,6 +511,28 @@ def main():
         dtype=torch.float16, std=0.25, seed=300, tokenizer=tok_bos, template=BRACKETS, template_in_config=False,
         old={"rope_scaling": {"type": "linear", "factor": 2.0}},
         extra_eos=[tok_bos.token_to_id("</s>"), tok_bos.token_to_id("<|im_end|>")])
+
+
+
+def make_gpt_oss(lines):
+    # gpt-oss: attention sinks, sliding (window 6, shorter than every prompt) and full layers
+    # alternating, q/k/v/o biases, YaRN without truncation, a router with a bias and softmax over
+    # the top-k logits, experts fused as gate_up (interleaved) with biases and the clamped SwiGLU
+    # (limit 1.5, so that the clamps bite), experts exactly representable in MXFP4; bf16; the
+    # harmony chat layout. Its twin gpt_oss_mxfp4 ships the experts as MXFP4 blocks and scales.
+    tok = train_tokenizer(lines, 560, bos=False, specials=HARMONY_SPECIALS)
+    make("gpt_oss", GptOssConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        max_position_embeddings=256, rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=3,
+        swiglu_limit=1.5, attention_bias=True, tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id("<|startoftext|>"), pad_token_id=0,
+        eos_token_id=[tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
+        dtype=torch.bfloat16, std=0.25, seed=800, tokenizer=tok, template=HARMONY, template_in_config=False,
+        bos_token="<|startoftext|>", eos_token="<|return|>", adjust=snap_experts_to_mxfp4)
+    make_mxfp4(os.path.join(OUT, "gpt_oss"), os.path.join(OUT, "gpt_oss_mxfp4"))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ const NOT_SIZES: &[&str] = &[
     "mscale_all_dim",
     "high_freq_factor",
     "low_freq_factor",
+    "swiglu_alpha",
+    "swiglu_limit",
     // quantization_config.weight_block_size: bounded where it is parsed.
     "weight_block_size",
 ];

@@ -99,12 +99,12 @@ fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
     let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
     let c = Container::open(&dir, &spec).unwrap();
     let file = std::fs::read(c.experts_path()).unwrap();
-    let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
     for e in [0usize, 7, 15] {
         let loc = c.location(1, e).unwrap();
         let blob = &file[loc.offset as usize..(loc.offset + loc.length) as usize];
-        let mats = expert_blob::decode(blob, c.scheme, h, i, Some((loc.id, loc.checksum)), "test").unwrap();
-        for (m, part) in mats.iter().zip(["gate_proj", "up_proj", "down_proj"]) {
+        let stored = expert_blob::decode(blob, c.scheme, c.shape, Some((loc.id, loc.checksum)), "test").unwrap();
+        assert!(stored.bias.is_none());
+        for (m, part) in stored.matrices.iter().zip(["gate_proj", "up_proj", "down_proj"]) {
             let StoredMatrix::Bf16 { words, .. } = m else { panic!("bf16 container") };
             assert_eq!(words, &bf16_round(&want[&format!("model.layers.1.mlp.experts.{e}.{part}.weight")]), "expert {e} {part}");
         }

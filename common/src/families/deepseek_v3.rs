@@ -41,6 +41,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 rope_interleave: obj.bool_or("rope_interleave", true)?,
                 scale: scale as f32,
                 sliding_window: vec![None; sz.num_layers],
+                sinks: false,
             },
             layers,
             moe,

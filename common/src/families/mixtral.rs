@@ -21,7 +21,9 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             expert_names: ExpertNames {
                 router: "model.layers.{L}.block_sparse_moe.gate.weight",
                 router_bias: None,
+                router_logit_bias: None,
                 shared: None,
+                layout: ExpertLayout::Separate,
                 gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
                 up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
                 down: "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",

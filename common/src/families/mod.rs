@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod gpt_oss;
 mod mixtral;
 mod olmoe;
 mod qwen3_moe;
@@ -31,7 +32,7 @@ pub struct FamilyDef {
 }
 
 /// Every family shimmer runs.
-pub const FAMILIES: &[&FamilyDef] = &[&olmoe::FAMILY, &qwen3_moe::FAMILY, &mixtral::FAMILY, &deepseek_v3::FAMILY, &glm4_moe::FAMILY];
+pub const FAMILIES: &[&FamilyDef] = &[&olmoe::FAMILY, &qwen3_moe::FAMILY, &mixtral::FAMILY, &deepseek_v3::FAMILY, &glm4_moe::FAMILY, &gpt_oss::FAMILY];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
 pub(crate) fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_topk_prob: bool) -> FieldResult<MoeSpec> {
@@ -43,6 +44,8 @@ pub(crate) fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_top
         expert_intermediate_size: obj.positive(intermediate_key)?,
         scoring: RouterScoring::SoftmaxTopK { norm_topk_prob },
         shared_intermediate_size: None,
+        activation: ExpertActivation::Silu,
+        expert_bias: false,
     })
 }
 
@@ -65,6 +68,7 @@ pub(crate) fn gqa(sz: &Sizes, qk_norm: QkNorm, clip_qkv: Option<f32>, bias: bool
         rope_interleave: false,
         scale: (sz.head_dim as f32).powf(-0.5),
         sliding_window,
+        sinks: false,
     }
 }
 
@@ -72,7 +76,9 @@ pub(crate) fn gqa(sz: &Sizes, qk_norm: QkNorm, clip_qkv: Option<f32>, bias: bool
 pub(crate) const GATE_UP_DOWN: ExpertNames = ExpertNames {
     router: "model.layers.{L}.mlp.gate.weight",
     router_bias: None,
+    router_logit_bias: None,
     shared: None,
+    layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
     down: "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
@@ -82,11 +88,13 @@ pub(crate) const GATE_UP_DOWN: ExpertNames = ExpertNames {
 pub(crate) const GROUPED_SIGMOID_NAMES: ExpertNames = ExpertNames {
     router: "model.layers.{L}.mlp.gate.weight",
     router_bias: Some("model.layers.{L}.mlp.gate.e_score_correction_bias"),
+    router_logit_bias: None,
     shared: Some([
         "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
         "model.layers.{L}.mlp.shared_experts.up_proj.weight",
         "model.layers.{L}.mlp.shared_experts.down_proj.weight",
     ]),
+    layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
     down: "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
@@ -128,6 +136,8 @@ pub(crate) fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usi
                 routed_scaling_factor: scaling as f32,
             },
             shared_intermediate_size: (shared > 0).then_some(shared * expert_intermediate_size),
+            activation: ExpertActivation::Silu,
+            expert_bias: false,
         },
     ))
 }

@@ -84,6 +84,8 @@ struct Gqa {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     window: Option<usize>,
+    /// One sink logit per query head.
+    sinks: Option<Vec<f32>>,
 }
 
 enum Attention {
@@ -272,8 +274,17 @@ impl Decoder {
                         (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?),
                         _ => None,
                     };
-                    let router =
-                        Router { weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?, bias, scoring: spec.moe.scoring, top_k: spec.moe.top_k };
+                    let logit_bias = match spec.expert_names.router_logit_bias(l) {
+                        Some(b) => Some(vector(ckpt, &b, e)?),
+                        None => None,
+                    };
+                    let router = Router {
+                        weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?,
+                        bias,
+                        logit_bias,
+                        scoring: spec.moe.scoring,
+                        top_k: spec.moe.top_k,
+                    };
                     Mlp::Moe { router, shared }
                 }
             };
@@ -312,6 +323,7 @@ impl Decoder {
             q_norm,
             k_norm,
             window: a.sliding_window[l],
+            sinks: if a.sinks { Some(vector(ckpt, &name(names.sinks, l), spec.num_heads)?) } else { None },
         })
     }
 
@@ -472,7 +484,7 @@ impl Decoder {
             seg.cache.append(l, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
             // A query sees keys j with pos - j < window (itself included), as transformers' mask.
             let (keys, values) = seg.cache.layer(l, 0..start + r.len());
-            attend_rows(&shape, &q[r.start * qd..r.end * qd], start, keys, values, g.window, &mut attn[r.start * qd..r.end * qd]);
+            attend_rows(&shape, &q[r.start * qd..r.end * qd], start, keys, values, g.window, g.sinks.as_deref(), &mut attn[r.start * qd..r.end * qd]);
         }
         g.o.forward(&attn, out);
     }

@@ -8,6 +8,8 @@ pub struct Router {
     pub weight: Matrix,
     /// `e_score_correction_bias`: shifts selection only, never the weights.
     pub bias: Option<Vec<f32>>,
+    /// The router's linear bias, part of its logits (gpt-oss).
+    pub logit_bias: Option<Vec<f32>>,
     pub scoring: RouterScoring,
     pub top_k: usize,
 }
@@ -18,6 +20,9 @@ impl Router {
         let e = self.weight.rows;
         scores.resize(e, 0.0);
         self.weight.matvec(x, scores);
+        if let Some(b) = &self.logit_bias {
+            scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
+        }
         match self.scoring {
             RouterScoring::SoftmaxTopK { norm_topk_prob } => {
                 ops::softmax_in_place(scores);
@@ -48,6 +53,13 @@ impl Router {
                     weights.push(w * routed_scaling_factor);
                 }
             }
+            RouterScoring::TopKSoftmax => {
+                let top = top_k(scores, self.top_k);
+                let mut chosen: Vec<f32> = top.iter().map(|&i| scores[i]).collect();
+                ops::softmax_in_place(&mut chosen);
+                ids.extend(top.iter().map(|&i| i as u32));
+                weights.extend(chosen);
+            }
         }
     }
 }
@@ -68,7 +80,7 @@ mod tests {
         // An identity-like weight: row i picks input i, so the logits are the input.
         let n = logits.len();
         let w: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        let r = Router { weight: Matrix::from_f32(n, n, w), bias, scoring, top_k };
+        let r = Router { weight: Matrix::from_f32(n, n, w), bias, logit_bias: None, scoring, top_k };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
         r.route_row(logits, &mut Vec::new(), &mut ids, &mut weights);
         (ids, weights)
@@ -83,6 +95,20 @@ mod tests {
         assert!((w[0] - 3f32.exp() / z).abs() < 1e-6 && (w[1] - 2f32.exp() / z).abs() < 1e-6);
         let (_, w) = router(&logits, None, RouterScoring::SoftmaxTopK { norm_topk_prob: true }, 2);
         assert!((w[0] + w[1] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_then_softmax_over_the_chosen_logits_with_the_linear_bias() {
+        // gpt-oss: the bias is part of the logits (it changes the choice and the weights).
+        let logits = [1.0, 3.0, 2.0, 0.0];
+        let w: Vec<f32> = (0..16).map(|i| if i / 4 == i % 4 { 1.0 } else { 0.0 }).collect();
+        let r =
+            Router { weight: Matrix::from_f32(4, 4, w), bias: None, logit_bias: Some(vec![0.0, 0.0, 0.0, 2.5]), scoring: RouterScoring::TopKSoftmax, top_k: 2 };
+        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        r.route_row(&logits, &mut Vec::new(), &mut ids, &mut weights);
+        assert_eq!(ids, [1, 3]);
+        let z = 3f32.exp() + 2.5f32.exp();
+        assert!((weights[0] - 3f32.exp() / z).abs() < 1e-6 && (weights[1] - 2.5f32.exp() / z).abs() < 1e-6, "{weights:?}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use shimmer_kernels::{fixed, Activations, FixedPointOverflow, Matrix};
 
 use crate::accelerator::{AccelJob, Accelerator};
 use crate::expert::{Expert, FfnScratch};
-use crate::weights::load_matrix;
+use crate::weights::load_expert;
 
 pub struct MoeBatch<'a> {
     pub layer: usize,
@@ -121,7 +121,6 @@ impl InProcessExperts {
                 None => m,
             }
         };
-        let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
         let mut layers = Vec::with_capacity(spec.num_layers);
         for (l, kind) in spec.layers.iter().enumerate() {
             if *kind != LayerMlp::Moe {
@@ -130,12 +129,11 @@ impl InProcessExperts {
             }
             let mut experts = Vec::with_capacity(spec.moe.num_experts);
             for e in 0..spec.moe.num_experts {
-                let [g, u, d] = spec.expert_names.expert(l, e);
-                experts.push(Expert {
-                    gate: convert(load_matrix(ckpt, &g, i, h, spec.fp8_block)?),
-                    up: convert(load_matrix(ckpt, &u, i, h, spec.fp8_block)?),
-                    down: convert(load_matrix(ckpt, &d, h, i, spec.fp8_block)?),
-                });
+                let Expert { gate, up, down, bias, activation } = load_expert(ckpt, spec, l, e)?;
+                let mut expert = Expert::new(convert(gate), convert(up), convert(down));
+                expert.bias = bias;
+                expert.activation = activation;
+                experts.push(expert);
             }
             layers.push(Some(experts));
         }
@@ -310,7 +308,7 @@ mod tests {
             ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
         };
         let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
-        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert { gate: m(inter, h), up: m(inter, h), down: m(h, inter) }).collect();
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
         let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.37).sin()).collect();
         let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.05 + e as f32 * 0.1)]).collect();
         let work: Vec<Work<'_>> = experts.iter().zip(&rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect();
@@ -363,7 +361,7 @@ mod tests {
             ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
         };
         let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
-        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert { gate: m(inter, h), up: m(inter, h), down: m(h, inter) }).collect();
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
         let x: Vec<f32> = (0..n_rows * h).map(|i| (i as f32 * 0.13).cos()).collect();
         let ids: Vec<u32> = (0..n_rows * top_k).map(|i| ((i * 7 + i / top_k) % n_experts) as u32).collect();
         let weights: Vec<f32> = (0..n_rows * top_k).map(|i| 0.1 + (i % 5) as f32 * 0.07).collect();

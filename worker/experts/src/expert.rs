@@ -1,6 +1,11 @@
-//! One routed expert: a SwiGLU FFN, `down(silu(gate·x) ⊙ up·x)`.
+//! One routed expert: a gated FFN, `down(act(gate·x, up·x))` — SwiGLU, or gpt-oss's clamped
+//! SwiGLU with a bias after each projection.
+//!
+//! Must never: compute a row differently because of the rows beside it (every row's bits are
+//! `forward`'s).
 
-use shimmer_kernels::{ops, Matrix};
+use shimmer_common::spec::ExpertActivation;
+use shimmer_kernels::{gating, ops, Matrix};
 
 pub struct Expert {
     /// `intermediate × hidden`.
@@ -9,6 +14,17 @@ pub struct Expert {
     pub up: Matrix,
     /// `hidden × intermediate`.
     pub down: Matrix,
+    /// Biases added after each projection (gpt-oss); `None` for the families without.
+    pub bias: Option<Box<ExpertBias>>,
+    pub activation: ExpertActivation,
+}
+
+/// An expert's projection biases: `intermediate`, `intermediate` and `hidden` values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertBias {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 /// Scratch for one FFN row, reused across rows and experts.
@@ -19,12 +35,28 @@ pub struct FfnScratch {
 }
 
 impl Expert {
+    /// A SwiGLU expert without biases (every family but gpt-oss).
+    pub fn new(gate: Matrix, up: Matrix, down: Matrix) -> Self {
+        Expert { gate, up, down, bias: None, activation: ExpertActivation::Silu }
+    }
+
+    pub fn with_form(mut self, bias: Option<ExpertBias>, activation: ExpertActivation) -> Self {
+        self.bias = bias.map(Box::new);
+        self.activation = activation;
+        self
+    }
+
+    /// Whether this is the plain form (SwiGLU, no biases) every accelerator kernel computes.
+    pub fn is_plain_swiglu(&self) -> bool {
+        self.bias.is_none() && self.activation == ExpertActivation::Silu
+    }
+
     pub fn intermediate(&self) -> usize {
         self.gate.rows
     }
 
     pub fn bytes(&self) -> usize {
-        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+        self.gate.bytes() + self.up.bytes() + self.down.bytes() + self.bias.as_ref().map_or(0, |b| 4 * (b.gate.len() + b.up.len() + b.down.len()))
     }
 
     /// `out = FFN(x)` for one row.
@@ -42,7 +74,23 @@ impl Expert {
         scratch.up.resize(n * i, 0.0);
         // Gate and up in one pass over the input (same bits as two products).
         shimmer_kernels::matrix::matmul_pair(&self.gate, &self.up, xs, &mut scratch.gate, &mut scratch.up, parallel);
-        ops::swiglu_in_place(&mut scratch.gate, &scratch.up);
+        if let Some(b) = &self.bias {
+            add_rows(&mut scratch.gate, &b.gate);
+            add_rows(&mut scratch.up, &b.up);
+        }
+        match self.activation {
+            ExpertActivation::Silu => ops::swiglu_in_place(&mut scratch.gate, &scratch.up),
+            ExpertActivation::ClampedSwiglu { alpha, limit } => gating::clamped_swiglu_in_place(&mut scratch.gate, &scratch.up, alpha, limit),
+        }
         self.down.matmul_on(&scratch.gate, out, parallel);
+        if let Some(b) = &self.bias {
+            add_rows(out, &b.down);
+        }
+    }
+}
+
+fn add_rows(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len().max(1)) {
+        row.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
     }
 }

@@ -3,10 +3,20 @@
 //! (DeepSeek-V3's checkpoints, served as they are through the fp8 kernels); int8 rows with
 //! `<name>_shimmer_int8_scale` (a converted container's dense weights).
 //!
+//! It also reads a routed expert from a checkpoint in the layout its family stores
+//! (`ExpertLayout`): separate tensors per expert, or gpt-oss's fused, interleaved, biased
+//! tensors — as floats or as the MXFP4 blocks and scales OpenAI ships.
+//!
 //! Must never: change a value — each form is served exactly as its format defines it.
 
-use shimmer_common::{quant, Checkpoint, LoadError, StDtype};
+use shimmer_common::checkpoint::DType;
+use shimmer_common::quant::{QuantMatrix, MXFP4_GROUP};
+use shimmer_common::spec::ExpertLayout;
+use shimmer_common::{quant, Checkpoint, LoadError, ModelSpec, StDtype};
+use shimmer_kernels::matrix::WeightData;
 use shimmer_kernels::Matrix;
+
+use crate::expert::{Expert, ExpertBias};
 
 /// The suffix of the per-row f32 scales stored beside an int8 dense matrix (`shimmer convert
 /// --dense-quant int8` writes them; this loader reads them).
@@ -39,4 +49,143 @@ pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_
         }
     }
     Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
+}
+
+/// Expert `expert` of MoE layer `layer`, in its stored precision, with the family's biases and
+/// activation.
+pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: usize) -> Result<Expert, LoadError> {
+    let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
+    let names = &spec.expert_names;
+    let [g, u, d] = names.expert(layer, expert);
+    let e = match names.layout {
+        ExpertLayout::Separate => {
+            if spec.moe.expert_bias {
+                return Err(LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: g, problem: "expert biases need the fused layout".into() });
+            }
+            return Ok(Expert::new(
+                load_matrix(ckpt, &g, i, h, spec.fp8_block)?,
+                load_matrix(ckpt, &u, i, h, spec.fp8_block)?,
+                load_matrix(ckpt, &d, h, i, spec.fp8_block)?,
+            )
+            .with_form(None, spec.moe.activation));
+        }
+        ExpertLayout::FusedInterleaved => {
+            let n = spec.moe.num_experts;
+            let (gate, up) = fused_gate_up(ckpt, &g, n, expert, h, i)?;
+            let down = fused_down(ckpt, &d, n, expert, h, i)?;
+            let bias = if spec.moe.expert_bias {
+                let gu = ckpt.get(&format!("{g}_bias"), &[n, 2 * i])?.to_f32();
+                let gu = &gu[expert * 2 * i..(expert + 1) * 2 * i];
+                let down_bias = ckpt.get(&format!("{d}_bias"), &[n, h])?.to_f32();
+                Some(ExpertBias {
+                    gate: gu.iter().step_by(2).copied().collect(),
+                    up: gu.iter().skip(1).step_by(2).copied().collect(),
+                    down: down_bias[expert * h..(expert + 1) * h].to_vec(),
+                })
+            } else {
+                None
+            };
+            Expert::new(gate, up, down).with_form(bias, spec.moe.activation)
+        }
+    };
+    Ok(e)
+}
+
+fn tensor_error(ckpt: &Checkpoint, name: &str, problem: String) -> LoadError {
+    LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: name.to_string(), problem }
+}
+
+/// One expert's `[gate, up]` (`i × h` each) from the fused `name` (`experts × h × 2i`, gate and up
+/// interleaved along the last axis), or from its MXFP4 `_blocks`/`_scales` (`experts × 2i × …`).
+fn fused_gate_up(ckpt: &Checkpoint, name: &str, n: usize, e: usize, h: usize, i: usize) -> Result<(Matrix, Matrix), LoadError> {
+    if !ckpt.contains(name) {
+        let both = mxfp4_rows(ckpt, name, n, e, 2 * i, h)?;
+        let pick = |parity: usize| {
+            let QuantMatrix::Mxfp4 { cols, packed, scales, .. } = &both else { unreachable!("mxfp4_rows returns MXFP4") };
+            let (bpr, gpr) = (QuantMatrix::bytes_per_row_int4(*cols), QuantMatrix::groups_per_row(*cols, MXFP4_GROUP));
+            let rows = (0..i).map(|j| 2 * j + parity);
+            shipped_mxfp4(QuantMatrix::Mxfp4 {
+                rows: i,
+                cols: *cols,
+                packed: rows.clone().flat_map(|r| packed[r * bpr..(r + 1) * bpr].iter().copied()).collect(),
+                scales: rows.flat_map(|r| scales[r * gpr..(r + 1) * gpr].iter().copied()).collect(),
+            })
+        };
+        return Ok((pick(0), pick(1)));
+    }
+    let view = ckpt.get(name, &[n, h, 2 * i])?;
+    // Column c of input row k of expert e: element (e, k, c).
+    let at = |k: usize, c: usize| (e * h + k) * 2 * i + c;
+    let gather = |parity: usize| transpose_take(&view, i, h, |j, k| at(k, 2 * j + parity));
+    Ok((gather(0), gather(1)))
+}
+
+/// One expert's down projection (`h × i`) from `name` (`experts × i × h`) or its MXFP4 form
+/// (`experts × h × …`).
+fn fused_down(ckpt: &Checkpoint, name: &str, n: usize, e: usize, h: usize, i: usize) -> Result<Matrix, LoadError> {
+    if !ckpt.contains(name) {
+        return Ok(shipped_mxfp4(mxfp4_rows(ckpt, name, n, e, h, i)?));
+    }
+    let view = ckpt.get(name, &[n, i, h])?;
+    Ok(transpose_take(&view, h, i, |r, j| (e * i + j) * h + r))
+}
+
+/// A `rows × cols` matrix whose element (r, c) is element `index(r, c)` of `view`, kept in the
+/// view's precision (a transposition moves values; it never rounds them).
+fn transpose_take(view: &shimmer_common::checkpoint::TensorView<'_>, rows: usize, cols: usize, index: impl Fn(usize, usize) -> usize) -> Matrix {
+    let word = |x: usize| u16::from_le_bytes([view.bytes[2 * x], view.bytes[2 * x + 1]]);
+    let cells = (0..rows).flat_map(|r| (0..cols).map(move |c| (r, c)));
+    let data = match view.dtype {
+        DType::F32 => WeightData::F32(
+            cells
+                .map(|(r, c)| index(r, c))
+                .map(|x| f32::from_le_bytes([view.bytes[4 * x], view.bytes[4 * x + 1], view.bytes[4 * x + 2], view.bytes[4 * x + 3]]))
+                .collect(),
+        ),
+        DType::Bf16 => WeightData::Bf16(cells.map(|(r, c)| word(index(r, c))).collect()),
+        DType::F16 => WeightData::F16(cells.map(|(r, c)| word(index(r, c))).collect()),
+    };
+    Matrix::new(rows, cols, data)
+}
+
+/// A checkpoint's own MXFP4 weights run as the checkpoint defines them: exact products with f32
+/// activations (int8 activations are a container's speed choice, `shimmer convert`).
+fn shipped_mxfp4(m: QuantMatrix) -> Matrix {
+    Matrix::from_quant(m).with_activations(shimmer_kernels::Activations::F32)
+}
+
+/// Expert `e`'s `rows × cols` MXFP4 matrix from `<name>_blocks` (`experts × rows × cols/32 × 16`
+/// bytes, two e2m1 codes per byte, low nibble first) and `<name>_scales` (`experts × rows ×
+/// cols/32` e8m0 bytes): the layout of OpenAI's gpt-oss checkpoints, which is shimmer's MXFP4
+/// row layout, so the bytes are taken as they are.
+fn mxfp4_rows(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<QuantMatrix, LoadError> {
+    let (blocks_name, scales_name) = (format!("{name}_blocks"), format!("{name}_scales"));
+    if !ckpt.contains(&blocks_name) {
+        return Err(tensor_error(ckpt, name, "the model needs it (or its MXFP4 `_blocks` and `_scales`) but the checkpoint has neither".into()));
+    }
+    if !cols.is_multiple_of(MXFP4_GROUP) {
+        return Err(tensor_error(ckpt, &blocks_name, format!("MXFP4 rows of {cols} values are not whole blocks of {MXFP4_GROUP}")));
+    }
+    let groups = cols / MXFP4_GROUP;
+    let blocks = ckpt.raw(&blocks_name)?;
+    if blocks.dtype != StDtype::U8 || blocks.shape != [n, rows, groups, MXFP4_GROUP / 2] {
+        return Err(tensor_error(
+            ckpt,
+            &blocks_name,
+            format!("expected U8 {:?}, found {:?} {:?}", [n, rows, groups, MXFP4_GROUP / 2], blocks.dtype, blocks.shape),
+        ));
+    }
+    let scales = ckpt.raw(&scales_name)?;
+    if scales.dtype != StDtype::U8 || scales.shape != [n, rows, groups] {
+        return Err(tensor_error(ckpt, &scales_name, format!("expected U8 {:?}, found {:?} {:?}", [n, rows, groups], scales.dtype, scales.shape)));
+    }
+    let (per_block, per_scale) = (rows * cols / 2, rows * groups);
+    let m = QuantMatrix::Mxfp4 {
+        rows,
+        cols,
+        packed: blocks.bytes[e * per_block..(e + 1) * per_block].to_vec(),
+        scales: scales.bytes[e * per_scale..(e + 1) * per_scale].to_vec(),
+    };
+    quant::validate(&m, &blocks_name)?;
+    Ok(m)
 }

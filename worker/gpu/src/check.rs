@@ -83,11 +83,7 @@ pub fn check_formats(device: &dyn Device) -> Vec<FormatCheck> {
         .enumerate()
         .map(|(k, &format)| {
             let mut rng = Rng(0x5EED + k as u64);
-            let expert = Expert {
-                gate: matrix(format, inter, hidden, &mut rng),
-                up: matrix(format, inter, hidden, &mut rng),
-                down: matrix(format, hidden, inter, &mut rng),
-            };
+            let expert = Expert::new(matrix(format, inter, hidden, &mut rng), matrix(format, inter, hidden, &mut rng), matrix(format, hidden, inter, &mut rng));
             let mut check = FormatCheck { format, outputs: 0, differing: 0, detail: None };
             let image = match ExpertImage::of(&expert) {
                 Ok(i) => i,

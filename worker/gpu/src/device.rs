@@ -139,8 +139,12 @@ impl ExpertImage {
     /// the CPU's bits. Computed: checkpoints run as they are (f32, bf16, f16 with f32
     /// activations; fp8 with block scales) and the container formats with integer products (int8,
     /// int4 in whole blocks of 32, MXFP4 — int8 activations). Not yet: the integer formats with
-    /// f32 activations (`quant-eval`'s comparison).
+    /// f32 activations (`quant-eval`'s comparison), and experts with biases or gpt-oss's
+    /// clamped SwiGLU (the kernels compute plain SwiGLU only).
     pub fn of(expert: &Expert) -> Result<Self, GpuError> {
+        if !expert.is_plain_swiglu() {
+            return Err(GpuError::Unsupported("experts with biases or a clamped SwiGLU (gpt-oss) are computed on the CPU".into()));
+        }
         let mut bytes = Vec::with_capacity(expert.bytes());
         let mut put = |name: &str, m: &Matrix| -> Result<MatrixLayout, GpuError> {
             let byte_offset = bytes.len();
@@ -329,7 +333,7 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
         }
     };
     let f32m = |rows: usize, cols: usize, v: &mut dyn FnMut(usize) -> f32| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(v).collect()));
-    let expert = Expert { gate: f32m(inter, hidden, &mut value), up: f32m(inter, hidden, &mut value), down: f32m(hidden, inter, &mut value) };
+    let expert = Expert::new(f32m(inter, hidden, &mut value), f32m(inter, hidden, &mut value), f32m(hidden, inter, &mut value));
     // Rows whose gate products reach exp's edges: large, tiny, zero, signed zero.
     let mut rows = Vec::new();
     for (r, scale) in [1.0f32, 40.0, 300.0, -300.0, 1e-30].into_iter().enumerate() {
@@ -341,22 +345,22 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
         let mut v = value;
         move |i: usize| v(i) * scale
     };
-    let small = Expert { gate: f32m(inter, hidden, &mut tiny(4e-10)), up: f32m(inter, hidden, &mut tiny(4e-10)), down: f32m(hidden, inter, &mut tiny(4e-21)) };
+    let small = Expert::new(f32m(inter, hidden, &mut tiny(4e-10)), f32m(inter, hidden, &mut tiny(4e-10)), f32m(hidden, inter, &mut tiny(4e-21)));
     let small_rows: Vec<f32> = (0..2 * hidden).map(|i| ((i * 5) % 13) as f32 / 6.0 - 1.0).collect();
     // Subnormal operands: every gate weight subnormal, activations ~1e20 (so the gate products
     // are normal); a device that flushes subnormal operands computes a zero gate.
     let subnormal = |i: usize| f32::from_bits(((i as u32).wrapping_mul(2654435761) & 0x007f_ffff) | 1) * if i.is_multiple_of(3) { -1.0 } else { 1.0 };
-    let flushy = Expert { gate: f32m(inter, hidden, &mut { subnormal }), up: f32m(inter, hidden, &mut tiny(1.0)), down: f32m(hidden, inter, &mut tiny(1.0)) };
+    let flushy = Expert::new(f32m(inter, hidden, &mut { subnormal }), f32m(inter, hidden, &mut tiny(1.0)), f32m(hidden, inter, &mut tiny(1.0)));
     let flushy_rows: Vec<f32> = (0..hidden).map(|i| (((i * 3) % 7) as f32 - 3.0) * 1e20).collect();
     // Integer products: MXFP4 weights so small that their block scales are subnormal (e8m0 ≤ 1)
     // and int4 ones with tiny group scales, against activations with zero and outlier blocks.
     let mut w = value;
     let tiny_w: Vec<f32> = (0..inter * hidden).map(|i| w(i) * 1e-38).collect();
-    let quantised = Expert {
-        gate: Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&tiny_w, inter, hidden)),
-        up: Matrix::from_quant(shimmer_common::quant::quantize_int4(&tiny_w.iter().map(|v| v * 1e8).collect::<Vec<_>>(), inter, hidden, 32)),
-        down: Matrix::from_quant(shimmer_common::quant::quantize_int8(&(0..hidden * inter).map(&mut w).collect::<Vec<_>>(), hidden, inter)),
-    };
+    let quantised = Expert::new(
+        Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&tiny_w, inter, hidden)),
+        Matrix::from_quant(shimmer_common::quant::quantize_int4(&tiny_w.iter().map(|v| v * 1e8).collect::<Vec<_>>(), inter, hidden, 32)),
+        Matrix::from_quant(shimmer_common::quant::quantize_int8(&(0..hidden * inter).map(&mut w).collect::<Vec<_>>(), hidden, inter)),
+    );
     let quantised_rows: Vec<f32> = (0..2 * hidden)
         .map(|i| {
             if i < 32 {
@@ -374,8 +378,7 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
         let q: Vec<u8> = (0..inter * hidden).map(|i| (i as u8).wrapping_mul(37).wrapping_add(k) & 0x77).collect();
         WeightData::Fp8 { q, scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)], block: 16 }
     };
-    let scaled =
-        Expert { gate: Matrix::new(inter, hidden, fp8(1e-41, 1)), up: Matrix::new(inter, hidden, fp8(1e-3, 2)), down: f32m(hidden, inter, &mut tiny(1.0)) };
+    let scaled = Expert::new(Matrix::new(inter, hidden, fp8(1e-41, 1)), Matrix::new(inter, hidden, fp8(1e-3, 2)), f32m(hidden, inter, &mut tiny(1.0)));
     let scaled_rows: Vec<f32> = (0..hidden).map(|i| ((i % 9) as f32 - 4.0) * 1e30).collect();
     [(expert, rows), (small, small_rows), (flushy, flushy_rows), (quantised, quantised_rows), (scaled, scaled_rows)]
 }
@@ -445,7 +448,7 @@ mod tests {
         assert!(y.iter().filter(|v| v.is_normal()).count() > 60, "{y:?}");
         let [_, _, (flushy, x), quantised, scaled] = cases;
         let zero_gate = Matrix::new(flushy.gate.rows, flushy.gate.cols, WeightData::F32(vec![0.0; flushy.gate.rows * flushy.gate.cols]));
-        let flushed = Expert { gate: zero_gate, up: flushy.up, down: flushy.down };
+        let flushed = Expert::new(zero_gate, flushy.up, flushy.down);
         assert!(forward(&(flushed, x)).iter().all(|v| *v == 0.0));
         match &quantised.0.gate.data {
             WeightData::Mxfp4 { scales, .. } => assert!(scales.iter().filter(|e| **e <= 1).count() > 100, "{scales:?}"),

@@ -93,7 +93,7 @@ pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
         };
         Ok(Matrix::new(m.rows, m.cols, data))
     };
-    Ok(Expert { gate: matrix(&image.gate)?, up: matrix(&image.up)?, down: matrix(&image.down)? })
+    Ok(Expert::new(matrix(&image.gate)?, matrix(&image.up)?, matrix(&image.down)?))
 }
 
 impl Device for FakeDevice {
@@ -154,10 +154,8 @@ mod tests {
     #[test]
     fn images_round_trip() {
         let f32s = |n: usize, k: u32| (0..n).map(|i| (((i as u32).wrapping_mul(2654435761) ^ k) % 1000) as f32 / 500.0 - 1.0).collect::<Vec<f32>>();
-        let make = |data: &dyn Fn(Vec<f32>) -> WeightData| Expert {
-            gate: Matrix::new(6, 5, data(f32s(30, 1))),
-            up: Matrix::new(6, 5, data(f32s(30, 2))),
-            down: Matrix::new(5, 6, data(f32s(30, 3))),
+        let make = |data: &dyn Fn(Vec<f32>) -> WeightData| {
+            Expert::new(Matrix::new(6, 5, data(f32s(30, 1))), Matrix::new(6, 5, data(f32s(30, 2))), Matrix::new(5, 6, data(f32s(30, 3))))
         };
         let bf16 = |v: Vec<f32>| WeightData::Bf16(v.iter().map(|x| (x.to_bits() >> 16) as u16).collect());
         let f16 = |v: Vec<f32>| WeightData::F16(v.iter().map(|x| half_bits(*x)).collect());
@@ -188,12 +186,12 @@ mod tests {
         let q = WeightData::Int8 { q: vec![1; 30], scales: vec![1.0; 6] };
         // int8 weights with f32 activations (quant-eval's comparison): no GPU kernel.
         let m = |rows, cols| Matrix::new(rows, cols, q.clone()).with_activations(shimmer_kernels::Activations::F32);
-        let expert = Expert { gate: m(6, 5), up: m(6, 5), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
+        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])));
         let err = ExpertImage::of(&expert).unwrap_err();
         assert!(matches!(err, GpuError::Unsupported(_)) && err.to_string().contains("int8"), "{err}");
         let mx = WeightData::Mxfp4 { packed: vec![0x12; 18], scales: vec![127; 6] };
         let m = |rows, cols| Matrix::new(rows, cols, mx.clone()).with_activations(shimmer_kernels::Activations::F32);
-        let expert = Expert { gate: m(6, 5), up: m(6, 5), down: Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])) };
+        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])));
         assert!(ExpertImage::of(&expert).unwrap_err().to_string().contains("mxfp4"));
     }
 
@@ -208,7 +206,7 @@ mod tests {
             &|w: &[f32], r, c| Matrix::from_quant(quantize_int4(w, r, c, 64)),
             &|w: &[f32], r, c| Matrix::from_quant(quantize_mxfp4(w, r, c)),
         ] {
-            let expert = Expert { gate: make(&w, 70, 45), up: make(&w, 70, 45), down: make(&w, 45, 70) };
+            let expert = Expert::new(make(&w, 70, 45), make(&w, 70, 45), make(&w, 45, 70));
             let back = expert_from_image(&ExpertImage::of(&expert).unwrap()).unwrap();
             for (a, b) in [(&expert.gate, &back.gate), (&expert.up, &back.up), (&expert.down, &back.down)] {
                 assert_eq!(format!("{:?} {:?}", a.data, a.activations), format!("{:?} {:?}", b.data, b.activations));

@@ -139,7 +139,7 @@ impl Rng {
 fn experts(n: usize, hidden: usize, inter: usize) -> Vec<Expert> {
     let mut rng = Rng(7);
     let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| rng.value()).collect()));
-    (0..n).map(|_| Expert { gate: m(inter, hidden), up: m(inter, hidden), down: m(hidden, inter) }).collect()
+    (0..n).map(|_| Expert::new(m(inter, hidden), m(inter, hidden), m(hidden, inter))).collect()
 }
 
 fn cpu(expert: &Expert, rows: &[f32]) -> Vec<f32> {
@@ -267,7 +267,7 @@ fn experts_the_device_cannot_compute_stay_on_the_cpu_and_are_asked_once() {
         Matrix::new(rows, cols, WeightData::Mxfp4 { packed: vec![0x12; rows * cols.div_ceil(2)], scales: vec![127; rows * cols.div_ceil(32)] })
             .with_activations(shimmer_kernels::Activations::F32)
     };
-    let unsupported = Expert { gate: q(inter, hidden), up: q(inter, hidden), down: q(hidden, inter) };
+    let unsupported = Expert::new(q(inter, hidden), q(inter, hidden), q(hidden, inter));
     let device = std::sync::Arc::new(FakeDevice::new(1 << 30));
     let tier = VramTier::new(Box::new(device.clone()), 1 << 30, None);
     let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0).collect();

@@ -92,7 +92,7 @@ fn floats(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 fn expert(rng: &mut Rng, hidden: usize, inter: usize, format: Format) -> Expert {
-    Expert { gate: matrix(rng, inter, hidden, format), up: matrix(rng, inter, hidden, format), down: matrix(rng, hidden, inter, format) }
+    Expert::new(matrix(rng, inter, hidden, format), matrix(rng, inter, hidden, format), matrix(rng, hidden, inter, format))
 }
 
 fn cpu(expert: &Expert, rows: &[f32]) -> Vec<f32> {

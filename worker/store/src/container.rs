@@ -108,6 +108,10 @@ pub struct Container {
     pub dir: PathBuf,
     pub manifest: Manifest,
     pub scheme: QuantScheme,
+    /// Every blob's shape (from the model's config: sizes, and whether experts carry biases).
+    pub shape: expert_blob::BlobShape,
+    /// The experts' activation (from the model's config).
+    pub activation: shimmer_common::spec::ExpertActivation,
     /// Indexed `[layer][expert]`; empty for dense layers.
     locations: Vec<Vec<BlobLocation>>,
 }
@@ -185,7 +189,8 @@ impl Container {
                 manifest.hidden_size, manifest.expert_intermediate_size
             )));
         }
-        let (_, blob_len) = expert_blob::layout(scheme, h, i);
+        let shape = expert_blob::BlobShape::of(spec);
+        let (_, blob_len) = expert_blob::layout(scheme, shape);
         if manifest.blob_bytes != blob_len as u64 {
             return Err(bad(format!("blob_bytes {} but {} experts of this shape take {blob_len}", manifest.blob_bytes, manifest.expert_quant)));
         }
@@ -222,7 +227,7 @@ impl Container {
             }
             complete.push(row);
         }
-        Ok(Container { dir: dir.to_path_buf(), manifest, scheme, locations: complete })
+        Ok(Container { dir: dir.to_path_buf(), manifest, scheme, shape, activation: spec.moe.activation, locations: complete })
     }
 
     pub fn location(&self, layer: usize, expert: usize) -> Option<BlobLocation> {
@@ -231,7 +236,7 @@ impl Container {
 
     /// Bytes one expert takes in memory once read: its matrices and scales, not the blob padding.
     pub fn expert_bytes(&self) -> u64 {
-        let (sections, _) = expert_blob::layout(self.scheme, self.manifest.hidden_size, self.manifest.expert_intermediate_size);
+        let (sections, _) = expert_blob::layout(self.scheme, self.shape);
         sections.iter().map(|(_, len)| *len as u64).sum()
     }
 

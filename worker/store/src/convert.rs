@@ -202,12 +202,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         if *kind == LayerMlp::Moe {
             routers.insert(format!("{}.weight", spec.expert_names.router(l)));
             routers.insert(spec.expert_names.router(l));
-            for e in 0..spec.moe.num_experts {
-                for n in spec.expert_names.expert(l, e) {
-                    expert_tensors.insert(n.clone());
-                    expert_tensors.insert(format!("{n}_scale_inv"));
-                }
-            }
+            expert_tensors.extend(spec.expert_names.tensor_names(l, spec.moe.num_experts));
         }
     }
     let mut plans = Vec::new();
@@ -314,7 +309,8 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     let fp8_block = spec.fp8_block;
     let source_fingerprint = ckpt.fingerprint(&config_bytes);
     let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
-    let (_, blob_len) = expert_blob::layout(opts.expert_quant, h, i);
+    let shape = expert_blob::BlobShape::of(&spec);
+    let (_, blob_len) = expert_blob::layout(opts.expert_quant, shape);
     let blob_bytes = blob_len as u64;
     let expert_quant = opts.expert_quant.name();
     let dense_quant = opts.dense_quant.name();
@@ -417,7 +413,6 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     progress(ConvertEvent::Phase("experts"));
     let file = OpenOptions::new().create(true).write(true).read(true).truncate(false).open(&partial_experts).map_err(io(&partial_experts))?;
     file.write_all_at(&header, 0).map_err(io(&partial_experts))?;
-    let fp8 = |name: &str, shape: &[usize]| tensor_f32(&ckpt, name, shape, fp8_block);
     let per_batch = ((JOURNAL_EVERY_BYTES / blob_bytes.max(1)) as usize).clamp(1, 256);
     let mut next = resumed;
     while next < keys.len() {
@@ -425,8 +420,18 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         let blobs: Vec<Vec<u8>> = batch
             .par_iter()
             .map(|&(l, e)| {
-                let [g, u, d] = spec.expert_names.expert(l, e);
-                Ok(expert_blob::encode(opts.expert_quant, h, i, &fp8(&g, &[i, h])?, &fp8(&u, &[i, h])?, &fp8(&d, &[h, i])?))
+                // The expert as stored (any float, fp8 or MXFP4 form), widened exactly to f32.
+                let expert = shimmer_experts::weights::load_expert(&ckpt, &spec, l, e)?;
+                let widen = |m: &shimmer_kernels::Matrix| {
+                    let mut w = vec![0.0f32; m.rows * m.cols];
+                    for (r, row) in w.chunks_exact_mut(m.cols).enumerate() {
+                        m.row_f32(r, row);
+                    }
+                    w
+                };
+                let (g, u, d) = (widen(&expert.gate), widen(&expert.up), widen(&expert.down));
+                let bias = expert.bias.as_ref().map(|b| [b.gate.as_slice(), b.up.as_slice(), b.down.as_slice()]);
+                Ok(expert_blob::encode(opts.expert_quant, shape, [&g, &u, &d], bias))
             })
             .collect::<Result<_, LoadError>>()?;
         for (blob, &(layer, expert)) in blobs.iter().zip(batch) {

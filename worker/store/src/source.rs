@@ -12,12 +12,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use shimmer_common::expert_blob::{self, StoredMatrix};
+use shimmer_common::expert_blob::{self, StoredExpert, StoredMatrix};
+use shimmer_common::spec::ExpertActivation;
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_kernels::matrix::WeightData;
 use shimmer_kernels::Matrix;
 
 use crate::container::Container;
+use shimmer_experts::expert::ExpertBias;
 use shimmer_experts::Expert;
 
 /// A zeroed, 4096-byte-aligned buffer (what O_DIRECT reads need).
@@ -82,9 +84,11 @@ pub struct SourceCounters {
     pub mirror_fallbacks: AtomicU64,
 }
 
+// One per store, held for the process's life: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Source {
     Container { container: Container, drives: Vec<Drive>, direct: bool, warned: Mutex<std::collections::HashSet<(usize, usize)>>, counters: SourceCounters },
-    Checkpoint { ckpt: Arc<Checkpoint>, hidden: usize, intermediate: usize, names: shimmer_common::spec::ExpertNames, first_moe: usize, fp8_block: usize },
+    Checkpoint { ckpt: Arc<Checkpoint>, spec: Box<ModelSpec>, first_moe: usize },
 }
 
 fn open_drive(path: &Path, direct: bool) -> Result<File, LoadError> {
@@ -140,14 +144,7 @@ impl Source {
 
     pub fn checkpoint(ckpt: Arc<Checkpoint>, spec: &ModelSpec) -> Self {
         let first_moe = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).unwrap_or(0);
-        Source::Checkpoint {
-            ckpt,
-            hidden: spec.hidden_size,
-            intermediate: spec.moe.expert_intermediate_size,
-            names: spec.expert_names.clone(),
-            first_moe,
-            fp8_block: spec.fp8_block,
-        }
+        Source::Checkpoint { ckpt, spec: Box::new(spec.clone()), first_moe }
     }
 
     pub fn drives(&self) -> Vec<(PathBuf, f64)> {
@@ -168,12 +165,13 @@ impl Source {
     pub fn expert_bytes(&self) -> u64 {
         match self {
             Source::Container { container, .. } => container.expert_bytes(),
-            Source::Checkpoint { ckpt, hidden, intermediate, names, first_moe, .. } => {
-                // The first MoE layer's expert 0 tells the stored dtype (fp8 block scales included).
-                let scales = |name: &str| ckpt.raw(&format!("{name}_scale_inv")).map_or(0, |r| r.bytes.len() as u64);
-                let size = |name: &str| ckpt.raw(name).map(|r| r.bytes.len() as u64).unwrap_or((hidden * intermediate * 2) as u64) + scales(name);
-                let [g, u, d] = names.expert(*first_moe, 0);
-                size(&g) + size(&u) + size(&d)
+            Source::Checkpoint { ckpt, spec, first_moe } => {
+                // The first MoE layer's expert 0 tells the stored form (fp8 block scales, MXFP4
+                // scales and biases included).
+                match shimmer_experts::weights::load_expert(ckpt, spec, *first_moe, 0) {
+                    Ok(e) => e.bytes() as u64,
+                    Err(_) => (3 * spec.hidden_size * spec.moe.expert_intermediate_size * 2) as u64,
+                }
             }
         }
     }
@@ -191,15 +189,7 @@ impl Source {
                     let what = format!("{} layer {layer} expert {expert}", drive.path.display());
                     let mut buf = AlignedBuf::new(loc.length as usize);
                     let result = drive.file.read_exact_at(&mut buf, loc.offset).map_err(|e| format!("{what}: read failed: {e}")).and_then(|_| {
-                        expert_blob::decode(
-                            &buf,
-                            container.scheme,
-                            container.manifest.hidden_size,
-                            container.manifest.expert_intermediate_size,
-                            Some((loc.id, loc.checksum)),
-                            &what,
-                        )
-                        .map_err(|e| e.to_string())
+                        expert_blob::decode(&buf, container.scheme, container.shape, Some((loc.id, loc.checksum)), &what).map_err(|e| e.to_string())
                     });
                     match result {
                         Ok(matrices) => {
@@ -209,20 +199,15 @@ impl Source {
                                     tracing::warn!("{}; served from {} instead", failures.join("; "), drive.path.display());
                                 }
                             }
-                            return Ok((expert_from(matrices), loc.length));
+                            return Ok((expert_from(matrices, container.activation), loc.length));
                         }
                         Err(e) => failures.push(e),
                     }
                 }
                 Err(ReadError::Failed(failures.join("; ")))
             }
-            Source::Checkpoint { ckpt, hidden, intermediate, names, fp8_block, .. } => {
-                let (h, i) = (*hidden, *intermediate);
-                let [g, u, d] = names.expert(layer, expert);
-                let load = |name: &str, rows: usize, cols: usize| {
-                    shimmer_experts::weights::load_matrix(ckpt, name, rows, cols, *fp8_block).map_err(|e| ReadError::Failed(e.to_string()))
-                };
-                let e = Expert { gate: load(&g, i, h)?, up: load(&u, i, h)?, down: load(&d, h, i)? };
+            Source::Checkpoint { ckpt, spec, .. } => {
+                let e = shimmer_experts::weights::load_expert(ckpt, spec, layer, expert).map_err(|e| ReadError::Failed(e.to_string()))?;
                 let bytes = e.bytes() as u64;
                 Ok((e, bytes))
             }
@@ -230,12 +215,14 @@ impl Source {
     }
 }
 
-fn expert_from([g, u, d]: [StoredMatrix; 3]) -> Expert {
+fn expert_from(stored: StoredExpert, activation: ExpertActivation) -> Expert {
     let m = |s: StoredMatrix| match s {
         StoredMatrix::Bf16 { rows, cols, words } => Matrix::new(rows, cols, WeightData::Bf16(words)),
         StoredMatrix::Quant(q) => Matrix::from_quant(q),
     };
-    Expert { gate: m(g), up: m(u), down: m(d) }
+    let [g, u, d] = stored.matrices;
+    let bias = stored.bias.map(|[gate, up, down]| ExpertBias { gate, up, down });
+    Expert::new(m(g), m(u), m(d)).with_form(bias, activation)
 }
 
 fn round_sig(x: f64, digits: i32) -> f64 {
