@@ -656,3 +656,23 @@ def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(
         if field:
             assert r.json()["error"]["param"] == field
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_each_family_chats_through_the_api_with_its_own_template(make_server, family):
+    """The API renders a conversation with the family's own template (harmony for gpt-oss,
+    ChatML for Qwen3-MoE) to exactly the ids transformers renders (the fixture's oracle), and
+    answers as `shimmer generate` does on those ids."""
+    from conftest import ROOT
+
+    model = ROOT / "tests" / "fixtures" / family
+    oracle = json.loads((model / "oracle.json").read_text())
+    render = next(c for c in oracle["chat"] if c["add_generation_prompt"])
+    s = make_server("--model", str(model), "--no-usage")
+    r = client(s).chat.completions.create(model=family, messages=render["messages"], max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == len(render["ids"]), (r.usage, render["ids"])
+    ids = ",".join(str(i) for i in render["ids"])
+    out = subprocess.run([shimmer_bin(), "generate", "--model", str(model), "--prompt-ids", ids, "--max-tokens", "8",
+                          "--temperature", "0", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert r.choices[0].message.content == json.loads(out.stdout)["text"]

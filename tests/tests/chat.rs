@@ -7,9 +7,16 @@ use std::process::{Command, Stdio};
 use shimmer_common::chat_template::Message;
 use shimmer_tests::{fixture, shimmer, shimmer_bin};
 
+/// ChatML (Qwen3-MoE) and harmony (gpt-oss), each through its own template.
 #[test]
 fn chat_answers_like_generate_and_reset_clears_the_conversation() {
-    let dir = fixture("qwen3_moe");
+    for name in ["qwen3_moe", "gpt_oss"] {
+        chat_like_generate(name);
+    }
+}
+
+fn chat_like_generate(name: &str) {
+    let dir = fixture(name);
     let model = dir.to_str().unwrap();
     let mut child = Command::new(shimmer_bin())
         .args(["chat", "--model", model, "--temperature", "0", "--max-tokens", "16"])
@@ -29,7 +36,7 @@ fn chat_answers_like_generate_and_reset_clears_the_conversation() {
 
     // Prompts are "› "; each answer follows one.
     let turns: Vec<&str> = stdout.split("› ").skip(1).collect();
-    assert_eq!(turns.len(), 5, "{stdout}"); // 3 answers, the reset notice, the final prompt at EOF
+    assert_eq!(turns.len(), 5, "{name}: {stdout}"); // 3 answers, the reset notice, the final prompt at EOF
     assert_eq!(turns[0].trim_end_matches('\n'), answer);
     assert!(turns[2].contains("(conversation cleared)"));
     // After /reset the same question gets the same answer as the first time.
@@ -46,7 +53,7 @@ fn chat_answers_like_generate_and_reset_clears_the_conversation() {
     let whole = answer_to(&[Message::new("user", "Who made the earth?"), Message::new("assistant", answer), Message::new("user", "And the sea?")]);
     let alone = answer_to(&[Message::new("user", "And the sea?")]);
     assert_eq!(turns[1].trim_end_matches('\n'), whole);
-    assert_ne!(whole, alone, "the fixture must answer the second question differently without the first (else this proves nothing)");
+    assert_ne!(whole, alone, "{name}: the fixture must answer the second question differently without the first (else this proves nothing)");
 }
 
 #[test]

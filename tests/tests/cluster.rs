@@ -307,8 +307,9 @@ fn spawn_worker_args(model: Option<&std::path::Path>, args: &[&str]) -> WorkerPr
 #[test]
 fn three_worker_processes_generate_the_single_box_tokens_under_three_placements() {
     let ids = |o: &std::process::Output| -> serde_json::Value { serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["output_ids"].clone() };
-    // Two fixtures (GQA, MLA) and the bundled demo (no --model).
-    for model in [Some(fixture("qwen3_moe")), Some(fixture("deepseek_v3")), None] {
+    // Three fixtures (GQA; MLA; gpt-oss's sinks and biased MXFP4 experts as shipped) and the
+    // bundled demo (no --model).
+    for model in [Some(fixture("qwen3_moe")), Some(fixture("deepseek_v3")), Some(fixture("gpt_oss_mxfp4")), None] {
         let m: Vec<&str> = model.as_ref().map(|d| vec!["--model", d.to_str().unwrap()]).unwrap_or_default();
         let workers: Vec<WorkerProcess> = (2..5).map(|i| spawn_worker_on(model.as_deref(), &format!("127.0.0.{i}:0"))).collect();
         let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();

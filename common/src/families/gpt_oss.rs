@@ -17,19 +17,28 @@ fn default_rope() -> Value {
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
-    if obj.get("rope_scaling").is_none() && obj.get("rope_parameters").is_none() {
-        let mut with_default: Map<String, Value> = obj.0.clone();
-        let mut rope = default_rope();
-        if let Some(theta) = obj.get("rope_theta") {
-            rope["rope_theta"] = theta.clone();
+    // GptOssConfig's defaults for what shapes the model and is not a plain field default here:
+    // its rotary parameters and a head size of 64 (not hidden / heads).
+    let missing_rope = obj.get("rope_scaling").is_none() && obj.get("rope_parameters").is_none();
+    let missing_head_dim = matches!(obj.get("head_dim"), None | Some(Value::Null));
+    if missing_rope || missing_head_dim {
+        let mut with_defaults: Map<String, Value> = obj.0.clone();
+        if missing_rope {
+            let mut rope = default_rope();
+            if let Some(theta) = obj.get("rope_theta") {
+                rope["rope_theta"] = theta.clone();
+            }
+            with_defaults.insert("rope_parameters".into(), rope);
         }
-        with_default.insert("rope_parameters".into(), rope);
-        return parse_with_rope(&Obj(&with_default));
+        if missing_head_dim {
+            with_defaults.insert("head_dim".into(), json!(64));
+        }
+        return parse_with_defaults(&Obj(&with_defaults));
     }
-    parse_with_rope(obj)
+    parse_with_defaults(obj)
 }
 
-fn parse_with_rope(obj: &Obj) -> FieldResult<ModelSpec> {
+fn parse_with_defaults(obj: &Obj) -> FieldResult<ModelSpec> {
     let defaults = Defaults { rms_norm_eps: 1e-5, rope_theta: 150_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
     build(obj, &defaults, FAMILY.architecture, |sz| {
         let n = sz.num_layers;

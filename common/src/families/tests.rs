@@ -152,3 +152,44 @@ fn kimi_k2_is_a_deepseek_v3_by_another_model_type() {
     let ms = 0.1 * 32f64.ln() + 1.0;
     assert!((s.attention.scale as f64 - ms * ms / 192f64.sqrt()).abs() < 1e-6);
 }
+
+#[test]
+fn gpt_oss_defaults_are_gpt_oss_configs() {
+    // The fields a config may leave out: layer kinds, window, rotary, head size, kv heads,
+    // biases and the SwiGLU clamp take GptOssConfig's values.
+    let v = json!({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 100,
+        "hidden_size": 96, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 16,
+        "max_position_embeddings": 131072, "num_local_experts": 8, "num_experts_per_tok": 2
+    });
+    let s = parse(v.clone()).unwrap();
+    assert_eq!(s.head_dim, 64);
+    assert_eq!(s.num_kv_heads, 8);
+    assert_eq!(s.attention.sliding_window, vec![Some(128), None, Some(128), None]);
+    assert!(s.attention.sinks && s.attention.bias && s.attention.o_bias);
+    assert_eq!(s.moe.scoring, RouterScoring::TopKSoftmax);
+    assert_eq!(s.moe.activation, ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: 7.0 });
+    assert!(s.moe.expert_bias);
+    assert_eq!(s.expert_names.layout, ExpertLayout::FusedInterleaved);
+    assert_eq!(s.rope.theta, 150_000.0);
+    let RopeScaling::Yarn { factor, original_max_position_embeddings, truncate, .. } = s.rope.scaling else { panic!("{:?}", s.rope) };
+    assert_eq!((factor, original_max_position_embeddings, truncate), (32.0, 4096, false));
+    // The hub's spelling (rope_scaling + rope_theta, num_experts) says the same.
+    let mut hub = v.clone();
+    hub["rope_theta"] = json!(150000);
+    hub["rope_scaling"] =
+        json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096});
+    hub["num_experts"] = hub["num_local_experts"].take();
+    hub.as_object_mut().unwrap().remove("num_local_experts");
+    assert_eq!(parse(hub).unwrap(), s);
+    // Bad layer kinds and clamps are refused by name.
+    let mut bad = v.clone();
+    bad["layer_types"] = json!(["sliding_attention", "full_attention", "linear_attention", "full_attention"]);
+    assert!(message(parse(bad)).contains("`layer_types`: entry 2"));
+    let mut bad = v.clone();
+    bad["layer_types"] = json!(["full_attention"]);
+    assert!(message(parse(bad)).contains("1 entries for 4 layers"));
+    let mut bad = v;
+    bad["swiglu_limit"] = json!(-1.0);
+    assert!(message(parse(bad)).contains("`swiglu_limit`"));
+}
