@@ -68,6 +68,13 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "mlp_only_layers", max: MAX_LAYERS },
     Bound { field: "mlp_only_layers[]", max: MAX_LAYERS },
     Bound { field: "layer_types[]", max: MAX_LAYERS },
+    Bound { field: "shared_expert_intermediate_size", max: 1 << 20 },
+    Bound { field: "full_attention_interval", max: MAX_LAYERS },
+    Bound { field: "linear_conv_kernel_dim", max: 64 },
+    Bound { field: "linear_key_head_dim", max: 4096 },
+    Bound { field: "linear_value_head_dim", max: 4096 },
+    Bound { field: "linear_num_key_heads", max: 1024 },
+    Bound { field: "linear_num_value_heads", max: 1024 },
 ];
 
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
@@ -91,6 +98,8 @@ pub struct DenseNames {
     pub k_norm: &'static str,
     /// Per-head attention sink logits (`AttentionSpec::sinks`).
     pub sinks: &'static str,
+    /// Where a Gated DeltaNet layer's tensors live (`{prefix}.conv1d.weight`, …).
+    pub linear_attn: &'static str,
     /// A dense layer's MLP.
     pub mlp_gate: &'static str,
     pub mlp_up: &'static str,
@@ -112,6 +121,7 @@ impl DenseNames {
         q_norm: "model.layers.{L}.self_attn.q_norm.weight",
         k_norm: "model.layers.{L}.self_attn.k_norm.weight",
         sinks: "model.layers.{L}.self_attn.sinks",
+        linear_attn: "model.layers.{L}.linear_attn",
         mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
         mlp_up: "model.layers.{L}.mlp.up_proj.weight",
         mlp_down: "model.layers.{L}.mlp.down_proj.weight",
@@ -178,6 +188,51 @@ impl MlaSpec {
     }
 }
 
+/// How a layer mixes information across positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mixer {
+    /// Softmax attention over a KV cache (`AttentionSpec::kind`).
+    Attention,
+    /// Gated DeltaNet (Qwen3-Next, Qwen3.5): a recurrent state per sequence (`GatedDeltaSpec`).
+    GatedDeltaNet,
+}
+
+/// How a Gated DeltaNet layer's input projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaProjections {
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per key head (q, k, then the group's
+    /// values and gates; b then a).
+    Grouped,
+    /// Qwen3.5: `in_proj_qkv` (all queries, all keys, all values), `in_proj_z`, `in_proj_b`,
+    /// `in_proj_a`.
+    Separate,
+}
+
+/// Gated DeltaNet: per value head a `key_dim × value_dim` state, decayed by `exp(g)` and
+/// corrected by the delta rule each token, read by an L2-normalised query; inputs pass through
+/// a depthwise causal convolution; the output through an RMSNorm gated by `silu(z)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatedDeltaSpec {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+    pub projections: DeltaProjections,
+}
+
+impl GatedDeltaSpec {
+    /// Channels of the convolution: queries, keys and values.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+    /// Floats of one layer's recurrent state: the convolution's last `conv_kernel − 1` inputs
+    /// and every value head's state matrix.
+    pub fn state_floats(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1) + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionKind {
     /// Grouped-query attention (MHA, GQA, MQA) with q/k/v/o projections.
@@ -206,6 +261,13 @@ pub struct AttentionSpec {
     /// Each head has a learned sink logit that joins its softmax and takes its share of the
     /// probability without contributing a value (gpt-oss).
     pub sinks: bool,
+    /// `q_proj` also yields, per head after its query, a gate: the head's output is multiplied by
+    /// `σ(gate)` before `o_proj` (Qwen3-Next).
+    pub output_gate: bool,
+    /// Per layer: softmax attention or a linear-attention mixer.
+    pub mixers: Vec<Mixer>,
+    /// The Gated DeltaNet layers' shape, when any layer is one.
+    pub gated_delta: Option<GatedDeltaSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,6 +337,8 @@ pub struct ExpertNames {
     pub router_logit_bias: Option<&'static str>,
     /// `[gate, up, down]` of the shared expert, if the family has one.
     pub shared: Option<[&'static str; 3]>,
+    /// A `1 × hidden` weight whose sigmoid scales the shared expert's output (Qwen3-Next).
+    pub shared_gate: Option<&'static str>,
     pub layout: ExpertLayout,
     pub gate: &'static str,
     pub up: &'static str,
@@ -290,6 +354,9 @@ impl ExpertNames {
     }
     pub fn shared(&self, layer: usize) -> Option<[String; 3]> {
         self.shared.map(|[g, u, d]| [fill(g, layer, 0), fill(u, layer, 0), fill(d, layer, 0)])
+    }
+    pub fn shared_gate(&self, layer: usize) -> Option<String> {
+        self.shared_gate.map(|t| fill(t, layer, 0))
     }
     pub fn router_logit_bias(&self, layer: usize) -> Option<String> {
         self.router_logit_bias.map(|t| fill(t, layer, 0))
@@ -335,6 +402,8 @@ pub struct ModelSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
+    /// RMSNorm weights are stored zero-centred: the scale is `1 + w` (Qwen3-Next's norms).
+    pub rms_norm_unit_offset: bool,
     pub rope: RopeSpec,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
@@ -415,6 +484,23 @@ impl ModelSpec {
             if self.moe.top_k > topk_group * (self.moe.num_experts / n_group) {
                 return Err(FieldError::new("num_experts_per_tok", "more than the selected groups hold"));
             }
+        }
+        if self.attention.mixers.len() != self.num_layers {
+            return Err(FieldError::new("layer_types", "per-layer tables disagree with the layer count"));
+        }
+        if self.attention.mixers.contains(&Mixer::GatedDeltaNet) {
+            let Some(g) = &self.attention.gated_delta else {
+                return Err(FieldError::new("layer_types", "linear-attention layers without their shape"));
+            };
+            if g.key_heads == 0 || !g.value_heads.is_multiple_of(g.key_heads) || g.conv_kernel == 0 || g.key_dim == 0 || g.value_dim == 0 {
+                return Err(FieldError::new(
+                    "linear_num_value_heads",
+                    format!("{} value heads must be a multiple of {} key heads (and every size positive)", g.value_heads, g.key_heads),
+                ));
+            }
+        }
+        if (self.attention.output_gate || self.attention.mixers.contains(&Mixer::GatedDeltaNet)) && !matches!(self.attention.kind, AttentionKind::Gqa) {
+            return Err(FieldError::new("architectures", "gated or linear attention needs grouped-query attention"));
         }
         if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa) {
             return Err(FieldError::new("architectures", "attention sinks need grouped-query attention"));
@@ -498,6 +584,7 @@ pub(crate) struct FamilyParts {
     pub moe: MoeSpec,
     pub expert_names: ExpertNames,
     pub dense_names: DenseNames,
+    pub rms_norm_unit_offset: bool,
 }
 
 /// What a family parser may need while deciding its parts.
@@ -555,7 +642,7 @@ pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: 
     };
     let num_layers = obj.positive("num_hidden_layers")?;
     let rope = parse_rope(obj, d.rope_theta)?;
-    let FamilyParts { attention, layers, moe, expert_names, dense_names } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
+    let FamilyParts { attention, layers, moe, expert_names, dense_names, rms_norm_unit_offset } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
     Ok(ModelSpec {
         fp8_block: 128,
         architecture,
@@ -566,6 +653,7 @@ pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: 
         num_kv_heads,
         head_dim,
         rms_norm_eps: rms_norm_eps as f32,
+        rms_norm_unit_offset,
         rope,
         max_position_embeddings: obj.positive("max_position_embeddings")?,
         tie_word_embeddings: obj.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,

@@ -486,7 +486,8 @@ impl Engine {
         // Reuse the longest cached prefix, but always recompute at least the last prompt token:
         // its logits are what the first sampled token comes from.
         let common = session.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
-        session.cache.truncate(common);
+        // A recurrent model goes back to its last checkpoint at or before `common`.
+        let common = session.cache.truncate(common);
         session.tokens.truncate(common);
 
         let t0 = Instant::now();
@@ -524,6 +525,8 @@ impl Engine {
             decode_tokens += 1;
         };
         let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        // The turn's end: where a recurrent state's next turn comes back to.
+        session.cache.checkpoint();
         self.end_turn();
         let rest = stream.finish();
         if !rest.is_empty() && finish != FinishReason::Cancelled {

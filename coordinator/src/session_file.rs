@@ -76,6 +76,12 @@ pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], me
             buf.extend_from_slice(&x.to_le_bytes());
         }
     }
+    // Recurrent layers (linear attention) hold a state instead of keys and values.
+    for layer in 0..engine.spec.num_layers {
+        for x in session.cache.state(layer) {
+            buf.extend_from_slice(&x.to_le_bytes());
+        }
+    }
     let sum = shimmer_common::checksum::xxh3(&buf);
     buf.extend_from_slice(&sum.to_le_bytes());
 
@@ -109,10 +115,14 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     };
     // The largest file this model's session can be: a full context of cache and the largest
     // header. Anything longer is refused before it is read.
-    let (k_width, v_width) = engine.new_session().cache.widths();
-    let most = (engine.spec.num_layers as u64)
+    let blank = engine.new_session().cache;
+    let (k_width, v_width) = blank.widths();
+    let state_floats: Vec<usize> = (0..engine.spec.num_layers).map(|l| blank.state_floats(l)).collect();
+    let attention_layers = state_floats.iter().filter(|n| **n == 0).count();
+    let most = (attention_layers as u64)
         .saturating_mul(engine.spec.max_position_embeddings as u64)
         .saturating_mul((k_width + v_width) as u64 * 4)
+        .saturating_add(state_floats.iter().sum::<usize>() as u64 * 4)
         .saturating_add(20 + MAX_HEADER as u64);
     if len > most {
         return Err(invalid(path, format!("{len} bytes is more than a session of this model can hold ({most} at a full context)")));
@@ -150,7 +160,7 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     if header.cached > header.history.len() || header.cached > engine.spec.max_position_embeddings {
         return Err(invalid(path, "cached positions exceed the history or the context"));
     }
-    let floats = header.layers * header.cached * (k_width + v_width);
+    let floats = attention_layers * header.cached * (k_width + v_width) + state_floats.iter().sum::<usize>();
     let data = &body[12 + n..];
     if data.len() != floats * 4 {
         return Err(invalid(path, format!("{} bytes of cache, expected {}", data.len(), floats * 4)));
@@ -158,12 +168,23 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     let mut session = session;
     let mut values = data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     let c = header.cached;
-    for layer in 0..header.layers {
+    for (layer, state) in state_floats.iter().enumerate() {
+        if *state > 0 {
+            continue;
+        }
         let k: Vec<f32> = values.by_ref().take(c * k_width).collect();
         let v: Vec<f32> = values.by_ref().take(c * v_width).collect();
         session.cache.append(layer, &k, &v);
     }
+    for (layer, n) in state_floats.iter().enumerate() {
+        let s: Vec<f32> = values.by_ref().take(*n).collect();
+        if !session.cache.set_state(layer, &s) {
+            return Err(invalid(path, format!("layer {layer}'s recurrent state is cut short")));
+        }
+    }
     session.cache.commit(c);
+    // The restored length is a turn boundary a recurrent state can come back to.
+    session.cache.checkpoint();
     session.tokens = header.history[..c].to_vec();
     Ok(Some(Saved { session, history: header.history, messages: header.messages }))
 }

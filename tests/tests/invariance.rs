@@ -139,3 +139,28 @@ fn sequences_batched_together_get_the_logits_they_get_alone() {
         }
     }
 }
+
+/// A second turn that leaves the first one's answer part-way reuses the cached prefix — all of
+/// it for attention, back to the prompt's end (its checkpoint) for a recurrent state, which
+/// cannot rewind — and answers exactly as a fresh session does.
+#[test]
+fn a_reused_prefix_answers_as_a_fresh_session_even_where_a_state_must_go_back() {
+    use shimmer_coordinator::engine::GenerateOptions;
+    use shimmer_coordinator::sampling::SamplingParams;
+    for name in fixtures() {
+        let engine = Engine::load(&fixture(name)).unwrap();
+        let o = shimmer_tests::oracle(name);
+        let prompt = &o.prompts[0].ids;
+        let opts = GenerateOptions { max_tokens: 8, sampling: SamplingParams::default(), stop: vec![] };
+        let mut session = engine.new_session();
+        let first = engine.generate(&mut session, prompt, &opts, |_| true).unwrap();
+        let mut second: Vec<u32> = prompt.iter().chain(&first.output_ids[..3]).copied().collect();
+        second.extend(&o.prompts[1].ids[..4]);
+        let reused = engine.generate(&mut session, &second, &opts, |_| true).unwrap();
+        let fresh = engine.generate(&mut engine.new_session(), &second, &opts, |_| true).unwrap();
+        assert_eq!(reused.output_ids, fresh.output_ids, "{name}");
+        let recurrent = engine.spec.attention.mixers.contains(&shimmer_common::spec::Mixer::GatedDeltaNet);
+        let want = if recurrent { prompt.len() } else { prompt.len() + 3 };
+        assert_eq!(reused.reused_tokens, want, "{name}: positions reused");
+    }
+}

@@ -17,7 +17,7 @@ fn ids_arg(ids: &[u32]) -> String {
 
 #[test]
 fn a_generate_conversation_split_across_processes_matches_one_process() {
-    for name in ["qwen3_moe", "deepseek_v3", "glm4_moe"] {
+    for name in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"] {
         let dir = fixture(name);
         let o = oracle(name);
         let (p1, p2) = (&o.prompts[0].ids, &o.prompts[1].ids);
@@ -77,7 +77,7 @@ fn chat(model: &std::path::Path, session: Option<&std::path::Path>, input: &str)
 
 #[test]
 fn a_chat_split_across_processes_is_byte_identical_to_one_process() {
-    for name in ["mixtral", "deepseek_v3_plain_q"] {
+    for name in ["mixtral", "deepseek_v3_plain_q", "qwen3_next"] {
         let dir = fixture(name);
         let one = chat(&dir, None, "Who made the earth?\nAnd the sea?\n");
         let tmp = tempfile::tempdir().unwrap();

@@ -42,11 +42,15 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 scale: scale as f32,
                 sliding_window: vec![None; sz.num_layers],
                 sinks: false,
+                output_gate: false,
+                mixers: vec![Mixer::Attention; sz.num_layers],
+                gated_delta: None,
             },
             layers,
             moe,
             expert_names: GROUPED_SIGMOID_NAMES,
             dense_names: DenseNames::LLAMA,
+            rms_norm_unit_offset: false,
         })
     })
 }

@@ -20,6 +20,6 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         let mut attention = gqa(sz, qk_norm, None, obj.bool_or("attention_bias", false)?, false, vec![None; sz.num_layers]);
         attention.rotary_dim = rotary_dim;
         let (layers, moe) = grouped_moe(obj, sz.num_layers, (1.0, 1, 1, 1))?;
-        Ok(FamilyParts { attention, layers, moe, expert_names: GROUPED_SIGMOID_NAMES, dense_names: DenseNames::LLAMA })
+        Ok(FamilyParts { attention, layers, moe, expert_names: GROUPED_SIGMOID_NAMES, dense_names: DenseNames::LLAMA, rms_norm_unit_offset: false })
     })
 }

@@ -91,12 +91,14 @@ fn parse_with_defaults(obj: &Obj) -> FieldResult<ModelSpec> {
                 router_bias: None,
                 router_logit_bias: Some("model.layers.{L}.mlp.router.bias"),
                 shared: None,
+                shared_gate: None,
                 layout: ExpertLayout::FusedInterleaved,
                 gate: "model.layers.{L}.mlp.experts.gate_up_proj",
                 up: "model.layers.{L}.mlp.experts.gate_up_proj",
                 down: "model.layers.{L}.mlp.experts.down_proj",
             },
             dense_names: DenseNames::LLAMA,
+            rms_norm_unit_offset: false,
         })
     })
 }

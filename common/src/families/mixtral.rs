@@ -23,12 +23,14 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 router_bias: None,
                 router_logit_bias: None,
                 shared: None,
+                shared_gate: None,
                 layout: ExpertLayout::Separate,
                 gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
                 up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
                 down: "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
             },
             dense_names: DenseNames::LLAMA,
+            rms_norm_unit_offset: false,
         })
     })
 }

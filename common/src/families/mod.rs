@@ -15,6 +15,7 @@ mod gpt_oss;
 mod mixtral;
 mod olmoe;
 mod qwen3_moe;
+mod qwen3_next;
 #[cfg(test)]
 mod tests;
 
@@ -32,7 +33,8 @@ pub struct FamilyDef {
 }
 
 /// Every family shimmer runs.
-pub const FAMILIES: &[&FamilyDef] = &[&olmoe::FAMILY, &qwen3_moe::FAMILY, &mixtral::FAMILY, &deepseek_v3::FAMILY, &glm4_moe::FAMILY, &gpt_oss::FAMILY];
+pub const FAMILIES: &[&FamilyDef] =
+    &[&olmoe::FAMILY, &qwen3_moe::FAMILY, &mixtral::FAMILY, &deepseek_v3::FAMILY, &glm4_moe::FAMILY, &gpt_oss::FAMILY, &qwen3_next::FAMILY];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
 pub(crate) fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_topk_prob: bool) -> FieldResult<MoeSpec> {
@@ -67,8 +69,11 @@ pub(crate) fn gqa(sz: &Sizes, qk_norm: QkNorm, clip_qkv: Option<f32>, bias: bool
         rotary_dim: sz.head_dim,
         rope_interleave: false,
         scale: (sz.head_dim as f32).powf(-0.5),
-        sliding_window,
         sinks: false,
+        output_gate: false,
+        mixers: vec![Mixer::Attention; sliding_window.len()],
+        gated_delta: None,
+        sliding_window,
     }
 }
 
@@ -78,6 +83,7 @@ pub(crate) const GATE_UP_DOWN: ExpertNames = ExpertNames {
     router_bias: None,
     router_logit_bias: None,
     shared: None,
+    shared_gate: None,
     layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
@@ -94,6 +100,7 @@ pub(crate) const GROUPED_SIGMOID_NAMES: ExpertNames = ExpertNames {
         "model.layers.{L}.mlp.shared_experts.up_proj.weight",
         "model.layers.{L}.mlp.shared_experts.down_proj.weight",
     ]),
+    shared_gate: None,
     layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
@@ -140,4 +147,83 @@ pub(crate) fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usi
             expert_bias: false,
         },
     ))
+}
+
+/// `layer_types` of a hybrid model (`linear_attention` / `full_attention`), or, without it, every
+/// `full_attention_interval`-th layer (4 by default) full and the rest linear.
+pub(crate) fn hybrid_layer_types(obj: &Obj, n: usize) -> FieldResult<Vec<Mixer>> {
+    match obj.get("layer_types") {
+        None | Some(serde_json::Value::Null) => {
+            let interval = obj.usize_opt("full_attention_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err(FieldError::new("full_attention_interval", "must be greater than zero"));
+            }
+            Ok((0..n).map(|l| if (l + 1) % interval == 0 { Mixer::Attention } else { Mixer::GatedDeltaNet }).collect())
+        }
+        Some(serde_json::Value::Array(kinds)) => {
+            if kinds.len() != n {
+                return Err(FieldError::new("layer_types", format!("{} entries for {n} layers", kinds.len())));
+            }
+            kinds
+                .iter()
+                .enumerate()
+                .map(|(l, k)| match k.as_str() {
+                    Some("linear_attention") => Ok(Mixer::GatedDeltaNet),
+                    Some("full_attention") => Ok(Mixer::Attention),
+                    _ => Err(FieldError::new("layer_types", format!("entry {l}: expected \"linear_attention\" or \"full_attention\", got {k}"))),
+                })
+                .collect()
+        }
+        Some(v) => Err(FieldError::new("layer_types", format!("expected a list, got {v}"))),
+    }
+}
+
+/// The Gated DeltaNet shape from the `linear_*` fields (Qwen3-Next's defaults when absent).
+pub(crate) fn gated_delta(obj: &Obj, projections: DeltaProjections) -> FieldResult<GatedDeltaSpec> {
+    let field = |key: &str, default: usize| -> FieldResult<usize> {
+        match obj.usize_opt(key)?.unwrap_or(default) {
+            0 => Err(FieldError::new(key, "must be greater than zero")),
+            v => Ok(v),
+        }
+    };
+    Ok(GatedDeltaSpec {
+        key_heads: field("linear_num_key_heads", 16)?,
+        value_heads: field("linear_num_value_heads", 32)?,
+        key_dim: field("linear_key_head_dim", 128)?,
+        value_dim: field("linear_value_head_dim", 128)?,
+        conv_kernel: field("linear_conv_kernel_dim", 4)?,
+        projections,
+    })
+}
+
+/// The rotary part of each head: `partial_rotary_factor` (or the family's default) of it.
+pub(crate) fn partial_rotary_dim(obj: &Obj, head_dim: usize, default_factor: f64) -> FieldResult<usize> {
+    let factor = crate::spec::partial_rotary_factor(obj)?.unwrap_or(default_factor);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(FieldError::new("partial_rotary_factor", format!("must be in (0, 1], got {factor}")));
+    }
+    Ok((head_dim as f64 * factor) as usize)
+}
+
+/// Qwen-style MoE placement: MoE every `decoder_sparse_step` layers except `mlp_only_layers` (and
+/// none when the expert count is 0), softmax top-k routing.
+pub(crate) fn sparse_layers(obj: &Obj, n: usize, experts_key: &str, norm_default: bool) -> FieldResult<(Vec<LayerMlp>, MoeSpec)> {
+    let step = obj.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(FieldError::new("decoder_sparse_step", "must be greater than zero"));
+    }
+    let mlp_only = obj.usize_list_or_empty("mlp_only_layers")?;
+    if let Some(bad) = mlp_only.iter().find(|l| **l >= n) {
+        return Err(FieldError::new("mlp_only_layers", format!("layer {bad} does not exist (num_hidden_layers = {n})")));
+    }
+    let layers = (0..n)
+        .map(|l| {
+            if !mlp_only.contains(&l) && (l + 1) % step == 0 {
+                Ok(LayerMlp::Moe)
+            } else {
+                Ok(LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? })
+            }
+        })
+        .collect::<FieldResult<_>>()?;
+    Ok((layers, moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", norm_default)?)?))
 }

@@ -33,6 +33,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             moe: moe(obj, experts_key, "intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
             expert_names: GATE_UP_DOWN,
             dense_names: DenseNames::LLAMA,
+            rms_norm_unit_offset: false,
         })
     })
 }

@@ -44,6 +44,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             moe: moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
             expert_names: GATE_UP_DOWN,
             dense_names: DenseNames::LLAMA,
+            rms_norm_unit_offset: false,
         })
     })
 }

@@ -9,12 +9,13 @@
 //! All activations are f32; weights stay in their stored precision. Every row is computed by the
 //! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
 
-use shimmer_common::spec::{AttentionKind, DenseNames, LayerMlp, QkNorm};
+use shimmer_common::spec::{AttentionKind, DenseNames, LayerMlp, Mixer, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
 use shimmer_kernels::attention::{attend_rows, AttentionShape};
 use shimmer_kernels::{fixed, ops, Matrix};
 
+use super::gated_delta::GatedDelta;
 use super::mla::Mla;
 use super::rope::Rope;
 use super::router::Router;
@@ -73,7 +74,12 @@ impl DenseMlp {
 
 enum Mlp {
     Dense(DenseMlp),
-    Moe { router: Router, shared: Option<DenseMlp> },
+    /// `shared_gate`: a `1 × hidden` weight whose sigmoid scales the shared expert (Qwen3-Next).
+    Moe {
+        router: Router,
+        shared: Option<DenseMlp>,
+        shared_gate: Option<Box<Matrix>>,
+    },
 }
 
 struct Gqa {
@@ -86,11 +92,14 @@ struct Gqa {
     window: Option<usize>,
     /// One sink logit per query head.
     sinks: Option<Vec<f32>>,
+    /// `q_proj` yields each head's query then its output gate.
+    output_gate: bool,
 }
 
 enum Attention {
     Gqa(Gqa),
     Mla(Mla),
+    Delta(GatedDelta),
 }
 
 struct Layer {
@@ -220,10 +229,13 @@ impl Decoder {
             total += match &layer.attention {
                 Attention::Gqa(g) => g.q.bytes() + g.k.bytes() + g.v.bytes() + g.o.bytes(),
                 Attention::Mla(m) => m.bytes(),
+                Attention::Delta(d) => d.bytes(),
             };
             total += match &layer.mlp {
                 Mlp::Dense(d) => d.bytes(),
-                Mlp::Moe { router, shared } => router.weight.bytes() + shared.as_ref().map_or(0, DenseMlp::bytes),
+                Mlp::Moe { router, shared, shared_gate } => {
+                    router.weight.bytes() + shared.as_ref().map_or(0, DenseMlp::bytes) + shared_gate.as_ref().map_or(0, |g| g.bytes())
+                }
             };
         }
         total as u64
@@ -236,6 +248,16 @@ pub(crate) fn name(template: &str, layer: usize) -> String {
 
 pub(crate) fn vector(ckpt: &Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
     Ok(ckpt.get(name, &[len])?.to_f32())
+}
+
+/// An RMSNorm's scale: its weights, or `1 + w` where the model stores them zero-centred (the
+/// same f32 addition transformers makes).
+pub(crate) fn norm_weight(ckpt: &Checkpoint, spec: &ModelSpec, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    let mut w = vector(ckpt, name, len)?;
+    if spec.rms_norm_unit_offset {
+        w.iter_mut().for_each(|x| *x += 1.0);
+    }
+    Ok(w)
 }
 
 /// A weight matrix as stored (`shimmer_experts::weights`: floats, fp8 with block scales, int8).
@@ -256,9 +278,10 @@ impl Decoder {
         let h = spec.hidden_size;
         let mut layers = Vec::with_capacity(spec.num_layers);
         for l in 0..spec.num_layers {
-            let attention = match &spec.attention.kind {
-                AttentionKind::Gqa => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
-                AttentionKind::Mla(mla) => Attention::Mla(Mla::load(ckpt, spec, mla, l)?),
+            let attention = match (&spec.attention.kind, spec.attention.mixers[l], &spec.attention.gated_delta) {
+                (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
+                (AttentionKind::Mla(mla), _, _) => Attention::Mla(Mla::load(ckpt, spec, mla, l)?),
+                _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
                 LayerMlp::Dense { intermediate_size: i } => {
@@ -285,12 +308,16 @@ impl Decoder {
                         scoring: spec.moe.scoring,
                         top_k: spec.moe.top_k,
                     };
-                    Mlp::Moe { router, shared }
+                    let shared_gate = match spec.expert_names.shared_gate(l) {
+                        Some(g) => Some(Box::new(matrix(ckpt, spec, &g, 1, h)?)),
+                        None => None,
+                    };
+                    Mlp::Moe { router, shared, shared_gate }
                 }
             };
             layers.push(Layer {
-                input_norm: vector(ckpt, &name(names.input_norm, l), h)?,
-                post_attention_norm: vector(ckpt, &name(names.post_attention_norm, l), h)?,
+                input_norm: norm_weight(ckpt, spec, &name(names.input_norm, l), h)?,
+                post_attention_norm: norm_weight(ckpt, spec, &name(names.post_attention_norm, l), h)?,
                 attention,
                 mlp,
             });
@@ -298,7 +325,7 @@ impl Decoder {
         let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, spec, names.lm_head, spec.vocab_size, h)?) };
         Ok(Decoder {
             embed: matrix(ckpt, spec, names.embed, spec.vocab_size, h)?,
-            final_norm: vector(ckpt, names.final_norm, h)?,
+            final_norm: norm_weight(ckpt, spec, names.final_norm, h)?,
             lm_head,
             layers,
             rope: Rope::new(&spec.rope, spec.attention.rotary_dim),
@@ -312,11 +339,12 @@ impl Decoder {
         let a = &spec.attention;
         let (q_norm, k_norm) = match a.qk_norm {
             QkNorm::None => (None, None),
-            QkNorm::PerHead => (Some(vector(ckpt, &name(names.q_norm, l), d)?), Some(vector(ckpt, &name(names.k_norm, l), d)?)),
-            QkNorm::FullProjection => (Some(vector(ckpt, &name(names.q_norm, l), qd)?), Some(vector(ckpt, &name(names.k_norm, l), kvd)?)),
+            QkNorm::PerHead => (Some(norm_weight(ckpt, spec, &name(names.q_norm, l), d)?), Some(norm_weight(ckpt, spec, &name(names.k_norm, l), d)?)),
+            QkNorm::FullProjection => (Some(norm_weight(ckpt, spec, &name(names.q_norm, l), qd)?), Some(norm_weight(ckpt, spec, &name(names.k_norm, l), kvd)?)),
         };
         Ok(Gqa {
-            q: linear(ckpt, spec, &name(names.q, l), qd, h, a.bias)?,
+            // With an output gate, each head's query is followed by its gate.
+            q: linear(ckpt, spec, &name(names.q, l), if a.output_gate { 2 * qd } else { qd }, h, a.bias)?,
             k: linear(ckpt, spec, &name(names.k, l), kvd, h, a.bias)?,
             v: linear(ckpt, spec, &name(names.v, l), kvd, h, a.bias)?,
             o: linear(ckpt, spec, &name(names.o, l), h, qd, a.o_bias)?,
@@ -324,6 +352,7 @@ impl Decoder {
             k_norm,
             window: a.sliding_window[l],
             sinks: if a.sinks { Some(vector(ckpt, &name(names.sinks, l), spec.num_heads)?) } else { None },
+            output_gate: a.output_gate,
         })
     }
 
@@ -337,7 +366,13 @@ impl Decoder {
             AttentionKind::Gqa => (s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim),
             AttentionKind::Mla(m) => (m.kv_lora_rank, m.qk_rope_head_dim),
         };
-        KvCache::new(s.num_layers, k, v, s.max_position_embeddings)
+        let states = (0..s.num_layers)
+            .map(|l| match (s.attention.mixers[l], &s.attention.gated_delta) {
+                (Mixer::GatedDeltaNet, Some(g)) => g.state_floats(),
+                _ => 0,
+            })
+            .collect();
+        KvCache::with_states(states, k, v, s.max_position_embeddings)
     }
 
     /// Runs `tokens` at positions `cache.len()..` and returns logits (`vocab` per returned row).
@@ -412,6 +447,7 @@ impl Decoder {
             match &layer.attention {
                 Attention::Gqa(g) => self.gqa(g, l, &x, &mut rows, &mut proj),
                 Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut proj),
+                Attention::Delta(d) => d.forward(l, &x, &mut rows, &mut proj),
             }
             times.attention += t.elapsed();
             add(&mut h, &proj);
@@ -419,12 +455,18 @@ impl Decoder {
             norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
             match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
-                Mlp::Moe { router, shared } => self.moe(l, router, shared.as_ref(), &x, experts, observer, &mut proj, &mut times)?,
+                Mlp::Moe { router, shared, shared_gate } => {
+                    self.moe(l, router, shared.as_ref().map(|s| (s, shared_gate.as_deref())), &x, experts, observer, &mut proj, &mut times)?
+                }
             }
             add(&mut h, &proj);
         }
         for seg in rows.iter_mut() {
             seg.cache.commit(seg.rows.len());
+            if seg.rows.len() > 1 {
+                // A prompt's end: a recurrent state can come back here.
+                seg.cache.checkpoint();
+            }
         }
 
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -455,7 +497,19 @@ impl Decoder {
         let n = x.len() / hd;
         let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
         let (mut q, mut k, mut v) = (vec![0.0f32; n * qd], vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
-        g.q.forward(x, &mut q);
+        let mut gate = Vec::new();
+        if g.output_gate {
+            // Per head: its query, then its gate.
+            let mut both = vec![0.0f32; n * 2 * qd];
+            g.q.forward(x, &mut both);
+            gate = vec![0.0f32; n * qd];
+            for ((pair, qh), gh) in both.chunks_exact(2 * d).zip(q.chunks_exact_mut(d)).zip(gate.chunks_exact_mut(d)) {
+                qh.copy_from_slice(&pair[..d]);
+                gh.copy_from_slice(&pair[d..]);
+            }
+        } else {
+            g.q.forward(x, &mut q);
+        }
         g.k.forward(x, &mut k);
         g.v.forward(x, &mut v);
         // Per-head norms have head_dim-long weights; full-projection norms span the whole row, so
@@ -486,6 +540,9 @@ impl Decoder {
             let (keys, values) = seg.cache.layer(l, 0..start + r.len());
             attend_rows(&shape, &q[r.start * qd..r.end * qd], start, keys, values, g.window, g.sinks.as_deref(), &mut attn[r.start * qd..r.end * qd]);
         }
+        if g.output_gate {
+            attn.iter_mut().zip(&gate).for_each(|(o, gt)| *o *= ops::sigmoid(*gt));
+        }
         g.o.forward(&attn, out);
     }
 
@@ -503,7 +560,7 @@ impl Decoder {
         &self,
         layer: usize,
         router: &Router,
-        shared: Option<&DenseMlp>,
+        shared: Option<(&DenseMlp, Option<&Matrix>)>,
         x: &[f32],
         experts: &dyn ExpertDispatch,
         observer: &mut dyn MoeObserver,
@@ -538,10 +595,18 @@ impl Decoder {
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
         fixed::to_f32(&acc, out);
-        if let Some(shared) = shared {
+        if let Some((shared, gate)) = shared {
             // transformers adds the shared expert to the routed sum before the residual.
             let mut y = vec![0.0f32; n * hd];
             shared.forward(x, &mut y);
+            if let Some(gate) = gate {
+                let mut g = vec![0.0f32; n];
+                gate.matmul(x, &mut g);
+                for (row, gr) in y.chunks_exact_mut(hd).zip(&g) {
+                    let s = ops::sigmoid(*gr);
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
+            }
             add(out, &y);
         }
         times.experts += t_experts.elapsed();

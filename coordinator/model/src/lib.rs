@@ -16,6 +16,7 @@
 //! hands each MoE layer's rows and selections to an `ExpertDispatch`.
 
 pub mod decoder;
+mod gated_delta;
 pub mod kv_cache;
 pub mod mla;
 pub mod rope;

@@ -56,10 +56,14 @@ impl PrefixCache {
         self.tick += 1;
         self.entries[best].1 = self.tick;
         let mut s = self.entries[best].0.clone();
-        s.cache.truncate(common);
-        s.tokens.truncate(common);
+        // A recurrent model goes back to its last checkpoint at or before `common`.
+        let kept = s.cache.truncate(common);
+        if kept == 0 {
+            return None;
+        }
+        s.tokens.truncate(kept);
         self.hits += 1;
-        self.reused_tokens += common as u64;
+        self.reused_tokens += kept as u64;
         Some(s)
     }
 
@@ -67,6 +71,9 @@ impl PrefixCache {
     /// are dropped (it holds all they hold); then the least recently used go until the budget holds.
     pub fn insert(&mut self, mut session: Session) {
         session.cache.shrink_to_fit();
+        // Where the next turn of this conversation can come back to (a recurrent state's turn
+        // boundary; nothing for attention-only models).
+        session.cache.checkpoint();
         if session.tokens.is_empty() || session.cache.held_bytes() > self.budget_bytes {
             return;
         }
