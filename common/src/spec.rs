@@ -447,15 +447,33 @@ impl ModelSpec {
         let obj = Obj(map);
         let field_err = |e: FieldError| LoadError::Field { path: path.to_path_buf(), field: e.field, problem: e.problem };
         check_bounds(map, CONFIG_BOUNDS, "").map_err(field_err)?;
-        for nested in ["rope_scaling", "rope_parameters"] {
-            if let Some(Value::Object(rope)) = map.get(nested) {
-                check_bounds(rope, ROPE_BOUNDS, &format!("{nested}.")).map_err(field_err)?;
+        // An image-text checkpoint keeps its text model's fields under `text_config`.
+        let text = match map.get("text_config") {
+            Some(Value::Object(text)) => {
+                check_bounds(text, CONFIG_BOUNDS, "text_config.").map_err(field_err)?;
+                Some(text)
+            }
+            _ => None,
+        };
+        for (config, prefix) in std::iter::once((map, "")).chain(text.map(|t| (t, "text_config."))) {
+            for nested in ["rope_scaling", "rope_parameters"] {
+                if let Some(Value::Object(rope)) = config.get(nested) {
+                    check_bounds(rope, ROPE_BOUNDS, &format!("{prefix}{nested}.")).map_err(field_err)?;
+                }
             }
         }
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
-        spec.check().map_err(field_err)?;
+        // Checks across fields name where the field is: in an image-text config, `text_config`.
+        spec.check()
+            .map_err(|e| match text {
+                Some(t) if map.get(&e.field).is_none() && t.get(e.field.split('.').next().unwrap_or_default()).is_some() => {
+                    FieldError::new(&format!("text_config.{}", e.field), e.problem)
+                }
+                _ => e,
+            })
+            .map_err(field_err)?;
         Ok(spec)
     }
 

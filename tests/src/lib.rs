@@ -73,6 +73,10 @@ pub struct Oracle {
     pub chat: Vec<OracleChat>,
     pub chat_error: Option<OracleChatError>,
     pub tokenizer: Vec<OracleTokenizer>,
+    /// For a model with recurrent state, whose oracle is computed in float64: how far
+    /// transformers' own f32 evaluations sit from it (the f32 noise any implementation shows).
+    #[serde(default)]
+    pub reference_f32_error: Option<f32>,
 }
 
 pub fn oracle(name: &str) -> Oracle {

@@ -33,6 +33,22 @@ const NOT_SIZES: &[&str] = &[
     "low_freq_factor",
     "swiglu_alpha",
     "swiglu_limit",
+    // An image-text checkpoint's vision tower and its special tokens: shimmer serves the text
+    // part and reads none of them.
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "depth",
+    "in_channels",
+    "num_heads",
+    "num_position_embeddings",
+    "out_hidden_size",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    // Sections of the multimodal rotary: text positions make them plain rotary.
+    "mrope_section",
     // quantization_config.weight_block_size: bounded where it is parsed.
     "weight_block_size",
 ];

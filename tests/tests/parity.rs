@@ -8,6 +8,13 @@
 //! of magnitude ~1–10 they stay below ~1e-4, measured at under 7e-5 (OLMoE, Mixtral) and 1e-5 (Qwen3-MoE). `LOGIT_TOLERANCE` = 5e-4
 //! leaves room for other CPUs' rounding, while one dropped detail (a missing norm weight,
 //! renormalisation, clip, window) moves logits by 1e-2 or more — the tests below would fail.
+//!
+//! Models with a recurrent state (Gated DeltaNet) carry rounding from token to token: their f32
+//! logits sit ~5e-4–1e-3 from the exact ones, transformers' as well as ours. Their oracle is
+//! computed in float64, and the tolerance is twice what transformers' own f32 evaluations miss it
+//! by (`reference_f32_error`, recorded with the fixture) when that is larger than
+//! `LOGIT_TOLERANCE`: shimmer's f32 must be about as close to the exact answer as transformers'
+//! (measured: Qwen3-Next 0.9e-3 theirs vs ours in `docs/families.md`).
 
 use shimmer_common::chat_template::Message;
 use shimmer_coordinator::engine::{Engine, GenerateOptions};
@@ -15,6 +22,10 @@ use shimmer_coordinator::sampling::SamplingParams;
 use shimmer_tests::{fixture, fixtures, oracle, oracle_logits};
 
 const LOGIT_TOLERANCE: f32 = 5e-4;
+
+fn tolerance(o: &shimmer_tests::Oracle) -> f32 {
+    LOGIT_TOLERANCE.max(2.0 * o.reference_f32_error.unwrap_or(0.0))
+}
 
 fn engine(name: &str) -> Engine {
     Engine::load(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -42,8 +53,9 @@ fn teacher_forced_logits_and_argmax_match_transformers() {
                 }
             }
         }
-        eprintln!("{name}: largest |logit - oracle| = {worst:e}");
-        assert!(worst <= LOGIT_TOLERANCE, "{name}: largest logit difference {worst} > {LOGIT_TOLERANCE}");
+        let tolerance = tolerance(&o);
+        eprintln!("{name}: largest |logit - oracle| = {worst:e} (tolerance {tolerance:e})");
+        assert!(worst <= tolerance, "{name}: largest logit difference {worst} > {tolerance}");
     }
 }
 
@@ -81,7 +93,7 @@ fn scores_match_transformers_logprobs() {
         assert_eq!(s.argmax.len(), ids.len());
         assert_eq!(s.logprobs.len(), ids.len() - 1);
         for (pos, (a, b)) in s.logprobs.iter().zip(&p.logprobs).enumerate() {
-            assert!((a - b).abs() <= 2.0 * LOGIT_TOLERANCE, "{name} position {pos}: logprob {a} vs {b}");
+            assert!((a - b).abs() <= 2.0 * tolerance(&o), "{name} position {pos}: logprob {a} vs {b}");
         }
     }
 }

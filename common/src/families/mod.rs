@@ -14,6 +14,7 @@ mod glm4_moe;
 mod gpt_oss;
 mod mixtral;
 mod olmoe;
+mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
 #[cfg(test)]
@@ -33,8 +34,17 @@ pub struct FamilyDef {
 }
 
 /// Every family shimmer runs.
-pub const FAMILIES: &[&FamilyDef] =
-    &[&olmoe::FAMILY, &qwen3_moe::FAMILY, &mixtral::FAMILY, &deepseek_v3::FAMILY, &glm4_moe::FAMILY, &gpt_oss::FAMILY, &qwen3_next::FAMILY];
+pub const FAMILIES: &[&FamilyDef] = &[
+    &olmoe::FAMILY,
+    &qwen3_moe::FAMILY,
+    &mixtral::FAMILY,
+    &deepseek_v3::FAMILY,
+    &glm4_moe::FAMILY,
+    &gpt_oss::FAMILY,
+    &qwen3_next::FAMILY,
+    &qwen3_5_moe::FAMILY,
+    &qwen3_5_moe::TEXT_FAMILY,
+];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
 pub(crate) fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_topk_prob: bool) -> FieldResult<MoeSpec> {

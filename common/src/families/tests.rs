@@ -193,3 +193,32 @@ fn gpt_oss_defaults_are_gpt_oss_configs() {
     bad["swiglu_limit"] = json!(-1.0);
     assert!(message(parse(bad)).contains("`swiglu_limit`"));
 }
+
+#[test]
+fn qwen3_next_defaults_are_qwen3_next_configs() {
+    let v = json!({
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "max_position_embeddings": 256, "num_experts": 8, "num_experts_per_tok": 2
+    });
+    let s = parse(v.clone()).unwrap();
+    // Every 4th layer full attention, the rest Gated DeltaNet.
+    let full: Vec<usize> = (0..8).filter(|l| s.attention.mixers[*l] == Mixer::Attention).collect();
+    assert_eq!(full, [3, 7]);
+    assert_eq!((s.head_dim, s.num_kv_heads, s.attention.rotary_dim), (256, 2, 64));
+    assert!(s.attention.output_gate && s.rms_norm_unit_offset);
+    let g = s.attention.gated_delta.clone().unwrap();
+    assert_eq!((g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv_kernel), (16, 32, 128, 128, 4));
+    assert_eq!(g.state_floats(), (2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128);
+    assert_eq!(s.moe.shared_intermediate_size, Some(512));
+    assert_eq!(s.moe.scoring, RouterScoring::SoftmaxTopK { norm_topk_prob: true });
+    assert!(s.expert_names.shared_gate.is_some());
+    // full_attention_interval moves the full layers; value heads must group the key heads.
+    let mut every_other = v.clone();
+    every_other["full_attention_interval"] = json!(2);
+    assert_eq!(parse(every_other).unwrap().attention.mixers.iter().filter(|m| **m == Mixer::Attention).count(), 4);
+    let mut bad = v;
+    bad["linear_num_value_heads"] = json!(24);
+    bad["linear_num_key_heads"] = json!(16);
+    assert!(message(parse(bad)).contains("`linear_num_value_heads`"));
+}
