@@ -75,6 +75,9 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "linear_value_head_dim", max: 4096 },
     Bound { field: "linear_num_key_heads", max: 1024 },
     Bound { field: "linear_num_value_heads", max: 1024 },
+    Bound { field: "index_topk", max: MAX_POSITIONS },
+    Bound { field: "index_head_dim", max: 4096 },
+    Bound { field: "index_n_heads", max: 1024 },
 ];
 
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
@@ -180,6 +183,23 @@ pub struct MlaSpec {
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
+    /// DeepSeek Sparse Attention (GLM-5): each query attends only to the keys its indexer picks.
+    pub indexer: Option<IndexerSpec>,
+}
+
+/// DeepSeek Sparse Attention's lightning indexer: per query, `heads` scores `relu(q_h·k_j /
+/// √head_dim)` weighted by a per-row `weights_proj` and summed rank every earlier key `j`; the
+/// `top_k` best (the higher score first, the lower position on a tie) are the keys attention
+/// sees. `k_j` (`head_dim`, after a LayerNorm) is cached per position; the first
+/// `qk_rope_head_dim` dims of q and k rotate (interleaved pairs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexerSpec {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+    /// Per layer: runs its own indexer (`full`), or reuses the choice of the last layer that did
+    /// (`shared`).
+    pub full: Vec<bool>,
 }
 
 impl MlaSpec {
@@ -519,6 +539,17 @@ impl ModelSpec {
         }
         if (self.attention.output_gate || self.attention.mixers.contains(&Mixer::GatedDeltaNet)) && !matches!(self.attention.kind, AttentionKind::Gqa) {
             return Err(FieldError::new("architectures", "gated or linear attention needs grouped-query attention"));
+        }
+        if let AttentionKind::Mla(MlaSpec { indexer: Some(ix), qk_rope_head_dim, .. }) = &self.attention.kind {
+            if ix.full.len() != self.num_layers || ix.full.first() != Some(&true) {
+                return Err(FieldError::new("indexer_types", "one entry per layer, the first \"full\" (a shared layer reuses an earlier choice)"));
+            }
+            if ix.heads == 0 || ix.top_k == 0 || ix.head_dim < *qk_rope_head_dim {
+                return Err(FieldError::new(
+                    "index_head_dim",
+                    format!("{} must hold the {qk_rope_head_dim} rotary dims (and heads, top-k be positive)", ix.head_dim),
+                ));
+            }
         }
         if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa) {
             return Err(FieldError::new("architectures", "attention sinks need grouped-query attention"));

@@ -76,9 +76,15 @@ pub fn save(path: &Path, engine: &Engine, session: &Session, history: &[u32], me
             buf.extend_from_slice(&x.to_le_bytes());
         }
     }
-    // Recurrent layers (linear attention) hold a state instead of keys and values.
+    // Recurrent layers (linear attention) hold a state instead of keys and values; sparse
+    // attention's indexer layers also hold their indexer keys.
     for layer in 0..engine.spec.num_layers {
         for x in session.cache.state(layer) {
+            buf.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    for layer in 0..engine.spec.num_layers {
+        for x in session.cache.aux(layer, 0..session.cache.len()) {
             buf.extend_from_slice(&x.to_le_bytes());
         }
     }
@@ -119,9 +125,11 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     let (k_width, v_width) = blank.widths();
     let state_floats: Vec<usize> = (0..engine.spec.num_layers).map(|l| blank.state_floats(l)).collect();
     let attention_layers = state_floats.iter().filter(|n| **n == 0).count();
+    let aux_per_position: usize = (0..engine.spec.num_layers).map(|l| blank.aux_width(l)).sum();
     let most = (attention_layers as u64)
         .saturating_mul(engine.spec.max_position_embeddings as u64)
         .saturating_mul((k_width + v_width) as u64 * 4)
+        .saturating_add((aux_per_position as u64).saturating_mul(engine.spec.max_position_embeddings as u64) * 4)
         .saturating_add(state_floats.iter().sum::<usize>() as u64 * 4)
         .saturating_add(20 + MAX_HEADER as u64);
     if len > most {
@@ -160,7 +168,7 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
     if header.cached > header.history.len() || header.cached > engine.spec.max_position_embeddings {
         return Err(invalid(path, "cached positions exceed the history or the context"));
     }
-    let floats = attention_layers * header.cached * (k_width + v_width) + state_floats.iter().sum::<usize>();
+    let floats = attention_layers * header.cached * (k_width + v_width) + state_floats.iter().sum::<usize>() + aux_per_position * header.cached;
     let data = &body[12 + n..];
     if data.len() != floats * 4 {
         return Err(invalid(path, format!("{} bytes of cache, expected {}", data.len(), floats * 4)));
@@ -181,6 +189,10 @@ pub fn load(path: &Path, engine: &Engine) -> Result<Option<Saved>, SessionError>
         if !session.cache.set_state(layer, &s) {
             return Err(invalid(path, format!("layer {layer}'s recurrent state is cut short")));
         }
+    }
+    for layer in 0..header.layers {
+        let a: Vec<f32> = values.by_ref().take(c * session.cache.aux_width(layer)).collect();
+        session.cache.append_aux(layer, &a);
     }
     session.cache.commit(c);
     // The restored length is a turn boundary a recurrent state can come back to.

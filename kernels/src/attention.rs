@@ -228,6 +228,55 @@ pub fn attend_latent_rows(
     }
 }
 
+/// `attend_latent_rows` where row `r` (vectors `r·heads..(r+1)·heads`) sees only the positions
+/// `selected[r]` (ascending, non-empty): DeepSeek Sparse Attention. The same canonical order over
+/// the keys a row sees, so selecting every earlier key gives `attend_latent_rows`' bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_latent_selected(
+    q_lat: &[f32],
+    q_rot: &[f32],
+    (rank, rope): (usize, usize),
+    heads: usize,
+    selected: &[Vec<usize>],
+    latents: &[f32],
+    rots: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    for (row, keys) in selected.iter().enumerate() {
+        let Some(last) = keys.len().checked_sub(1) else {
+            out[row * heads * rank..(row + 1) * heads * rank].iter_mut().for_each(|x| *x = 0.0);
+            continue;
+        };
+        let mut h0 = 0;
+        while h0 < heads {
+            let k = TILE.min(heads - h0);
+            let v0 = row * heads + h0;
+            let (mut ql, mut qr): ([&[f32]; TILE], [&[f32]; TILE]) = ([&[]; TILE], [&[]; TILE]);
+            for t in 0..k {
+                ql[t] = &q_lat[(v0 + t) * rank..(v0 + t + 1) * rank];
+                qr[t] = &q_rot[(v0 + t) * rope..(v0 + t + 1) * rope];
+            }
+            online_tile(
+                &[last; TILE][..k],
+                |j, s| {
+                    let p = keys[j];
+                    let mut r = [0.0f32; TILE];
+                    scores_of(&latents[p * rank..(p + 1) * rank], &ql[..k], s);
+                    scores_of(&rots[p * rope..(p + 1) * rope], &qr[..k], &mut r);
+                    for t in 0..k {
+                        s[t] = (s[t] + r[t]) * scale;
+                    }
+                },
+                |j| &latents[keys[j] * rank..(keys[j] + 1) * rank],
+                None,
+                &mut out[v0 * rank..(v0 + k) * rank],
+            );
+            h0 += k;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,6 +385,36 @@ mod tests {
         attend_rows(&shape, &q, first, &keys, &values, None, None, &mut plain);
         attend_rows(&shape, &q, first, &keys, &values, None, Some(&[f32::NEG_INFINITY; 4]), &mut neg);
         assert_eq!(bits(&plain), bits(&neg));
+    }
+
+    #[test]
+    fn selected_latent_attention_sees_only_its_keys_and_all_keys_give_the_dense_bits() {
+        let (rank, rope, heads, n) = (6, 4, 5, 40);
+        let q_lat: Vec<f32> = (0..n * heads * rank).map(|i| f(i + 7)).collect();
+        let q_rot: Vec<f32> = (0..n * heads * rope).map(|i| f(i + 40_000)).collect();
+        let lat: Vec<f32> = (0..n * rank).map(|i| f(i + 300)).collect();
+        let rot: Vec<f32> = (0..n * rope).map(|i| f(i + 900)).collect();
+        let mut dense = vec![0.0; n * heads * rank];
+        attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, 0, &lat, &rot, 0.3, &mut dense);
+        let all: Vec<Vec<usize>> = (0..n).map(|r| (0..=r).collect()).collect();
+        let mut got = vec![0.0; n * heads * rank];
+        attend_latent_selected(&q_lat, &q_rot, (rank, rope), heads, &all, &lat, &rot, 0.3, &mut got);
+        assert_eq!(bits(&got), bits(&dense));
+        // Every third earlier key (and never the row itself): attention over exactly those.
+        let some: Vec<Vec<usize>> = (0..n).map(|r| (0..=r).filter(|j| j % 3 == 1 || *j == 0).filter(|j| *j != r || r == 0).collect()).collect();
+        attend_latent_selected(&q_lat, &q_rot, (rank, rope), heads, &some, &lat, &rot, 0.3, &mut got);
+        for v in 0..n * heads {
+            let keys_of_row = &some[v / heads];
+            let q: Vec<f32> = q_lat[v * rank..(v + 1) * rank].iter().chain(&q_rot[v * rope..(v + 1) * rope]).copied().collect();
+            let keys: Vec<Vec<f32>> =
+                keys_of_row.iter().map(|j| lat[j * rank..(j + 1) * rank].iter().chain(&rot[j * rope..(j + 1) * rope]).copied().collect()).collect();
+            let ks: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+            let vs: Vec<&[f32]> = keys_of_row.iter().map(|j| &lat[j * rank..(j + 1) * rank]).collect();
+            let want = reference::attend_head(&q, &ks, &vs, 0.3);
+            for (a, b) in got[v * rank..(v + 1) * rank].iter().zip(want) {
+                assert!((a - b).abs() < 1e-5, "vector {v}: {a} vs {b}");
+            }
+        }
     }
 
     #[test]

@@ -30,7 +30,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig, MixtralConfig,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -163,7 +163,7 @@ def margins(logits):
 
 def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
          extra_eos=None, prompts=PROMPTS, f32_routers=False, bos_token="<s>", eos_token="<|im_end|>", adjust=None,
-         model_class=None):
+         model_class=None, check=None):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -197,6 +197,8 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
             json.dump(tc, open(tc_path, "w"), indent=2)
             os.remove(os.path.join(d, "chat_template.jinja"))
         ok, record, tensors = oracle(d, prompts)
+        if ok and check is not None:
+            ok = check(d, record)
         if ok:
             break
         print(f"{name}: seed {seed + attempt} gives EOS or a near-tie on a greedy path; trying the next", file=sys.stderr)
@@ -462,6 +464,8 @@ def main():
         make_qwen3_next(lines)
     if only in (None, "qwen3_5_moe"):
         make_qwen3_5_moe(lines)
+    if only in (None, "glm_moe_dsa"):
+        make_glm_moe_dsa(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -644,6 +648,63 @@ def make_qwen3_5_moe(lines):
     # an f32 fixture would be another model.
     make("qwen3_5_moe_text", text, dtype=torch.bfloat16, std=0.25, seed=1100, tokenizer=tok, template=META,
          template_in_config=False)
+
+
+
+INDEX_MARGIN = 1e-5  # relative gap required between the k-th and (k+1)-th indexer scores (f32 rounding: ~1e-7)
+
+
+def indexer_selections_are_clear(d, record):
+    """True when every DSA indexer choice on every prompt (and its continuation) is clear: no key
+    that could tie the k-th selected one (transformers' top-k breaks ties arbitrarily, and an f32
+    rounding difference could swap near-tied keys)."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as mod
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    gaps = []
+    original_topk = torch.Tensor.topk
+
+    def watching_topk(t, k, *args, **kwargs):
+        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:  # the indexer's [B, S, T] scores
+            finite = t[0]
+            for row in range(finite.shape[0]):
+                causal = finite[row, : row + 1]
+                if causal.numel() > k:
+                    top = torch.sort(causal, descending=True).values
+                    gaps.append(((top[k - 1] - top[k]) / top[k - 1].abs().clamp(min=1e-6)).item())
+        return original_topk(t, k, *args, **kwargs)
+
+    torch.Tensor.topk = watching_topk
+    try:
+        with torch.no_grad():
+            for p in record["prompts"]:
+                model(torch.tensor([p["ids"] + p["greedy"]]))
+    finally:
+        torch.Tensor.topk = original_topk
+    record["indexer_min_gap"] = min(gaps) if gaps else None
+    print(f"indexer: {len(gaps)} selections, smallest relative gap {record['indexer_min_gap']}", file=sys.stderr)
+    return bool(gaps) and min(gaps) > INDEX_MARGIN
+
+
+def make_glm_moe_dsa(lines):
+    # GLM-5 (glm_moe_dsa): MLA with interleaved rotary and DeepSeek Sparse Attention — a lightning
+    # indexer (16 heads of 16, a LayerNorm'd key cached per position) picks each query's top 6
+    # keys, fewer than every prompt holds; the middle layer reuses the first layer's choice
+    # (`indexer_types` shared); the first layer dense; sigmoid group-limited routing with a random
+    # correction bias and a shared expert; bf16. Seeds are accepted only when every indexer choice
+    # is clear of ties (`indexer_selections_are_clear`).
+    tok = train_tokenizer(lines, 512, bos=False)
+    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    make("glm_moe_dsa", GlmMoeDsaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5, index_topk=6, index_head_dim=16,
+        index_n_heads=16, indexer_types=["full", "shared", "full"], tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=[end, im_end], pad_token_id=0, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dtype=torch.bfloat16, std=0.25, seed=1200, tokenizer=tok, template=CHATML, template_in_config=False,
+        check=indexer_selections_are_clear)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             qk_nope_head_dim: obj.positive("qk_nope_head_dim")?,
             qk_rope_head_dim: obj.positive("qk_rope_head_dim")?,
             v_head_dim: obj.positive("v_head_dim")?,
+            indexer: None,
         };
         if mla.q_lora_rank == Some(0) {
             return Err(FieldError::new("q_lora_rank", "must be greater than zero, or null for a plain q_proj"));

@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod glm_moe_dsa;
 mod gpt_oss;
 mod mixtral;
 mod olmoe;
@@ -44,6 +45,7 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &qwen3_next::FAMILY,
     &qwen3_5_moe::FAMILY,
     &qwen3_5_moe::TEXT_FAMILY,
+    &glm_moe_dsa::FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.

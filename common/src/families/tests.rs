@@ -222,3 +222,32 @@ fn qwen3_next_defaults_are_qwen3_next_configs() {
     bad["linear_num_key_heads"] = json!(16);
     assert!(message(parse(bad)).contains("`linear_num_value_heads`"));
 }
+
+#[test]
+fn glm_moe_dsa_defaults_are_glm_moe_dsa_configs() {
+    let v = json!({
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "max_position_embeddings": 256, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12
+    });
+    let s = parse(v.clone()).unwrap();
+    let AttentionKind::Mla(m) = &s.attention.kind else { panic!("MLA") };
+    let ix = m.indexer.clone().unwrap();
+    assert_eq!((ix.heads, ix.head_dim, ix.top_k), (32, 128, 2048));
+    assert_eq!(ix.full, vec![true; 4]);
+    assert!(s.attention.rope_interleave);
+    // The first three layers dense (first_k_dense_replace 3), then MoE; mlp_layer_types overrides.
+    assert_eq!(s.layers.iter().filter(|l| **l == LayerMlp::Moe).count(), 1);
+    let mut typed = v.clone();
+    typed["mlp_layer_types"] = json!(["dense", "sparse", "sparse", "sparse"]);
+    typed["indexer_types"] = json!(["full", "shared", "shared", "full"]);
+    let t = parse(typed).unwrap();
+    assert_eq!(t.layers.iter().filter(|l| **l == LayerMlp::Moe).count(), 3);
+    let AttentionKind::Mla(m) = &t.attention.kind else { panic!("MLA") };
+    assert_eq!(m.indexer.as_ref().unwrap().full, [true, false, false, true]);
+    // A shared first layer has no choice to reuse.
+    let mut bad = v;
+    bad["indexer_types"] = json!(["shared", "full", "full", "full"]);
+    assert!(message(parse(bad)).contains("`indexer_types`"));
+}

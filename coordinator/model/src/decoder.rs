@@ -96,9 +96,11 @@ struct Gqa {
     output_gate: bool,
 }
 
+// One per layer, built once at load: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Attention {
     Gqa(Gqa),
-    Mla(Mla),
+    Mla(Box<Mla>),
     Delta(GatedDelta),
 }
 
@@ -280,7 +282,7 @@ impl Decoder {
         for l in 0..spec.num_layers {
             let attention = match (&spec.attention.kind, spec.attention.mixers[l], &spec.attention.gated_delta) {
                 (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
-                (AttentionKind::Mla(mla), _, _) => Attention::Mla(Mla::load(ckpt, spec, mla, l)?),
+                (AttentionKind::Mla(mla), _, _) => Attention::Mla(Box::new(Mla::load(ckpt, spec, mla, l)?)),
                 _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
@@ -372,7 +374,16 @@ impl Decoder {
                 _ => 0,
             })
             .collect();
-        KvCache::with_states(states, k, v, s.max_position_embeddings)
+        let mut cache = KvCache::with_states(states, k, v, s.max_position_embeddings);
+        // DeepSeek Sparse Attention: each full indexer layer caches its indexer keys.
+        if let AttentionKind::Mla(shimmer_common::spec::MlaSpec { indexer: Some(ix), .. }) = &s.attention.kind {
+            for (l, full) in ix.full.iter().enumerate() {
+                if *full {
+                    cache = cache.with_aux(l, ix.head_dim);
+                }
+            }
+        }
+        cache
     }
 
     /// Runs `tokens` at positions `cache.len()..` and returns logits (`vocab` per returned row).
@@ -441,12 +452,14 @@ impl Decoder {
         let mut proj = vec![0.0f32; n * hd];
         let t_start = std::time::Instant::now();
         let mut times = PhaseTimes::default();
+        // DeepSeek Sparse Attention: the last full indexer layer's choice, per row.
+        let mut selection: super::mla::Selection = None;
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
             let t = std::time::Instant::now();
             match &layer.attention {
                 Attention::Gqa(g) => self.gqa(g, l, &x, &mut rows, &mut proj),
-                Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut proj),
+                Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut selection, &mut proj),
                 Attention::Delta(d) => d.forward(l, &x, &mut rows, &mut proj),
             }
             times.attention += t.elapsed();

@@ -4,6 +4,9 @@
 //! in each slot; MLA stores the compressed latent in the key slot and the shared rotary key in the
 //! value slot.
 //!
+//! A layer may also keep an auxiliary slot per position (DeepSeek Sparse Attention's indexer
+//! keys), truncated and committed with the keys and values.
+//!
 //! A recurrent state cannot rewind, so it keeps snapshots ("checkpoints") at chosen lengths — the
 //! ends of prompts and of generations, that is, turn boundaries — and `truncate` goes back to the
 //! longest checkpoint that fits, telling the caller how much it kept.
@@ -23,6 +26,9 @@ pub struct KvCache {
     len: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// Per layer: values per position of its auxiliary slot (0: none), and the slot.
+    aux_width: Vec<usize>,
+    aux: Vec<Vec<f32>>,
     /// Per layer: the recurrent state (empty for attention layers).
     states: Vec<Vec<f32>>,
     /// Per layer: the state a forward pass wrote, which `commit` makes the state.
@@ -47,10 +53,35 @@ impl KvCache {
             len: 0,
             keys: vec![Vec::new(); layers],
             values: vec![Vec::new(); layers],
+            aux_width: vec![0; layers],
+            aux: vec![Vec::new(); layers],
             states: state_floats.iter().map(|n| vec![0.0; *n]).collect(),
             written: vec![None; layers],
             checkpoints: Vec::new(),
         }
+    }
+
+    /// Gives layer `layer` an auxiliary slot of `width` values per position.
+    pub fn with_aux(mut self, layer: usize, width: usize) -> Self {
+        self.aux_width[layer] = width;
+        self
+    }
+
+    /// Values per position of `layer`'s auxiliary slot (0: it has none).
+    pub fn aux_width(&self, layer: usize) -> usize {
+        self.aux_width[layer]
+    }
+
+    /// Appends `layer`'s auxiliary values for the positions `append` is adding.
+    pub fn append_aux(&mut self, layer: usize, values: &[f32]) {
+        self.aux[layer].truncate(self.len * self.aux_width[layer]);
+        self.aux[layer].extend_from_slice(values);
+    }
+
+    /// `layer`'s auxiliary slot for positions `range` (appended, not yet committed, included).
+    pub fn aux(&self, layer: usize, range: std::ops::Range<usize>) -> &[f32] {
+        let w = self.aux_width[layer];
+        &self.aux[layer][range.start * w..range.end * w]
     }
 
     /// Values per position per layer, (key slot, value slot).
@@ -96,6 +127,9 @@ impl KvCache {
         for (k, v) in self.keys.iter_mut().zip(&mut self.values) {
             k.truncate(self.len * self.k_width);
             v.truncate(self.len * self.v_width);
+        }
+        for (a, w) in self.aux.iter_mut().zip(&self.aux_width) {
+            a.truncate(self.len * w);
         }
         self.written.iter_mut().for_each(|w| *w = None);
         self.len
@@ -172,7 +206,7 @@ impl KvCache {
     /// Gives back the room the slots grew into beyond the positions held (a cache kept for reuse
     /// should hold only what it counts).
     pub fn shrink_to_fit(&mut self) {
-        self.keys.iter_mut().chain(&mut self.values).for_each(|v| v.shrink_to_fit());
+        self.keys.iter_mut().chain(&mut self.values).chain(&mut self.aux).for_each(|v| v.shrink_to_fit());
     }
 
     fn state_bytes(&self) -> usize {
@@ -182,11 +216,11 @@ impl KvCache {
 
     /// Bytes the slots hold in memory, room to grow included (`bytes` counts the positions).
     pub fn held_bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|v| v.capacity() * 4).sum::<usize>() + self.state_bytes()
+        self.keys.iter().chain(&self.values).chain(&self.aux).map(|v| v.capacity() * 4).sum::<usize>() + self.state_bytes()
     }
 
     pub fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|v| v.len() * 4).sum::<usize>() + self.state_bytes()
+        self.keys.iter().chain(&self.values).chain(&self.aux).map(|v| v.len() * 4).sum::<usize>() + self.state_bytes()
     }
 }
 

@@ -6,10 +6,14 @@
 //! absorbed form for prefill and decode alike: each head's key up-projection W_UK is folded into
 //! its query (q_lat = W_UKᵀ q_nope), scores are q_lat·c + q_rot·k_rot, and W_UV is applied to the
 //! probability-weighted latent afterwards, so full keys and values are never materialised.
+//!
+//! With DeepSeek Sparse Attention (GLM-5) a lightning indexer picks, per query row, the `top_k`
+//! earlier positions it may attend to (its keys cached in the layer's auxiliary slot); a
+//! `shared` layer takes the choice the last full layer made for the same row.
 
-use shimmer_common::spec::{MlaSpec, ModelSpec};
+use shimmer_common::spec::{IndexerSpec, MlaSpec, ModelSpec};
 use shimmer_common::{Checkpoint, LoadError};
-use shimmer_kernels::attention::attend_latent_rows;
+use shimmer_kernels::attention::{attend_latent_rows, attend_latent_selected};
 use shimmer_kernels::{ops, Matrix};
 
 use super::decoder::{linear, matrix, name, norm_rows, vector, Linear, SegmentRows};
@@ -17,6 +21,25 @@ use super::rope::Rope;
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with the RMSNorm default, not the config's eps.
 const LORA_NORM_EPS: f32 = 1e-6;
+/// The indexer key's LayerNorm epsilon (fixed in transformers).
+const INDEX_NORM_EPS: f32 = 1e-6;
+
+/// A full layer's lightning indexer.
+struct Indexer {
+    shape: IndexerSpec,
+    /// `heads·head_dim × q_lora_rank`, from the normalised low-rank query.
+    wq_b: Matrix,
+    /// `head_dim × hidden`.
+    wk: Matrix,
+    k_norm_weight: Vec<f32>,
+    k_norm_bias: Vec<f32>,
+    /// `heads × hidden`: each row's per-head weights.
+    weights: Matrix,
+}
+
+/// Per row of a forward pass, the positions its attention sees (DSA), as the last full indexer
+/// layer chose them.
+pub(crate) type Selection = Option<Vec<Vec<usize>>>;
 
 enum Query {
     Plain(Linear),
@@ -34,6 +57,9 @@ pub struct Mla {
     /// Per head, W_UKᵀ (`kv_lora_rank × qk_nope_head_dim`, f32) for absorbing into the query.
     uk_t: Vec<Matrix>,
     o: Linear,
+    indexer: Option<Indexer>,
+    /// Attention is sparse (a DSA model): this layer attends to the selection only.
+    sparse: bool,
 }
 
 impl Mla {
@@ -43,7 +69,8 @@ impl Mla {
             Query::Plain(l) => l.bytes(),
             Query::LowRank { a, b, .. } => a.bytes() + b.bytes(),
         };
-        q + self.kv_a.bytes() + self.kv_b.bytes() + self.uk_t.iter().map(Matrix::bytes).sum::<usize>() + self.o.bytes()
+        let indexer = self.indexer.as_ref().map_or(0, |ix| ix.wq_b.bytes() + ix.wk.bytes() + ix.weights.bytes());
+        q + self.kv_a.bytes() + self.kv_b.bytes() + self.uk_t.iter().map(Matrix::bytes).sum::<usize>() + self.o.bytes() + indexer
     }
 
     pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, dims: &MlaSpec, l: usize) -> Result<Self, LoadError> {
@@ -83,17 +110,47 @@ impl Mla {
             kv_b,
             uk_t,
             o: linear(ckpt, spec, &at("o_proj"), h, heads * v, spec.attention.o_bias)?,
+            indexer: match (&dims.indexer, dims.q_lora_rank) {
+                (Some(ix), Some(r)) if ix.full[l] => Some(Indexer {
+                    shape: ix.clone(),
+                    wq_b: matrix(ckpt, spec, &at("indexer.wq_b.weight"), ix.heads * ix.head_dim, r)?,
+                    wk: matrix(ckpt, spec, &at("indexer.wk.weight"), ix.head_dim, h)?,
+                    k_norm_weight: vector(ckpt, &at("indexer.k_norm.weight"), ix.head_dim)?,
+                    k_norm_bias: vector(ckpt, &at("indexer.k_norm.bias"), ix.head_dim)?,
+                    weights: matrix(ckpt, spec, &at("indexer.weights_proj.weight"), ix.heads, h)?,
+                }),
+                (Some(_), None) => {
+                    return Err(LoadError::Tensor {
+                        path: ckpt.dir().to_path_buf(),
+                        tensor: at("q_a_proj"),
+                        problem: "a sparse-attention indexer needs q_lora_rank".into(),
+                    })
+                }
+                _ => None,
+            },
+            sparse: dims.indexer.is_some(),
         })
     }
 
     /// Attention of every segment's rows (projections over all rows at once; rotary positions,
     /// cache and attention per segment), appending their latents to each segment's cache.
-    pub(crate) fn forward(&self, spec: &ModelSpec, rope: &Rope, l: usize, x: &[f32], segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        spec: &ModelSpec,
+        rope: &Rope,
+        l: usize,
+        x: &[f32],
+        segments: &mut [SegmentRows<'_>],
+        selection: &mut Selection,
+        out: &mut [f32],
+    ) {
         let d = &self.dims;
         let (rank, nope, rot, vd) = (d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim);
         let qk = nope + rot;
         let n = x.len() / spec.hidden_size;
         let mut q = vec![0.0f32; n * self.heads * qk];
+        let mut q_resid = Vec::new();
         match &self.q {
             Query::Plain(p) => p.forward(x, &mut q),
             Query::LowRank { a, norm, b } => {
@@ -102,7 +159,11 @@ impl Mla {
                 let mut normed = vec![0.0f32; qa.len()];
                 norm_rows(&qa, norm, LORA_NORM_EPS, &mut normed);
                 b.matmul(&normed, &mut q);
+                q_resid = normed;
             }
+        }
+        if let Some(ix) = &self.indexer {
+            *selection = Some(self.select(ix, spec, rope, l, x, &q_resid, segments));
         }
         let mut ckv = vec![0.0f32; n * (rank + rot)];
         self.kv_a.forward(x, &mut ckv);
@@ -143,17 +204,30 @@ impl Mla {
             seg.cache.append(l, &latents[r.start * rank..r.end * rank], &rots[r.start * rot..r.end * rot]);
             let (lat, rts) = seg.cache.layer(l, 0..seg.start + r.len());
             let (v0, v1) = (r.start * hs, r.end * hs);
-            attend_latent_rows(
-                &q_lat[v0 * rank..v1 * rank],
-                &q_rot[v0 * rot..v1 * rot],
-                (rank, rot),
-                hs,
-                seg.start,
-                lat,
-                rts,
-                spec.attention.scale,
-                &mut o_lat[v0 * rank..v1 * rank],
-            );
+            match selection.as_ref().filter(|_| self.sparse) {
+                Some(chosen) => attend_latent_selected(
+                    &q_lat[v0 * rank..v1 * rank],
+                    &q_rot[v0 * rot..v1 * rot],
+                    (rank, rot),
+                    hs,
+                    &chosen[r.clone()],
+                    lat,
+                    rts,
+                    spec.attention.scale,
+                    &mut o_lat[v0 * rank..v1 * rank],
+                ),
+                None => attend_latent_rows(
+                    &q_lat[v0 * rank..v1 * rank],
+                    &q_rot[v0 * rot..v1 * rot],
+                    (rank, rot),
+                    hs,
+                    seg.start,
+                    lat,
+                    rts,
+                    spec.attention.scale,
+                    &mut o_lat[v0 * rank..v1 * rank],
+                ),
+            }
         }
         let mut attn = vec![0.0f32; vectors * vd];
         for v in 0..vectors {
@@ -161,5 +235,71 @@ impl Mla {
             self.kv_b.matvec_rows(first..first + vd, &o_lat[v * rank..(v + 1) * rank], &mut attn[v * vd..(v + 1) * vd]);
         }
         self.o.forward(&attn, out);
+    }
+
+    /// The indexer's choice for every row: its keys appended to each segment's cache, then per
+    /// row the `top_k` earlier positions by index score (the higher score first, the lower
+    /// position on a tie), ascending; every position when there are no more than `top_k`.
+    #[allow(clippy::too_many_arguments)]
+    fn select(&self, ix: &Indexer, spec: &ModelSpec, rope: &Rope, l: usize, x: &[f32], q_resid: &[f32], segments: &mut [SegmentRows<'_>]) -> Vec<Vec<usize>> {
+        let IndexerSpec { heads, head_dim: d, top_k, .. } = ix.shape;
+        let rot = self.dims.qk_rope_head_dim;
+        let n = x.len() / spec.hidden_size;
+        let mut q = vec![0.0f32; n * heads * d];
+        ix.wq_b.matmul(q_resid, &mut q);
+        let mut k = vec![0.0f32; n * d];
+        ix.wk.matmul(x, &mut k);
+        let mut w = vec![0.0f32; n * heads];
+        ix.weights.matmul(x, &mut w);
+        let head_weight = (heads as f32).powf(-0.5);
+        w.iter_mut().for_each(|v| *v *= head_weight);
+        let scale = (d as f32).powf(-0.5);
+        let (mut cos, mut sin) = (vec![0.0f32; rot / 2], vec![0.0f32; rot / 2]);
+        let mut chosen = vec![Vec::new(); n];
+        let mut scores = Vec::new();
+        for seg in segments.iter_mut() {
+            for i in seg.rows.clone() {
+                layer_norm(&mut k[i * d..(i + 1) * d], &ix.k_norm_weight, &ix.k_norm_bias);
+                rope.cos_sin(seg.start + i - seg.rows.start, &mut cos, &mut sin);
+                ops::rope_interleaved(&mut k[i * d..i * d + rot], &cos, &sin);
+                for head in q[i * heads * d..(i + 1) * heads * d].chunks_exact_mut(d) {
+                    ops::rope_interleaved(&mut head[..rot], &cos, &sin);
+                }
+            }
+            let r = seg.rows.clone();
+            seg.cache.append_aux(l, &k[r.start * d..r.end * d]);
+            let keys = seg.cache.aux(l, 0..seg.start + r.len());
+            for i in r.clone() {
+                let pos = seg.start + i - r.start;
+                scores.clear();
+                for key in keys[..(pos + 1) * d].chunks_exact(d) {
+                    let mut total = 0.0f32;
+                    for (qh, wh) in q[i * heads * d..(i + 1) * heads * d].chunks_exact(d).zip(&w[i * heads..(i + 1) * heads]) {
+                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
+                        total += wh * (dot * scale).max(0.0);
+                    }
+                    scores.push(total);
+                }
+                let mut order: Vec<usize> = (0..=pos).collect();
+                if order.len() > top_k {
+                    order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b)));
+                    order.truncate(top_k);
+                    order.sort_unstable();
+                }
+                chosen[i] = order;
+            }
+        }
+        chosen
+    }
+}
+
+/// `x = (x − mean) / √(var + ε) · w + b` (torch's LayerNorm, population variance).
+fn layer_norm(x: &mut [f32], weight: &[f32], bias: &[f32]) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let inv = 1.0 / (var + INDEX_NORM_EPS).sqrt();
+    for ((v, w), b) in x.iter_mut().zip(weight).zip(bias) {
+        *v = (*v - mean) * inv * w + b;
     }
 }
