@@ -76,6 +76,12 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "linear_num_key_heads", max: 1024 },
     Bound { field: "linear_num_value_heads", max: 1024 },
     Bound { field: "index_topk", max: MAX_POSITIONS },
+    Bound { field: "model_max_length", max: MAX_POSITIONS },
+    Bound { field: "num_expert_group", max: MAX_EXPERTS },
+    Bound { field: "num_experts_per_token", max: MAX_TOP_K },
+    Bound { field: "num_shared_experts", max: MAX_TOP_K },
+    Bound { field: "linear_head_dim", max: 4096 },
+    Bound { field: "linear_num_heads", max: 1024 },
     Bound { field: "index_head_dim", max: 4096 },
     Bound { field: "index_n_heads", max: 1024 },
 ];
@@ -101,7 +107,7 @@ pub struct DenseNames {
     pub k_norm: &'static str,
     /// Per-head attention sink logits (`AttentionSpec::sinks`).
     pub sinks: &'static str,
-    /// Where a Gated DeltaNet layer's tensors live (`{prefix}.conv1d.weight`, …).
+    /// Where a linear-attention layer's tensors live (`{prefix}.conv1d.weight`, …).
     pub linear_attn: &'static str,
     /// A dense layer's MLP.
     pub mlp_gate: &'static str,
@@ -213,7 +219,8 @@ impl MlaSpec {
 pub enum Mixer {
     /// Softmax attention over a KV cache (`AttentionSpec::kind`).
     Attention,
-    /// Gated DeltaNet (Qwen3-Next, Qwen3.5): a recurrent state per sequence (`GatedDeltaSpec`).
+    /// Gated DeltaNet (Qwen3-Next, Qwen3.5) or Kimi Delta Attention (Kimi Linear): a recurrent
+    /// state per sequence (`GatedDeltaSpec`).
     GatedDeltaNet,
 }
 
@@ -226,6 +233,11 @@ pub enum DeltaProjections {
     /// Qwen3.5: `in_proj_qkv` (all queries, all keys, all values), `in_proj_z`, `in_proj_b`,
     /// `in_proj_a`.
     Separate,
+    /// Kimi Delta Attention (Kimi Linear): `q_proj`, `k_proj`, `v_proj` with their own
+    /// convolutions (`q_conv1d`, …); a decay per key channel from a low-rank forget gate
+    /// (`f_a_proj`, `f_b_proj`, `dt_bias` per channel, `A_log` per head); `b_proj`; a low-rank
+    /// output gate (`g_a_proj`, `g_b_proj`) through a sigmoid.
+    Kimi,
 }
 
 /// Gated DeltaNet: per value head a `key_dim × value_dim` state, decayed by `exp(g)` and
@@ -288,6 +300,8 @@ pub struct AttentionSpec {
     pub mixers: Vec<Mixer>,
     /// The Gated DeltaNet layers' shape, when any layer is one.
     pub gated_delta: Option<GatedDeltaSpec>,
+    /// No positional encoding at all (Kimi Linear's MLA layers): the rotary part does not rotate.
+    pub no_rope: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -485,8 +499,13 @@ impl ModelSpec {
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
-        // Checks across fields name where the field is: in an image-text config, `text_config`.
+        // Checks across fields name where the field is: in an image-text config, `text_config`;
+        // in the family's own spelling.
         spec.check()
+            .map_err(|e| match entry.spellings.iter().find(|(ours, _)| e.field == *ours && map.get(*ours).is_none()) {
+                Some((_, theirs)) => FieldError::new(theirs, e.problem),
+                None => e,
+            })
             .map_err(|e| match text {
                 Some(t) if map.get(&e.field).is_none() && t.get(e.field.split('.').next().unwrap_or_default()).is_some() => {
                     FieldError::new(&format!("text_config.{}", e.field), e.problem)
@@ -537,8 +556,8 @@ impl ModelSpec {
                 ));
             }
         }
-        if (self.attention.output_gate || self.attention.mixers.contains(&Mixer::GatedDeltaNet)) && !matches!(self.attention.kind, AttentionKind::Gqa) {
-            return Err(FieldError::new("architectures", "gated or linear attention needs grouped-query attention"));
+        if self.attention.output_gate && !matches!(self.attention.kind, AttentionKind::Gqa) {
+            return Err(FieldError::new("architectures", "an attention output gate needs grouped-query attention"));
         }
         if let AttentionKind::Mla(MlaSpec { indexer: Some(ix), qk_rope_head_dim, .. }) = &self.attention.kind {
             if ix.full.len() != self.num_layers || ix.full.first() != Some(&true) {

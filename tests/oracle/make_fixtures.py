@@ -30,7 +30,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig, MixtralConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig,
+                          KimiLinearConfig, MixtralConfig,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -466,6 +467,8 @@ def main():
         make_qwen3_5_moe(lines)
     if only in (None, "glm_moe_dsa"):
         make_glm_moe_dsa(lines)
+    if only in (None, "kimi_linear"):
+        make_kimi_linear(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -705,6 +708,26 @@ def make_glm_moe_dsa(lines):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         dtype=torch.bfloat16, std=0.25, seed=1200, tokenizer=tok, template=CHATML, template_in_config=False,
         check=indexer_selections_are_clear)
+
+
+
+def make_kimi_linear(lines):
+    # Kimi Linear: Kimi Delta Attention layers (per-channel decay from a low-rank forget gate,
+    # a sigmoid-gated output norm, separate q/k/v convolutions in the published checkpoint) among
+    # MLA layers without any positional encoding (NoPE, plain q_proj); a dense first layer, then
+    # sigmoid group-limited routing with a correction bias and a shared expert; bf16.
+    tok = train_tokenizer(lines, 512, bos=False)
+    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    make("kimi_linear", KimiLinearConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+        max_position_embeddings=256, rms_norm_eps=1e-5, linear_head_dim=16, linear_num_heads=4,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=[end, im_end], pad_token_id=0),
+        dtype=torch.bfloat16, std=0.25, seed=1300, tokenizer=tok, template=CHATML, template_in_config=False)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "DeepseekV3ForCausalLM", model_types: &["deepseek_v3", "kimi_k2"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "DeepseekV3ForCausalLM", model_types: &["deepseek_v3", "kimi_k2"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
@@ -46,6 +46,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 output_gate: false,
                 mixers: vec![Mixer::Attention; sz.num_layers],
                 gated_delta: None,
+                no_rope: false,
             },
             layers,
             moe,

@@ -4,7 +4,7 @@
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Glm4MoeForCausalLM", model_types: &["glm4_moe"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Glm4MoeForCausalLM", model_types: &["glm4_moe"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "GlmMoeDsaForCausalLM", model_types: &["glm_moe_dsa"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "GlmMoeDsaForCausalLM", model_types: &["glm_moe_dsa"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
@@ -56,18 +56,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         }
         let bias = obj.bool_or("attention_bias", false)?;
         let (mut layers, moe) = grouped_moe(obj, n, (2.5, 1, 1, 3))?;
-        if let Some(Value::Array(kinds)) = obj.get("mlp_layer_types") {
-            if kinds.len() != n {
-                return Err(FieldError::new("mlp_layer_types", format!("{} entries for {n} layers", kinds.len())));
-            }
-            for (l, k) in kinds.iter().enumerate() {
-                layers[l] = match k.as_str() {
-                    Some("sparse") => LayerMlp::Moe,
-                    Some("dense") => LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? },
-                    _ => return Err(FieldError::new("mlp_layer_types", format!("entry {l}: expected \"dense\" or \"sparse\", got {k}"))),
-                };
-            }
-        }
+        apply_mlp_layer_types(obj, &mut layers)?;
         Ok(FamilyParts {
             attention: AttentionSpec {
                 rotary_dim: mla.qk_rope_head_dim,
@@ -84,6 +73,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 output_gate: false,
                 mixers: vec![Mixer::Attention; n],
                 gated_delta: None,
+                no_rope: false,
             },
             layers,
             moe,

@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "GptOssForCausalLM", model_types: &["gpt_oss"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "GptOssForCausalLM", model_types: &["gpt_oss"], parse, spellings: &[] };
 
 /// `GptOssConfig`'s rotary default when a config names none.
 fn default_rope() -> Value {

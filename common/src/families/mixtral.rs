@@ -3,7 +3,7 @@
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "MixtralForCausalLM", model_types: &["mixtral"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "MixtralForCausalLM", model_types: &["mixtral"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;

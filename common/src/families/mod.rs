@@ -13,6 +13,7 @@ mod deepseek_v3;
 mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
+mod kimi_linear;
 mod mixtral;
 mod olmoe;
 mod qwen3_5_moe;
@@ -32,6 +33,9 @@ pub struct FamilyDef {
     /// and rename the type, as Kimi K2 does); the first is the canonical one.
     pub model_types: &'static [&'static str],
     pub(crate) parse: fn(&Obj) -> FieldResult<ModelSpec>,
+    /// Fields the family's configs spell their own way: (the name shimmer's spec checks use, the
+    /// config's), so that an error names the field as the config spells it.
+    pub(crate) spellings: &'static [(&'static str, &'static str)],
 }
 
 /// Every family shimmer runs.
@@ -46,6 +50,7 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &qwen3_5_moe::FAMILY,
     &qwen3_5_moe::TEXT_FAMILY,
     &glm_moe_dsa::FAMILY,
+    &kimi_linear::FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
@@ -85,6 +90,7 @@ pub(crate) fn gqa(sz: &Sizes, qk_norm: QkNorm, clip_qkv: Option<f32>, bias: bool
         output_gate: false,
         mixers: vec![Mixer::Attention; sliding_window.len()],
         gated_delta: None,
+        no_rope: false,
         sliding_window,
     }
 }
@@ -238,4 +244,21 @@ pub(crate) fn sparse_layers(obj: &Obj, n: usize, experts_key: &str, norm_default
         })
         .collect::<FieldResult<_>>()?;
     Ok((layers, moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", norm_default)?)?))
+}
+
+/// `mlp_layer_types` (`dense` / `sparse` per layer), when the config has it, over the pattern
+/// `layers` holds.
+pub(crate) fn apply_mlp_layer_types(obj: &Obj, layers: &mut [LayerMlp]) -> FieldResult<()> {
+    let Some(serde_json::Value::Array(kinds)) = obj.get("mlp_layer_types") else { return Ok(()) };
+    if kinds.len() != layers.len() {
+        return Err(FieldError::new("mlp_layer_types", format!("{} entries for {} layers", kinds.len(), layers.len())));
+    }
+    for (l, k) in kinds.iter().enumerate() {
+        layers[l] = match k.as_str() {
+            Some("sparse") => LayerMlp::Moe,
+            Some("dense") => LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? },
+            _ => return Err(FieldError::new("mlp_layer_types", format!("entry {l}: expected \"dense\" or \"sparse\", got {k}"))),
+        };
+    }
+    Ok(())
 }

@@ -4,7 +4,7 @@
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "OlmoeForCausalLM", model_types: &["olmoe"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "OlmoeForCausalLM", model_types: &["olmoe"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;

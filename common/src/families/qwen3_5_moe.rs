@@ -10,8 +10,10 @@ use serde_json::{Map, Value};
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3_5MoeForConditionalGeneration", model_types: &["qwen3_5_moe"], parse: parse_image_text };
-pub(super) const TEXT_FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3_5MoeForCausalLM", model_types: &["qwen3_5_moe_text"], parse: parse_text };
+pub(super) const FAMILY: FamilyDef =
+    FamilyDef { architecture: "Qwen3_5MoeForConditionalGeneration", model_types: &["qwen3_5_moe"], parse: parse_image_text, spellings: &[] };
+pub(super) const TEXT_FAMILY: FamilyDef =
+    FamilyDef { architecture: "Qwen3_5MoeForCausalLM", model_types: &["qwen3_5_moe_text"], parse: parse_text, spellings: &[] };
 
 /// The image-text checkpoint's tensor names: the text model under `model.language_model.`.
 const IMAGE_TEXT_NAMES: DenseNames = DenseNames {

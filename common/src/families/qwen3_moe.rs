@@ -4,7 +4,7 @@
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3MoeForCausalLM", model_types: &["qwen3_moe"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3MoeForCausalLM", model_types: &["qwen3_moe"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::*;
 
-pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3NextForCausalLM", model_types: &["qwen3_next"], parse };
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Qwen3NextForCausalLM", model_types: &["qwen3_next"], parse, spellings: &[] };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;

@@ -251,3 +251,48 @@ fn glm_moe_dsa_defaults_are_glm_moe_dsa_configs() {
     bad["indexer_types"] = json!(["shared", "full", "full", "full"]);
     assert!(message(parse(bad)).contains("`indexer_types`"));
 }
+
+#[test]
+fn kimi_linear_reads_the_published_config_spelling() {
+    // As moonshotai/Kimi-Linear publishes it: attribute-map spellings and linear_attn_config with
+    // 1-based layer lists.
+    let published = json!({
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "model_max_length": 256, "num_experts": 8, "num_experts_per_token": 2,
+        "num_expert_group": 2, "topk_group": 1, "num_shared_experts": 1, "moe_renormalize": true,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1,
+        "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3, 4], "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    });
+    let s = parse(published.clone()).unwrap();
+    assert_eq!(s.max_position_embeddings, 256);
+    assert_eq!(s.attention.mixers, [Mixer::GatedDeltaNet, Mixer::Attention, Mixer::GatedDeltaNet, Mixer::GatedDeltaNet]);
+    let g = s.attention.gated_delta.clone().unwrap();
+    assert_eq!((g.key_heads, g.value_heads, g.key_dim, g.conv_kernel, g.projections), (4, 4, 16, 4, DeltaProjections::Kimi));
+    assert!(s.attention.no_rope);
+    assert!(matches!(s.moe.scoring, RouterScoring::SigmoidGrouped { n_group: 2, topk_group: 1, .. }));
+    // transformers' own spelling of the same model parses to the same spec.
+    let mut ours = published.clone();
+    let o = ours.as_object_mut().unwrap();
+    for (theirs, name) in [
+        ("model_max_length", "max_position_embeddings"),
+        ("num_experts", "num_local_experts"),
+        ("num_experts_per_token", "num_experts_per_tok"),
+        ("num_expert_group", "n_group"),
+    ] {
+        let v = o.remove(theirs).unwrap();
+        o.insert(name.into(), v);
+    }
+    o.remove("linear_attn_config");
+    o.insert("layer_types".into(), json!(["linear_attention", "full_attention", "linear_attention", "linear_attention"]));
+    o.insert("linear_head_dim".into(), json!(16));
+    o.insert("linear_num_heads".into(), json!(4));
+    assert_eq!(parse(ours).unwrap(), s);
+    // A layer in neither list, and an error in the checkpoint's spelling.
+    let mut bad = published.clone();
+    bad["linear_attn_config"]["kda_layers"] = json!([1, 3]);
+    assert!(message(parse(bad)).contains("layer 4 is in neither list"));
+    let mut bad = published;
+    bad["num_experts_per_token"] = json!(9);
+    assert!(message(parse(bad)).contains("`num_experts_per_token`"), "named as the config spells it");
+}

@@ -1,8 +1,10 @@
-//! Gated DeltaNet, the linear-attention mixer of Qwen3-Next and Qwen3.5 (`Mixer::GatedDeltaNet`):
-//! per value head a `key_dim × value_dim` state `S`, which each token decays by `exp(g)` and
-//! corrects by the delta rule (`S += k ⊗ β(v − Sᵀk)`) before the query reads it (`o = Sᵀq`);
-//! queries, keys and values pass first through a depthwise causal convolution and SiLU, and the
-//! output through an RMSNorm gated by `silu(z)`.
+//! Gated DeltaNet, the linear-attention mixer of Qwen3-Next and Qwen3.5, and Kimi Delta
+//! Attention, Kimi Linear's (`Mixer::GatedDeltaNet`): per value head a `key_dim × value_dim`
+//! state `S`, which each token decays by `exp(g)` — one factor per head (Qwen), one per key
+//! channel (Kimi) — and corrects by the delta rule (`S += k ⊗ β(v − Sᵀk)`) before the query
+//! reads it (`o = Sᵀq`); queries, keys and values pass first through a depthwise causal
+//! convolution and SiLU, and the output through an RMSNorm gated by `silu(z)` (Qwen) or
+//! `σ(gate)` (Kimi).
 //!
 //! Tokens are taken strictly one after another — in prefill as in decode — so a prompt computed
 //! in one pass, in chunks, or token by token gives the same bits (transformers' chunked prefill
@@ -20,13 +22,16 @@ use crate::decoder::{matrix, name, vector, SegmentRows};
 pub(crate) struct GatedDelta {
     shape: GatedDeltaSpec,
     /// Grouped: `[in_proj_qkvz, in_proj_ba]`; separate: `[in_proj_qkv, in_proj_z, in_proj_b,
-    /// in_proj_a]`.
+    /// in_proj_a]`; Kimi: `[q_proj, k_proj, v_proj, b_proj]`.
     projections: Vec<Matrix>,
     /// `conv_dim × conv_kernel`, oldest tap first.
     conv: Vec<f32>,
+    /// Qwen: per value head; Kimi: per key channel.
     dt_bias: Vec<f32>,
     /// `−exp(A_log)`, per value head.
     neg_a: Vec<f32>,
+    /// Kimi's low-rank forget gate `[f_a, f_b]` and output gate `[g_a, g_b]`.
+    kimi_gates: Option<[Matrix; 4]>,
     norm: Vec<f32>,
     out: Matrix,
     eps: f32,
@@ -50,8 +55,40 @@ impl GatedDelta {
                 matrix(ckpt, spec, &format!("{p}.in_proj_b.weight"), nv, h)?,
                 matrix(ckpt, spec, &format!("{p}.in_proj_a.weight"), nv, h)?,
             ],
+            DeltaProjections::Kimi => vec![
+                matrix(ckpt, spec, &format!("{p}.q_proj.weight"), kd, h)?,
+                matrix(ckpt, spec, &format!("{p}.k_proj.weight"), kd, h)?,
+                matrix(ckpt, spec, &format!("{p}.v_proj.weight"), vd, h)?,
+                matrix(ckpt, spec, &format!("{p}.b_proj.weight"), nv, h)?,
+            ],
         };
-        let conv = ckpt.get(&format!("{p}.conv1d.weight"), &[shape.conv_dim(), 1, shape.conv_kernel])?.to_f32();
+        let k = shape.conv_kernel;
+        if shape.projections == DeltaProjections::Kimi {
+            // The published checkpoint keeps one convolution per projection: together they are
+            // the convolution over (queries, keys, values).
+            let mut conv = ckpt.get(&format!("{p}.q_conv1d.weight"), &[kd, 1, k])?.to_f32();
+            conv.extend(ckpt.get(&format!("{p}.k_conv1d.weight"), &[kd, 1, k])?.to_f32());
+            conv.extend(ckpt.get(&format!("{p}.v_conv1d.weight"), &[vd, 1, k])?.to_f32());
+            let a_log = ckpt.get(&format!("{p}.A_log"), &[1, 1, nv, 1])?.to_f32();
+            let d = shape.key_dim;
+            return Ok(GatedDelta {
+                shape: shape.clone(),
+                projections,
+                conv,
+                dt_bias: vector(ckpt, &format!("{p}.dt_bias"), kd)?,
+                neg_a: a_log.iter().map(|x| -x.exp()).collect(),
+                kimi_gates: Some([
+                    matrix(ckpt, spec, &format!("{p}.f_a_proj.weight"), d, h)?,
+                    matrix(ckpt, spec, &format!("{p}.f_b_proj.weight"), kd, d)?,
+                    matrix(ckpt, spec, &format!("{p}.g_a_proj.weight"), shape.value_dim, h)?,
+                    matrix(ckpt, spec, &format!("{p}.g_b_proj.weight"), vd, shape.value_dim)?,
+                ]),
+                norm: vector(ckpt, &format!("{p}.o_norm.weight"), shape.value_dim)?,
+                out: matrix(ckpt, spec, &format!("{p}.o_proj.weight"), h, vd)?,
+                eps: spec.rms_norm_eps,
+            });
+        }
+        let conv = ckpt.get(&format!("{p}.conv1d.weight"), &[shape.conv_dim(), 1, k])?.to_f32();
         let a_log = vector(ckpt, &format!("{p}.A_log"), nv)?;
         Ok(GatedDelta {
             shape: shape.clone(),
@@ -59,6 +96,7 @@ impl GatedDelta {
             conv,
             dt_bias: vector(ckpt, &format!("{p}.dt_bias"), nv)?,
             neg_a: a_log.iter().map(|x| -x.exp()).collect(),
+            kimi_gates: None,
             norm: vector(ckpt, &format!("{p}.norm.weight"), shape.value_dim)?,
             out: matrix(ckpt, spec, &format!("{p}.out_proj.weight"), h, vd)?,
             eps: spec.rms_norm_eps,
@@ -66,7 +104,11 @@ impl GatedDelta {
     }
 
     pub(crate) fn bytes(&self) -> usize {
-        self.projections.iter().map(Matrix::bytes).sum::<usize>() + self.out.bytes() + 4 * (self.conv.len() + 2 * self.neg_a.len() + self.norm.len())
+        let gates = self.kimi_gates.as_ref().map_or(0, |g| g.iter().map(Matrix::bytes).sum());
+        self.projections.iter().map(Matrix::bytes).sum::<usize>()
+            + gates
+            + self.out.bytes()
+            + 4 * (self.conv.len() + self.dt_bias.len() + self.neg_a.len() + self.norm.len())
     }
 
     /// Every segment's rows, each sequence's tokens in order over its own state; `out` gets the
@@ -85,6 +127,19 @@ impl GatedDelta {
                 y
             })
             .collect();
+        // Kimi: the forget gate's pre-activation per key channel and the output gate, per row.
+        let low_rank = |a: &Matrix, b: &Matrix| {
+            let mut mid = vec![0.0f32; n * a.rows];
+            a.matmul(x, &mut mid);
+            let mut y = vec![0.0f32; n * b.rows];
+            b.matmul(&mid, &mut y);
+            y
+        };
+        let (forget, out_gate) = match &self.kimi_gates {
+            Some([f_a, f_b, g_a, g_b]) => (low_rank(f_a, f_b), low_rank(g_a, g_b)),
+            None => (Vec::new(), Vec::new()),
+        };
+        let kimi = self.kimi_gates.is_some();
         let conv_dim = g.conv_dim();
         let taps = g.conv_kernel - 1;
         let mut mixed = vec![0.0f32; conv_dim];
@@ -99,6 +154,9 @@ impl GatedDelta {
             let (conv_state, s_all) = state.split_at_mut(conv_dim * taps);
             for i in seg.rows.clone() {
                 self.unpack(&projected, i, (kd, vd, nv, r), &mut mixed, &mut z, &mut b, &mut a);
+                if kimi {
+                    z.copy_from_slice(&out_gate[i * vd..(i + 1) * vd]);
+                }
                 // The depthwise causal convolution over (the last `taps` inputs, this one), SiLU.
                 for c in 0..conv_dim {
                     let w = &self.conv[c * g.conv_kernel..(c + 1) * g.conv_kernel];
@@ -117,17 +175,27 @@ impl GatedDelta {
                 let (k_all, v_all) = rest.split_at_mut(kd);
                 let root = (g.key_dim as f32).sqrt();
                 for (qh, kh) in q_all.chunks_exact_mut(g.key_dim).zip(k_all.chunks_exact_mut(g.key_dim)) {
-                    l2_normalise(qh);
-                    l2_normalise(kh);
+                    l2_normalise(qh, kimi);
+                    l2_normalise(kh, kimi);
                     qh.iter_mut().for_each(|x| *x /= root);
                 }
                 for h in 0..nv {
                     let (q, k) = (&q_all[(h / r) * g.key_dim..(h / r + 1) * g.key_dim], &k_all[(h / r) * g.key_dim..(h / r + 1) * g.key_dim]);
                     let v = &v_all[h * g.value_dim..(h + 1) * g.value_dim];
                     let beta = sigmoid(b[h]);
-                    let decay = (self.neg_a[h] * softplus(a[h] + self.dt_bias[h])).exp();
                     let s = &mut s_all[h * g.key_dim * g.value_dim..(h + 1) * g.key_dim * g.value_dim];
-                    s.iter_mut().for_each(|x| *x *= decay);
+                    if kimi {
+                        // One decay per key channel (a row of S).
+                        let f = &forget[i * kd + h * g.key_dim..i * kd + (h + 1) * g.key_dim];
+                        let dt = &self.dt_bias[h * g.key_dim..(h + 1) * g.key_dim];
+                        for ((row, fi), di) in s.chunks_exact_mut(g.value_dim).zip(f).zip(dt) {
+                            let decay = (self.neg_a[h] * softplus(fi + di)).exp();
+                            row.iter_mut().for_each(|x| *x *= decay);
+                        }
+                    } else {
+                        let decay = (self.neg_a[h] * softplus(a[h] + self.dt_bias[h])).exp();
+                        s.iter_mut().for_each(|x| *x *= decay);
+                    }
                     kv_mem.iter_mut().for_each(|m| *m = 0.0);
                     for (row, ki) in s.chunks_exact(g.value_dim).zip(k) {
                         kv_mem.iter_mut().zip(row).for_each(|(m, sij)| *m += sij * ki);
@@ -141,13 +209,13 @@ impl GatedDelta {
                         }
                     }
                 }
-                // Per head: RMSNorm (plain weights), then the gate silu(z).
+                // Per head: RMSNorm (plain weights), then the gate: silu(z), or Kimi's σ(gate).
                 let row = &mut heads_out[i * vd..(i + 1) * vd];
                 for ((oh, zh), dst) in o.chunks_exact(g.value_dim).zip(z.chunks_exact(g.value_dim)).zip(row.chunks_exact_mut(g.value_dim)) {
                     let var = oh.iter().map(|x| x * x).sum::<f32>() / g.value_dim as f32;
                     let inv = 1.0 / (var + self.eps).sqrt();
                     for (((d, x), w), zj) in dst.iter_mut().zip(oh).zip(&self.norm).zip(zh) {
-                        *d = w * (x * inv) * gating::silu(*zj);
+                        *d = w * (x * inv) * if kimi { sigmoid(*zj) } else { gating::silu(*zj) };
                     }
                 }
             }
@@ -185,6 +253,12 @@ impl GatedDelta {
                     a[grp * r..(grp + 1) * r].copy_from_slice(&block[r..]);
                 }
             }
+            DeltaProjections::Kimi => {
+                mixed[..kd].copy_from_slice(&projected[0][i * kd..(i + 1) * kd]);
+                mixed[kd..2 * kd].copy_from_slice(&projected[1][i * kd..(i + 1) * kd]);
+                mixed[2 * kd..].copy_from_slice(&projected[2][i * vd..(i + 1) * vd]);
+                b.copy_from_slice(&projected[3][i * nv..(i + 1) * nv]);
+            }
             DeltaProjections::Separate => {
                 let w = 2 * kd + vd;
                 mixed.copy_from_slice(&projected[0][i * w..(i + 1) * w]);
@@ -196,10 +270,15 @@ impl GatedDelta {
     }
 }
 
-/// `x · rsqrt(Σx² + 1e-6)` (the FLA library's and transformers' L2 norm).
-fn l2_normalise(x: &mut [f32]) {
-    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
-    x.iter_mut().for_each(|v| *v *= inv);
+/// `x · rsqrt(Σx² + 1e-6)` (transformers' Qwen L2 norm), or `x / √(Σx² + 1e-6)` (its Kimi one).
+fn l2_normalise(x: &mut [f32], divide: bool) {
+    let root = (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    if divide {
+        x.iter_mut().for_each(|v| *v /= root);
+    } else {
+        let inv = 1.0 / root;
+        x.iter_mut().for_each(|v| *v *= inv);
+    }
 }
 
 fn sigmoid(x: f32) -> f32 {

@@ -170,7 +170,9 @@ impl Mla {
         let (mut latents, mut rots) = (vec![0.0f32; n * rank], vec![0.0f32; n * rot]);
         let (mut cos, mut sin) = (vec![0.0f32; rot / 2], vec![0.0f32; rot / 2]);
         let rotate = |v: &mut [f32], cos: &[f32], sin: &[f32]| {
-            if spec.attention.rope_interleave {
+            if spec.attention.no_rope {
+                // No positional encoding (Kimi Linear): the "rotary" dims stay as projected.
+            } else if spec.attention.rope_interleave {
                 ops::rope_interleaved(v, cos, sin)
             } else {
                 ops::rope_rotate_half(v, cos, sin)
