@@ -658,7 +658,7 @@ def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen3_next"])
 def test_each_family_chats_through_the_api_with_its_own_template(make_server, family):
     """The API renders a conversation with the family's own template (harmony for gpt-oss,
     ChatML for Qwen3-MoE) to exactly the ids transformers renders (the fixture's oracle), and
@@ -676,3 +676,30 @@ def test_each_family_chats_through_the_api_with_its_own_template(make_server, fa
                           "--temperature", "0", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert r.choices[0].message.content == json.loads(out.stdout)["text"]
+
+
+def test_concurrent_requests_on_a_recurrent_model_answer_as_each_alone(make_server):
+    """Several conversations batched together on a model with a recurrent state (Qwen3-Next's
+    Gated DeltaNet) each get the answer they get alone: every sequence keeps its own state
+    through batched prefill and decode, and reuse of a cached prefix goes back to a checkpoint."""
+    from conftest import ROOT
+
+    model = ROOT / "tests" / "fixtures" / "qwen3_next"
+    s = make_server("--model", str(model), "--no-usage")
+    c = client(s)
+    questions = ["Who made the heaven and the earth?", "And the LORD spake unto Moses", "Blessed are the meek", "In the beginning"]
+
+    def ask(q):
+        r = c.chat.completions.create(model="qwen3_next", messages=[{"role": "user", "content": q}], max_tokens=16, temperature=0)
+        return r.choices[0].message.content
+
+    alone = [ask(q) for q in questions]
+    with cf.ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(ask, questions * 2))
+    assert together == alone * 2
+    # A second turn reuses the first's cached prefix (back to a checkpoint) and answers as a fresh
+    # server does.
+    turn = [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": alone[0]}, {"role": "user", "content": "And the sea?"}]
+    again = c.chat.completions.create(model="qwen3_next", messages=turn, max_tokens=16, temperature=0).choices[0].message.content
+    fresh = make_server("--model", str(model), "--no-usage")
+    assert client(fresh).chat.completions.create(model="qwen3_next", messages=turn, max_tokens=16, temperature=0).choices[0].message.content == again
