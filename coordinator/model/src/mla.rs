@@ -282,17 +282,23 @@ impl Mla {
                     }
                     scores.push(total);
                 }
-                let mut order: Vec<usize> = (0..=pos).collect();
-                if order.len() > top_k {
-                    order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b)));
-                    order.truncate(top_k);
-                    order.sort_unstable();
-                }
-                chosen[i] = order;
+                chosen[i] = top_positions(&scores, top_k);
             }
         }
         chosen
     }
+}
+
+/// The positions of the `top_k` highest scores — the earlier position first on an exact tie —
+/// in ascending order; every position when there are no more than `top_k`.
+fn top_positions(scores: &[f32], top_k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    if order.len() > top_k {
+        order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b)));
+        order.truncate(top_k);
+        order.sort_unstable();
+    }
+    order
 }
 
 /// `x = (x − mean) / √(var + ε) · w + b` (torch's LayerNorm, population variance).
@@ -303,5 +309,32 @@ fn layer_norm(x: &mut [f32], weight: &[f32], bias: &[f32]) {
     let inv = 1.0 / (var + INDEX_NORM_EPS).sqrt();
     for ((v, w), b) in x.iter_mut().zip(weight).zip(bias) {
         *v = (*v - mean) * inv * w + b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_indexer_keeps_the_best_scores_and_breaks_ties_toward_the_earlier_position() {
+        // Two keys tie at 0.0 (relu zeroed both): the earlier one wins the last place.
+        let scores = [0.5, 0.0, 2.0, 0.0, -1.0, 1.5];
+        assert_eq!(top_positions(&scores, 3), [0, 2, 5]);
+        assert_eq!(top_positions(&scores, 4), [0, 1, 2, 5]);
+        // No more positions than top_k: all of them, in order.
+        assert_eq!(top_positions(&scores[..3], 3), [0, 1, 2]);
+        assert_eq!(top_positions(&scores[..2], 6), [0, 1]);
+    }
+
+    #[test]
+    fn layer_norm_centres_scales_and_shifts() {
+        let mut x = [1.0f32, 2.0, 3.0, 6.0];
+        layer_norm(&mut x, &[1.0, 2.0, 1.0, 1.0], &[0.0, 0.0, 0.5, 0.0]);
+        let (mean, var): (f64, f64) = (3.0, (4.0 + 1.0 + 0.0 + 9.0) / 4.0);
+        let want = |v: f64, w: f64, b: f64| (v - mean) / (var + 1e-6).sqrt() * w + b;
+        for (got, want) in x.iter().zip([want(1.0, 1.0, 0.0), want(2.0, 2.0, 0.0), want(3.0, 1.0, 0.5), want(6.0, 1.0, 0.0)]) {
+            assert!((*got as f64 - want).abs() < 1e-6, "{got} vs {want}");
+        }
     }
 }
