@@ -78,6 +78,31 @@ HARMONY = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
+# GLM's layout (GLM-4.5 and GLM-5 publish it, with tools and thinking besides).
+GLM = (
+    "[gMASK]<sop>"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|system|>\n{{ m.content }}"
+    "{%- elif m.role == 'user' %}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}"
+    "{%- else %}{{ raise_exception('Unknown role: ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}"
+)
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+# Kimi's layout (Kimi K2 and Kimi Linear publish it, with tools besides).
+KIMI = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- else %}{{ raise_exception('Unknown role: ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{%- endif %}"
+)
+KIMI_SPECIALS = ["[EOS]", "<|im_end|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]
+
 HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>"]
 
 CONVERSATIONS = [
@@ -693,10 +718,10 @@ def make_glm_moe_dsa(lines):
     # indexer (16 heads of 16, a LayerNorm'd key cached per position) picks each query's top 6
     # keys, fewer than every prompt holds; the middle layer reuses the first layer's choice
     # (`indexer_types` shared); the first layer dense; sigmoid group-limited routing with a random
-    # correction bias and a shared expert; bf16. Seeds are accepted only when every indexer choice
-    # is clear of ties (`indexer_selections_are_clear`).
-    tok = train_tokenizer(lines, 512, bos=False)
-    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    # correction bias and a shared expert; bf16; GLM's chat layout and special tokens. Seeds are
+    # accepted only when every indexer choice is clear of ties (`indexer_selections_are_clear`).
+    tok = train_tokenizer(lines, 512, bos=False, specials=GLM_SPECIALS)
+    end, user, observation = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|user|>"), tok.token_to_id("<|observation|>")
     make("glm_moe_dsa", GlmMoeDsaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
@@ -704,10 +729,10 @@ def make_glm_moe_dsa(lines):
         n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5, index_topk=6, index_head_dim=16,
         index_n_heads=16, indexer_types=["full", "shared", "full"], tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=[end, im_end], pad_token_id=0, attention_bias=False,
+        eos_token_id=[end, user, observation], pad_token_id=0, attention_bias=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        dtype=torch.bfloat16, std=0.25, seed=1200, tokenizer=tok, template=CHATML, template_in_config=False,
-        check=indexer_selections_are_clear)
+        dtype=torch.bfloat16, std=0.25, seed=1200, tokenizer=tok, template=GLM, template_in_config=False,
+        check=indexer_selections_are_clear, eos_token="<|user|>")
 
 
 
@@ -715,9 +740,10 @@ def make_kimi_linear(lines):
     # Kimi Linear: Kimi Delta Attention layers (per-channel decay from a low-rank forget gate,
     # a sigmoid-gated output norm, separate q/k/v convolutions in the published checkpoint) among
     # MLA layers without any positional encoding (NoPE, plain q_proj); a dense first layer, then
-    # sigmoid group-limited routing with a correction bias and a shared expert; bf16.
-    tok = train_tokenizer(lines, 512, bos=False)
-    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    # sigmoid group-limited routing with a correction bias and a shared expert; bf16; Kimi's chat
+    # layout and special tokens.
+    tok = train_tokenizer(lines, 512, bos=False, specials=KIMI_SPECIALS)
+    end, im_end = tok.token_to_id("[EOS]"), tok.token_to_id("<|im_end|>")
     make("kimi_linear", KimiLinearConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
@@ -727,7 +753,7 @@ def make_kimi_linear(lines):
         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"], tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=[end, im_end], pad_token_id=0),
-        dtype=torch.bfloat16, std=0.25, seed=1300, tokenizer=tok, template=CHATML, template_in_config=False)
+        dtype=torch.bfloat16, std=0.25, seed=1300, tokenizer=tok, template=KIMI, template_in_config=False)
 
 
 if __name__ == "__main__":
