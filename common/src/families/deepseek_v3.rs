@@ -23,31 +23,9 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         if mla.q_lora_rank == Some(0) {
             return Err(FieldError::new("q_lora_rank", "must be greater than zero, or null for a plain q_proj"));
         }
-        // transformers' yarn_apply_mscale: the softmax scale grows by mscale(factor, mscale_all_dim)².
-        let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
-        if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = &sz.rope.scaling {
-            let ms = if *factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
-            scale *= ms * ms;
-        }
-        let bias = obj.bool_or("attention_bias", false)?;
         let (layers, moe) = grouped_moe(obj, sz.num_layers, (2.5, 8, 4, 3))?;
         Ok(FamilyParts {
-            attention: AttentionSpec {
-                rotary_dim: mla.qk_rope_head_dim,
-                kind: AttentionKind::Mla(mla),
-                qk_norm: QkNorm::None,
-                clip_qkv: None,
-                bias,
-                o_bias: bias,
-                rope_interleave: obj.bool_or("rope_interleave", true)?,
-                scale: scale as f32,
-                sliding_window: vec![None; sz.num_layers],
-                sinks: false,
-                output_gate: false,
-                mixers: vec![Mixer::Attention; sz.num_layers],
-                gated_delta: None,
-                no_rope: false,
-            },
+            attention: mla_attention(obj, sz, mla, obj.bool_or("rope_interleave", true)?)?,
             layers,
             moe,
             expert_names: GROUPED_SIGMOID_NAMES,

@@ -5,8 +5,6 @@
 //! `first_k_dense_replace` dense by default), then sigmoid group-limited routing with shared
 //! experts.
 
-use serde_json::Value;
-
 use super::*;
 
 pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "GlmMoeDsaForCausalLM", model_types: &["glm_moe_dsa"], parse, spellings: &[] };
@@ -23,24 +21,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 v => Ok(v),
             }
         };
-        let full = match obj.get("indexer_types") {
-            None | Some(Value::Null) => vec![true; n],
-            Some(Value::Array(kinds)) => {
-                if kinds.len() != n {
-                    return Err(FieldError::new("indexer_types", format!("{} entries for {n} layers", kinds.len())));
-                }
-                kinds
-                    .iter()
-                    .enumerate()
-                    .map(|(l, k)| match k.as_str() {
-                        Some("full") => Ok(true),
-                        Some("shared") => Ok(false),
-                        _ => Err(FieldError::new("indexer_types", format!("entry {l}: expected \"full\" or \"shared\", got {k}"))),
-                    })
-                    .collect::<FieldResult<Vec<_>>>()?
-            }
-            Some(v) => return Err(FieldError::new("indexer_types", format!("expected a list, got {v}"))),
-        };
+        let full = per_layer(obj, "indexer_types", n, &[("full", true), ("shared", false)])?.unwrap_or_else(|| vec![true; n]);
         let mla = MlaSpec {
             q_lora_rank: Some(field("q_lora_rank", 2048)?),
             kv_lora_rank: field("kv_lora_rank", 512)?,
@@ -49,32 +30,11 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             v_head_dim: field("v_head_dim", 256)?,
             indexer: Some(IndexerSpec { heads: field("index_n_heads", 32)?, head_dim: field("index_head_dim", 128)?, top_k: field("index_topk", 2048)?, full }),
         };
-        let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
-        if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = &sz.rope.scaling {
-            let ms = if *factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
-            scale *= ms * ms;
-        }
-        let bias = obj.bool_or("attention_bias", false)?;
         let (mut layers, moe) = grouped_moe(obj, n, (2.5, 1, 1, 3))?;
         apply_mlp_layer_types(obj, &mut layers)?;
         Ok(FamilyParts {
-            attention: AttentionSpec {
-                rotary_dim: mla.qk_rope_head_dim,
-                kind: AttentionKind::Mla(mla),
-                qk_norm: QkNorm::None,
-                clip_qkv: None,
-                bias,
-                o_bias: bias,
-                // GLM-5 rotates interleaved pairs, in attention and indexer alike.
-                rope_interleave: true,
-                scale: scale as f32,
-                sliding_window: vec![None; n],
-                sinks: false,
-                output_gate: false,
-                mixers: vec![Mixer::Attention; n],
-                gated_delta: None,
-                no_rope: false,
-            },
+            // GLM-5 rotates interleaved pairs, in attention and indexer alike.
+            attention: mla_attention(obj, sz, mla, true)?,
             layers,
             moe,
             expert_names: GROUPED_SIGMOID_NAMES,

@@ -49,23 +49,9 @@ fn parse_with_defaults(obj: &Obj) -> FieldResult<ModelSpec> {
         if window == Some(0) {
             return Err(FieldError::new("sliding_window", "must be greater than zero"));
         }
-        let windows = match obj.get("layer_types") {
-            None | Some(Value::Null) => (0..n).map(|l| if l % 2 == 0 { window } else { None }).collect(),
-            Some(Value::Array(kinds)) => {
-                if kinds.len() != n {
-                    return Err(FieldError::new("layer_types", format!("{} entries for {n} layers", kinds.len())));
-                }
-                kinds
-                    .iter()
-                    .enumerate()
-                    .map(|(l, k)| match k.as_str() {
-                        Some("sliding_attention") => Ok(window),
-                        Some("full_attention") => Ok(None),
-                        _ => Err(FieldError::new("layer_types", format!("entry {l}: expected \"sliding_attention\" or \"full_attention\", got {k}"))),
-                    })
-                    .collect::<FieldResult<Vec<_>>>()?
-            }
-            Some(v) => return Err(FieldError::new("layer_types", format!("expected a list, got {v}"))),
+        let windows = match per_layer(obj, "layer_types", n, &[("sliding_attention", window), ("full_attention", None)])? {
+            Some(windows) => windows,
+            None => (0..n).map(|l| if l % 2 == 0 { window } else { None }).collect(),
         };
         let bias = obj.bool_or("attention_bias", true)?;
         let mut attention = gqa(sz, QkNorm::None, None, bias, bias, windows);

@@ -167,33 +167,41 @@ pub(crate) fn grouped_moe(obj: &Obj, n: usize, defaults: (f64, usize, usize, usi
     ))
 }
 
-/// `layer_types` of a hybrid model (`linear_attention` / `full_attention`), or, without it, every
-/// `full_attention_interval`-th layer (4 by default) full and the rest linear.
-pub(crate) fn hybrid_layer_types(obj: &Obj, n: usize) -> FieldResult<Vec<Mixer>> {
-    match obj.get("layer_types") {
-        None | Some(serde_json::Value::Null) => {
-            let interval = obj.usize_opt("full_attention_interval")?.unwrap_or(4);
-            if interval == 0 {
-                return Err(FieldError::new("full_attention_interval", "must be greater than zero"));
-            }
-            Ok((0..n).map(|l| if (l + 1) % interval == 0 { Mixer::Attention } else { Mixer::GatedDeltaNet }).collect())
-        }
+/// A per-layer list of kinds (`layer_types`, `indexer_types`, …): each entry one of `names`,
+/// mapped to its value; `None` when the config has no such list.
+pub(crate) fn per_layer<T: Copy>(obj: &Obj, key: &str, n: usize, names: &[(&str, T)]) -> FieldResult<Option<Vec<T>>> {
+    match obj.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(None),
         Some(serde_json::Value::Array(kinds)) => {
             if kinds.len() != n {
-                return Err(FieldError::new("layer_types", format!("{} entries for {n} layers", kinds.len())));
+                return Err(FieldError::new(key, format!("{} entries for {n} layers", kinds.len())));
             }
+            let expected = names.iter().map(|(name, _)| format!("\"{name}\"")).collect::<Vec<_>>().join(" or ");
             kinds
                 .iter()
                 .enumerate()
-                .map(|(l, k)| match k.as_str() {
-                    Some("linear_attention") => Ok(Mixer::GatedDeltaNet),
-                    Some("full_attention") => Ok(Mixer::Attention),
-                    _ => Err(FieldError::new("layer_types", format!("entry {l}: expected \"linear_attention\" or \"full_attention\", got {k}"))),
+                .map(|(l, k)| {
+                    let found = names.iter().find(|(name, _)| k.as_str() == Some(name));
+                    found.map(|(_, v)| *v).ok_or_else(|| FieldError::new(key, format!("entry {l}: expected {expected}, got {k}")))
                 })
-                .collect()
+                .collect::<FieldResult<Vec<_>>>()
+                .map(Some)
         }
-        Some(v) => Err(FieldError::new("layer_types", format!("expected a list, got {v}"))),
+        Some(v) => Err(FieldError::new(key, format!("expected a list, got {v}"))),
     }
+}
+
+/// `layer_types` of a hybrid model (`linear_attention` / `full_attention`), or, without it, every
+/// `full_attention_interval`-th layer (4 by default) full and the rest linear.
+pub(crate) fn hybrid_layer_types(obj: &Obj, n: usize) -> FieldResult<Vec<Mixer>> {
+    if let Some(kinds) = per_layer(obj, "layer_types", n, &[("linear_attention", Mixer::GatedDeltaNet), ("full_attention", Mixer::Attention)])? {
+        return Ok(kinds);
+    }
+    let interval = obj.usize_opt("full_attention_interval")?.unwrap_or(4);
+    if interval == 0 {
+        return Err(FieldError::new("full_attention_interval", "must be greater than zero"));
+    }
+    Ok((0..n).map(|l| if (l + 1) % interval == 0 { Mixer::Attention } else { Mixer::GatedDeltaNet }).collect())
 }
 
 /// The Gated DeltaNet shape from the `linear_*` fields (Qwen3-Next's defaults when absent).
@@ -249,16 +257,73 @@ pub(crate) fn sparse_layers(obj: &Obj, n: usize, experts_key: &str, norm_default
 /// `mlp_layer_types` (`dense` / `sparse` per layer), when the config has it, over the pattern
 /// `layers` holds.
 pub(crate) fn apply_mlp_layer_types(obj: &Obj, layers: &mut [LayerMlp]) -> FieldResult<()> {
-    let Some(serde_json::Value::Array(kinds)) = obj.get("mlp_layer_types") else { return Ok(()) };
-    if kinds.len() != layers.len() {
-        return Err(FieldError::new("mlp_layer_types", format!("{} entries for {} layers", kinds.len(), layers.len())));
-    }
-    for (l, k) in kinds.iter().enumerate() {
-        layers[l] = match k.as_str() {
-            Some("sparse") => LayerMlp::Moe,
-            Some("dense") => LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? },
-            _ => return Err(FieldError::new("mlp_layer_types", format!("entry {l}: expected \"dense\" or \"sparse\", got {k}"))),
-        };
+    let Some(sparse) = per_layer(obj, "mlp_layer_types", layers.len(), &[("dense", false), ("sparse", true)])? else { return Ok(()) };
+    for (layer, sparse) in layers.iter_mut().zip(sparse) {
+        *layer = if sparse { LayerMlp::Moe } else { LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? } };
     }
     Ok(())
 }
+
+/// MLA's softmax scale: `qk_head_dim^-0.5`, grown by YaRN's `mscale(factor, mscale_all_dim)²` as
+/// transformers' `yarn_apply_mscale` does.
+pub(crate) fn mla_scale(mla: &MlaSpec, rope: &RopeSpec) -> f32 {
+    let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
+    if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = &rope.scaling {
+        let ms = if *factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+        scale *= ms * ms;
+    }
+    scale as f32
+}
+
+/// The Qwen3-Next / Qwen3.5 hybrid attention: per-head QK-norm, partial rotary (a quarter by
+/// default), an output gate, Gated DeltaNet layers as `layer_types` says.
+pub(crate) fn qwen_hybrid_attention(obj: &Obj, sz: &Sizes, projections: DeltaProjections) -> FieldResult<AttentionSpec> {
+    let bias = obj.bool_or("attention_bias", false)?;
+    let mut attention = gqa(sz, QkNorm::PerHead, None, bias, bias, vec![None; sz.num_layers]);
+    attention.rotary_dim = partial_rotary_dim(obj, sz.head_dim, 0.25)?;
+    attention.output_gate = true;
+    attention.mixers = hybrid_layer_types(obj, sz.num_layers)?;
+    attention.gated_delta = Some(gated_delta(obj, projections)?);
+    Ok(attention)
+}
+
+/// The shared expert's size (`shared_expert_intermediate_size`, 512 by default; 0: none).
+pub(crate) fn qwen_shared_expert(obj: &Obj, moe: &mut MoeSpec) -> FieldResult<()> {
+    let shared = obj.usize_opt("shared_expert_intermediate_size")?.unwrap_or(512);
+    moe.shared_intermediate_size = (shared > 0).then_some(shared);
+    Ok(())
+}
+
+/// Multi-head latent attention in every layer (DeepSeek-V3, GLM-5): no QK-norm or clip, the
+/// `attention_bias` on the low-rank projections and `o_proj`, YaRN's softmax scale.
+pub(crate) fn mla_attention(obj: &Obj, sz: &Sizes, mla: MlaSpec, rope_interleave: bool) -> FieldResult<AttentionSpec> {
+    let bias = obj.bool_or("attention_bias", false)?;
+    let n = sz.num_layers;
+    Ok(AttentionSpec {
+        rotary_dim: mla.qk_rope_head_dim,
+        scale: mla_scale(&mla, sz.rope),
+        kind: AttentionKind::Mla(mla),
+        qk_norm: QkNorm::None,
+        clip_qkv: None,
+        bias,
+        o_bias: bias,
+        rope_interleave,
+        sliding_window: vec![None; n],
+        sinks: false,
+        output_gate: false,
+        mixers: vec![Mixer::Attention; n],
+        gated_delta: None,
+        no_rope: false,
+    })
+}
+
+/// Qwen3-Next's and Qwen3.5's experts (`mlp.experts.{E}`, `mlp.gate`) with a gated shared expert.
+pub(crate) const QWEN_GATED_SHARED_NAMES: ExpertNames = ExpertNames {
+    shared: Some([
+        "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
+        "model.layers.{L}.mlp.shared_expert.up_proj.weight",
+        "model.layers.{L}.mlp.shared_expert.down_proj.weight",
+    ]),
+    shared_gate: Some("model.layers.{L}.mlp.shared_expert_gate.weight"),
+    ..GATE_UP_DOWN
+};

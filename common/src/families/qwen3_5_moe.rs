@@ -51,16 +51,6 @@ const IMAGE_TEXT_EXPERTS: ExpertNames = ExpertNames {
     down: "model.language_model.layers.{L}.mlp.experts.{E}.down_proj.weight",
 };
 
-const TEXT_EXPERTS: ExpertNames = ExpertNames {
-    shared: Some([
-        "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
-        "model.layers.{L}.mlp.shared_expert.up_proj.weight",
-        "model.layers.{L}.mlp.shared_expert.down_proj.weight",
-    ]),
-    shared_gate: Some("model.layers.{L}.mlp.shared_expert_gate.weight"),
-    ..GATE_UP_DOWN
-};
-
 fn parse_image_text(obj: &Obj) -> FieldResult<ModelSpec> {
     let text = obj.obj_opt("text_config")?.ok_or_else(|| FieldError::new("text_config", "missing (the text model's configuration)"))?;
     // The text model's fields, with what only the outer config says (its dtype, say) filling in.
@@ -82,7 +72,7 @@ fn parse_image_text(obj: &Obj) -> FieldResult<ModelSpec> {
 }
 
 fn parse_text(obj: &Obj) -> FieldResult<ModelSpec> {
-    text_model(obj, TEXT_FAMILY.architecture, DenseNames::LLAMA, TEXT_EXPERTS)
+    text_model(obj, TEXT_FAMILY.architecture, DenseNames::LLAMA, QWEN_GATED_SHARED_NAMES)
 }
 
 fn text_model(obj: &Obj, architecture: &'static str, dense_names: DenseNames, expert_names: ExpertNames) -> FieldResult<ModelSpec> {
@@ -96,16 +86,10 @@ fn text_model(obj: &Obj, architecture: &'static str, dense_names: DenseNames, ex
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(2) };
     build(obj, &defaults, architecture, |sz| {
         let n = sz.num_layers;
-        let bias = obj.bool_or("attention_bias", false)?;
-        let mut attention = gqa(sz, QkNorm::PerHead, None, bias, bias, vec![None; n]);
-        attention.rotary_dim = partial_rotary_dim(obj, sz.head_dim, 0.25)?;
-        attention.output_gate = true;
-        attention.mixers = hybrid_layer_types(obj, n)?;
-        attention.gated_delta = Some(gated_delta(obj, DeltaProjections::Separate)?);
+        let attention = qwen_hybrid_attention(obj, sz, DeltaProjections::Separate)?;
         // Qwen3.5-MoE renormalises its top-k weights (no `norm_topk_prob` field).
         let mut moe = moe(obj, "num_experts", "moe_intermediate_size", true)?;
-        let shared = obj.usize_opt("shared_expert_intermediate_size")?.unwrap_or(512);
-        moe.shared_intermediate_size = (shared > 0).then_some(shared);
+        qwen_shared_expert(obj, &mut moe)?;
         Ok(FamilyParts { attention, layers: vec![LayerMlp::Moe; n], moe, expert_names, dense_names, rms_norm_unit_offset: true })
     })
 }

@@ -13,23 +13,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         let n = sz.num_layers;
         // transformers 5 writes `num_local_experts` (an alias); hub checkpoints write `num_experts`.
         let experts_key = spelling(obj, "num_experts", "num_local_experts")?;
-        let step = obj.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-        if step == 0 {
-            return Err(FieldError::new("decoder_sparse_step", "must be greater than zero"));
-        }
-        let mlp_only = obj.usize_list_or_empty("mlp_only_layers")?;
-        if let Some(bad) = mlp_only.iter().find(|l| **l >= n) {
-            return Err(FieldError::new("mlp_only_layers", format!("layer {bad} does not exist (num_hidden_layers = {n})")));
-        }
-        let layers = (0..n)
-            .map(|l| {
-                if !mlp_only.contains(&l) && (l + 1) % step == 0 {
-                    Ok(LayerMlp::Moe)
-                } else {
-                    Ok(LayerMlp::Dense { intermediate_size: obj.positive("intermediate_size")? })
-                }
-            })
-            .collect::<FieldResult<_>>()?;
+        let (layers, moe) = sparse_layers(obj, n, experts_key, false)?;
         // Qwen3MoeConfig: `sliding_window` only counts when `use_sliding_window`, and then everywhere.
         let window = if obj.bool_or("use_sliding_window", false)? { Some(obj.usize_opt("sliding_window")?.unwrap_or(4096)) } else { None };
         if window == Some(0) {
@@ -41,7 +25,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 gqa(sz, QkNorm::PerHead, None, bias, bias, vec![window; n])
             },
             layers,
-            moe: moe(obj, experts_key, "moe_intermediate_size", obj.bool_or("norm_topk_prob", false)?)?,
+            moe,
             expert_names: GATE_UP_DOWN,
             dense_names: DenseNames::LLAMA,
             rms_norm_unit_offset: false,

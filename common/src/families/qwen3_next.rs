@@ -26,30 +26,9 @@ fn parse_with_head_dim(obj: &Obj) -> FieldResult<ModelSpec> {
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(2) };
     build(obj, &defaults, FAMILY.architecture, |sz| {
         let n = sz.num_layers;
-        let mixers = hybrid_layer_types(obj, n)?;
-        let mut attention = gqa(sz, QkNorm::PerHead, None, obj.bool_or("attention_bias", false)?, obj.bool_or("attention_bias", false)?, vec![None; n]);
-        attention.rotary_dim = partial_rotary_dim(obj, sz.head_dim, 0.25)?;
-        attention.output_gate = true;
-        attention.mixers = mixers;
-        attention.gated_delta = Some(gated_delta(obj, DeltaProjections::Grouped)?);
+        let attention = qwen_hybrid_attention(obj, sz, DeltaProjections::Grouped)?;
         let (layers, mut moe) = sparse_layers(obj, n, "num_experts", true)?;
-        let shared = obj.usize_opt("shared_expert_intermediate_size")?.unwrap_or(512);
-        moe.shared_intermediate_size = (shared > 0).then_some(shared);
-        Ok(FamilyParts {
-            attention,
-            layers,
-            moe,
-            expert_names: ExpertNames {
-                shared: Some([
-                    "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
-                    "model.layers.{L}.mlp.shared_expert.up_proj.weight",
-                    "model.layers.{L}.mlp.shared_expert.down_proj.weight",
-                ]),
-                shared_gate: Some("model.layers.{L}.mlp.shared_expert_gate.weight"),
-                ..GATE_UP_DOWN
-            },
-            dense_names: DenseNames::LLAMA,
-            rms_norm_unit_offset: true,
-        })
+        qwen_shared_expert(obj, &mut moe)?;
+        Ok(FamilyParts { attention, layers, moe, expert_names: QWEN_GATED_SHARED_NAMES, dense_names: DenseNames::LLAMA, rms_norm_unit_offset: true })
     })
 }
