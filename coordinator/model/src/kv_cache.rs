@@ -31,8 +31,10 @@ pub struct KvCache {
     aux: Vec<Vec<f32>>,
     /// Per layer: the recurrent state (empty for attention layers).
     states: Vec<Vec<f32>>,
-    /// Per layer: the state a forward pass wrote, which `commit` makes the state.
-    written: Vec<Option<Vec<f32>>>,
+    /// Per layer: the state a forward pass wrote (when `advanced`), which `commit` swaps in; the
+    /// buffer is kept, so a decode step allocates nothing.
+    written: Vec<Vec<f32>>,
+    advanced: Vec<bool>,
     /// (length, every layer's state at it), oldest first.
     checkpoints: Vec<(usize, Vec<Vec<f32>>)>,
 }
@@ -56,7 +58,8 @@ impl KvCache {
             aux_width: vec![0; layers],
             aux: vec![Vec::new(); layers],
             states: state_floats.iter().map(|n| vec![0.0; *n]).collect(),
-            written: vec![None; layers],
+            written: vec![Vec::new(); layers],
+            advanced: vec![false; layers],
             checkpoints: Vec::new(),
         }
     }
@@ -131,7 +134,7 @@ impl KvCache {
         for (a, w) in self.aux.iter_mut().zip(&self.aux_width) {
             a.truncate(self.len * w);
         }
-        self.written.iter_mut().for_each(|w| *w = None);
+        self.advanced.iter_mut().for_each(|a| *a = false);
         self.len
     }
 
@@ -159,7 +162,11 @@ impl KvCache {
     /// `layer`'s recurrent state as of the committed positions, to advance over new ones: what is
     /// written here becomes the state at `commit`.
     pub fn state_to_advance(&mut self, layer: usize) -> &mut [f32] {
-        self.written[layer].insert(self.states[layer].clone())
+        let w = &mut self.written[layer];
+        w.clear();
+        w.extend_from_slice(&self.states[layer]);
+        self.advanced[layer] = true;
+        w
     }
 
     /// Floats of `layer`'s recurrent state (0 for an attention layer, which holds keys and values
@@ -184,9 +191,9 @@ impl KvCache {
 
     pub fn commit(&mut self, n: usize) {
         self.len += n;
-        for (state, written) in self.states.iter_mut().zip(&mut self.written) {
-            if let Some(w) = written.take() {
-                *state = w;
+        for ((state, written), advanced) in self.states.iter_mut().zip(&mut self.written).zip(&mut self.advanced) {
+            if std::mem::take(advanced) {
+                std::mem::swap(state, written);
             }
         }
     }
@@ -216,7 +223,8 @@ impl KvCache {
 
     /// Bytes the slots hold in memory, room to grow included (`bytes` counts the positions).
     pub fn held_bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).chain(&self.aux).map(|v| v.capacity() * 4).sum::<usize>() + self.state_bytes()
+        let scratch: usize = self.written.iter().map(|w| w.capacity() * 4).sum();
+        self.keys.iter().chain(&self.values).chain(&self.aux).map(|v| v.capacity() * 4).sum::<usize>() + self.state_bytes() + scratch
     }
 
     pub fn bytes(&self) -> usize {

@@ -74,13 +74,11 @@ pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: us
             let (gate, up) = fused_gate_up(ckpt, &g, n, expert, h, i)?;
             let down = fused_down(ckpt, &d, n, expert, h, i)?;
             let bias = if spec.moe.expert_bias {
-                let gu = ckpt.get(&format!("{g}_bias"), &[n, 2 * i])?.to_f32();
-                let gu = &gu[expert * 2 * i..(expert + 1) * 2 * i];
-                let down_bias = ckpt.get(&format!("{d}_bias"), &[n, h])?.to_f32();
+                let gu = row_of(&ckpt.get(&format!("{g}_bias"), &[n, 2 * i])?, expert, 2 * i);
                 Some(ExpertBias {
                     gate: gu.iter().step_by(2).copied().collect(),
                     up: gu.iter().skip(1).step_by(2).copied().collect(),
-                    down: down_bias[expert * h..(expert + 1) * h].to_vec(),
+                    down: row_of(&ckpt.get(&format!("{d}_bias"), &[n, h])?, expert, h),
                 })
             } else {
                 None
@@ -93,6 +91,14 @@ pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: us
 
 fn tensor_error(ckpt: &Checkpoint, name: &str, problem: String) -> LoadError {
     LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: name.to_string(), problem }
+}
+
+/// Row `row` (`width` values) of a float tensor, widened to f32 — without widening the rest.
+fn row_of(view: &shimmer_common::checkpoint::TensorView<'_>, row: usize, width: usize) -> Vec<f32> {
+    let size = if view.dtype == DType::F32 { 4 } else { 2 };
+    let shape = [width];
+    let one = shimmer_common::checkpoint::TensorView { dtype: view.dtype, shape: &shape, bytes: &view.bytes[row * width * size..(row + 1) * width * size] };
+    one.to_f32()
 }
 
 /// One expert's `[gate, up]` (`i × h` each) from the fused `name` (`experts × h × 2i`, gate and up
