@@ -18,6 +18,7 @@ pub mod json;
 pub mod json_constraint;
 pub mod quant;
 pub mod spec;
+pub mod tiktoken;
 pub mod tokenizer;
 pub mod trace;
 

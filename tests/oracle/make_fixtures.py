@@ -101,7 +101,6 @@ KIMI = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{%- endif %}"
 )
-KIMI_SPECIALS = ["[EOS]", "<|im_end|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]
 
 HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>"]
 
@@ -130,6 +129,129 @@ def corpus():
             if len(parts) == 2:
                 lines.append(parts[1])
     return lines
+
+
+# Moonshot's tokenizer class for Kimi checkpoints (`TikTokenTokenizer`, `tokenization_kimi.py`):
+# its split pattern, and 256 + 2 special ids after the ranks, named by tokenizer_config.json's
+# added_tokens_decoder (the rest `<|reserved_token_{id}|>`).
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+KIMI_SPECIAL_IDS = 258
+# Offsets after the ranks at which Kimi's tokenizer_config.json names its specials (K2, Linear).
+KIMI_SPECIAL_OFFSETS = {"[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4,
+                        "<|start_header_id|>": 6, "<|end_header_id|>": 7, "[EOT]": 9, "<|im_system|>": 10,
+                        "<|im_middle|>": 17, "[UNK]": 254, "[PAD]": 255}
+
+
+class KimiTikToken:
+    """A Kimi checkpoint's tokenizer as its class behaves, over the `tiktoken` package (the engine
+    the class runs): encode with every special allowed, after cutting the text into pieces of at
+    most 400 000 characters and runs of at most 25 000 (non-)whitespace characters; decode as
+    UTF-8 with replacement; `skip_special_tokens` drops what added_tokens_decoder marks special."""
+
+    extra_probes = ["DON'T you know? We'll see; they've 12345 apples.", "中文和English混合 文本", "[BOS]hi[EOS]<|im_user|>x",
+                    "<|reserved_token_{}|> reserved", "tabs\t\t and \r\n crlf   ", "emoji 🙂 and ĳ ligature"]
+
+    def __init__(self, ranks, added, template):
+        import tiktoken
+        self.ranks, self.added, self.template = ranks, added, template
+        base = len(ranks)
+        names = {base + off: name for name, off in added.items()}
+        self.specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + KIMI_SPECIAL_IDS)}
+        self.skip = set(names)
+        self.enc = tiktoken.Encoding(name="kimi-fixture", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=self.specials)
+        self.extra_probes = [p.format(base + 5) for p in KimiTikToken.extra_probes]
+
+    @classmethod
+    def from_bpe(cls, bpe):
+        """Ranks from a byte-level BPE: its tokens' bytes, ranked in id order."""
+        # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others
+        # for U+0100 upwards in byte order.
+        printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+        others = [b for b in range(256) if b not in printable]
+        byte_of = {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+        vocab = sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])
+        ranks = {bytes(byte_of[c] for c in tok): i for i, (tok, _) in enumerate(vocab)}
+        return cls(ranks, KIMI_SPECIAL_OFFSETS, None)
+
+    @classmethod
+    def load(cls, d):
+        from tiktoken.load import load_tiktoken_bpe
+        ranks = load_tiktoken_bpe(os.path.join(d, "tiktoken.model"))
+        config = json.load(open(os.path.join(d, "tokenizer_config.json")))
+        added = {e["content"]: int(i) - len(ranks) for i, e in config["added_tokens_decoder"].items()}
+        template = open(os.path.join(d, "chat_template.jinja")).read()
+        return cls(ranks, added, template)
+
+    def vocab_size(self):
+        return len(self.ranks) + KIMI_SPECIAL_IDS
+
+    def token_to_id(self, name):
+        return self.specials[name]
+
+    def save(self, d, template):
+        import base64
+        with open(os.path.join(d, "tiktoken.model"), "w") as f:
+            for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
+                f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+        base = len(self.ranks)
+        config = {
+            "tokenizer_class": "TikTokenTokenizer",
+            "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+            "bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]",
+            "additional_special_tokens": ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                                          "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"],
+            "added_tokens_decoder": {str(base + off): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
+                                                       "single_word": False, "special": True}
+                                     for name, off in sorted(self.added.items(), key=lambda kv: kv[1])},
+            "model_max_length": 1048576,
+        }
+        json.dump(config, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=2)
+        with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+            f.write(template)
+
+    @staticmethod
+    def _runs(s, most):
+        out, start, run, space = [], 0, 0, s[:1].isspace()
+        for i, c in enumerate(s):
+            if c.isspace() != space:
+                run, space = 1, c.isspace()
+            else:
+                run += 1
+                if run > most:
+                    out.append(s[start:i])
+                    start, run = i, 1
+        out.append(s[start:])
+        return out
+
+    def encode(self, text):
+        ids = []
+        for i in range(0, len(text), 400_000):
+            for piece in self._runs(text[i:i + 400_000], 25_000):
+                ids.extend(self.enc.encode(piece, allowed_special="all"))
+        return ids
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, ids, skip_special_tokens=False):
+        kept = [i for i in ids if not (skip_special_tokens and i in self.skip)]
+        return self.enc.decode_bytes(kept).decode("utf-8", "replace")
+
+    def apply_chat_template(self, conv, tokenize=True, add_generation_prompt=False, return_dict=False):
+        from transformers.utils.chat_template_utils import render_jinja_template
+        rendered, _ = render_jinja_template(conversations=[conv], chat_template=self.template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]")
+        return self.encode(rendered[0]) if tokenize else rendered[0]
 
 
 def train_tokenizer(lines, vocab_size, bos, specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>")):
@@ -212,9 +334,12 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
             old_spelling(os.path.join(d, "config.json"), old.get("rope_scaling"))
         if extra_eos is not None:
             json.dump({"eos_token_id": extra_eos, "do_sample": False}, open(os.path.join(d, "generation_config.json"), "w"), indent=2)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
-                                       unk_token=None, chat_template=template)
-        fast.save_pretrained(d)
+        if isinstance(tokenizer, KimiTikToken):
+            tokenizer.save(d, template)
+        else:
+            fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
+                                           unk_token=None, chat_template=template)
+            fast.save_pretrained(d)
         if template_in_config:
             # The older layout: the template inside tokenizer_config.json.
             tc_path = os.path.join(d, "tokenizer_config.json")
@@ -253,7 +378,7 @@ def oracle(d, prompts):
     if recurrent:
         model64 = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager",
                                                        experts_implementation="eager").eval()
-    tok = PreTrainedTokenizerFast.from_pretrained(d)
+    tok = KimiTikToken.load(d) if os.path.exists(os.path.join(d, "tiktoken.model")) else PreTrainedTokenizerFast.from_pretrained(d)
     gen_eos = model.generation_config.eos_token_id
     eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     record = {"transformers": __import__("transformers").__version__, "torch": torch.__version__,
@@ -306,7 +431,7 @@ def oracle(d, prompts):
         record["chat_error"] = None
     except Exception as e:  # the template's raise_exception, if it has one
         record["chat_error"] = {"messages": BAD_CONVERSATION, "message": str(e)}
-    for probe in TOKENIZER_PROBES:
+    for probe in TOKENIZER_PROBES + getattr(tok, "extra_probes", []):
         ids = tok(probe)["input_ids"]
         record["tokenizer"].append({"text": probe, "ids": ids, "ids_no_special": tok(probe, add_special_tokens=False)["input_ids"],
                                     "decoded": tok.decode(ids), "decoded_skip_special": tok.decode(ids, skip_special_tokens=True)})
@@ -728,10 +853,12 @@ def make_kimi_linear(lines):
     # MLA layers without any positional encoding (NoPE, plain q_proj); a dense first layer, then
     # sigmoid group-limited routing with a correction bias and a shared expert; bf16; Kimi's chat
     # layout and special tokens.
-    tok = train_tokenizer(lines, 512, bos=False, specials=KIMI_SPECIALS)
+    # The tokenizer as Kimi ships it: a tiktoken rank file (from a byte-level BPE trained here) read
+    # by Moonshot's tokenizer class, no tokenizer.json.
+    tok = KimiTikToken.from_bpe(train_tokenizer(lines, 512, bos=False, specials=()))
     end, im_end = tok.token_to_id("[EOS]"), tok.token_to_id("<|im_end|>")
     make("kimi_linear", KimiLinearConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        vocab_size=tok.vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.446, norm_topk_prob=True,

@@ -254,6 +254,58 @@ fn mutated_tokenizers_are_refused_by_name_or_work() {
     assert!(loaded > 20 && refused > 20, "loaded {loaded}, refused {refused}");
 }
 
+/// A damaged tiktoken rank file (Kimi's `tiktoken.model`: lines swapped, cut, duplicated, a byte
+/// changed) loads and encodes, or is refused naming the file — never a panic. The ones that
+/// load still hold every byte as a token, so their encodings decode back to the text.
+#[test]
+fn mutated_tiktoken_rank_files_are_refused_by_name_or_round_trip() {
+    let mut rng = Rng(0x7137);
+    let dir = copy_fixture("kimi_linear");
+    let original = std::fs::read(fixture("kimi_linear").join("tiktoken.model")).unwrap();
+    let lines: Vec<&[u8]> = original.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    let text = "In the beginning, ümlaut 日本語 DON'T 12345 <|im_end|>";
+    let (mut loaded, mut refused) = (0, 0);
+    for i in 0..120 {
+        let mut mutated: Vec<Vec<u8>> = lines.iter().map(|l| l.to_vec()).collect();
+        let at = rng.below(mutated.len());
+        let what = rng.below(5);
+        match what {
+            0 => {
+                let other = rng.below(mutated.len());
+                let (a, b) = (mutated[at].clone(), mutated[other].clone());
+                // Swap the tokens, keep the ranks: a different but valid file.
+                let split = |l: &[u8]| l.iter().position(|&c| c == b' ').unwrap_or(l.len());
+                mutated[at] = [&b[..split(&b)], &a[split(&a)..]].concat();
+                mutated[other] = [&a[..split(&a)], &b[split(&b)..]].concat();
+            }
+            1 => mutated.truncate(at),
+            2 => {
+                let copy = mutated[at].clone();
+                mutated.insert(rng.below(mutated.len()), copy);
+            }
+            3 => {
+                let line = &mut mutated[at];
+                let k = rng.below(line.len());
+                line[k] = b"A/+= 9x\r\0"[rng.below(10)];
+            }
+            _ => mutated[at].clear(),
+        }
+        std::fs::write(dir.path().join("tiktoken.model"), mutated.join(&b'\n')).unwrap();
+        no_panic(&format!("rank file mutation {i} ({what}) at line {at}"), || match shimmer_common::tokenizer::Tokenizer::from_dir(dir.path()) {
+            Ok(t) => {
+                let ids = t.encode(text, false).unwrap();
+                assert_eq!(t.decode(&ids, false).unwrap(), text, "rank file mutation {i}");
+                loaded += 1;
+            }
+            Err(e) => {
+                assert!(e.to_string().contains("tiktoken.model"), "rank file mutation {i} refused without naming the file: {e}");
+                refused += 1;
+            }
+        });
+    }
+    assert!(loaded > 20 && refused > 20, "loaded {loaded}, refused {refused}");
+}
+
 /// A damaged chat template renders, or is refused with an error that says where (the template's
 /// line) — never a panic.
 #[test]
