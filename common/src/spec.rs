@@ -323,6 +323,10 @@ pub enum RouterScoring {
     /// gpt-oss: the top-k of the raw logits (the router's linear bias included), then a softmax
     /// over those k only.
     TopKSoftmax,
+    /// DeepSeek-V4: scores `√softplus(logit)`; selection on score + `e_score_correction_bias`
+    /// (or, in a hash layer, the token's fixed row of `tid2eid`); weights the unbiased scores
+    /// over their sum, times `routed_scaling_factor`.
+    SqrtSoftplus { routed_scaling_factor: f32 },
 }
 
 /// The function between an expert's gate/up projections and its down projection.
@@ -332,6 +336,9 @@ pub enum ExpertActivation {
     Silu,
     /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `(u + 1) · g · σ(α·g)`.
     ClampedSwiglu { alpha: f32, limit: f32 },
+    /// DeepSeek-V4: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `silu(g) · u`; its
+    /// shared experts too.
+    ClampedSilu { limit: f32 },
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -204,6 +204,59 @@ unsafe fn clamped_swiglu_avx2(gate: &mut [f32], up: &[f32], alpha: f32, limit: f
     }
 }
 
+/// DeepSeek-V4's clamped SwiGLU of one element, in transformers' order: `g = min(gate, limit)`,
+/// `u = clamp(up, −limit, limit)`, `silu(g) · u` (with `silu` as `swiglu_in_place` computes it).
+/// A NaN stays NaN.
+#[inline(always)]
+pub fn clamped_silu(gate: f32, up: f32, limit: f32) -> f32 {
+    let g = if gate > limit { limit } else { gate };
+    let u = if up > limit {
+        limit
+    } else if up < -limit {
+        -limit
+    } else {
+        up
+    };
+    silu(g) * u
+}
+
+/// `gate = clamped_silu(gate, up)`, in place, with the best ISA the machine has (the same bits
+/// on every one).
+pub fn clamped_silu_in_place(gate: &mut [f32], up: &[f32], limit: f32) {
+    #[cfg(target_arch = "x86_64")]
+    match crate::dot::isa() {
+        // SAFETY: `isa` reports AVX-512F (and AVX2+FMA) only when the CPU has them.
+        crate::dot::Isa::Avx512 => return unsafe { clamped_silu_avx512(gate, up, limit) },
+        // SAFETY: as above, AVX2 and FMA.
+        crate::dot::Isa::Avx2 => return unsafe { clamped_silu_avx2(gate, up, limit) },
+        _ => {}
+    }
+    clamped_silu_scalar(gate, up, limit)
+}
+
+/// The definition, one element at a time.
+pub fn clamped_silu_scalar(gate: &mut [f32], up: &[f32], limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_silu(*g, *u, limit);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn clamped_silu_avx512(gate: &mut [f32], up: &[f32], limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_silu(*g, *u, limit);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn clamped_silu_avx2(gate: &mut [f32], up: &[f32], limit: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = clamped_silu(*g, *u, limit);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +368,38 @@ mod tests {
                 _ => swiglu_scalar(&mut got, &up),
             }
             assert_eq!(bits(&got), bits(&want), "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn clamped_silu_clamps_as_transformers_does_and_every_isa_agrees() {
+        let limit = 1.5f32;
+        let gate: Vec<f32> = (0..67).map(|i| (i as f32 - 33.0) * 0.11).collect();
+        let up: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut want = gate.clone();
+        clamped_silu_scalar(&mut want, &up, limit);
+        for ((w, g), u) in want.iter().zip(&gate).zip(&up) {
+            // The definition: silu of the clamped gate times the clamped up, in f64 as a check.
+            let (g, u) = (f64::from(g.min(limit)), f64::from(u.clamp(-limit, limit)));
+            assert!((f64::from(*w) - g / (1.0 + (-g).exp()) * u).abs() < 1e-5);
+        }
+        assert_eq!(clamped_silu(9.0, 0.5, limit), clamped_silu(limit, 0.5, limit));
+        assert_eq!(clamped_silu(-9.0, 0.5, limit), silu(-9.0) * 0.5, "the gate is clamped from above only");
+        assert_eq!(clamped_silu(0.7, -9.0, limit), clamped_silu(0.7, -limit, limit));
+        assert!(clamped_silu(f32::NAN, 0.5, limit).is_nan());
+        let mut got = gate.clone();
+        clamped_silu_in_place(&mut got, &up, limit);
+        assert_eq!(got, want);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut got = gate.clone();
+            match crate::dot::isa() {
+                // SAFETY: only on a CPU that has the ISA.
+                crate::dot::Isa::Avx512 => unsafe { clamped_silu_avx512(&mut got, &up, limit) },
+                crate::dot::Isa::Avx2 => unsafe { clamped_silu_avx2(&mut got, &up, limit) },
+                _ => clamped_silu_scalar(&mut got, &up, limit),
+            }
+            assert_eq!(got, want);
         }
     }
 

@@ -61,6 +61,15 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// torch's softplus (β = 1, threshold 20): `x` above 20, else `ln(1 + eˣ)`.
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -309,6 +309,7 @@ impl Decoder {
                         logit_bias,
                         scoring: spec.moe.scoring,
                         top_k: spec.moe.top_k,
+                        hash: None,
                     };
                     let shared_gate = match spec.expert_names.shared_gate(l) {
                         Some(g) => Some(Box::new(matrix(ckpt, spec, &g, 1, h)?)),
@@ -469,7 +470,7 @@ impl Decoder {
             match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
                 Mlp::Moe { router, shared, shared_gate } => {
-                    self.moe(l, router, shared.as_ref().map(|s| (s, shared_gate.as_deref())), &x, experts, observer, &mut proj, &mut times)?
+                    self.moe(l, &tokens, router, shared.as_ref().map(|s| (s, shared_gate.as_deref())), &x, experts, observer, &mut proj, &mut times)?
                 }
             }
             add(&mut h, &proj);
@@ -572,6 +573,7 @@ impl Decoder {
     fn moe(
         &self,
         layer: usize,
+        tokens: &[u32],
         router: &Router,
         shared: Option<(&DenseMlp, Option<&Matrix>)>,
         x: &[f32],
@@ -587,15 +589,15 @@ impl Decoder {
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
         let mut scores = Vec::new();
-        for xr in x.chunks_exact(hd) {
-            router.route_row(xr, &mut scores, &mut ids, &mut weights);
+        for (xr, &token) in x.chunks_exact(hd).zip(tokens) {
+            router.route_row(xr, token, &mut scores, &mut ids, &mut weights);
         }
         observer.moe_layer(layer, x, &ids, &weights);
         // One-layer-ahead prediction: the next MoE layer's router on this layer's rows. It goes
         // to the dispatcher before this layer's dispatch, so its reads overlap this layer's work.
         if observer.wants_lookahead() || experts.wants_lookahead() {
             if let Some(next) = (layer + 1..s.num_layers).find(|l| s.layers[*l] == LayerMlp::Moe) {
-                if let Some(predicted) = self.route(next, x) {
+                if let Some(predicted) = self.route(next, x, tokens) {
                     if experts.wants_lookahead() {
                         experts.prefetch(next, &predicted);
                     }
@@ -626,15 +628,16 @@ impl Decoder {
         Ok(())
     }
 
-    /// What layer `layer`'s router would choose for rows `x` (n rows → n × top_k experts), or
-    /// `None` for a dense layer. Used to predict a layer's experts from an earlier layer's state.
-    pub fn route(&self, layer: usize, x: &[f32]) -> Option<Vec<u32>> {
+    /// What layer `layer`'s router would choose for rows `x` of `tokens` (n rows → n × top_k
+    /// experts), or `None` for a dense layer. Used to predict a layer's experts from an earlier
+    /// layer's state (a hash layer's choice is its table's, so exact).
+    pub fn route(&self, layer: usize, x: &[f32], tokens: &[u32]) -> Option<Vec<u32>> {
         let Mlp::Moe { router, .. } = &self.layers.get(layer)?.mlp else {
             return None;
         };
         let (mut scores, mut ids, mut weights) = (Vec::new(), Vec::new(), Vec::new());
-        for xr in x.chunks_exact(self.spec.hidden_size) {
-            router.route_row(xr, &mut scores, &mut ids, &mut weights);
+        for (xr, &token) in x.chunks_exact(self.spec.hidden_size).zip(tokens) {
+            router.route_row(xr, token, &mut scores, &mut ids, &mut weights);
         }
         Some(ids)
     }

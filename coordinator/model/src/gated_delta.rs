@@ -15,6 +15,7 @@
 
 use shimmer_common::spec::{DeltaProjections, GatedDeltaSpec};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_kernels::ops::softplus;
 use shimmer_kernels::{gating, Matrix};
 
 use crate::decoder::{matrix, name, vector, SegmentRows};
@@ -283,13 +284,4 @@ fn l2_normalise(x: &mut [f32], divide: bool) {
 
 fn sigmoid(x: f32) -> f32 {
     gating::recip(1.0 + gating::exp(-x))
-}
-
-/// torch's softplus (β = 1, threshold 20): `x` above 20, else `ln(1 + eˣ)`.
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
 }

@@ -12,11 +12,16 @@ pub struct Router {
     pub logit_bias: Option<Vec<f32>>,
     pub scoring: RouterScoring,
     pub top_k: usize,
+    /// A hash layer's fixed choice (DeepSeek-V4's `tid2eid`): `top_k` expert ids per token id,
+    /// in place of a selection by score; the weights still come from the scores.
+    pub hash: Option<Vec<u32>>,
 }
 
 impl Router {
-    /// Appends row `x`'s `top_k` expert ids and weights; `scores` is scratch of `num_experts`.
-    pub fn route_row(&self, x: &[f32], scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
+    /// Appends row `x`'s (of token `token`) `top_k` expert ids and weights; `scores` is scratch
+    /// of `num_experts`. The token matters to a hash layer only (its table was checked against
+    /// the vocabulary and the experts when loaded, and the decoder checks tokens before a pass).
+    pub fn route_row(&self, x: &[f32], token: u32, scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         let e = self.weight.rows;
         scores.resize(e, 0.0);
         self.weight.matvec(x, scores);
@@ -53,6 +58,24 @@ impl Router {
                     weights.push(w * routed_scaling_factor);
                 }
             }
+            RouterScoring::SqrtSoftplus { routed_scaling_factor } => {
+                scores.iter_mut().for_each(|s| *s = ops::softplus(*s).sqrt());
+                let top: Vec<usize> = match &self.hash {
+                    Some(table) => {
+                        let at = token as usize * self.top_k;
+                        table.get(at..at + self.top_k).map_or_else(Vec::new, |row| row.iter().map(|&e| e as usize).collect())
+                    }
+                    None => match &self.bias {
+                        Some(b) => top_k(&scores.iter().zip(b).map(|(s, b)| s + b).collect::<Vec<_>>(), self.top_k),
+                        None => top_k(scores, self.top_k),
+                    },
+                };
+                let sum: f32 = top.iter().map(|&i| scores[i]).sum::<f32>() + 1e-20;
+                for &i in &top {
+                    ids.push(i as u32);
+                    weights.push(scores[i] / sum * routed_scaling_factor);
+                }
+            }
             RouterScoring::TopKSoftmax => {
                 let top = top_k(scores, self.top_k);
                 let mut chosen: Vec<f32> = top.iter().map(|&i| scores[i]).collect();
@@ -80,9 +103,9 @@ mod tests {
         // An identity-like weight: row i picks input i, so the logits are the input.
         let n = logits.len();
         let w: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        let r = Router { weight: Matrix::from_f32(n, n, w), bias, logit_bias: None, scoring, top_k };
+        let r = Router { weight: Matrix::from_f32(n, n, w), bias, logit_bias: None, scoring, top_k, hash: None };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
-        r.route_row(logits, &mut Vec::new(), &mut ids, &mut weights);
+        r.route_row(logits, 0, &mut Vec::new(), &mut ids, &mut weights);
         (ids, weights)
     }
 
@@ -102,10 +125,16 @@ mod tests {
         // gpt-oss: the bias is part of the logits (it changes the choice and the weights).
         let logits = [1.0, 3.0, 2.0, 0.0];
         let w: Vec<f32> = (0..16).map(|i| if i / 4 == i % 4 { 1.0 } else { 0.0 }).collect();
-        let r =
-            Router { weight: Matrix::from_f32(4, 4, w), bias: None, logit_bias: Some(vec![0.0, 0.0, 0.0, 2.5]), scoring: RouterScoring::TopKSoftmax, top_k: 2 };
+        let r = Router {
+            weight: Matrix::from_f32(4, 4, w),
+            bias: None,
+            logit_bias: Some(vec![0.0, 0.0, 0.0, 2.5]),
+            scoring: RouterScoring::TopKSoftmax,
+            top_k: 2,
+            hash: None,
+        };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
-        r.route_row(&logits, &mut Vec::new(), &mut ids, &mut weights);
+        r.route_row(&logits, 0, &mut Vec::new(), &mut ids, &mut weights);
         assert_eq!(ids, [1, 3]);
         let z = 3f32.exp() + 2.5f32.exp();
         assert!((weights[0] - 3f32.exp() / z).abs() < 1e-6 && (weights[1] - 2.5f32.exp() / z).abs() < 1e-6, "{weights:?}");
@@ -137,5 +166,27 @@ mod tests {
         let mut sorted = ids.clone();
         sorted.sort();
         assert_eq!(sorted, [0, 1, 3]);
+    }
+
+    #[test]
+    fn sqrt_softplus_selects_on_biased_scores_or_by_token_and_renormalises() {
+        // DeepSeek-V4: scores √softplus(logit); selection on score + bias; weights the unbiased
+        // scores over their sum, times the scaling factor.
+        let logits = [1.0, 3.0, 2.0, -1.0];
+        let score = |x: f32| (1.0 + x.exp()).ln().sqrt();
+        let scoring = RouterScoring::SqrtSoftplus { routed_scaling_factor: 1.5 };
+        let (ids, w) = router(&logits, Some(vec![0.0, 0.0, -2.0, 3.0]), scoring, 2);
+        assert_eq!(ids, [3, 1]);
+        let sum = score(-1.0) + score(3.0);
+        assert!((w[0] - 1.5 * score(-1.0) / sum).abs() < 1e-6 && (w[1] - 1.5 * score(3.0) / sum).abs() < 1e-6, "{w:?}");
+        // A hash layer takes the token's row of the table whatever the scores say.
+        let n = logits.len();
+        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        let r = Router { weight: Matrix::from_f32(n, n, eye), bias: None, logit_bias: None, scoring, top_k: 2, hash: Some(vec![0, 1, 3, 2, 2, 0]) };
+        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        r.route_row(&logits, 1, &mut Vec::new(), &mut ids, &mut weights);
+        assert_eq!(ids, [3, 2]);
+        let sum = score(-1.0) + score(2.0);
+        assert!((weights[0] - 1.5 * score(-1.0) / sum).abs() < 1e-6, "{weights:?}");
     }
 }

@@ -81,6 +81,7 @@ impl Expert {
         match self.activation {
             ExpertActivation::Silu => ops::swiglu_in_place(&mut scratch.gate, &scratch.up),
             ExpertActivation::ClampedSwiglu { alpha, limit } => gating::clamped_swiglu_in_place(&mut scratch.gate, &scratch.up, alpha, limit),
+            ExpertActivation::ClampedSilu { limit } => gating::clamped_silu_in_place(&mut scratch.gate, &scratch.up, limit),
         }
         self.down.matmul_on(&scratch.gate, out, parallel);
         if let Some(b) = &self.bias {
