@@ -84,6 +84,14 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "linear_num_heads", max: 1024 },
     Bound { field: "index_head_dim", max: 4096 },
     Bound { field: "index_n_heads", max: 1024 },
+    Bound { field: "o_groups", max: 1024 },
+    Bound { field: "o_lora_rank", max: 1 << 16 },
+    Bound { field: "hc_mult", max: 64 },
+    Bound { field: "hc_sinkhorn_iters", max: 1000 },
+    Bound { field: "compress_rate_csa", max: 1 << 16 },
+    Bound { field: "compress_rate_hca", max: 1 << 16 },
+    Bound { field: "compress_ratios[]", max: 1 << 16 },
+    Bound { field: "num_hash_layers", max: MAX_LAYERS },
 ];
 
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
@@ -265,11 +273,78 @@ impl GatedDeltaSpec {
     }
 }
 
+/// What a DeepSeek-V4 layer attends to besides its sliding window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompressKind {
+    /// The window only.
+    Sliding,
+    /// Compressed sparse attention: an entry per `csa_rate` positions, pooled over two
+    /// overlapping windows, of which a lightning indexer picks each query's best `indexer_top_k`.
+    Sparse,
+    /// Heavily compressed attention: an entry per `hca_rate` positions, every one seen.
+    Heavy,
+}
+
+/// DeepSeek-V4's attention: one shared key-value head (`head_dim`, the key is the value),
+/// queries through a low-rank projection with an RMSNorm per head; interleaved rotary on each
+/// head's trailing `rope_dim` dims, undone on the output at the query's position; per-head sinks;
+/// a sliding window beside the compressed entries of `kinds`; a grouped low-rank output projection
+/// (`o_groups` groups of heads, each to `o_lora_rank`, then mixed to the hidden size).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompressedSpec {
+    pub q_lora_rank: usize,
+    pub rope_dim: usize,
+    pub o_groups: usize,
+    pub o_lora_rank: usize,
+    pub window: usize,
+    pub kinds: Vec<CompressKind>,
+    pub csa_rate: usize,
+    pub hca_rate: usize,
+    pub indexer_heads: usize,
+    pub indexer_head_dim: usize,
+    pub indexer_top_k: usize,
+    /// The rotary of compressed layers (their attention, entries and indexer); sliding layers
+    /// use `ModelSpec::rope`.
+    pub compress_rope: RopeSpec,
+    pub names: CompressedNames,
+}
+
+/// Tensor-name templates of `CompressedSpec` layers (`{L}` the layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompressedNames {
+    pub q_a: &'static str,
+    pub q_a_norm: &'static str,
+    pub q_b: &'static str,
+    pub kv: &'static str,
+    pub kv_norm: &'static str,
+    pub o_a: &'static str,
+    pub o_b: &'static str,
+    pub sinks: &'static str,
+    /// The compressor (`{prefix}.wkv.weight`, `.wgate.weight`, `.ape`, `.norm.weight`), and the
+    /// indexer's (`{indexer}.compressor.…`, `{indexer}.wq_b.weight`, `{indexer}.weights_proj.weight`).
+    pub compressor: &'static str,
+    pub indexer: &'static str,
+}
+
+/// Manifold-constrained hyper-connections (DeepSeek-V4): `streams` residual copies, mixed around
+/// each sublayer with Sinkhorn-projected weights (`hc_sinkhorn_iters`, `hc_eps`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HyperSpec {
+    pub streams: usize,
+    pub sinkhorn_iters: usize,
+    pub eps: f32,
+    /// `[mix, base, scale]` name templates around attention, around the MLP, and at the head.
+    pub attn: [&'static str; 3],
+    pub ffn: [&'static str; 3],
+    pub head: [&'static str; 3],
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionKind {
     /// Grouped-query attention (MHA, GQA, MQA) with q/k/v/o projections.
     Gqa,
     Mla(MlaSpec),
+    Compressed(Box<CompressedSpec>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -380,6 +455,8 @@ pub struct ExpertNames {
     pub shared: Option<[&'static str; 3]>,
     /// A `1 × hidden` weight whose sigmoid scales the shared expert's output (Qwen3-Next).
     pub shared_gate: Option<&'static str>,
+    /// A hash layer's `vocab × top_k` table of expert ids (DeepSeek-V4's `tid2eid`).
+    pub router_hash: Option<&'static str>,
     pub layout: ExpertLayout,
     pub gate: &'static str,
     pub up: &'static str,
@@ -398,6 +475,9 @@ impl ExpertNames {
     }
     pub fn shared_gate(&self, layer: usize) -> Option<String> {
         self.shared_gate.map(|t| fill(t, layer, 0))
+    }
+    pub fn router_hash(&self, layer: usize) -> Option<String> {
+        self.router_hash.map(|t| fill(t, layer, 0))
     }
     pub fn router_logit_bias(&self, layer: usize) -> Option<String> {
         self.router_logit_bias.map(|t| fill(t, layer, 0))
@@ -461,6 +541,10 @@ pub struct ModelSpec {
     /// The side of the square blocks an fp8-e4m3 checkpoint's `<name>_scale_inv` scales cover
     /// (`quantization_config.weight_block_size`; 128, DeepSeek-V3's, when absent).
     pub fp8_block: usize,
+    /// The residual as several streams (DeepSeek-V4), if the family has them.
+    pub hyper: Option<HyperSpec>,
+    /// Per layer: the MoE router's choice is a fixed table per token (`ExpertNames::router_hash`).
+    pub hash_routed: Vec<bool>,
 }
 
 /// `quantization_config.weight_block_size` (two equal sizes), or 128 when the config has none.
@@ -577,7 +661,10 @@ impl ModelSpec {
                 ));
             }
         }
-        if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa) {
+        if let AttentionKind::Compressed(c) = &self.attention.kind {
+            self.check_compressed(c)?;
+        }
+        if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa | AttentionKind::Compressed(_)) {
             return Err(FieldError::new("architectures", "attention sinks need grouped-query attention"));
         }
         if self.moe.top_k > self.moe.num_experts {
@@ -599,6 +686,38 @@ impl ModelSpec {
         }
         if let Some(bad) = self.eos_token_ids.iter().find(|id| **id as usize >= self.vocab_size) {
             return Err(FieldError::new("eos_token_id", format!("{bad} is outside the vocabulary of {}", self.vocab_size)));
+        }
+        Ok(())
+    }
+}
+
+impl ModelSpec {
+    /// What DeepSeek-V4's attention needs of its sizes.
+    fn check_compressed(&self, c: &CompressedSpec) -> FieldResult<()> {
+        if self.num_kv_heads != 1 {
+            return Err(FieldError::new("num_key_value_heads", "must be 1 (one key-value head, shared by every query head)"));
+        }
+        if c.kinds.len() != self.num_layers {
+            return Err(FieldError::new("layer_types", "per-layer tables disagree with the layer count"));
+        }
+        if !(self.num_heads * self.head_dim).is_multiple_of(c.o_groups) {
+            return Err(FieldError::new(
+                "o_groups",
+                format!("{} does not divide the {} output values of the heads", c.o_groups, self.num_heads * self.head_dim),
+            ));
+        }
+        if c.rope_dim == 0 || !c.rope_dim.is_multiple_of(2) || c.rope_dim > self.head_dim.min(c.indexer_head_dim) {
+            return Err(FieldError::new(
+                "partial_rotary_factor",
+                format!("the rotary part ({}) must be even, positive and fit head_dim {} and index_head_dim {}", c.rope_dim, self.head_dim, c.indexer_head_dim),
+            ));
+        }
+        let Some(hyper) = &self.hyper else { return Ok(()) };
+        if hyper.streams == 0 || hyper.sinkhorn_iters == 0 {
+            return Err(FieldError::new("hc_mult", "hyper-connection streams and Sinkhorn iterations must be positive"));
+        }
+        if self.hash_routed.len() != self.num_layers {
+            return Err(FieldError::new("mlp_layer_types", "per-layer tables disagree with the layer count"));
         }
         Ok(())
     }
@@ -720,6 +839,8 @@ pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: 
     let FamilyParts { attention, layers, moe, expert_names, dense_names, rms_norm_unit_offset } = parts(&Sizes { num_layers, head_dim, rope: &rope })?;
     Ok(ModelSpec {
         fp8_block: 128,
+        hyper: None,
+        hash_routed: vec![false; num_layers],
         architecture,
         vocab_size: obj.positive("vocab_size")?,
         hidden_size,

@@ -277,6 +277,39 @@ pub fn attend_latent_selected(
     }
 }
 
+/// One query row's heads (`q`: heads × d) over keys gathered from anywhere (`keys`, each d long,
+/// in the order given), each key its own value (DeepSeek-V4's shared key-value head, its window
+/// and its compressed entries); `sinks`: one logit per head. The canonical order over the list.
+/// `out`: heads × d (zeros for an empty list without sinks).
+pub fn attend_gathered(q: &[f32], keys: &[&[f32]], d: usize, scale: f32, sinks: Option<&[f32]>, out: &mut [f32]) {
+    let heads = q.len() / d.max(1);
+    let Some(last) = keys.len().checked_sub(1) else {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        return;
+    };
+    let mut h0 = 0;
+    while h0 < heads {
+        let k = TILE.min(heads - h0);
+        let mut qs: [&[f32]; TILE] = [&[]; TILE];
+        let mut tile_sinks = [0.0f32; TILE];
+        for t in 0..k {
+            qs[t] = &q[(h0 + t) * d..(h0 + t + 1) * d];
+            tile_sinks[t] = sinks.map_or(0.0, |s| s[h0 + t]);
+        }
+        online_tile(
+            &[last; TILE][..k],
+            |j, s| {
+                scores_of(keys[j], &qs[..k], s);
+                s[..k].iter_mut().for_each(|x| *x *= scale);
+            },
+            |j| keys[j],
+            sinks.map(|_| &tile_sinks),
+            &mut out[h0 * d..(h0 + k) * d],
+        );
+        h0 += k;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,5 +489,30 @@ mod tests {
                 assert_eq!(bits(&one), bits(&out[a..b]), "row {row}");
             }
         }
+    }
+
+    #[test]
+    fn gathered_attention_matches_the_softmax_definition_with_sinks() {
+        let (heads, d) = (5, 12);
+        let q: Vec<f32> = (0..heads * d).map(|i| ((i * 37) % 17) as f32 / 8.0 - 1.0).collect();
+        let store: Vec<Vec<f32>> = (0..9).map(|j| (0..d).map(|i| ((i * 13 + j * 7) % 11) as f32 / 5.0 - 1.0).collect()).collect();
+        let keys: Vec<&[f32]> = store.iter().map(|k| k.as_slice()).collect();
+        let sinks: Vec<f32> = (0..heads).map(|h| h as f32 * 0.4 - 0.5).collect();
+        let scale = 0.3;
+        let mut out = vec![0.0f32; heads * d];
+        attend_gathered(&q, &keys, d, scale, Some(&sinks), &mut out);
+        for h in 0..heads {
+            let qh = &q[h * d..(h + 1) * d];
+            let logits: Vec<f64> = keys.iter().map(|k| k.iter().zip(qh).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>() * f64::from(scale)).collect();
+            let m = logits.iter().copied().fold(f64::from(sinks[h]), f64::max);
+            let z: f64 = logits.iter().map(|l| (l - m).exp()).sum::<f64>() + (f64::from(sinks[h]) - m).exp();
+            for i in 0..d {
+                let want: f64 = logits.iter().zip(&keys).map(|(l, k)| (l - m).exp() / z * f64::from(k[i])).sum();
+                assert!((f64::from(out[h * d + i]) - want).abs() < 1e-5, "head {h} dim {i}: {} vs {want}", out[h * d + i]);
+            }
+        }
+        // No keys and no sinks: zeros, not NaN.
+        attend_gathered(&q, &[], d, scale, None, &mut out);
+        assert!(out.iter().all(|x| *x == 0.0));
     }
 }

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig,
-                          KimiLinearConfig, MixtralConfig,
+                          DeepseekV4Config, KimiLinearConfig, MixtralConfig,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -263,8 +263,9 @@ def train_tokenizer(lines, vocab_size, bos, specials=("<|endoftext|>", "<|im_sta
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(lines, trainer)
     if bos:
-        bos_id = tok.token_to_id("<s>")
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)])
+        name = bos if isinstance(bos, str) else "<s>"
+        bos_id = tok.token_to_id(name)
+        tok.post_processor = processors.TemplateProcessing(single=f"{name} $A", pair=f"{name} $A {name} $B", special_tokens=[(name, bos_id)])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -311,11 +312,11 @@ def margins(logits):
 
 def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
          extra_eos=None, prompts=PROMPTS, f32_routers=False, bos_token="<s>", eos_token="<|im_end|>", adjust=None,
-         model_class=None, check=None):
+         model_class=None, check=None, keep_f32=(), rename=None):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    for attempt in range(20):
+    for attempt in range(int(os.environ.get("FIXTURE_TRIES", 20))):
         torch.manual_seed(seed + attempt)
         model = model_class(config) if model_class else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         randomize(model, std, seed + attempt)
@@ -327,9 +328,17 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
             for mod_name, mod in model.named_modules():
                 if mod_name.endswith("mlp.gate"):
                     mod.float()
+        if keep_f32:
+            # As the checkpoint ships them: these stay f32 in a bf16 model.
+            with torch.no_grad():
+                for pname, p in list(model.named_parameters()) + list(model.named_buffers()):
+                    if p.is_floating_point() and any(k in pname for k in keep_f32):
+                        p.data = p.data.float()
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         model.save_pretrained(d, max_shard_size=shard) if shard else model.save_pretrained(d)
+        if rename is not None:
+            rename(d)
         if old is not None:
             old_spelling(os.path.join(d, "config.json"), old.get("rope_scaling"))
         if extra_eos is not None:
@@ -369,6 +378,11 @@ def teacher_forced_stepwise(model, ids, dtype=torch.float32):
         out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
         rows.append(out.logits[0, -1])
     return torch.stack(rows).to(dtype)
+
+
+def why(reason):
+    if os.environ.get("FIXTURE_WHY"):
+        print(f"  rejected: {reason}", file=sys.stderr)
 
 
 def oracle(d, prompts):
@@ -412,8 +426,10 @@ def oracle(d, prompts):
         # reproduces it token for token.
         path = m[len(ids) - 1: len(full) - 1]
         if any(t in eos for t in greedy) or min(path) < 2 * NEAR_TIE:
+            why(f"prompt {i}: EOS in the greedy path or a margin of {min(path):.2g}")
             ok = False
         if logits.argmax(-1)[len(ids) - 1:-1].tolist() != greedy:
+            why(f"prompt {i}: cached generate and one full pass disagree")
             ok = False  # cached generate and a single full pass disagree: treat as a near-tie
         tensors[f"logits.{i}"] = logits.contiguous()
         record["prompts"].append({
@@ -605,6 +621,8 @@ def main():
         make_glm_moe_dsa(lines)
     if only in (None, "kimi_linear"):
         make_kimi_linear(lines)
+    if only in (None, "deepseek_v4"):
+        make_deepseek_v4(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -822,6 +840,109 @@ def indexer_selections_are_clear(d, record):
     record["indexer_min_gap"] = min(gaps) if gaps else None
     print(f"indexer: {len(gaps)} selections, smallest relative gap {record['indexer_min_gap']}", file=sys.stderr)
     return bool(gaps) and min(gaps) > INDEX_MARGIN
+
+
+DEEPSEEK_SPECIALS = ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+DEEPSEEK = (
+    "{{ bos_token }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{{ m.content }}"
+    "{%- elif m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{%- elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>"
+    "{%- else %}{{ raise_exception('Unknown role: ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜>{%- endif %}"
+)
+
+
+def deepseek_v4_release_names(d):
+    """Rewrites transformers' save of a DeepSeek-V4 model in the tensor names the release ships
+    (`embed.weight`, `head.weight`, `norm.weight`, `hc_head_fn`, `layers.N.attn.wq_a.weight`, …:
+    no `model.` prefix); transformers reads them back through its conversion mapping."""
+    from safetensors.torch import load_file
+    path = os.path.join(d, "model.safetensors")
+    leaves = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+              "hc_head.hc_scale": "hc_head_scale"}
+    out = {}
+    for name, t in load_file(path).items():
+        name = name.removeprefix("model.")
+        out[leaves.get(name, name)] = t
+    save_file(out, path, metadata={"format": "pt"})
+    model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    if any(info.values()):
+        raise SystemExit(f"deepseek_v4: transformers does not read the release names back: {info}")
+
+
+def deepseek_v4_hash_tables(model):
+    """The hash layers' `tid2eid` as the release has it: each token's own top-k distinct experts
+    (transformers initialises the table to zeros, which would route every token to expert 0)."""
+    g = torch.Generator().manual_seed(77)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=g)[: buf.shape[1]] for _ in range(buf.shape[0])]
+                buf.copy_(torch.stack(rows))
+
+
+def v4_indexer_selections_are_clear(d, record):
+    """As `indexer_selections_are_clear`, for DeepSeek-V4's compressed-entry indexer: its scores
+    are [B, S, entries] with the entries a query may not see at -inf."""
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    gaps = []
+    original_topk = torch.Tensor.topk
+
+    def watching_topk(t, k, *args, **kwargs):
+        if t.dim() == 3:
+            for row in t[0]:
+                finite = row[torch.isfinite(row)]
+                if finite.numel() > k:
+                    top = torch.sort(finite, descending=True).values
+                    gaps.append(((top[k - 1] - top[k]) / top[k - 1].abs().clamp(min=1e-6)).item())
+        return original_topk(t, k, *args, **kwargs)
+
+    torch.Tensor.topk = watching_topk
+    try:
+        with torch.no_grad():
+            for p in record["prompts"]:
+                model(torch.tensor([p["ids"] + p["greedy"]]))
+    finally:
+        torch.Tensor.topk = original_topk
+    record["indexer_min_gap"] = min(gaps) if gaps else None
+    print(f"indexer: {len(gaps)} selections, smallest relative gap {record['indexer_min_gap']}", file=sys.stderr)
+    return bool(gaps) and min(gaps) > INDEX_MARGIN
+
+
+def make_deepseek_v4(lines):
+    # DeepSeek-V4: four residual streams mixed by manifold-constrained hyper-connections (Sinkhorn
+    # projection), shared-KV attention with q/kv norms, partial interleaved rotary on the trailing
+    # dims undone on the output, per-head sinks, a sliding window (6) shorter than every prompt,
+    # grouped low-rank output projection; compressed-sparse layers (windows of 4 with overlapping
+    # halves, a lightning indexer of 16 heads choosing 3 entries) and heavily-compressed layers
+    # (windows of 8) with YaRN on the compressed rotary; a hash-routed first MoE layer (`tid2eid`)
+    # then sqrtsoftplus routing with a random correction bias, clamped SwiGLU experts (limit 1, so
+    # the clamps bite) and a shared expert; bf16 with the release's f32 modules; the release's
+    # tensor names; DeepSeek's chat layout. Seeds are accepted only when every indexer choice is
+    # clear of ties (`v4_indexer_selections_are_clear`).
+    # EOS first (id 0, the padding id generate() is given): a BOS at id 0 would be masked as padding.
+    tok = train_tokenizer(lines, 512, bos="<｜begin▁of▁sentence｜>", specials=DEEPSEEK_SPECIALS)
+    end = tok.token_to_id("<｜end▁of▁sentence｜>")
+    make("deepseek_v4", DeepseekV4Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25,
+        num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        hc_mult=4, hc_sinkhorn_iters=20, mlp_layer_types=["hash_moe", "moe", "moe", "moe"], swiglu_limit=1.0,
+        sliding_window=6, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.token_to_id("<｜begin▁of▁sentence｜>"),
+        eos_token_id=end, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0}),
+        dtype=torch.bfloat16, std=0.25, seed=1400, tokenizer=tok, template=DEEPSEEK, template_in_config=False,
+        bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>", adjust=deepseek_v4_hash_tables,
+        keep_f32=("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
+                  "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm"),
+        rename=deepseek_v4_release_names, check=v4_indexer_selections_are_clear)
 
 
 def make_glm_moe_dsa(lines):

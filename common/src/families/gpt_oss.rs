@@ -78,6 +78,7 @@ fn parse_with_defaults(obj: &Obj) -> FieldResult<ModelSpec> {
                 router_logit_bias: Some("model.layers.{L}.mlp.router.bias"),
                 shared: None,
                 shared_gate: None,
+                router_hash: None,
                 layout: ExpertLayout::FusedInterleaved,
                 gate: "model.layers.{L}.mlp.experts.gate_up_proj",
                 up: "model.layers.{L}.mlp.experts.gate_up_proj",

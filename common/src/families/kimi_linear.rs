@@ -40,6 +40,7 @@ const EXPERTS: ExpertNames = ExpertNames {
         "model.layers.{L}.block_sparse_moe.shared_experts.down_proj.weight",
     ]),
     shared_gate: None,
+    router_hash: None,
     layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
     up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",

@@ -24,6 +24,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 router_logit_bias: None,
                 shared: None,
                 shared_gate: None,
+                router_hash: None,
                 layout: ExpertLayout::Separate,
                 gate: "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
                 up: "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",

@@ -10,6 +10,7 @@
 //! is an error naming the field.
 
 mod deepseek_v3;
+mod deepseek_v4;
 mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
@@ -51,6 +52,7 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &qwen3_5_moe::TEXT_FAMILY,
     &glm_moe_dsa::FAMILY,
     &kimi_linear::FAMILY,
+    &deepseek_v4::FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
@@ -102,6 +104,7 @@ pub(crate) const GATE_UP_DOWN: ExpertNames = ExpertNames {
     router_logit_bias: None,
     shared: None,
     shared_gate: None,
+    router_hash: None,
     layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
@@ -119,6 +122,7 @@ pub(crate) const GROUPED_SIGMOID_NAMES: ExpertNames = ExpertNames {
         "model.layers.{L}.mlp.shared_experts.down_proj.weight",
     ]),
     shared_gate: None,
+    router_hash: None,
     layout: ExpertLayout::Separate,
     gate: "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
@@ -325,5 +329,6 @@ pub(crate) const QWEN_GATED_SHARED_NAMES: ExpertNames = ExpertNames {
         "model.layers.{L}.mlp.shared_expert.down_proj.weight",
     ]),
     shared_gate: Some("model.layers.{L}.mlp.shared_expert_gate.weight"),
+    router_hash: None,
     ..GATE_UP_DOWN
 };

@@ -45,6 +45,7 @@ const IMAGE_TEXT_EXPERTS: ExpertNames = ExpertNames {
         "model.language_model.layers.{L}.mlp.shared_expert.down_proj.weight",
     ]),
     shared_gate: Some("model.language_model.layers.{L}.mlp.shared_expert_gate.weight"),
+    router_hash: None,
     layout: ExpertLayout::Separate,
     gate: "model.language_model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
     up: "model.language_model.layers.{L}.mlp.experts.{E}.up_proj.weight",

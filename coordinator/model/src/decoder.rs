@@ -9,13 +9,15 @@
 //! All activations are f32; weights stay in their stored precision. Every row is computed by the
 //! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
 
-use shimmer_common::spec::{AttentionKind, DenseNames, LayerMlp, Mixer, QkNorm};
+use shimmer_common::spec::{AttentionKind, DenseNames, ExpertActivation, LayerMlp, Mixer, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
 use shimmer_kernels::attention::{attend_rows, AttentionShape};
 use shimmer_kernels::{fixed, ops, Matrix};
 
+use super::compressed::Compressed;
 use super::gated_delta::GatedDelta;
+use super::hyper::{expand, HyperConnection, HyperHead, Spread};
 use super::mla::Mla;
 use super::rope::Rope;
 use super::router::Router;
@@ -46,6 +48,8 @@ struct DenseMlp {
     gate: Matrix,
     up: Matrix,
     down: Matrix,
+    /// Plain SwiGLU, or the family's clamped one for its shared expert (DeepSeek-V4).
+    activation: ExpertActivation,
 }
 
 impl DenseMlp {
@@ -58,6 +62,7 @@ impl DenseMlp {
             gate: matrix(ckpt, spec, g, intermediate, hidden)?,
             up: matrix(ckpt, spec, u, intermediate, hidden)?,
             down: matrix(ckpt, spec, d, hidden, intermediate)?,
+            activation: ExpertActivation::Silu,
         })
     }
 
@@ -67,7 +72,11 @@ impl DenseMlp {
         let n = x.len() / hd;
         let (mut g, mut u) = (vec![0.0f32; n * i], vec![0.0f32; n * i]);
         shimmer_kernels::matrix::matmul_pair(&self.gate, &self.up, x, &mut g, &mut u, true);
-        ops::swiglu_in_place(&mut g, &u);
+        match self.activation {
+            ExpertActivation::ClampedSilu { limit } => shimmer_kernels::gating::clamped_silu_in_place(&mut g, &u, limit),
+            ExpertActivation::ClampedSwiglu { alpha, limit } => shimmer_kernels::gating::clamped_swiglu_in_place(&mut g, &u, alpha, limit),
+            ExpertActivation::Silu => ops::swiglu_in_place(&mut g, &u),
+        }
         self.down.matmul(&g, out);
     }
 }
@@ -102,6 +111,7 @@ enum Attention {
     Gqa(Gqa),
     Mla(Box<Mla>),
     Delta(GatedDelta),
+    Compressed(Box<Compressed>),
 }
 
 struct Layer {
@@ -109,6 +119,8 @@ struct Layer {
     post_attention_norm: Vec<f32>,
     attention: Attention,
     mlp: Mlp,
+    /// Hyper-connections around the attention and the MLP (DeepSeek-V4).
+    hyper: Option<Box<(HyperConnection, HyperConnection)>>,
 }
 
 pub struct Decoder {
@@ -119,6 +131,8 @@ pub struct Decoder {
     lm_head: Option<Matrix>,
     layers: Vec<Layer>,
     rope: Rope,
+    /// The last collapse of the residual streams, with hyper-connections.
+    hyper_head: Option<HyperHead>,
 }
 
 /// Sees each MoE layer's input rows and the router's choices as the forward pass makes them:
@@ -227,12 +241,17 @@ impl Decoder {
     pub fn dense_bytes_per_token(&self) -> u64 {
         let mut total = self.embed.bytes() / self.embed.rows.max(1);
         total += self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
+        total += self.hyper_head.as_ref().map_or(0, HyperHead::bytes);
         for layer in &self.layers {
             total += match &layer.attention {
                 Attention::Gqa(g) => g.q.bytes() + g.k.bytes() + g.v.bytes() + g.o.bytes(),
                 Attention::Mla(m) => m.bytes(),
                 Attention::Delta(d) => d.bytes(),
+                Attention::Compressed(c) => c.bytes(),
             };
+            if let Some(hc) = &layer.hyper {
+                total += hc.0.bytes() + hc.1.bytes();
+            }
             total += match &layer.mlp {
                 Mlp::Dense(d) => d.bytes(),
                 Mlp::Moe { router, shared, shared_gate } => {
@@ -283,6 +302,7 @@ impl Decoder {
             let attention = match (&spec.attention.kind, spec.attention.mixers[l], &spec.attention.gated_delta) {
                 (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
                 (AttentionKind::Mla(mla), _, _) => Attention::Mla(Box::new(Mla::load(ckpt, spec, mla, l)?)),
+                (AttentionKind::Compressed(c), _, _) => Attention::Compressed(Box::new(Compressed::load(ckpt, spec, c, l)?)),
                 _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
@@ -291,12 +311,22 @@ impl Decoder {
                 }
                 LayerMlp::Moe => {
                     let e = spec.moe.num_experts;
-                    let bias = match spec.expert_names.router_bias(l) {
+                    let hashed = spec.hash_routed.get(l).copied().unwrap_or(false);
+                    // A hash layer chooses by its table: it has no selection bias.
+                    let bias = match spec.expert_names.router_bias(l).filter(|_| !hashed) {
                         Some(b) => Some(vector(ckpt, &b, e)?),
                         None => None,
                     };
+                    let hash = match spec.expert_names.router_hash(l).filter(|_| hashed) {
+                        Some(t) => Some(expert_table(ckpt, &t, spec.vocab_size, spec.moe.top_k, e)?),
+                        None => None,
+                    };
                     let shared = match (spec.expert_names.shared(l), spec.moe.shared_intermediate_size) {
-                        (Some([g, u, d]), Some(i)) => Some(DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?),
+                        (Some([g, u, d]), Some(i)) => {
+                            let mut mlp = DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?;
+                            mlp.activation = spec.moe.activation;
+                            Some(mlp)
+                        }
                         _ => None,
                     };
                     let logit_bias = match spec.expert_names.router_logit_bias(l) {
@@ -309,7 +339,7 @@ impl Decoder {
                         logit_bias,
                         scoring: spec.moe.scoring,
                         top_k: spec.moe.top_k,
-                        hash: None,
+                        hash,
                     };
                     let shared_gate = match spec.expert_names.shared_gate(l) {
                         Some(g) => Some(Box::new(matrix(ckpt, spec, &g, 1, h)?)),
@@ -318,13 +348,27 @@ impl Decoder {
                     Mlp::Moe { router, shared, shared_gate }
                 }
             };
+            let hyper = match &spec.hyper {
+                Some(hs) => {
+                    let names = |t: [&str; 3]| t.map(|n| name(n, l));
+                    let (a, f) = (names(hs.attn), names(hs.ffn));
+                    let load = |n: &[String; 3]| HyperConnection::load(ckpt, spec, [&n[0], &n[1], &n[2]], hs.streams, hs.sinkhorn_iters, hs.eps);
+                    Some(Box::new((load(&a)?, load(&f)?)))
+                }
+                None => None,
+            };
             layers.push(Layer {
                 input_norm: norm_weight(ckpt, spec, &name(names.input_norm, l), h)?,
                 post_attention_norm: norm_weight(ckpt, spec, &name(names.post_attention_norm, l), h)?,
                 attention,
                 mlp,
+                hyper,
             });
         }
+        let hyper_head = match &spec.hyper {
+            Some(hs) => Some(HyperHead::load(ckpt, spec, hs.head, hs.streams, hs.eps)?),
+            None => None,
+        };
         let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, spec, names.lm_head, spec.vocab_size, h)?) };
         Ok(Decoder {
             embed: matrix(ckpt, spec, names.embed, spec.vocab_size, h)?,
@@ -332,6 +376,7 @@ impl Decoder {
             lm_head,
             layers,
             rope: Rope::new(&spec.rope, spec.attention.rotary_dim),
+            hyper_head,
             spec: spec.clone(),
         })
     }
@@ -368,6 +413,8 @@ impl Decoder {
         let (k, v) = match &s.attention.kind {
             AttentionKind::Gqa => (s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim),
             AttentionKind::Mla(m) => (m.kv_lora_rank, m.qk_rope_head_dim),
+            // One key per position, which is also its value.
+            AttentionKind::Compressed(_) => (s.head_dim, 0),
         };
         let states = (0..s.num_layers)
             .map(|l| match (s.attention.mixers[l], &s.attention.gated_delta) {
@@ -376,6 +423,14 @@ impl Decoder {
             })
             .collect();
         let mut cache = KvCache::with_states(states, k, v, s.max_position_embeddings);
+        if let AttentionKind::Compressed(c) = &s.attention.kind {
+            for l in 0..s.num_layers {
+                let width = Compressed::aux_width(s, c, l);
+                if width > 0 {
+                    cache = cache.with_aux(l, width);
+                }
+            }
+        }
         // DeepSeek Sparse Attention: each full indexer layer caches its indexer keys.
         if let AttentionKind::Mla(shimmer_common::spec::MlaSpec { indexer: Some(ix), .. }) = &s.attention.kind {
             for (l, full) in ix.full.iter().enumerate() {
@@ -445,35 +500,61 @@ impl Decoder {
             rows.push(SegmentRows { rows: n..n + len, start, cache: &mut *seg.cache });
             n += len;
         }
-        let mut h = vec![0.0f32; n * hd];
-        for (t, row) in tokens.iter().zip(h.chunks_exact_mut(hd)) {
-            self.embed.row_f32(*t as usize, row);
+        // With hyper-connections the residual is `streams` copies of each row, all starting as
+        // its embedding.
+        let streams = s.hyper.as_ref().map_or(1, |hs| hs.streams);
+        let mut h = vec![0.0f32; n * streams * hd];
+        for (t, row) in tokens.iter().zip(h.chunks_exact_mut(streams * hd)) {
+            self.embed.row_f32(*t as usize, &mut row[..hd]);
+            for k in 1..streams {
+                row.copy_within(..hd, k * hd);
+            }
         }
         let mut x = vec![0.0f32; n * hd];
+        let mut collapsed = if streams > 1 { vec![0.0f32; n * hd] } else { Vec::new() };
+        let mut spread = Spread::default();
         let mut proj = vec![0.0f32; n * hd];
         let t_start = std::time::Instant::now();
         let mut times = PhaseTimes::default();
         // DeepSeek Sparse Attention: the last full indexer layer's choice, per row.
         let mut selection: super::mla::Selection = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x);
+            match &layer.hyper {
+                Some(hc) => {
+                    hc.0.collapse(&h, &mut collapsed, &mut spread);
+                    norm_rows(&collapsed, &layer.input_norm, s.rms_norm_eps, &mut x);
+                }
+                None => norm_rows(&h, &layer.input_norm, s.rms_norm_eps, &mut x),
+            }
             let t = std::time::Instant::now();
             match &layer.attention {
                 Attention::Gqa(g) => self.gqa(g, l, &x, &mut rows, &mut proj),
                 Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut selection, &mut proj),
                 Attention::Delta(d) => d.forward(l, &x, &mut rows, &mut proj),
+                Attention::Compressed(c) => c.forward(s, l, &x, &mut rows, &mut proj),
             }
             times.attention += t.elapsed();
-            add(&mut h, &proj);
-
-            norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
+            match &layer.hyper {
+                Some(hc) => {
+                    expand(&mut h, &proj, &spread, streams, hd);
+                    hc.1.collapse(&h, &mut collapsed, &mut spread);
+                    norm_rows(&collapsed, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
+                }
+                None => {
+                    add(&mut h, &proj);
+                    norm_rows(&h, &layer.post_attention_norm, s.rms_norm_eps, &mut x);
+                }
+            }
             match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
                 Mlp::Moe { router, shared, shared_gate } => {
                     self.moe(l, &tokens, router, shared.as_ref().map(|s| (s, shared_gate.as_deref())), &x, experts, observer, &mut proj, &mut times)?
                 }
             }
-            add(&mut h, &proj);
+            match &layer.hyper {
+                Some(_) => expand(&mut h, &proj, &spread, streams, hd),
+                None => add(&mut h, &proj),
+            }
         }
         for seg in rows.iter_mut() {
             seg.cache.commit(seg.rows.len());
@@ -491,8 +572,14 @@ impl Decoder {
                 Logits::All => r.rows.clone().collect(),
             };
             let mut logits = vec![0.0f32; wanted.len() * s.vocab_size];
+            let mut last = vec![0.0f32; hd];
             for (row, out) in wanted.iter().zip(logits.chunks_exact_mut(s.vocab_size)) {
-                ops::rms_norm(&h[row * hd..(row + 1) * hd], &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
+                let state = &h[row * streams * hd..(row + 1) * streams * hd];
+                match &self.hyper_head {
+                    Some(hh) => hh.collapse(state, &mut last),
+                    None => last.copy_from_slice(state),
+                }
+                ops::rms_norm(&last, &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
                 head.matvec(&x[..hd], out);
             }
             all.push(logits);
@@ -646,6 +733,31 @@ impl Decoder {
 /// Dense weight bytes a decode step must read for it to run as a team: m1b (93 MB int8) gains
 /// 10–17 %, the demo model (3–6 MB) loses.
 const TEAM_MIN_STEP_BYTES: u64 = 16 << 20;
+
+/// A hash layer's `vocab × top_k` table of expert ids (integers as stored: i64 or i32), each
+/// checked to name one of the layer's experts.
+fn expert_table(ckpt: &Checkpoint, name: &str, vocab: usize, top_k: usize, experts: usize) -> Result<Vec<u32>, LoadError> {
+    let raw = ckpt.raw(name)?;
+    let err = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
+    if raw.shape != [vocab, top_k] {
+        return Err(err(format!("shape {:?} but the model config needs [{vocab}, {top_k}]", raw.shape)));
+    }
+    let values: Vec<i64> = match raw.dtype {
+        shimmer_common::StDtype::I64 => raw.bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect(),
+        shimmer_common::StDtype::I32 => raw.bytes.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes(b.try_into().unwrap_or([0; 4])))).collect(),
+        other => return Err(err(format!("dtype {other:?}: expected integer expert ids (I64 or I32)"))),
+    };
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            u32::try_from(v)
+                .ok()
+                .filter(|e| (*e as usize) < experts)
+                .ok_or_else(|| err(format!("token {} names expert {v}, not one of the {experts}", i / top_k)))
+        })
+        .collect()
+}
 
 pub(crate) fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let w = weight.len();

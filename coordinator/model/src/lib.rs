@@ -15,8 +15,10 @@
 //! which options it uses come from its spec. Routed experts never pass through here: the decoder
 //! hands each MoE layer's rows and selections to an `ExpertDispatch`.
 
+mod compressed;
 pub mod decoder;
 mod gated_delta;
+mod hyper;
 pub mod kv_cache;
 pub mod mla;
 pub mod rope;
