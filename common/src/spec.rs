@@ -97,6 +97,11 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
 pub const ROPE_BOUNDS: &[Bound] = &[Bound { field: "original_max_position_embeddings", max: MAX_POSITIONS }];
 
+/// Size-like fields inside other objects of `config.json`: DeepSeek-V4's compression rates
+/// (positions per compressed entry).
+pub const NESTED_BOUNDS: &[(&str, &[Bound])] =
+    &[("compress_rates", &[Bound { field: "compressed_sparse_attention", max: 1 << 16 }, Bound { field: "heavily_compressed_attention", max: 1 << 16 }])];
+
 /// Where a decoder's dense tensors live: templates with `{L}` for the layer (the families of
 /// today share Llama's layout; a family with another names its own in its file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -584,6 +589,17 @@ impl ModelSpec {
             for nested in ["rope_scaling", "rope_parameters"] {
                 if let Some(Value::Object(rope)) = config.get(nested) {
                     check_bounds(rope, ROPE_BOUNDS, &format!("{prefix}{nested}.")).map_err(field_err)?;
+                    // DeepSeek-V4 nests a rope per kind of layer.
+                    for (kind, inner) in rope {
+                        if let Value::Object(inner) = inner {
+                            check_bounds(inner, ROPE_BOUNDS, &format!("{prefix}{nested}.{kind}.")).map_err(field_err)?;
+                        }
+                    }
+                }
+            }
+            for (nested, bounds) in NESTED_BOUNDS {
+                if let Some(Value::Object(inner)) = config.get(*nested) {
+                    check_bounds(inner, bounds, &format!("{prefix}{nested}.")).map_err(field_err)?;
                 }
             }
         }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::{json, Value};
-use shimmer_common::spec::{CONFIG_BOUNDS, ROPE_BOUNDS};
+use shimmer_common::spec::{CONFIG_BOUNDS, NESTED_BOUNDS, ROPE_BOUNDS};
 use shimmer_common::ModelSpec;
 use shimmer_tests::{assert_clean_failure, copy_fixture, fixture, fixtures, output_within, shimmer_bin, COMMAND_LIMIT};
 
@@ -33,6 +33,9 @@ const NOT_SIZES: &[&str] = &[
     "low_freq_factor",
     "swiglu_alpha",
     "swiglu_limit",
+    "compress_rope_theta",
+    "hc_eps",
+    "attention_factor",
     // An image-text checkpoint's vision tower and its special tokens: shimmer serves the text
     // part and reads none of them.
     "image_token_id",
@@ -80,10 +83,31 @@ fn every_number_in_a_real_config_is_bounded_or_sizes_nothing() {
         }
         walk(&config, &mut numbers);
         for key in numbers {
-            let bounded = CONFIG_BOUNDS.iter().chain(ROPE_BOUNDS).any(|b| b.field == key);
+            let bounded = CONFIG_BOUNDS.iter().chain(ROPE_BOUNDS).chain(NESTED_BOUNDS.iter().flat_map(|(_, b)| b.iter())).any(|b| b.field == key);
             assert!(bounded || NOT_SIZES.contains(&key.as_str()), "{name}: `{key}` has no documented bound and is not listed as sizing nothing");
         }
     }
+}
+
+#[test]
+fn nested_size_fields_over_their_bound_are_refused_by_name() {
+    let mut checked = 0;
+    for name in fixtures() {
+        let base = config_of(name);
+        for (nested, bounds) in NESTED_BOUNDS {
+            if base.get(*nested).is_none() {
+                continue;
+            }
+            for b in *bounds {
+                let mut config = base.clone();
+                config[*nested][b.field] = json!(b.max + 1);
+                let why = refusal(&config);
+                assert!(why.contains(&format!("{nested}.{}", b.field)), "{name}: {nested}.{} over its bound: {why:?}", b.field);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "no fixture has a nested size field");
 }
 
 #[test]
