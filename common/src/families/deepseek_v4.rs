@@ -144,6 +144,10 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             no_rope: false,
         };
         let expert_i = obj.positive("moe_intermediate_size")?;
+        let swiglu_limit = obj.f64_or("swiglu_limit", 10.0)? as f32;
+        if swiglu_limit.is_nan() || swiglu_limit <= 0.0 {
+            return Err(FieldError::new("swiglu_limit", "must be positive"));
+        }
         let shared = obj.usize_opt("n_shared_experts")?.unwrap_or(1);
         let moe = MoeSpec {
             num_experts: obj.usize_opt("n_routed_experts")?.unwrap_or(256),
@@ -151,7 +155,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             expert_intermediate_size: expert_i,
             scoring: RouterScoring::SqrtSoftplus { routed_scaling_factor: obj.f64_or("routed_scaling_factor", 1.5)? as f32 },
             shared_intermediate_size: (shared > 0).then_some(shared * expert_i),
-            activation: ExpertActivation::ClampedSilu { limit: obj.f64_or("swiglu_limit", 10.0)? as f32 },
+            activation: ExpertActivation::ClampedSilu { limit: swiglu_limit },
             expert_bias: false,
         };
         Ok(FamilyParts { attention, layers: vec![LayerMlp::Moe; n], moe, expert_names: EXPERTS, dense_names: DENSE, rms_norm_unit_offset: false })

@@ -195,6 +195,68 @@ fn gpt_oss_defaults_are_gpt_oss_configs() {
 }
 
 #[test]
+fn deepseek_v4_reads_transformers_and_release_spellings_alike() {
+    // transformers 5.24's spelling: layer and MLP kinds by name, nested rotary per kind.
+    let v = json!({
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 100,
+        "hidden_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 5, "num_attention_heads": 4,
+        "head_dim": 32, "max_position_embeddings": 4096, "q_lora_rank": 24, "o_groups": 2, "o_lora_rank": 16,
+        "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "mlp_layer_types": ["hash_moe", "hash_moe", "hash_moe", "moe", "moe"],
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16.0, "original_max_position_embeddings": 256,
+                         "beta_fast": 32, "beta_slow": 1, "partial_rotary_factor": 0.25, "attention_factor": 1.0}
+        },
+        "partial_rotary_factor": 0.25
+    });
+    let s = parse(v.clone()).unwrap();
+    let AttentionKind::Compressed(c) = &s.attention.kind else { panic!("{:?}", s.attention.kind) };
+    assert_eq!(c.kinds, [CompressKind::Sliding, CompressKind::Heavy, CompressKind::Sparse, CompressKind::Heavy, CompressKind::Sparse]);
+    assert_eq!((c.rope_dim, c.csa_rate, c.hca_rate, c.window, c.indexer_top_k), (8, 4, 128, 128, 512));
+    assert_eq!(s.hash_routed, [true, true, true, false, false]);
+    assert_eq!(s.num_kv_heads, 1);
+    assert_eq!(s.rope, RopeSpec { theta: 10_000.0, scaling: RopeScaling::None });
+    let RopeScaling::Yarn { factor, attention_factor, .. } = c.compress_rope.scaling else { panic!("{:?}", c.compress_rope) };
+    assert_eq!((c.compress_rope.theta, factor, attention_factor), (160_000.0, 16.0, 1.0));
+    assert_eq!(s.moe.scoring, RouterScoring::SqrtSoftplus { routed_scaling_factor: 1.5 });
+    assert_eq!(s.moe.activation, ExpertActivation::ClampedSilu { limit: 10.0 });
+    let hyper = s.hyper.as_ref().unwrap();
+    assert_eq!((hyper.streams, hyper.sinkhorn_iters), (4, 20));
+    // The release's older spelling: per-layer compress ratios, a hash-layer count, the rotary
+    // head size, a flat YaRN at compress_rope_theta (whose attention factor V4 keeps at 1).
+    let mut release = v.clone();
+    let o = release.as_object_mut().unwrap();
+    for key in ["layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "partial_rotary_factor"] {
+        o.remove(key);
+    }
+    o.insert("compress_ratios".into(), json!([0, 128, 4, 128, 4]));
+    o.insert("num_hash_layers".into(), json!(3));
+    o.insert("qk_rope_head_dim".into(), json!(8));
+    o.insert("rope_theta".into(), json!(10000.0));
+    o.insert("compress_rope_theta".into(), json!(160000.0));
+    o.insert("rope_scaling".into(), json!({"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}));
+    assert_eq!(parse(release.clone()).unwrap(), s);
+    // Refused by name: quantized release weights, another router, a bad ratio, two kv heads.
+    let mut bad = release.clone();
+    bad["quantization_config"] = json!({"quant_method": "fp8"});
+    assert!(message(parse(bad)).contains("`quantization_config`"));
+    let mut bad = release.clone();
+    bad["scoring_func"] = json!("softmax");
+    assert!(message(parse(bad)).contains("`scoring_func`"));
+    let mut bad = release.clone();
+    bad["compress_ratios"] = json!([0, 128, 3, 128, 4]);
+    assert!(message(parse(bad)).contains("`compress_ratios`: entry 2"));
+    let mut bad = release.clone();
+    bad["num_key_value_heads"] = json!(2);
+    assert!(message(parse(bad)).contains("`num_key_value_heads`"));
+    let mut bad = release;
+    bad["o_groups"] = json!(3);
+    assert!(message(parse(bad)).contains("`o_groups`"));
+}
+
+#[test]
 fn qwen3_next_defaults_are_qwen3_next_configs() {
     let v = json!({
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 100,
