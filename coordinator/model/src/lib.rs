@@ -1,7 +1,7 @@
 //! shimmer-model: the dense model — everything of a forward pass but the routed experts.
 //!
-//! Owns: the one decoder every family shares, attention (GQA and MLA), RoPE tables, routers and
-//! the KV cache. A family is data here (`ModelSpec`, from its file in `shimmer_common::families`):
+//! Owns: the one decoder every family shares, attention (GQA, MLA, DeepSeek-V4's compressed
+//! attention) and the linear mixers, hyper-connections, RoPE tables, routers and the KV cache. A family is data here (`ModelSpec`, from its file in `shimmer_common::families`):
 //! this crate names none.
 //!
 //! Must never: link an async runtime, a socket or TLS (`cargo tree -e normal -p shimmer-model`
