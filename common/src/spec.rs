@@ -92,6 +92,18 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "compress_rate_hca", max: 1 << 16 },
     Bound { field: "compress_ratios[]", max: 1 << 16 },
     Bound { field: "num_hash_layers", max: MAX_LAYERS },
+    Bound { field: "unpadded_vocab_size", max: MAX_VOCAB },
+    Bound { field: "swa_num_attention_heads", max: 1024 },
+    Bound { field: "swa_num_key_value_heads", max: 1024 },
+    Bound { field: "swa_head_dim", max: 4096 },
+    Bound { field: "sliding_window_size", max: MAX_POSITIONS },
+    Bound { field: "d_rel", max: 4096 },
+    Bound { field: "rel_extent", max: MAX_POSITIONS },
+    Bound { field: "log_scaling_n_floor", max: MAX_POSITIONS },
+    Bound { field: "conv_kernel_size", max: 64 },
+    Bound { field: "dense_intermediate_size", max: 1 << 20 },
+    Bound { field: "dense_mlp_idx", max: MAX_LAYERS },
+    Bound { field: "local_layer_ids[]", max: MAX_LAYERS },
 ];
 
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
@@ -350,6 +362,59 @@ pub enum AttentionKind {
     Gqa,
     Mla(MlaSpec),
     Compressed(Box<CompressedSpec>),
+    Relative(Box<RelativeSpec>),
+}
+
+/// Heads of one kind of Inkling layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Inkling's attention: no rotary; instead a bias on each query–key logit learned per backward
+/// distance (`rel_extent` of them: `d_rel` profiles mixed by the query's own states, zero
+/// farther back); keys and values pass a short causal convolution with a residual; per-head
+/// q/k RMSNorm and a `1/head_dim` scale; sliding and full layers have their own head shapes; full
+/// layers scale queries and biases by `1 + α·ln(max(1, (p+1)/n_floor))` past `n_floor`. Around
+/// it the layer's attention and MLP outputs pass short convolutions of their own (`conv_kernel`
+/// wide, with a residual).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RelativeSpec {
+    pub full: HeadShape,
+    pub sliding: HeadShape,
+    pub window: usize,
+    /// Per layer: a sliding layer (its window is also its bias's reach).
+    pub sliding_layers: Vec<bool>,
+    pub d_rel: usize,
+    pub rel_extent: usize,
+    /// `(n_floor, α)` of the full layers' logarithmic query scaling.
+    pub log_scaling: Option<(f32, f32)>,
+    pub conv_kernel: usize,
+    pub names: RelativeNames,
+}
+
+/// Tensor-name templates of `RelativeSpec` layers (`{L}` the layer; the attention's without
+/// `.weight`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelativeNames {
+    pub q: &'static str,
+    pub k: &'static str,
+    pub v: &'static str,
+    pub r: &'static str,
+    pub o: &'static str,
+    pub q_norm: &'static str,
+    pub k_norm: &'static str,
+    pub k_conv: &'static str,
+    pub v_conv: &'static str,
+    pub rel_proj: &'static str,
+    pub attn_conv: &'static str,
+    pub mlp_conv: &'static str,
+    /// The dense MLP's and the router's global scales.
+    pub mlp_scale: &'static str,
+    pub router_scale: &'static str,
+    pub embed_norm: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -407,6 +472,11 @@ pub enum RouterScoring {
     /// (or, in a hash layer, the token's fixed row of `tid2eid`); weights the unbiased scores
     /// over their sum, times `routed_scaling_factor`.
     SqrtSoftplus { routed_scaling_factor: f32 },
+    /// Inkling: the router also scores `shared` shared experts (its last rows); selection on the
+    /// routed experts' sigmoid + `e_score_correction_bias`; weights a softmax over
+    /// `logsigmoid` of the chosen and the shared logits, times `route_scale` and the router's
+    /// global scale — the shared experts' weights scale their outputs.
+    LogSigmoidShared { route_scale: f32, shared: usize },
 }
 
 /// The function between an expert's gate/up projections and its down projection.
@@ -440,6 +510,10 @@ pub struct MoeSpec {
 pub enum ExpertLayout {
     /// One `out × in` tensor per expert and projection (`{E}` in the names).
     Separate,
+    /// transformers 5's stacked experts: `ExpertNames::gate` is `experts × 2·intermediate ×
+    /// hidden` (each expert's gate rows, then its up rows), `down` `experts × hidden ×
+    /// intermediate`; `up` is unused. Shared experts stacked alike (`shared × out × in` each).
+    FusedStacked,
     /// gpt-oss: one tensor per projection for all of a layer's experts, `experts × in × out`,
     /// with gate and up fused in `ExpertNames::gate`'s tensor, interleaved along `out` (gate
     /// column j at 2j, up at 2j + 1), each with an `experts × out` `<name>_bias`; or, as OpenAI
@@ -497,6 +571,7 @@ impl ExpertNames {
     pub fn tensor_names(&self, layer: usize, experts: usize) -> Vec<String> {
         match self.layout {
             ExpertLayout::Separate => (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| [format!("{n}_scale_inv"), n]).collect(),
+            ExpertLayout::FusedStacked => vec![fill(self.gate, layer, 0), fill(self.down, layer, 0)],
             ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
                 .into_iter()
                 .flat_map(|n| ["", "_bias", "_blocks", "_scales"].map(|suffix| format!("{n}{suffix}")))
@@ -550,6 +625,11 @@ pub struct ModelSpec {
     pub hyper: Option<HyperSpec>,
     /// Per layer: the MoE router's choice is a fixed table per token (`ExpertNames::router_hash`).
     pub hash_routed: Vec<bool>,
+    /// Rows of the embedding and the LM head when padded past `vocab_size` (Inkling's
+    /// `unpadded_vocab_size` is then `vocab_size`: logits beyond it are never computed).
+    pub padded_vocab: Option<usize>,
+    /// The final hidden state is divided by this before the LM head (Inkling's muP multiplier).
+    pub logit_divisor: f32,
 }
 
 /// `quantization_config.weight_block_size` (two equal sizes), or 128 when the config has none.
@@ -679,6 +759,24 @@ impl ModelSpec {
         }
         if let AttentionKind::Compressed(c) = &self.attention.kind {
             self.check_compressed(c)?;
+        }
+        if let AttentionKind::Relative(r) = &self.attention.kind {
+            if r.sliding_layers.len() != self.num_layers {
+                return Err(FieldError::new("layer_types", "per-layer tables disagree with the layer count"));
+            }
+            for shape in [r.full, r.sliding] {
+                if shape.kv_heads == 0 || shape.head_dim == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
+                    return Err(FieldError::new("num_key_value_heads", format!("{} key-value heads must divide {} heads", shape.kv_heads, shape.heads)));
+                }
+            }
+            if r.conv_kernel == 0 || r.rel_extent == 0 || r.window == 0 {
+                return Err(FieldError::new("conv_kernel_size", "the convolution, the bias reach and the window must be positive"));
+            }
+        }
+        if let Some(p) = self.padded_vocab {
+            if p < self.vocab_size {
+                return Err(FieldError::new("unpadded_vocab_size", format!("{} is more than vocab_size = {p}", self.vocab_size)));
+            }
         }
         if self.attention.sinks && !matches!(self.attention.kind, AttentionKind::Gqa | AttentionKind::Compressed(_)) {
             return Err(FieldError::new("architectures", "attention sinks need grouped-query attention"));
@@ -857,6 +955,8 @@ pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: 
         fp8_block: 128,
         hyper: None,
         hash_routed: vec![false; num_layers],
+        padded_vocab: None,
+        logit_divisor: 1.0,
         architecture,
         vocab_size: obj.positive("vocab_size")?,
         hidden_size,

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig,
-                          DeepseekV4Config, KimiLinearConfig, MixtralConfig,
+                          DeepseekV4Config, KimiLinearConfig, MixtralConfig, InklingForCausalLM,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -278,7 +278,7 @@ def randomize(model, std, seed):
             if "norm" in name:
                 # Norm weights of exactly 1 would hide a missing multiply.
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name and model.config.tie_word_embeddings:
+            elif "embed_tokens" in name and getattr(model.config, "tie_word_embeddings", False):
                 # A tied head dots each state with its own input embedding; a smaller embedding keeps
                 # the layers, not the echo of the input token, in charge of the prediction.
                 p.copy_(0.5 * std * torch.randn(p.shape, generator=g))
@@ -623,6 +623,8 @@ def main():
         make_kimi_linear(lines)
     if only in (None, "deepseek_v4"):
         make_deepseek_v4(lines)
+    if only in (None, "inkling_text"):
+        make_inkling(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -943,6 +945,42 @@ def make_deepseek_v4(lines):
         keep_f32=("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
                   "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm"),
         rename=deepseek_v4_release_names, check=v4_indexer_selections_are_clear)
+
+
+def inkling_scales(model):
+    """Inkling's global scales (the dense MLP's, each router's) start at one in transformers; here
+    they are positive and not one, so a missing multiply shows."""
+    g = torch.Generator().manual_seed(91)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("global_scale"):
+                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=g))
+
+
+def make_inkling(lines):
+    # Inkling (text): no rotary — a relative-position bias from each query's own states over the
+    # last `rel_extent` keys (12 on full layers, the window on sliding ones); short causal
+    # convolutions with a residual on k, v, the attention output and the MLP output; per-layer
+    # head shapes (full: 4 heads, 2 kv heads of 16; sliding: 4 heads, 1 kv head of 24, window 6);
+    # per-head q/k RMSNorm and a 1/d scale; logarithmic query scaling past position 4 on full
+    # layers; a normed embedding; a dense first layer with a global scale, then a sigmoid router
+    # over routed and shared experts with logsigmoid-softmax weights (shared experts weighted by
+    # their own logits), a correction bias and a global scale; the head on hidden / 0.25 (muP; a
+    # multiplier under one keeps the tiny model's logits apart), a
+    # vocabulary padded past the tokenizer's; bf16 with the release's f32 modules.
+    tok = train_tokenizer(lines, 512, bos=False)
+    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    vocab = tok.get_vocab_size()
+    make("inkling_text", InklingForCausalLM.config_class(
+        vocab_size=vocab + 8, unpadded_vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+        swa_head_dim=24, sliding_window_size=6, d_rel=4, rel_extent=12, log_scaling_n_floor=4, log_scaling_alpha=0.3,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+        route_scale=2.5, logits_mup_width_multiplier=0.25, conv_kernel_size=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=im_end, pad_token_id=0),
+        dtype=torch.bfloat16, std=0.25, seed=1500, extra_eos=[end, im_end], tokenizer=tok, template=CHATML, template_in_config=False,
+        adjust=inkling_scales, keep_f32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv", "e_score_correction_bias", "gate.global_scale"))
 
 
 def make_glm_moe_dsa(lines):

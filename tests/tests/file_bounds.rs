@@ -36,6 +36,12 @@ const NOT_SIZES: &[&str] = &[
     "compress_rope_theta",
     "hc_eps",
     "attention_factor",
+    "log_scaling_alpha",
+    "logits_mup_width_multiplier",
+    "route_scale",
+    "rms_norm_eps_moe_gate",
+    // transformers' own count of an Inkling layer's convolution states; shimmer reads the kernel.
+    "number_of_conv_states",
     // An image-text checkpoint's vision tower and its special tokens: shimmer serves the text
     // part and reads none of them.
     "image_token_id",

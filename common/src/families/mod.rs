@@ -14,6 +14,7 @@ mod deepseek_v4;
 mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
+mod inkling;
 mod kimi_linear;
 mod mixtral;
 mod olmoe;
@@ -53,6 +54,7 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &glm_moe_dsa::FAMILY,
     &kimi_linear::FAMILY,
     &deepseek_v4::FAMILY,
+    &inkling::FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.

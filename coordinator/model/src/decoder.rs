@@ -19,6 +19,7 @@ use super::compressed::Compressed;
 use super::gated_delta::GatedDelta;
 use super::hyper::{expand, HyperConnection, HyperHead, Spread};
 use super::mla::Mla;
+use super::relative::Relative;
 use super::rope::Rope;
 use super::router::Router;
 use crate::kv_cache::KvCache;
@@ -50,6 +51,8 @@ struct DenseMlp {
     down: Matrix,
     /// Plain SwiGLU, or the family's clamped one for its shared expert (DeepSeek-V4).
     activation: ExpertActivation,
+    /// Multiplies the output (Inkling's dense `global_scale`; 1 elsewhere).
+    scale: f32,
 }
 
 impl DenseMlp {
@@ -63,6 +66,7 @@ impl DenseMlp {
             up: matrix(ckpt, spec, u, intermediate, hidden)?,
             down: matrix(ckpt, spec, d, hidden, intermediate)?,
             activation: ExpertActivation::Silu,
+            scale: 1.0,
         })
     }
 
@@ -78,9 +82,30 @@ impl DenseMlp {
             ExpertActivation::Silu => ops::swiglu_in_place(&mut g, &u),
         }
         self.down.matmul(&g, out);
+        if self.scale != 1.0 {
+            out.iter_mut().for_each(|v| *v *= self.scale);
+        }
+    }
+
+    /// `out += Σ_rows down(act(gate·x)·(up·x)·γ_row)`: one shared expert of a bank, weighted per
+    /// row by the router (Inkling), the weight applied before `down` as transformers applies it.
+    fn add_weighted(&self, x: &[f32], gammas: impl Iterator<Item = f32>, out: &mut [f32]) {
+        let (hd, i) = (self.gate.cols, self.gate.rows);
+        let n = x.len() / hd;
+        let (mut g, mut u) = (vec![0.0f32; n * i], vec![0.0f32; n * i]);
+        shimmer_kernels::matrix::matmul_pair(&self.gate, &self.up, x, &mut g, &mut u, true);
+        ops::swiglu_in_place(&mut g, &u);
+        for (row, gamma) in g.chunks_exact_mut(i).zip(gammas) {
+            row.iter_mut().for_each(|v| *v *= gamma);
+        }
+        let mut y = vec![0.0f32; n * hd];
+        self.down.matmul(&g, &mut y);
+        add(out, &y);
     }
 }
 
+// One per layer, built once at load: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Mlp {
     Dense(DenseMlp),
     /// `shared_gate`: a `1 × hidden` weight whose sigmoid scales the shared expert (Qwen3-Next).
@@ -88,6 +113,8 @@ enum Mlp {
         router: Router,
         shared: Option<DenseMlp>,
         shared_gate: Option<Box<Matrix>>,
+        /// Shared experts the router weighs one by one (Inkling).
+        bank: Vec<DenseMlp>,
     },
 }
 
@@ -112,6 +139,7 @@ enum Attention {
     Mla(Box<Mla>),
     Delta(GatedDelta),
     Compressed(Box<Compressed>),
+    Relative(Box<Relative>),
 }
 
 struct Layer {
@@ -133,6 +161,8 @@ pub struct Decoder {
     rope: Rope,
     /// The last collapse of the residual streams, with hyper-connections.
     hyper_head: Option<HyperHead>,
+    /// An RMSNorm of each embedded row (Inkling).
+    embed_norm: Option<Vec<f32>>,
 }
 
 /// Sees each MoE layer's input rows and the router's choices as the forward pass makes them:
@@ -248,14 +278,18 @@ impl Decoder {
                 Attention::Mla(m) => m.bytes(),
                 Attention::Delta(d) => d.bytes(),
                 Attention::Compressed(c) => c.bytes(),
+                Attention::Relative(r) => r.bytes(),
             };
             if let Some(hc) = &layer.hyper {
                 total += hc.0.bytes() + hc.1.bytes();
             }
             total += match &layer.mlp {
                 Mlp::Dense(d) => d.bytes(),
-                Mlp::Moe { router, shared, shared_gate } => {
-                    router.weight.bytes() + shared.as_ref().map_or(0, DenseMlp::bytes) + shared_gate.as_ref().map_or(0, |g| g.bytes())
+                Mlp::Moe { router, shared, shared_gate, bank } => {
+                    router.weight.bytes()
+                        + shared.as_ref().map_or(0, DenseMlp::bytes)
+                        + shared_gate.as_ref().map_or(0, |g| g.bytes())
+                        + bank.iter().map(DenseMlp::bytes).sum::<usize>()
                 }
             };
         }
@@ -303,11 +337,16 @@ impl Decoder {
                 (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
                 (AttentionKind::Mla(mla), _, _) => Attention::Mla(Box::new(Mla::load(ckpt, spec, mla, l)?)),
                 (AttentionKind::Compressed(c), _, _) => Attention::Compressed(Box::new(Compressed::load(ckpt, spec, c, l)?)),
+                (AttentionKind::Relative(r), _, _) => Attention::Relative(Box::new(Relative::load(ckpt, spec, r, l)?)),
                 _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
                 LayerMlp::Dense { intermediate_size: i } => {
-                    Mlp::Dense(DenseMlp::load(ckpt, spec, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?)
+                    let mut mlp = DenseMlp::load(ckpt, spec, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?;
+                    if let AttentionKind::Relative(r) = &spec.attention.kind {
+                        mlp.scale = vector(ckpt, &name(r.names.mlp_scale, l), 1)?[0];
+                    }
+                    Mlp::Dense(mlp)
                 }
                 LayerMlp::Moe => {
                     let e = spec.moe.num_experts;
@@ -321,7 +360,20 @@ impl Decoder {
                         Some(t) => Some(expert_table(ckpt, &t, spec.vocab_size, spec.moe.top_k, e)?),
                         None => None,
                     };
+                    let stacked = spec.expert_names.layout == shimmer_common::spec::ExpertLayout::FusedStacked;
+                    let mut bank = Vec::new();
                     let shared = match (spec.expert_names.shared(l), spec.moe.shared_intermediate_size) {
+                        (Some([g, u, d]), Some(i)) if stacked => {
+                            let count = match spec.moe.scoring {
+                                shimmer_common::spec::RouterScoring::LogSigmoidShared { shared, .. } => shared,
+                                _ => 1,
+                            };
+                            for s in 0..count {
+                                let (gate, up, down) = shimmer_experts::weights::stacked_shared(ckpt, [&g, &u, &d], count, s, h, i)?;
+                                bank.push(DenseMlp { gate, up, down, activation: ExpertActivation::Silu, scale: 1.0 });
+                            }
+                            None
+                        }
                         (Some([g, u, d]), Some(i)) => {
                             let mut mlp = DenseMlp::load(ckpt, spec, [&g, &u, &d], h, i)?;
                             mlp.activation = spec.moe.activation;
@@ -333,8 +385,18 @@ impl Decoder {
                         Some(b) => Some(vector(ckpt, &b, e)?),
                         None => None,
                     };
+                    // A router that also scores the shared experts has a row for each.
+                    let scored = match spec.moe.scoring {
+                        shimmer_common::spec::RouterScoring::LogSigmoidShared { shared, .. } => e + shared,
+                        _ => e,
+                    };
+                    let global_scale = match &spec.attention.kind {
+                        AttentionKind::Relative(r) => vector(ckpt, &name(r.names.router_scale, l), 1)?[0],
+                        _ => 1.0,
+                    };
                     let router = Router {
-                        weight: matrix(ckpt, spec, &spec.expert_names.router(l), e, h)?,
+                        global_scale,
+                        weight: matrix(ckpt, spec, &spec.expert_names.router(l), scored, h)?,
                         bias,
                         logit_bias,
                         scoring: spec.moe.scoring,
@@ -345,7 +407,7 @@ impl Decoder {
                         Some(g) => Some(Box::new(matrix(ckpt, spec, &g, 1, h)?)),
                         None => None,
                     };
-                    Mlp::Moe { router, shared, shared_gate }
+                    Mlp::Moe { router, shared, shared_gate, bank }
                 }
             };
             let hyper = match &spec.hyper {
@@ -369,9 +431,16 @@ impl Decoder {
             Some(hs) => Some(HyperHead::load(ckpt, spec, hs.head, hs.streams, hs.eps)?),
             None => None,
         };
-        let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, spec, names.lm_head, spec.vocab_size, h)?) };
+        // A padded vocabulary's embedding and head hold rows no token or logit uses.
+        let rows = spec.padded_vocab.unwrap_or(spec.vocab_size);
+        let lm_head = if spec.tie_word_embeddings { None } else { Some(matrix(ckpt, spec, names.lm_head, rows, h)?) };
+        let embed_norm = match &spec.attention.kind {
+            AttentionKind::Relative(r) => Some(vector(ckpt, r.names.embed_norm, h)?),
+            _ => None,
+        };
         Ok(Decoder {
-            embed: matrix(ckpt, spec, names.embed, spec.vocab_size, h)?,
+            embed_norm,
+            embed: matrix(ckpt, spec, names.embed, rows, h)?,
             final_norm: norm_weight(ckpt, spec, names.final_norm, h)?,
             lm_head,
             layers,
@@ -415,6 +484,8 @@ impl Decoder {
             AttentionKind::Mla(m) => (m.kv_lora_rank, m.qk_rope_head_dim),
             // One key per position, which is also its value.
             AttentionKind::Compressed(_) => (s.head_dim, 0),
+            // Keys and values live in the auxiliary slot, beside what the convolutions read.
+            AttentionKind::Relative(_) => (0, 0),
         };
         let states = (0..s.num_layers)
             .map(|l| match (s.attention.mixers[l], &s.attention.gated_delta) {
@@ -423,12 +494,14 @@ impl Decoder {
             })
             .collect();
         let mut cache = KvCache::with_states(states, k, v, s.max_position_embeddings);
-        if let AttentionKind::Compressed(c) = &s.attention.kind {
-            for l in 0..s.num_layers {
-                let width = Compressed::aux_width(s, c, l);
-                if width > 0 {
-                    cache = cache.with_aux(l, width);
-                }
+        for l in 0..s.num_layers {
+            let width = match &s.attention.kind {
+                AttentionKind::Compressed(c) => Compressed::aux_width(s, c, l),
+                AttentionKind::Relative(r) => Relative::aux_width(s, r, l),
+                _ => 0,
+            };
+            if width > 0 {
+                cache = cache.with_aux(l, width);
             }
         }
         // DeepSeek Sparse Attention: each full indexer layer caches its indexer keys.
@@ -506,6 +579,10 @@ impl Decoder {
         let mut h = vec![0.0f32; n * streams * hd];
         for (t, row) in tokens.iter().zip(h.chunks_exact_mut(streams * hd)) {
             self.embed.row_f32(*t as usize, &mut row[..hd]);
+            if let Some(w) = &self.embed_norm {
+                let embedded = row[..hd].to_vec();
+                ops::rms_norm(&embedded, w, s.rms_norm_eps, &mut row[..hd]);
+            }
             for k in 1..streams {
                 row.copy_within(..hd, k * hd);
             }
@@ -532,6 +609,7 @@ impl Decoder {
                 Attention::Mla(m) => m.forward(s, &self.rope, l, &x, &mut rows, &mut selection, &mut proj),
                 Attention::Delta(d) => d.forward(l, &x, &mut rows, &mut proj),
                 Attention::Compressed(c) => c.forward(s, l, &x, &mut rows, &mut proj),
+                Attention::Relative(r) => r.forward(s, l, &x, &mut rows, &mut proj),
             }
             times.attention += t.elapsed();
             match &layer.hyper {
@@ -547,9 +625,12 @@ impl Decoder {
             }
             match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
-                Mlp::Moe { router, shared, shared_gate } => {
-                    self.moe(l, &tokens, router, shared.as_ref().map(|s| (s, shared_gate.as_deref())), &x, experts, observer, &mut proj, &mut times)?
+                Mlp::Moe { router, shared, shared_gate, bank } => {
+                    self.moe(l, &tokens, router, (shared.as_ref().map(|s| (s, shared_gate.as_deref())), bank), &x, experts, observer, &mut proj, &mut times)?
                 }
+            }
+            if let Attention::Relative(r) = &layer.attention {
+                r.convolve_mlp(l, hd, &mut rows, &mut proj);
             }
             match &layer.hyper {
                 Some(_) => expand(&mut h, &proj, &spread, streams, hd),
@@ -580,7 +661,14 @@ impl Decoder {
                     None => last.copy_from_slice(state),
                 }
                 ops::rms_norm(&last, &self.final_norm, s.rms_norm_eps, &mut x[..hd]);
-                head.matvec(&x[..hd], out);
+                if s.logit_divisor != 1.0 {
+                    x[..hd].iter_mut().for_each(|v| *v /= s.logit_divisor);
+                }
+                if s.padded_vocab.is_some() {
+                    head.matvec_rows(0..s.vocab_size, &x[..hd], out);
+                } else {
+                    head.matvec(&x[..hd], out);
+                }
             }
             all.push(logits);
         }
@@ -662,7 +750,7 @@ impl Decoder {
         layer: usize,
         tokens: &[u32],
         router: &Router,
-        shared: Option<(&DenseMlp, Option<&Matrix>)>,
+        (shared, bank): (Option<(&DenseMlp, Option<&Matrix>)>, &[DenseMlp]),
         x: &[f32],
         experts: &dyn ExpertDispatch,
         observer: &mut dyn MoeObserver,
@@ -675,9 +763,9 @@ impl Decoder {
         let n = x.len() / hd;
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
-        let mut scores = Vec::new();
+        let (mut scores, mut gammas) = (Vec::new(), Vec::new());
         for (xr, &token) in x.chunks_exact(hd).zip(tokens) {
-            router.route_row(xr, token, &mut scores, &mut ids, &mut weights);
+            router.route_row(xr, token, &mut scores, &mut ids, &mut weights, &mut gammas);
         }
         observer.moe_layer(layer, x, &ids, &weights);
         // One-layer-ahead prediction: the next MoE layer's router on this layer's rows. It goes
@@ -711,6 +799,14 @@ impl Decoder {
             }
             add(out, &y);
         }
+        if !bank.is_empty() {
+            // transformers sums the shared experts in f32, then adds them to the routed sum.
+            let mut y = vec![0.0f32; n * hd];
+            for (s, expert) in bank.iter().enumerate() {
+                expert.add_weighted(x, gammas.iter().skip(s).step_by(bank.len()).copied(), &mut y);
+            }
+            add(out, &y);
+        }
         times.experts += t_experts.elapsed();
         Ok(())
     }
@@ -722,9 +818,9 @@ impl Decoder {
         let Mlp::Moe { router, .. } = &self.layers.get(layer)?.mlp else {
             return None;
         };
-        let (mut scores, mut ids, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut scores, mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (xr, &token) in x.chunks_exact(self.spec.hidden_size).zip(tokens) {
-            router.route_row(xr, token, &mut scores, &mut ids, &mut weights);
+            router.route_row(xr, token, &mut scores, &mut ids, &mut weights, &mut shared);
         }
         Some(ids)
     }

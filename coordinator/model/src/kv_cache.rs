@@ -87,6 +87,13 @@ impl KvCache {
         &self.aux[layer][range.start * w..range.end * w]
     }
 
+    /// `layer`'s auxiliary slot for the positions appended and not yet committed, to fill in
+    /// what is computed after the append (Inkling's MLP output).
+    pub fn aux_pending_mut(&mut self, layer: usize) -> &mut [f32] {
+        let start = self.len * self.aux_width[layer];
+        &mut self.aux[layer][start..]
+    }
+
     /// Values per position per layer, (key slot, value slot).
     pub fn widths(&self) -> (usize, usize) {
         (self.k_width, self.v_width)

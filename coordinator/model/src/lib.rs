@@ -21,6 +21,7 @@ mod gated_delta;
 mod hyper;
 pub mod kv_cache;
 pub mod mla;
+mod relative;
 pub mod rope;
 pub mod router;
 

@@ -15,13 +15,16 @@ pub struct Router {
     /// A hash layer's fixed choice (DeepSeek-V4's `tid2eid`): `top_k` expert ids per token id,
     /// in place of a selection by score; the weights still come from the scores.
     pub hash: Option<Vec<u32>>,
+    /// Multiplies every weight (Inkling's router `global_scale`; 1 elsewhere).
+    pub global_scale: f32,
 }
 
 impl Router {
     /// Appends row `x`'s (of token `token`) `top_k` expert ids and weights; `scores` is scratch
     /// of `num_experts`. The token matters to a hash layer only (its table was checked against
     /// the vocabulary and the experts when loaded, and the decoder checks tokens before a pass).
-    pub fn route_row(&self, x: &[f32], token: u32, scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
+    /// Shared experts the router weighs (Inkling) get their weights appended to `shared`.
+    pub fn route_row(&self, x: &[f32], token: u32, scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>, shared: &mut Vec<f32>) {
         let e = self.weight.rows;
         scores.resize(e, 0.0);
         self.weight.matvec(x, scores);
@@ -76,6 +79,27 @@ impl Router {
                     weights.push(scores[i] / sum * routed_scaling_factor);
                 }
             }
+            RouterScoring::LogSigmoidShared { route_scale, shared: n_shared } => {
+                let routed = e - n_shared;
+                let choice: Vec<f32> = match &self.bias {
+                    Some(b) => scores[..routed].iter().zip(b).map(|(s, b)| ops::sigmoid(*s) + b).collect(),
+                    None => scores[..routed].iter().map(|s| ops::sigmoid(*s)).collect(),
+                };
+                let top = top_k(&choice, self.top_k);
+                let log_probs: Vec<f32> = top.iter().map(|&i| scores[i]).chain(scores[routed..].iter().copied()).map(log_sigmoid).collect();
+                let m = log_probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = m + log_probs.iter().map(|l| (l - m).exp()).sum::<f32>().ln();
+                let scale = route_scale * self.global_scale;
+                for (j, l) in log_probs.iter().enumerate() {
+                    let w = (l - lse).exp() * scale;
+                    if j < top.len() {
+                        ids.push(top[j] as u32);
+                        weights.push(w);
+                    } else {
+                        shared.push(w);
+                    }
+                }
+            }
             RouterScoring::TopKSoftmax => {
                 let top = top_k(scores, self.top_k);
                 let mut chosen: Vec<f32> = top.iter().map(|&i| scores[i]).collect();
@@ -84,6 +108,15 @@ impl Router {
                 weights.extend(chosen);
             }
         }
+    }
+}
+
+/// torch's `logsigmoid`: `−softplus(−x)`, computed without overflow either side.
+fn log_sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        -(-x).exp().ln_1p()
+    } else {
+        x - x.exp().ln_1p()
     }
 }
 
@@ -103,9 +136,9 @@ mod tests {
         // An identity-like weight: row i picks input i, so the logits are the input.
         let n = logits.len();
         let w: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        let r = Router { weight: Matrix::from_f32(n, n, w), bias, logit_bias: None, scoring, top_k, hash: None };
+        let r = Router { weight: Matrix::from_f32(n, n, w), bias, logit_bias: None, scoring, top_k, hash: None, global_scale: 1.0 };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
-        r.route_row(logits, 0, &mut Vec::new(), &mut ids, &mut weights);
+        r.route_row(logits, 0, &mut Vec::new(), &mut ids, &mut weights, &mut Vec::new());
         (ids, weights)
     }
 
@@ -132,9 +165,10 @@ mod tests {
             scoring: RouterScoring::TopKSoftmax,
             top_k: 2,
             hash: None,
+            global_scale: 1.0,
         };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
-        r.route_row(&logits, 0, &mut Vec::new(), &mut ids, &mut weights);
+        r.route_row(&logits, 0, &mut Vec::new(), &mut ids, &mut weights, &mut Vec::new());
         assert_eq!(ids, [1, 3]);
         let z = 3f32.exp() + 2.5f32.exp();
         assert!((weights[0] - 3f32.exp() / z).abs() < 1e-6 && (weights[1] - 2.5f32.exp() / z).abs() < 1e-6, "{weights:?}");
@@ -182,11 +216,51 @@ mod tests {
         // A hash layer takes the token's row of the table whatever the scores say.
         let n = logits.len();
         let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        let r = Router { weight: Matrix::from_f32(n, n, eye), bias: None, logit_bias: None, scoring, top_k: 2, hash: Some(vec![0, 1, 3, 2, 2, 0]) };
+        let r = Router {
+            weight: Matrix::from_f32(n, n, eye),
+            bias: None,
+            logit_bias: None,
+            scoring,
+            top_k: 2,
+            hash: Some(vec![0, 1, 3, 2, 2, 0]),
+            global_scale: 1.0,
+        };
         let (mut ids, mut weights) = (Vec::new(), Vec::new());
-        r.route_row(&logits, 1, &mut Vec::new(), &mut ids, &mut weights);
+        r.route_row(&logits, 1, &mut Vec::new(), &mut ids, &mut weights, &mut Vec::new());
         assert_eq!(ids, [3, 2]);
         let sum = score(-1.0) + score(2.0);
         assert!((weights[0] - 1.5 * score(-1.0) / sum).abs() < 1e-6, "{weights:?}");
+    }
+
+    #[test]
+    fn log_sigmoid_softmax_weighs_the_chosen_and_the_shared_experts_together() {
+        // Inkling: 4 routed experts and 2 shared ones (the last rows); choice on routed sigmoid +
+        // bias; weights softmax(logsigmoid([chosen, shared])) × route_scale × global_scale.
+        let logits = [1.0, -2.0, 0.5, 3.0, 0.2, -0.7];
+        let n = logits.len();
+        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        let scoring = RouterScoring::LogSigmoidShared { route_scale: 2.0, shared: 2 };
+        let r = Router {
+            weight: Matrix::from_f32(n, n, eye),
+            bias: Some(vec![0.0, 0.9, 0.0, 0.0]),
+            logit_bias: None,
+            scoring,
+            top_k: 2,
+            hash: None,
+            global_scale: 0.5,
+        };
+        let (mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+        r.route_row(&logits, 0, &mut Vec::new(), &mut ids, &mut weights, &mut shared);
+        // σ + bias: [.731, .119 + .9 = 1.019, .622, .953] → experts 1 and 3.
+        assert_eq!(ids, [1, 3]);
+        let ls = |x: f64| -(1.0 + (-x).exp()).ln();
+        let chosen = [-2.0, 3.0, 0.2, -0.7].map(ls);
+        let z: f64 = chosen.iter().map(|l| l.exp()).sum();
+        let want: Vec<f64> = chosen.iter().map(|l| l.exp() / z * 2.0 * 0.5).collect();
+        let got: Vec<f64> = weights.iter().chain(&shared).map(|w| f64::from(*w)).collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+        assert!((log_sigmoid(-100.0) + 100.0).abs() < 1e-3 && log_sigmoid(100.0) == 0.0);
     }
 }

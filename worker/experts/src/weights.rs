@@ -69,6 +69,11 @@ pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: us
             )
             .with_form(None, spec.moe.activation));
         }
+        ExpertLayout::FusedStacked => {
+            let n = spec.moe.num_experts;
+            let (gate, up, down) = stacked_expert(ckpt, &g, &d, n, expert, h, i)?;
+            Expert::new(gate, up, down).with_form(None, spec.moe.activation)
+        }
         ExpertLayout::FusedInterleaved => {
             let n = spec.moe.num_experts;
             let (gate, up) = fused_gate_up(ckpt, &g, n, expert, h, i)?;
@@ -134,6 +139,30 @@ fn fused_down(ckpt: &Checkpoint, name: &str, n: usize, e: usize, h: usize, i: us
     }
     let view = ckpt.get(name, &[n, i, h])?;
     Ok(transpose_take(&view, h, i, |r, j| (e * i + j) * h + r))
+}
+
+/// Expert `e`'s `[gate, up, down]` from stacked tensors: `gate_up` (`n × 2i × h`: its gate rows,
+/// then its up rows) and `down` (`n × h × i`), each already `out × in`. Also a stacked shared
+/// expert bank's (`n` shared experts, `gate_up` then being its gate and `up` its up tensor).
+pub fn stacked_expert(ckpt: &Checkpoint, gate_up: &str, down: &str, n: usize, e: usize, h: usize, i: usize) -> Result<(Matrix, Matrix, Matrix), LoadError> {
+    let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
+    let gate = transpose_take(&gu, i, h, |r, c| (e * 2 * i + r) * h + c);
+    let up = transpose_take(&gu, i, h, |r, c| (e * 2 * i + i + r) * h + c);
+    let dv = ckpt.get(down, &[n, h, i])?;
+    let down = transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c);
+    Ok((gate, up, down))
+}
+
+/// Shared expert `e` of a stacked bank (`gate`, `up`: `n × i × h`; `down`: `n × h × i`).
+pub fn stacked_shared(ckpt: &Checkpoint, [gate, up, down]: [&str; 3], n: usize, e: usize, h: usize, i: usize) -> Result<(Matrix, Matrix, Matrix), LoadError> {
+    let gv = ckpt.get(gate, &[n, i, h])?;
+    let uv = ckpt.get(up, &[n, i, h])?;
+    let dv = ckpt.get(down, &[n, h, i])?;
+    Ok((
+        transpose_take(&gv, i, h, |r, c| (e * i + r) * h + c),
+        transpose_take(&uv, i, h, |r, c| (e * i + r) * h + c),
+        transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c),
+    ))
 }
 
 /// A `rows × cols` matrix whose element (r, c) is element `index(r, c)` of `view`, kept in the

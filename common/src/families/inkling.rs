@@ -1,0 +1,158 @@
+//! Inkling (`InklingForCausalLM`, `inkling_text`): attention without rotary — a bias per backward
+//! distance mixed from each query's own states — short causal convolutions (with a residual) on
+//! keys, values, the attention output and the MLP output, per-layer head shapes for sliding and
+//! full layers, per-head q/k RMSNorm with a `1/head_dim` scale, logarithmic query scaling on full
+//! layers, a normed embedding, dense MLPs with a global scale, and a sigmoid router over routed
+//! and shared experts whose weights are a softmax of `logsigmoid` logits (the shared experts'
+//! included) times `route_scale` and a global scale; the head reads the final state divided by
+//! the muP multiplier, over a vocabulary possibly padded past the tokenizer's.
+//!
+//! Tensor names are transformers 5.24's for the text model (`model.layers.N.self_attn.q_proj`,
+//! stacked experts `mlp.experts.gate_up_proj`, stacked shared experts).
+
+use super::*;
+
+pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "InklingForCausalLM", model_types: &["inkling_text"], parse, spellings: &[] };
+
+const NAMES: RelativeNames = RelativeNames {
+    q: "model.layers.{L}.self_attn.q_proj.weight",
+    k: "model.layers.{L}.self_attn.k_proj.weight",
+    v: "model.layers.{L}.self_attn.v_proj.weight",
+    r: "model.layers.{L}.self_attn.r_proj.weight",
+    o: "model.layers.{L}.self_attn.o_proj.weight",
+    q_norm: "model.layers.{L}.self_attn.q_norm.weight",
+    k_norm: "model.layers.{L}.self_attn.k_norm.weight",
+    k_conv: "model.layers.{L}.self_attn.k_sconv.conv1d.weight",
+    v_conv: "model.layers.{L}.self_attn.v_sconv.conv1d.weight",
+    rel_proj: "model.layers.{L}.self_attn.rel_logits_proj.proj",
+    attn_conv: "model.layers.{L}.attn_sconv.conv1d.weight",
+    mlp_conv: "model.layers.{L}.mlp_sconv.conv1d.weight",
+    mlp_scale: "model.layers.{L}.mlp.global_scale",
+    router_scale: "model.layers.{L}.mlp.gate.global_scale",
+    embed_norm: "model.embed_tokens.embed_norm.weight",
+};
+
+const EXPERTS: ExpertNames = ExpertNames {
+    router: "model.layers.{L}.mlp.gate.weight",
+    router_bias: Some("model.layers.{L}.mlp.gate.e_score_correction_bias"),
+    router_logit_bias: None,
+    shared: Some([
+        "model.layers.{L}.mlp.shared_experts.gate_proj",
+        "model.layers.{L}.mlp.shared_experts.up_proj",
+        "model.layers.{L}.mlp.shared_experts.down_proj",
+    ]),
+    shared_gate: None,
+    router_hash: None,
+    layout: ExpertLayout::FusedStacked,
+    gate: "model.layers.{L}.mlp.experts.gate_up_proj",
+    up: "model.layers.{L}.mlp.experts.gate_up_proj",
+    down: "model.layers.{L}.mlp.experts.down_proj",
+};
+
+fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    check_act(obj)?;
+    let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
+    let positive_or = |key: &str, default: usize| -> FieldResult<usize> {
+        match obj.usize_opt(key)?.unwrap_or(default) {
+            0 => Err(FieldError::new(key, "must be greater than zero")),
+            v => Ok(v),
+        }
+    };
+    // An older spelling: `dense_intermediate_size` for the dense MLPs, with `intermediate_size`
+    // then the experts' width.
+    let (dense_i, expert_i) = match obj.usize_opt("dense_intermediate_size")? {
+        Some(d) => (d, positive_or("intermediate_size", 24576)?),
+        None => (positive_or("intermediate_size", 24576)?, positive_or("moe_intermediate_size", 3072)?),
+    };
+    let mut spec = build(obj, &defaults, FAMILY.architecture, |sz| {
+        let n = sz.num_layers;
+        let sliding_layers = match per_layer(obj, "layer_types", n, &[("hybrid_sliding", true), ("hybrid", false)])? {
+            Some(kinds) => kinds,
+            None => match obj.get("local_layer_ids") {
+                Some(serde_json::Value::Array(ids)) => {
+                    let ids: Vec<u64> = ids
+                        .iter()
+                        .map(|v| v.as_u64().ok_or_else(|| FieldError::new("local_layer_ids", format!("{v} is not a layer index"))))
+                        .collect::<FieldResult<_>>()?;
+                    (0..n).map(|l| ids.contains(&(l as u64))).collect()
+                }
+                _ => (0..n).map(|l| (l + 1) % 6 != 0).collect(),
+            },
+        };
+        let full = HeadShape { heads: positive_or("num_attention_heads", 64)?, kv_heads: positive_or("num_key_value_heads", 8)?, head_dim: sz.head_dim };
+        let sliding = HeadShape {
+            heads: positive_or("swa_num_attention_heads", 64)?,
+            kv_heads: positive_or("swa_num_key_value_heads", 16)?,
+            head_dim: positive_or("swa_head_dim", 128)?,
+        };
+        let window = positive_or("sliding_window_size", 512)?;
+        let log_scaling = match obj.usize_opt("log_scaling_n_floor")? {
+            Some(0) => return Err(FieldError::new("log_scaling_n_floor", "must be greater than zero")),
+            Some(f) => Some((f as f32, obj.f64_or("log_scaling_alpha", 0.1)? as f32)),
+            None => None,
+        };
+        let relative = RelativeSpec {
+            full,
+            sliding,
+            window,
+            sliding_layers: sliding_layers.clone(),
+            d_rel: positive_or("d_rel", 16)?,
+            rel_extent: positive_or("rel_extent", 1024)?,
+            log_scaling,
+            conv_kernel: positive_or("conv_kernel_size", 4)?,
+            names: NAMES,
+        };
+        let attention = AttentionSpec {
+            kind: AttentionKind::Relative(Box::new(relative)),
+            qk_norm: QkNorm::PerHead,
+            clip_qkv: None,
+            bias: false,
+            o_bias: false,
+            rotary_dim: 0,
+            rope_interleave: false,
+            scale: 1.0 / sz.head_dim as f32,
+            sliding_window: sliding_layers.iter().map(|s| s.then_some(window)).collect(),
+            sinks: false,
+            output_gate: false,
+            mixers: vec![Mixer::Attention; n],
+            gated_delta: None,
+            no_rope: true,
+        };
+        let layers = match per_layer(obj, "mlp_layer_types", n, &[("dense", LayerMlp::Dense { intermediate_size: dense_i }), ("sparse", LayerMlp::Moe)])? {
+            Some(kinds) => kinds,
+            None => {
+                let dense = obj.usize_opt("dense_mlp_idx")?.unwrap_or(0);
+                (0..n).map(|l| if l < dense { LayerMlp::Dense { intermediate_size: dense_i } } else { LayerMlp::Moe }).collect()
+            }
+        };
+        let shared = obj.usize_opt("n_shared_experts")?.unwrap_or(2);
+        if shared == 0 {
+            return Err(FieldError::new("n_shared_experts", "Inkling's router scores its shared experts: at least one"));
+        }
+        let moe = MoeSpec {
+            num_experts: obj.usize_opt("n_routed_experts")?.unwrap_or(256),
+            top_k: obj.usize_opt("num_experts_per_tok")?.unwrap_or(6),
+            expert_intermediate_size: expert_i,
+            scoring: RouterScoring::LogSigmoidShared { route_scale: obj.f64_or("route_scale", 8.0)? as f32, shared },
+            shared_intermediate_size: Some(expert_i),
+            activation: ExpertActivation::Silu,
+            expert_bias: false,
+        };
+        Ok(FamilyParts { attention, layers, moe, expert_names: EXPERTS, dense_names: DenseNames::LLAMA, rms_norm_unit_offset: false })
+    })?;
+    let divisor = obj.f64_or("logits_mup_width_multiplier", 24.0)? as f32;
+    if divisor.is_nan() || divisor <= 0.0 {
+        return Err(FieldError::new("logits_mup_width_multiplier", "must be positive"));
+    }
+    spec.logit_divisor = divisor;
+    if let Some(unpadded) = obj.usize_opt("unpadded_vocab_size")? {
+        if unpadded == 0 || unpadded > spec.vocab_size {
+            return Err(FieldError::new("unpadded_vocab_size", format!("{unpadded} must be positive and at most vocab_size = {}", spec.vocab_size)));
+        }
+        if unpadded < spec.vocab_size {
+            spec.padded_vocab = Some(spec.vocab_size);
+            spec.vocab_size = unpadded;
+        }
+    }
+    Ok(spec)
+}

@@ -1,0 +1,261 @@
+//! Inkling's attention (`RelativeSpec`): no rotary. Each query adds to its logit for a key `d`
+//! positions back a bias from a learned profile per distance (`rel_extent` of them), mixed by the
+//! query's own `d_rel` states per head; keys and values pass a short causal convolution with a
+//! residual first, and the attention's output another one after `o_proj`. Sliding and full
+//! layers have their own head shapes; full layers may scale queries and biases up
+//! logarithmically with position. The MLP's output passes a convolution of the same kind
+//! (`mlp_conv`, run by the decoder through this module, which owns the cache rows).
+//!
+//! Per position the cache's auxiliary slot holds what the convolutions and attention read later:
+//! the raw key and value projections, the convolved (and normed) key and value, the raw attention
+//! output and the raw MLP output. A cache cut at any length holds exactly what its positions
+//! make: nothing here is recurrent.
+//!
+//! Must never: let a query see a key after its own position or outside its window, or a
+//! convolution read a position after the one it computes.
+
+use shimmer_common::spec::{HeadShape, RelativeSpec};
+use shimmer_common::{Checkpoint, LoadError, ModelSpec};
+use shimmer_kernels::{ops, Matrix};
+
+use crate::decoder::{matrix, name, vector, SegmentRows};
+
+pub(crate) struct Relative {
+    shape: HeadShape,
+    window: Option<usize>,
+    rel_extent: usize,
+    d_rel: usize,
+    log_scaling: Option<(f32, f32)>,
+    q: Matrix,
+    k: Matrix,
+    v: Matrix,
+    r: Matrix,
+    o: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    /// Depthwise convolutions, `channels × kernel` each.
+    k_conv: Vec<f32>,
+    v_conv: Vec<f32>,
+    attn_conv: Vec<f32>,
+    mlp_conv: Vec<f32>,
+    kernel: usize,
+    /// `d_rel × rel_extent`: bias profile r at distance d.
+    rel_proj: Vec<f32>,
+}
+
+/// Offsets of a position's auxiliary row.
+struct Layout {
+    kvd: usize,
+    hidden: usize,
+}
+
+impl Layout {
+    fn k_raw(&self) -> usize {
+        0
+    }
+    fn v_raw(&self) -> usize {
+        self.kvd
+    }
+    fn k(&self) -> usize {
+        2 * self.kvd
+    }
+    fn v(&self) -> usize {
+        3 * self.kvd
+    }
+    fn attn_raw(&self) -> usize {
+        4 * self.kvd
+    }
+    fn mlp_raw(&self) -> usize {
+        4 * self.kvd + self.hidden
+    }
+    fn width(&self) -> usize {
+        4 * self.kvd + 2 * self.hidden
+    }
+}
+
+/// One position's output of a depthwise causal convolution with a residual: channel c is
+/// `Σ_j w[c][j] · x(p − (K−1) + j)[c] + x(p)[c]`, positions before 0 counting as zeros.
+fn short_conv<'a>(weights: &[f32], kernel: usize, p: usize, x: impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+    let current = x(p);
+    for (c, o) in out.iter_mut().enumerate() {
+        let mut sum = 0.0f32;
+        for j in 0..kernel {
+            if let Some(q) = (p + j).checked_sub(kernel - 1) {
+                sum += weights[c * kernel + j] * x(q)[c];
+            }
+        }
+        *o = sum + current[c];
+    }
+}
+
+impl Relative {
+    pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, rs: &RelativeSpec, l: usize) -> Result<Self, LoadError> {
+        let h = spec.hidden_size;
+        let n = &rs.names;
+        let sliding = rs.sliding_layers[l];
+        let shape = if sliding { rs.sliding } else { rs.full };
+        let (qd, kvd) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+        let rel_extent = if sliding { rs.window } else { rs.rel_extent };
+        let k = rs.conv_kernel;
+        let conv = |template: &str, channels: usize| -> Result<Vec<f32>, LoadError> { Ok(ckpt.get(&name(template, l), &[channels, 1, k])?.to_f32()) };
+        Ok(Relative {
+            shape,
+            window: sliding.then_some(rs.window),
+            rel_extent,
+            d_rel: rs.d_rel,
+            log_scaling: if sliding { None } else { rs.log_scaling },
+            q: matrix(ckpt, spec, &name(n.q, l), qd, h)?,
+            k: matrix(ckpt, spec, &name(n.k, l), kvd, h)?,
+            v: matrix(ckpt, spec, &name(n.v, l), kvd, h)?,
+            r: matrix(ckpt, spec, &name(n.r, l), shape.heads * rs.d_rel, h)?,
+            o: matrix(ckpt, spec, &name(n.o, l), h, qd)?,
+            q_norm: vector(ckpt, &name(n.q_norm, l), shape.head_dim)?,
+            k_norm: vector(ckpt, &name(n.k_norm, l), shape.head_dim)?,
+            k_conv: conv(n.k_conv, kvd)?,
+            v_conv: conv(n.v_conv, kvd)?,
+            attn_conv: conv(n.attn_conv, h)?,
+            mlp_conv: conv(n.mlp_conv, h)?,
+            kernel: k,
+            rel_proj: ckpt.get(&name(n.rel_proj, l), &[rs.d_rel, rel_extent])?.to_f32(),
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.q.bytes() + self.k.bytes() + self.v.bytes() + self.r.bytes() + self.o.bytes()
+    }
+
+    fn layout(&self, hidden: usize) -> Layout {
+        Layout { kvd: self.shape.kv_heads * self.shape.head_dim, hidden }
+    }
+
+    /// Values per position of layer `l`'s auxiliary slot.
+    pub fn aux_width(spec: &ModelSpec, rs: &RelativeSpec, l: usize) -> usize {
+        let shape = if rs.sliding_layers[l] { rs.sliding } else { rs.full };
+        Layout { kvd: shape.kv_heads * shape.head_dim, hidden: spec.hidden_size }.width()
+    }
+
+    pub fn forward(&self, spec: &ModelSpec, l: usize, x: &[f32], segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
+        let hidden = spec.hidden_size;
+        let eps = spec.rms_norm_eps;
+        let HeadShape { heads, kv_heads, head_dim: d } = self.shape;
+        let (qd, kvd) = (heads * d, kv_heads * d);
+        let n = x.len() / hidden;
+        let lay = self.layout(hidden);
+        let w = lay.width();
+        let (mut q, mut k_raw, mut v_raw, mut rel) = (vec![0.0f32; n * qd], vec![0.0f32; n * kvd], vec![0.0f32; n * kvd], vec![0.0f32; n * heads * self.d_rel]);
+        self.q.matmul(x, &mut q);
+        self.k.matmul(x, &mut k_raw);
+        self.v.matmul(x, &mut v_raw);
+        self.r.matmul(x, &mut rel);
+        let mut scratch = vec![0.0f32; d];
+        for head in q.chunks_exact_mut(d) {
+            ops::rms_norm(head, &self.q_norm, eps, &mut scratch);
+            head.copy_from_slice(&scratch);
+        }
+        let mut attn = vec![0.0f32; n * qd];
+        let group = heads / kv_heads;
+        // q and k are RMS-normed per head, hence 1/d rather than 1/√d.
+        let scaling = 1.0 / d as f32;
+        for seg in segments.iter_mut() {
+            let (rows, start) = (seg.rows.clone(), seg.start);
+            let len = rows.len();
+            // The new positions' rows: raw projections first, then their convolutions (which
+            // read the earlier positions' raw projections from the cache).
+            let mut aux = vec![0.0f32; len * w];
+            for (i, row) in aux.chunks_exact_mut(w).enumerate() {
+                row[lay.k_raw()..lay.k_raw() + kvd].copy_from_slice(&k_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
+                row[lay.v_raw()..lay.v_raw() + kvd].copy_from_slice(&v_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
+            }
+            let earlier = seg.cache.aux(l, 0..start);
+            let mut convolved = vec![0.0f32; kvd];
+            for i in 0..len {
+                let p = start + i;
+                for (raw, conv, dst) in [(lay.k_raw(), &self.k_conv, lay.k()), (lay.v_raw(), &self.v_conv, lay.v())] {
+                    let at = |q: usize| -> &[f32] {
+                        if q < start {
+                            &earlier[q * w + raw..q * w + raw + kvd]
+                        } else {
+                            &aux[(q - start) * w + raw..(q - start) * w + raw + kvd]
+                        }
+                    };
+                    short_conv(conv, self.kernel, p, at, &mut convolved);
+                    aux[i * w + dst..i * w + dst + kvd].copy_from_slice(&convolved);
+                }
+                for head in aux[i * w + lay.k()..i * w + lay.k() + kvd].chunks_exact_mut(d) {
+                    ops::rms_norm(head, &self.k_norm, eps, &mut scratch);
+                    head.copy_from_slice(&scratch);
+                }
+            }
+            seg.cache.append_aux(l, &aux);
+            let all = seg.cache.aux(l, 0..start + len);
+            let mut logits = Vec::new();
+            for i in 0..len {
+                let (row, p) = (rows.start + i, start + i);
+                let lo = self.window.map_or(0, |win| (p + 1).saturating_sub(win));
+                let tau = match self.log_scaling {
+                    Some((floor, alpha)) => 1.0 + alpha * ((p + 1) as f32 / floor).max(1.0).ln(),
+                    None => 1.0,
+                };
+                for hq in 0..heads {
+                    let g = hq / group;
+                    let qh: Vec<f32> = q[row * qd + hq * d..row * qd + (hq + 1) * d].iter().map(|v| v * tau).collect();
+                    let states = &rel[row * heads * self.d_rel + hq * self.d_rel..row * heads * self.d_rel + (hq + 1) * self.d_rel];
+                    logits.clear();
+                    for j in lo..=p {
+                        let key = &all[j * w + lay.k() + g * d..j * w + lay.k() + (g + 1) * d];
+                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
+                        let distance = p - j;
+                        let bias = if distance < self.rel_extent {
+                            states.iter().enumerate().map(|(r, s)| s * self.rel_proj[r * self.rel_extent + distance]).sum::<f32>() * tau
+                        } else {
+                            0.0
+                        };
+                        logits.push(dot * scaling + bias);
+                    }
+                    ops::softmax_in_place(&mut logits);
+                    let o = &mut attn[row * qd + hq * d..row * qd + (hq + 1) * d];
+                    o.fill(0.0);
+                    for (pj, j) in logits.iter().zip(lo..=p) {
+                        let value = &all[j * w + lay.v() + g * d..j * w + lay.v() + (g + 1) * d];
+                        o.iter_mut().zip(value).for_each(|(a, v)| *a += pj * v);
+                    }
+                }
+            }
+        }
+        let mut projected = vec![0.0f32; n * hidden];
+        self.o.matmul(&attn, &mut projected);
+        self.convolve_output(l, hidden, lay.attn_raw(), &self.attn_conv, &projected, segments, out);
+    }
+
+    /// The MLP's output through its convolution (the layer's `mlp_conv`), in place.
+    pub fn convolve_mlp(&self, l: usize, hidden: usize, segments: &mut [SegmentRows<'_>], y: &mut [f32]) {
+        let raw = y.to_vec();
+        let lay = self.layout(hidden);
+        self.convolve_output(l, hidden, lay.mlp_raw(), &self.mlp_conv, &raw, segments, y);
+    }
+
+    /// `out` = the convolution of `raw` (every row of every segment), the raw rows kept in the
+    /// positions' auxiliary rows at `offset` for later positions to read.
+    #[allow(clippy::too_many_arguments)]
+    fn convolve_output(&self, l: usize, hidden: usize, offset: usize, conv: &[f32], raw: &[f32], segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
+        let w = seg_width(segments, l);
+        for seg in segments.iter_mut() {
+            let (rows, start) = (seg.rows.clone(), seg.start);
+            {
+                let pending = seg.cache.aux_pending_mut(l);
+                for (i, row) in rows.clone().enumerate() {
+                    pending[i * w + offset..i * w + offset + hidden].copy_from_slice(&raw[row * hidden..(row + 1) * hidden]);
+                }
+            }
+            let all = seg.cache.aux(l, 0..start + rows.len());
+            for (i, row) in rows.clone().enumerate() {
+                let at = |q: usize| -> &[f32] { &all[q * w + offset..q * w + offset + hidden] };
+                short_conv(conv, self.kernel, start + i, at, &mut out[row * hidden..(row + 1) * hidden]);
+            }
+        }
+    }
+}
+
+fn seg_width(segments: &[SegmentRows<'_>], l: usize) -> usize {
+    segments.first().map_or(0, |s| s.cache.aux_width(l))
+}
