@@ -764,9 +764,9 @@ impl ModelSpec {
             if r.sliding_layers.len() != self.num_layers {
                 return Err(FieldError::new("layer_types", "per-layer tables disagree with the layer count"));
             }
-            for shape in [r.full, r.sliding] {
+            for (shape, field) in [(r.full, "num_key_value_heads"), (r.sliding, "swa_num_key_value_heads")] {
                 if shape.kv_heads == 0 || shape.head_dim == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
-                    return Err(FieldError::new("num_key_value_heads", format!("{} key-value heads must divide {} heads", shape.kv_heads, shape.heads)));
+                    return Err(FieldError::new(field, format!("{} key-value heads must divide {} heads", shape.kv_heads, shape.heads)));
                 }
             }
             if r.conv_kernel == 0 || r.rel_extent == 0 || r.window == 0 {

@@ -257,6 +257,48 @@ fn deepseek_v4_reads_transformers_and_release_spellings_alike() {
 }
 
 #[test]
+fn inkling_reads_its_layer_shapes_padding_and_older_spellings() {
+    let v = json!({
+        "architectures": ["InklingForCausalLM"], "model_type": "inkling_text", "vocab_size": 120, "unpadded_vocab_size": 100,
+        "hidden_size": 64, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 48, "moe_intermediate_size": 16, "max_position_embeddings": 4096
+    });
+    let s = parse(v.clone()).unwrap();
+    let AttentionKind::Relative(r) = &s.attention.kind else { panic!("{:?}", s.attention.kind) };
+    // InklingTextConfig's defaults: every sixth layer full, the rest sliding; its head shapes.
+    assert_eq!(r.sliding_layers, [true, true, true, true, true, false, true]);
+    assert_eq!((r.sliding.heads, r.sliding.kv_heads, r.sliding.head_dim, r.window), (64, 16, 128, 512));
+    assert_eq!((r.full.heads, r.full.kv_heads, r.full.head_dim), (4, 2, 16));
+    assert_eq!((r.d_rel, r.rel_extent, r.conv_kernel, r.log_scaling), (16, 1024, 4, None));
+    assert_eq!(s.attention.sliding_window[5], None);
+    assert_eq!((s.vocab_size, s.padded_vocab, s.logit_divisor), (100, Some(120), 24.0));
+    assert_eq!(s.moe.scoring, RouterScoring::LogSigmoidShared { route_scale: 8.0, shared: 2 });
+    assert!(s.layers.iter().all(|l| *l == LayerMlp::Moe));
+    // The older spelling: local_layer_ids, dense_mlp_idx, dense_intermediate_size (then
+    // intermediate_size is the experts').
+    let mut old = v.clone();
+    old["local_layer_ids"] = json!([1, 2]);
+    old["dense_mlp_idx"] = json!(1);
+    old["dense_intermediate_size"] = json!(40);
+    let o = parse(old).unwrap();
+    let AttentionKind::Relative(r) = &o.attention.kind else { panic!() };
+    assert_eq!(r.sliding_layers, [false, true, true, false, false, false, false]);
+    assert_eq!(o.layers[0], LayerMlp::Dense { intermediate_size: 40 });
+    assert_eq!(o.moe.expert_intermediate_size, 48);
+    // Refused by name: a padded size above the vocabulary, no shared experts, a bad divisor.
+    for (field, value, want) in [
+        ("unpadded_vocab_size", json!(130), "`unpadded_vocab_size`"),
+        ("n_shared_experts", json!(0), "`n_shared_experts`"),
+        ("logits_mup_width_multiplier", json!(0.0), "`logits_mup_width_multiplier`"),
+        ("swa_num_key_value_heads", json!(3), "`swa_num_key_value_heads`"),
+    ] {
+        let mut bad = v.clone();
+        bad[field] = value;
+        assert!(message(parse(bad)).contains(want), "{field}");
+    }
+}
+
+#[test]
 fn qwen3_next_defaults_are_qwen3_next_configs() {
     let v = json!({
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 100,
