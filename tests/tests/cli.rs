@@ -254,6 +254,24 @@ fn a_tensor_the_family_needs_but_the_checkpoint_lacks_is_named() {
 }
 
 #[test]
+fn a_hash_table_naming_an_expert_the_layer_lacks_is_named() {
+    // DeepSeek-V4's `tid2eid`: every entry must be one of the layer's experts.
+    let d = copy_fixture("deepseek_v4");
+    let path = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let tensor = "layers.0.ffn.gate.tid2eid";
+    assert_eq!(header[tensor]["dtype"], "I64");
+    let start = 8 + header_len + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    // Token 3's first expert.
+    let at = start + 3 * 2 * 8;
+    bytes[at..at + 8].copy_from_slice(&99i64.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    assert_clean_failure(&generate_on(d.path()), &[tensor, "token 3 names expert 99"]);
+}
+
+#[test]
 fn a_tokenizer_that_does_not_parse_is_named() {
     let d = copy_fixture("qwen3_moe");
     std::fs::write(d.path().join("tokenizer.json"), "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\": 3}}").unwrap();
