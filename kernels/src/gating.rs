@@ -151,11 +151,10 @@ unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// gpt-oss's clamped SwiGLU of one element, in transformers' order: `g = min(gate, limit)`,
-/// `u = clamp(up, −limit, limit)`, `(u + 1) · (g · σ(α·g))`, with `σ(x) = recip(1 + exp(−x))`.
-/// A NaN stays NaN (as torch's clamp keeps it).
+/// The clamps gpt-oss and DeepSeek-V4 share, as torch's `clamp` makes them: the gate from above
+/// only, `up` both ways; a NaN passes through.
 #[inline(always)]
-pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+fn clamp_gate_up(gate: f32, up: f32, limit: f32) -> (f32, f32) {
     let g = if gate > limit { limit } else { gate };
     let u = if up > limit {
         limit
@@ -164,6 +163,15 @@ pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
     } else {
         up
     };
+    (g, u)
+}
+
+/// gpt-oss's clamped SwiGLU of one element, in transformers' order: `g = min(gate, limit)`,
+/// `u = clamp(up, −limit, limit)`, `(u + 1) · (g · σ(α·g))`, with `σ(x) = recip(1 + exp(−x))`.
+/// A NaN stays NaN (as torch's clamp keeps it).
+#[inline(always)]
+pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let (g, u) = clamp_gate_up(gate, up, limit);
     (u + 1.0) * (g * recip(1.0 + exp(-(g * alpha))))
 }
 
@@ -209,14 +217,7 @@ unsafe fn clamped_swiglu_avx2(gate: &mut [f32], up: &[f32], alpha: f32, limit: f
 /// A NaN stays NaN.
 #[inline(always)]
 pub fn clamped_silu(gate: f32, up: f32, limit: f32) -> f32 {
-    let g = if gate > limit { limit } else { gate };
-    let u = if up > limit {
-        limit
-    } else if up < -limit {
-        -limit
-    } else {
-        up
-    };
+    let (g, u) = clamp_gate_up(gate, up, limit);
     silu(g) * u
 }
 

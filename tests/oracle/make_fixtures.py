@@ -817,19 +817,26 @@ def indexer_selections_are_clear(d, record):
     """True when every DSA indexer choice on every prompt (and its continuation) is clear: no key
     that could tie the k-th selected one (transformers' top-k breaks ties arbitrarily, and an f32
     rounding difference could swap near-tied keys)."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as mod
+    def candidates(t):
+        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:  # the indexer's [B, S, T] scores
+            return [t[0][row, : row + 1] for row in range(t.shape[1])]
+        return []
+    return topk_choices_are_clear(d, record, candidates)
+
+
+def topk_choices_are_clear(d, record, candidates):
+    """Runs every prompt with its continuation and checks each top-k whose `candidates(scores)`
+    (the rows a query may choose from) hold more than k: the k-th and (k+1)-th differ by more than
+    INDEX_MARGIN relative. Records the smallest gap."""
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
     gaps = []
     original_topk = torch.Tensor.topk
 
     def watching_topk(t, k, *args, **kwargs):
-        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:  # the indexer's [B, S, T] scores
-            finite = t[0]
-            for row in range(finite.shape[0]):
-                causal = finite[row, : row + 1]
-                if causal.numel() > k:
-                    top = torch.sort(causal, descending=True).values
-                    gaps.append(((top[k - 1] - top[k]) / top[k - 1].abs().clamp(min=1e-6)).item())
+        for row in candidates(t):
+            if row.numel() > k:
+                top = torch.sort(row, descending=True).values
+                gaps.append(((top[k - 1] - top[k]) / top[k - 1].abs().clamp(min=1e-6)).item())
         return original_topk(t, k, *args, **kwargs)
 
     torch.Tensor.topk = watching_topk
@@ -890,29 +897,9 @@ def deepseek_v4_hash_tables(model):
 def v4_indexer_selections_are_clear(d, record):
     """As `indexer_selections_are_clear`, for DeepSeek-V4's compressed-entry indexer: its scores
     are [B, S, entries] with the entries a query may not see at -inf."""
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    gaps = []
-    original_topk = torch.Tensor.topk
-
-    def watching_topk(t, k, *args, **kwargs):
-        if t.dim() == 3:
-            for row in t[0]:
-                finite = row[torch.isfinite(row)]
-                if finite.numel() > k:
-                    top = torch.sort(finite, descending=True).values
-                    gaps.append(((top[k - 1] - top[k]) / top[k - 1].abs().clamp(min=1e-6)).item())
-        return original_topk(t, k, *args, **kwargs)
-
-    torch.Tensor.topk = watching_topk
-    try:
-        with torch.no_grad():
-            for p in record["prompts"]:
-                model(torch.tensor([p["ids"] + p["greedy"]]))
-    finally:
-        torch.Tensor.topk = original_topk
-    record["indexer_min_gap"] = min(gaps) if gaps else None
-    print(f"indexer: {len(gaps)} selections, smallest relative gap {record['indexer_min_gap']}", file=sys.stderr)
-    return bool(gaps) and min(gaps) > INDEX_MARGIN
+    def candidates(t):
+        return [row[torch.isfinite(row)] for row in t[0]] if t.dim() == 3 else []
+    return topk_choices_are_clear(d, record, candidates)
 
 
 def make_deepseek_v4(lines):
