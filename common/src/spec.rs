@@ -104,6 +104,7 @@ pub const CONFIG_BOUNDS: &[Bound] = &[
     Bound { field: "dense_intermediate_size", max: 1 << 20 },
     Bound { field: "dense_mlp_idx", max: MAX_LAYERS },
     Bound { field: "local_layer_ids[]", max: MAX_LAYERS },
+    Bound { field: "n_layers_per_attn_res_block", max: MAX_LAYERS },
 ];
 
 /// The size-like fields of the rope parameters (`rope_scaling` or `rope_parameters`).
@@ -393,6 +394,42 @@ pub struct RelativeSpec {
     pub log_scaling: Option<(f32, f32)>,
     pub conv_kernel: usize,
     pub names: RelativeNames,
+    /// Inkling 2's additions, when the model is one.
+    pub v2: Option<Box<Inkling2Spec>>,
+}
+
+/// What Inkling 2 adds to `RelativeSpec`: block attention residuals (each layer's inputs are a
+/// learned-query softmax over the outputs of earlier blocks of `layers_per_block` layers and the
+/// running state; full layers take three, for q, k and v, each normed on its own), per-token
+/// sinks, queries, keys and relative states L2-clipped (queries and states after a learned
+/// scale), dynamic key/value convolutions on full layers, a sigmoid gate on the attention output,
+/// convolutions scaled by `1/√(K+1)` (`1/√(2K+1)` for the dynamic ones), a `1/√d` scale.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inkling2Spec {
+    pub qk_clip: f32,
+    pub rel_clip: f32,
+    pub layers_per_block: usize,
+    pub names: Inkling2Names,
+}
+
+/// Tensor-name templates of Inkling 2 (`{L}` the layer; `attn_query` is numbered from the second
+/// layer, as the release numbers it: layer L reads `attn_queries.{L−1}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inkling2Names {
+    pub gate: &'static str,
+    pub sink: &'static str,
+    pub q_scale: &'static str,
+    pub rel_scale: &'static str,
+    pub k_static: &'static str,
+    pub k_dynamic: &'static str,
+    pub v_static: &'static str,
+    pub v_dynamic: &'static str,
+    pub q_input_norm: &'static str,
+    pub k_input_norm: &'static str,
+    pub v_input_norm: &'static str,
+    pub attn_query: &'static str,
+    pub mlp_query: &'static str,
+    pub output_query: &'static str,
 }
 
 /// Tensor-name templates of `RelativeSpec` layers (`{L}` the layer; the attention's without
@@ -489,6 +526,8 @@ pub enum ExpertActivation {
     /// DeepSeek-V4: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `silu(g) · u`; its
     /// shared experts too.
     ClampedSilu { limit: f32 },
+    /// Inkling 2: `cap_g(gate) · σ(gate) · cap_u(up)`, `cap_c(x) = c · tanh(x / c)`.
+    SoftcappedSwiglu { gate_cap: f32, up_cap: f32 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -510,6 +549,9 @@ pub struct MoeSpec {
 pub enum ExpertLayout {
     /// One `out × in` tensor per expert and projection (`{E}` in the names).
     Separate,
+    /// Inkling 2's release: as `FusedStacked`, but each expert's gate and up rows interleaved
+    /// (row 2j gate j, row 2j + 1 up j).
+    StackedInterleaved,
     /// transformers 5's stacked experts: `ExpertNames::gate` is `experts × 2·intermediate ×
     /// hidden` (each expert's gate rows, then its up rows), `down` `experts × hidden ×
     /// intermediate`; `up` is unused. Shared experts stacked alike (`shared × out × in` each).
@@ -571,7 +613,7 @@ impl ExpertNames {
     pub fn tensor_names(&self, layer: usize, experts: usize) -> Vec<String> {
         match self.layout {
             ExpertLayout::Separate => (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| [format!("{n}_scale_inv"), n]).collect(),
-            ExpertLayout::FusedStacked => vec![fill(self.gate, layer, 0), fill(self.down, layer, 0)],
+            ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved => vec![fill(self.gate, layer, 0), fill(self.down, layer, 0)],
             ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
                 .into_iter()
                 .flat_map(|n| ["", "_bias", "_blocks", "_scales"].map(|suffix| format!("{n}{suffix}")))
@@ -630,6 +672,8 @@ pub struct ModelSpec {
     pub padded_vocab: Option<usize>,
     /// The final hidden state is divided by this before the LM head (Inkling's muP multiplier).
     pub logit_divisor: f32,
+    /// Logits pass `c · tanh(x / c)` (Inkling 2's `final_logit_softcapping`).
+    pub logit_softcap: Option<f32>,
 }
 
 /// `quantization_config.weight_block_size` (two equal sizes), or 128 when the config has none.
@@ -957,6 +1001,7 @@ pub(crate) fn build(obj: &Obj, d: &Defaults, architecture: &'static str, parts: 
         hash_routed: vec![false; num_layers],
         padded_vocab: None,
         logit_divisor: 1.0,
+        logit_softcap: None,
         architecture,
         vocab_size: obj.positive("vocab_size")?,
         hidden_size,

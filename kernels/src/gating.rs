@@ -258,6 +258,22 @@ unsafe fn clamped_silu_avx2(gate: &mut [f32], up: &[f32], limit: f32) {
     }
 }
 
+/// Inkling 2's softcapped SwiGLU of one element, in transformers' order: `c·tanh(x/c)` bounds
+/// the gate's linear factor and `up`; the sigmoid sees the raw gate.
+#[inline(always)]
+pub fn softcapped_swiglu(gate: f32, up: f32, gate_cap: f32, up_cap: f32) -> f32 {
+    let g = (gate / gate_cap).tanh() * gate_cap;
+    let u = (up / up_cap).tanh() * up_cap;
+    g * (1.0 / (1.0 + (-gate).exp())) * u
+}
+
+/// `gate = softcapped_swiglu(gate, up)`, in place (one scalar definition for every ISA).
+pub fn softcapped_swiglu_in_place(gate: &mut [f32], up: &[f32], gate_cap: f32, up_cap: f32) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = softcapped_swiglu(*g, *u, gate_cap, up_cap);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,6 +386,18 @@ mod tests {
             }
             assert_eq!(bits(&got), bits(&want), "{isa:?}");
         }
+    }
+
+    #[test]
+    fn softcapped_swiglu_is_its_definition() {
+        for (g, u) in [(0.3f32, -0.7f32), (5.0, 40.0), (-6.0, 2.0), (0.0, 1.0)] {
+            let (gd, ud) = (f64::from(g), f64::from(u));
+            let want = (gd / 4.0).tanh() * 4.0 / (1.0 + (-gd).exp()) * (ud / 25.0).tanh() * 25.0;
+            assert!((f64::from(softcapped_swiglu(g, u, 4.0, 25.0)) - want).abs() < 1e-5, "{g} {u}");
+        }
+        let mut gate = vec![0.3f32, 5.0];
+        softcapped_swiglu_in_place(&mut gate, &[-0.7, 40.0], 4.0, 25.0);
+        assert_eq!(gate, [softcapped_swiglu(0.3, -0.7, 4.0, 25.0), softcapped_swiglu(5.0, 40.0, 4.0, 25.0)]);
     }
 
     #[test]

@@ -658,7 +658,7 @@ def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen3_next", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen3_next", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text", "inkling2_text"])
 def test_each_family_chats_through_the_api_with_its_own_template(make_server, family):
     """The API renders a conversation with the family's own template (harmony for gpt-oss,
     ChatML for the Qwens, GLM's and Kimi's layouts) to exactly the ids transformers renders (the fixture's oracle), and

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig,
-                          DeepseekV4Config, KimiLinearConfig, MixtralConfig, InklingForCausalLM,
+                          DeepseekV4Config, KimiLinearConfig, MixtralConfig, InklingForCausalLM, Inkling2ForCausalLM,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -625,6 +625,8 @@ def main():
         make_deepseek_v4(lines)
     if only in (None, "inkling_text"):
         make_inkling(lines)
+    if only in (None, "inkling2_text"):
+        make_inkling2(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -968,6 +970,32 @@ def make_inkling(lines):
         rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=im_end, pad_token_id=0),
         dtype=torch.bfloat16, std=0.25, seed=1500, extra_eos=[end, im_end], tokenizer=tok, template=CHATML, template_in_config=False,
         adjust=inkling_scales, keep_f32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv", "e_score_correction_bias", "gate.global_scale"))
+
+
+def make_inkling2(lines):
+    # Inkling 2 (text): Inkling's relative bias and convolutions plus block attention residuals
+    # (each layer reads a learned-query attention over the outputs of earlier blocks of 2
+    # layers; full layers read three, one each for q, k and v, each with its own norm), per-token
+    # attention sinks, L2-clipped queries, keys and relative states with learned scales (small
+    # thresholds, so the clips bite), dynamic key/value convolutions on full layers, a sigmoid-
+    # gated output projection, convolutions scaled by 1/sqrt(K+1), softcapped SwiGLU experts,
+    # sigmoid routing, a final logit softcap; the release's tensor names (`model.llm.*`,
+    # interleaved `w13`), a vocabulary padded past the tokenizer's; bf16 with f32 modules.
+    tok = train_tokenizer(lines, 512, bos=False)
+    im_end = tok.token_to_id("<|im_end|>")
+    vocab = tok.get_vocab_size()
+    make("inkling2_text", Inkling2ForCausalLM.config_class(
+        vocab_size=vocab + 8, unpadded_vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+        swa_head_dim=24, sliding_window_size=6, d_rel=4, rel_extent=12, log_scaling_n_floor=4, log_scaling_alpha=0.3,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=2,
+        moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, route_scale=2.5, conv_kernel_size=4,
+        qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=1.0, mlp_gate_softcap=1.0, mlp_up_softcap=1.5,
+        final_logit_softcapping=6.0, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=im_end, pad_token_id=0),
+        dtype=torch.bfloat16, std=0.25, seed=1600, tokenizer=tok, template=CHATML, template_in_config=False,
+        keep_f32=("e_score_correction_bias", "mlp.gate.weight", "post_attention_convolution", "post_mlp_convolution",
+                  "sconv.conv1d", "attention_input", "mlp_input", "final_input"))
 
 
 def make_glm_moe_dsa(lines):

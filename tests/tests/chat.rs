@@ -10,7 +10,7 @@ use shimmer_tests::{fixture, shimmer, shimmer_bin};
 /// ChatML (Qwen3-MoE), harmony (gpt-oss), GLM's and Kimi's layouts, each through its own template.
 #[test]
 fn chat_answers_like_generate_and_reset_clears_the_conversation() {
-    for name in ["qwen3_moe", "gpt_oss", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text"] {
+    for name in ["qwen3_moe", "gpt_oss", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text", "inkling2_text"] {
         chat_like_generate(name);
     }
 }

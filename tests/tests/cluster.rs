@@ -310,8 +310,10 @@ fn three_worker_processes_generate_the_single_box_tokens_under_three_placements(
     // Fixtures with GQA; MLA; gpt-oss's sinks and biased MXFP4 experts as shipped; a recurrent
     // state (Qwen3-Next); sparse attention (GLM-5); hyper-connections, compressed attention and
     // hash routing (DeepSeek-V4); relative-position bias, convolutions and a router-weighed
-    // shared bank (Inkling) — and the bundled demo (no --model).
-    let models = ["qwen3_moe", "deepseek_v3", "gpt_oss_mxfp4", "qwen3_next", "glm_moe_dsa", "deepseek_v4", "inkling_text"].map(|n| Some(fixture(n)));
+    // shared bank (Inkling); block attention residuals and dynamic convolutions (Inkling 2) — and
+    // the bundled demo (no --model).
+    let models =
+        ["qwen3_moe", "deepseek_v3", "gpt_oss_mxfp4", "qwen3_next", "glm_moe_dsa", "deepseek_v4", "inkling_text", "inkling2_text"].map(|n| Some(fixture(n)));
     for model in models.into_iter().chain([None]) {
         let m: Vec<&str> = model.as_ref().map(|d| vec!["--model", d.to_str().unwrap()]).unwrap_or_default();
         let workers: Vec<WorkerProcess> = (2..5).map(|i| spawn_worker_on(model.as_deref(), &format!("127.0.0.{i}:0"))).collect();

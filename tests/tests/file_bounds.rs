@@ -42,6 +42,11 @@ const NOT_SIZES: &[&str] = &[
     "rms_norm_eps_moe_gate",
     // transformers' own count of an Inkling layer's convolution states; shimmer reads the kernel.
     "number_of_conv_states",
+    "qk_l2_clip_threshold",
+    "rel_l2_clip_threshold",
+    "mlp_gate_softcap",
+    "mlp_up_softcap",
+    "final_logit_softcapping",
     // An image-text checkpoint's vision tower and its special tokens: shimmer serves the text
     // part and reads none of them.
     "image_token_id",

@@ -17,7 +17,8 @@ fn ids_arg(ids: &[u32]) -> String {
 
 #[test]
 fn a_generate_conversation_split_across_processes_matches_one_process() {
-    for name in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text"] {
+    for name in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "inkling_text", "inkling2_text"]
+    {
         let dir = fixture(name);
         let o = oracle(name);
         let (p1, p2) = (&o.prompts[0].ids, &o.prompts[1].ids);

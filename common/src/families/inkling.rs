@@ -101,6 +101,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             log_scaling,
             conv_kernel: positive_or("conv_kernel_size", 4)?,
             names: NAMES,
+            v2: None,
         };
         let attention = AttentionSpec {
             kind: AttentionKind::Relative(Box::new(relative)),

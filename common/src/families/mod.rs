@@ -15,6 +15,7 @@ mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
 mod inkling;
+mod inkling2;
 mod kimi_linear;
 mod mixtral;
 mod olmoe;
@@ -55,6 +56,7 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &kimi_linear::FAMILY,
     &deepseek_v4::FAMILY,
     &inkling::FAMILY,
+    &inkling2::FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.

@@ -79,6 +79,7 @@ impl DenseMlp {
         match self.activation {
             ExpertActivation::ClampedSilu { limit } => shimmer_kernels::gating::clamped_silu_in_place(&mut g, &u, limit),
             ExpertActivation::ClampedSwiglu { alpha, limit } => shimmer_kernels::gating::clamped_swiglu_in_place(&mut g, &u, alpha, limit),
+            ExpertActivation::SoftcappedSwiglu { gate_cap, up_cap } => shimmer_kernels::gating::softcapped_swiglu_in_place(&mut g, &u, gate_cap, up_cap),
             ExpertActivation::Silu => ops::swiglu_in_place(&mut g, &u),
         }
         self.down.matmul(&g, out);
@@ -163,6 +164,51 @@ pub struct Decoder {
     hyper_head: Option<HyperHead>,
     /// An RMSNorm of each embedded row (Inkling).
     embed_norm: Option<Vec<f32>>,
+    /// Inkling 2's block attention residuals.
+    blocks: Option<BlockResiduals>,
+}
+
+/// Inkling 2's block attention residuals: every `layers_per_block` layers the running state is
+/// kept as a block; a layer's attention input (one vector, or one each for q, k and v on full
+/// layers), its MLP input and the model's output are each a learned query's softmax over the
+/// unweighted-RMS-normed blocks and running state (scale `1/√hidden`) — per row, nothing across
+/// positions.
+struct BlockResiduals {
+    layers_per_block: usize,
+    /// Per layer: the attention input's queries (`None` for the first layer, which reads the state
+    /// as it is) and the MLP input's query.
+    attn: Vec<Option<Vec<f32>>>,
+    mlp: Vec<Vec<f32>>,
+    output: Vec<f32>,
+}
+
+impl BlockResiduals {
+    /// For every row: each query's mix of the row's blocks and its `state` (`queries`: m × hidden
+    /// → `out`: m outputs of n × hidden).
+    fn mix(queries: &[f32], blocks: &[Vec<f32>], state: &[f32], hidden: usize) -> Vec<Vec<f32>> {
+        let n = state.len() / hidden;
+        let m = queries.len() / hidden;
+        let mut out = vec![vec![0.0f32; n * hidden]; m];
+        let scale = (hidden as f32).powf(-0.5);
+        let mut normed: Vec<Vec<f32>> = Vec::with_capacity(blocks.len() + 1);
+        for r in 0..n {
+            normed.clear();
+            for v in blocks.iter().map(|b| &b[r * hidden..(r + 1) * hidden]).chain(std::iter::once(&state[r * hidden..(r + 1) * hidden])) {
+                let mean = v.iter().map(|x| x * x).sum::<f32>() / hidden as f32;
+                let inv = 1.0 / (mean + 1e-6).sqrt();
+                normed.push(v.iter().map(|x| x * inv).collect());
+            }
+            for (qi, q) in queries.chunks_exact(hidden).enumerate() {
+                let mut logits: Vec<f32> = normed.iter().map(|k| k.iter().zip(q).map(|(a, b)| a * b).sum::<f32>() * scale).collect();
+                ops::softmax_in_place(&mut logits);
+                let o = &mut out[qi][r * hidden..(r + 1) * hidden];
+                for (p, k) in logits.iter().zip(&normed) {
+                    o.iter_mut().zip(k).for_each(|(a, v)| *a += p * v);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Sees each MoE layer's input rows and the router's choices as the forward pass makes them:
@@ -337,7 +383,7 @@ impl Decoder {
                 (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
                 (AttentionKind::Mla(mla), _, _) => Attention::Mla(Box::new(Mla::load(ckpt, spec, mla, l)?)),
                 (AttentionKind::Compressed(c), _, _) => Attention::Compressed(Box::new(Compressed::load(ckpt, spec, c, l)?)),
-                (AttentionKind::Relative(r), _, _) => Attention::Relative(Box::new(Relative::load(ckpt, spec, r, l)?)),
+                (AttentionKind::Relative(r), _, _) => Attention::Relative(Box::new(Relative::load_v2(ckpt, spec, r, l)?)),
                 _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
@@ -391,7 +437,7 @@ impl Decoder {
                         _ => e,
                     };
                     let global_scale = match &spec.attention.kind {
-                        AttentionKind::Relative(r) => vector(ckpt, &name(r.names.router_scale, l), 1)?[0],
+                        AttentionKind::Relative(r) if r.v2.is_none() => vector(ckpt, &name(r.names.router_scale, l), 1)?[0],
                         _ => 1.0,
                     };
                     let router = Router {
@@ -419,8 +465,14 @@ impl Decoder {
                 }
                 None => None,
             };
+            // Inkling 2's full layers norm their q input with their own weight (k and v: in the
+            // attention).
+            let input_norm = match &spec.attention.kind {
+                AttentionKind::Relative(r) if r.v2.is_some() && !r.sliding_layers[l] => r.v2.as_ref().map_or(names.input_norm, |v| v.names.q_input_norm),
+                _ => names.input_norm,
+            };
             layers.push(Layer {
-                input_norm: norm_weight(ckpt, spec, &name(names.input_norm, l), h)?,
+                input_norm: norm_weight(ckpt, spec, &name(input_norm, l), h)?,
                 post_attention_norm: norm_weight(ckpt, spec, &name(names.post_attention_norm, l), h)?,
                 attention,
                 mlp,
@@ -438,7 +490,27 @@ impl Decoder {
             AttentionKind::Relative(r) => Some(vector(ckpt, r.names.embed_norm, h)?),
             _ => None,
         };
+        let blocks = match &spec.attention.kind {
+            AttentionKind::Relative(r) => match &r.v2 {
+                Some(v2) => {
+                    let mut attn = vec![None];
+                    for l in 1..spec.num_layers {
+                        // The release numbers attention queries from the second layer.
+                        let m = if r.sliding_layers[l] { 1 } else { 3 };
+                        let (one, three) = ([h], [3, h]);
+                        let shape: &[usize] = if m == 1 { &one } else { &three };
+                        let q = ckpt.get(&name(v2.names.attn_query, l - 1), shape)?.to_f32();
+                        attn.push(Some(q));
+                    }
+                    let mlp = (0..spec.num_layers).map(|l| vector(ckpt, &name(v2.names.mlp_query, l), h)).collect::<Result<Vec<_>, _>>()?;
+                    Some(BlockResiduals { layers_per_block: v2.layers_per_block, attn, mlp, output: vector(ckpt, v2.names.output_query, h)? })
+                }
+                None => None,
+            },
+            _ => None,
+        };
         Ok(Decoder {
+            blocks,
             embed_norm,
             embed: matrix(ckpt, spec, names.embed, rows, h)?,
             final_norm: norm_weight(ckpt, spec, names.final_norm, h)?,
@@ -595,7 +667,10 @@ impl Decoder {
         let mut times = PhaseTimes::default();
         // DeepSeek Sparse Attention: the last full indexer layer's choice, per row.
         let mut selection: super::mla::Selection = None;
-        for (l, layer) in self.layers.iter().enumerate() {
+        if let Some(blocks) = &self.blocks {
+            self.block_layers(blocks, &tokens, &mut h, &mut rows, experts, observer, &mut times)?;
+        }
+        for (l, layer) in self.layers.iter().enumerate().filter(|_| self.blocks.is_none()) {
             match &layer.hyper {
                 Some(hc) => {
                     hc.0.collapse(&h, &mut collapsed, &mut spread);
@@ -669,12 +744,68 @@ impl Decoder {
                 } else {
                     head.matvec(&x[..hd], out);
                 }
+                if let Some(cap) = s.logit_softcap {
+                    out.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+                }
             }
             all.push(logits);
         }
         times.total = t_start.elapsed();
         observer.phases(&times);
         Ok(all)
+    }
+
+    /// Inkling 2's layers: block attention residuals around each attention and MLP; `h` ends as
+    /// the output query's mix, ready for the final norm.
+    #[allow(clippy::too_many_arguments)]
+    fn block_layers(
+        &self,
+        blocks: &BlockResiduals,
+        tokens: &[u32],
+        h: &mut [f32],
+        rows: &mut [SegmentRows<'_>],
+        experts: &dyn ExpertDispatch,
+        observer: &mut dyn MoeObserver,
+        times: &mut PhaseTimes,
+    ) -> Result<(), ForwardError> {
+        let s = &self.spec;
+        let hd = s.hidden_size;
+        let n = h.len() / hd;
+        let mut kept: Vec<Vec<f32>> = Vec::new();
+        let mut x = vec![0.0f32; n * hd];
+        let mut proj = vec![0.0f32; n * hd];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let Attention::Relative(attention) = &layer.attention else { continue };
+            let layer_input = h.to_vec();
+            let inputs = match &blocks.attn[l] {
+                Some(q) => BlockResiduals::mix(q, &kept, h, hd),
+                None => vec![h.to_vec(); if attention.takes_three_inputs() { 3 } else { 1 }],
+            };
+            norm_rows(&inputs[0], &layer.input_norm, s.rms_norm_eps, &mut x);
+            let t = std::time::Instant::now();
+            let kv = if attention.takes_three_inputs() { Some((inputs[1].as_slice(), inputs[2].as_slice())) } else { None };
+            attention.forward_v2(s, l, &x, kv, rows, &mut proj);
+            times.attention += t.elapsed();
+            if l % blocks.layers_per_block == 0 {
+                kept.push(layer_input);
+                h.copy_from_slice(&proj);
+            } else {
+                add(h, &proj);
+            }
+            let mlp_input = BlockResiduals::mix(&blocks.mlp[l], &kept, h, hd);
+            norm_rows(&mlp_input[0], &layer.post_attention_norm, s.rms_norm_eps, &mut x);
+            match &layer.mlp {
+                Mlp::Dense(mlp) => mlp.forward(&x, &mut proj),
+                Mlp::Moe { router, shared, shared_gate, bank } => {
+                    self.moe(l, tokens, router, (shared.as_ref().map(|s| (s, shared_gate.as_deref())), bank), &x, experts, observer, &mut proj, times)?
+                }
+            }
+            attention.convolve_mlp(l, hd, rows, &mut proj);
+            add(h, &proj);
+        }
+        let out = BlockResiduals::mix(&blocks.output, &kept, h, hd);
+        h.copy_from_slice(&out[0]);
+        Ok(())
     }
 
     /// Grouped-query attention of every segment's rows (projections over all rows at once;

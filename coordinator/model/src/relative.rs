@@ -41,6 +41,38 @@ pub(crate) struct Relative {
     kernel: usize,
     /// `d_rel × rel_extent`: bias profile r at distance d.
     rel_proj: Vec<f32>,
+    /// Inkling 2's parts.
+    v2: Option<Box<V2>>,
+}
+
+/// What an Inkling 2 layer adds.
+struct V2 {
+    /// Learned scales before the L2 clips: `heads × head_dim` and `heads × d_rel`.
+    q_scale: Vec<f32>,
+    rel_scale: Vec<f32>,
+    qk_clip: f32,
+    rel_clip: f32,
+    /// Per-token sink logits (`heads × hidden`) and the output gate (`heads·d × hidden`).
+    sink: Matrix,
+    gate: Matrix,
+    /// Full layers: key and value convolutions whose taps add a per-token part
+    /// (`static`: `kernel × channels`, tap 0 the current position; `proj`: `kv_heads·kernel ×
+    /// hidden` from the key's or value's input), and the k and v input norms.
+    dynamic: Option<[(Vec<f32>, Matrix); 2]>,
+    kv_input_norms: Option<[Vec<f32>; 2]>,
+}
+
+/// `x · min(1, threshold / (‖x‖ + 1e-6))` per head of `x` (`d` long), after multiplying by the
+/// head's `scale` when given.
+fn l2_clip(x: &mut [f32], d: usize, scale: Option<&[f32]>, threshold: f32) {
+    for (h, head) in x.chunks_exact_mut(d).enumerate() {
+        if let Some(s) = scale {
+            head.iter_mut().zip(&s[h * d..(h + 1) * d]).for_each(|(v, s)| *v *= s);
+        }
+        let norm = head.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let factor = (threshold / (norm + 1e-6)).min(1.0);
+        head.iter_mut().for_each(|v| *v *= factor);
+    }
 }
 
 /// Offsets of a position's auxiliary row.
@@ -117,11 +149,70 @@ impl Relative {
             mlp_conv: conv(n.mlp_conv, h)?,
             kernel: k,
             rel_proj: ckpt.get(&name(n.rel_proj, l), &[rs.d_rel, rel_extent])?.to_f32(),
+            v2: None,
         })
     }
 
+    /// An Inkling 2 layer.
+    pub fn load_v2(ckpt: &Checkpoint, spec: &ModelSpec, rs: &RelativeSpec, l: usize) -> Result<Self, LoadError> {
+        let h = spec.hidden_size;
+        let n = &rs.names;
+        let Some(v2) = &rs.v2 else { return Self::load(ckpt, spec, rs, l) };
+        let m = &v2.names;
+        let sliding = rs.sliding_layers[l];
+        let shape = if sliding { rs.sliding } else { rs.full };
+        let (d, qd, kvd) = (shape.head_dim, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+        let rel_extent = if sliding { rs.window } else { rs.rel_extent };
+        let k = rs.conv_kernel;
+        let conv = |template: &str, channels: usize| -> Result<Vec<f32>, LoadError> { Ok(ckpt.get(&name(template, l), &[channels, 1, k])?.to_f32()) };
+        let (k_conv, v_conv, dynamic, kv_input_norms) = if sliding {
+            (conv(n.k_conv, kvd)?, conv(n.v_conv, kvd)?, None, None)
+        } else {
+            let dynamic = |stat: &str, proj: &str| -> Result<(Vec<f32>, Matrix), LoadError> {
+                Ok((ckpt.get(&name(stat, l), &[k, kvd])?.to_f32(), matrix(ckpt, spec, &name(proj, l), shape.kv_heads * k, h)?))
+            };
+            let norms = [vector(ckpt, &name(m.k_input_norm, l), h)?, vector(ckpt, &name(m.v_input_norm, l), h)?];
+            (Vec::new(), Vec::new(), Some([dynamic(m.k_static, m.k_dynamic)?, dynamic(m.v_static, m.v_dynamic)?]), Some(norms))
+        };
+        Ok(Relative {
+            shape,
+            window: sliding.then_some(rs.window),
+            rel_extent,
+            d_rel: rs.d_rel,
+            log_scaling: if sliding { None } else { rs.log_scaling },
+            q: matrix(ckpt, spec, &name(n.q, l), qd, h)?,
+            k: matrix(ckpt, spec, &name(n.k, l), kvd, h)?,
+            v: matrix(ckpt, spec, &name(n.v, l), kvd, h)?,
+            r: matrix(ckpt, spec, &name(n.r, l), shape.heads * rs.d_rel, h)?,
+            o: matrix(ckpt, spec, &name(n.o, l), h, qd)?,
+            q_norm: Vec::new(),
+            k_norm: Vec::new(),
+            k_conv,
+            v_conv,
+            attn_conv: conv(n.attn_conv, h)?,
+            mlp_conv: conv(n.mlp_conv, h)?,
+            kernel: k,
+            rel_proj: ckpt.get(&name(n.rel_proj, l), &[rs.d_rel, rel_extent])?.to_f32(),
+            v2: Some(Box::new(V2 {
+                q_scale: ckpt.get(&name(m.q_scale, l), &[shape.heads, d])?.to_f32(),
+                rel_scale: ckpt.get(&name(m.rel_scale, l), &[shape.heads, rs.d_rel])?.to_f32(),
+                qk_clip: v2.qk_clip,
+                rel_clip: v2.rel_clip,
+                sink: matrix(ckpt, spec, &name(m.sink, l), shape.heads, h)?,
+                gate: matrix(ckpt, spec, &name(m.gate, l), qd, h)?,
+                dynamic,
+                kv_input_norms,
+            })),
+        })
+    }
+
+    /// Whether this layer reads separate q, k and v inputs (an Inkling 2 full layer).
+    pub fn takes_three_inputs(&self) -> bool {
+        self.v2.as_ref().is_some_and(|v| v.kv_input_norms.is_some())
+    }
+
     pub fn bytes(&self) -> usize {
-        self.q.bytes() + self.k.bytes() + self.v.bytes() + self.r.bytes() + self.o.bytes()
+        self.q.bytes() + self.k.bytes() + self.v.bytes() + self.r.bytes() + self.o.bytes() + self.v2.as_ref().map_or(0, |v| v.sink.bytes() + v.gate.bytes())
     }
 
     fn layout(&self, hidden: usize) -> Layout {
@@ -227,11 +318,160 @@ impl Relative {
         self.convolve_output(l, hidden, lay.attn_raw(), &self.attn_conv, &projected, segments, out);
     }
 
+    /// An Inkling 2 layer: `xq` the query input (normed by the caller), `xk`/`xv` the raw key and
+    /// value inputs of a full layer (normed here; a sliding layer uses `xq` for all three).
+    pub fn forward_v2(&self, spec: &ModelSpec, l: usize, xq: &[f32], kv_inputs: Option<(&[f32], &[f32])>, segments: &mut [SegmentRows<'_>], out: &mut [f32]) {
+        let Some(v2) = &self.v2 else { return self.forward(spec, l, xq, segments, out) };
+        let hidden = spec.hidden_size;
+        let eps = spec.rms_norm_eps;
+        let HeadShape { heads, kv_heads, head_dim: d } = self.shape;
+        let (qd, kvd, k) = (heads * d, kv_heads * d, self.kernel);
+        let n = xq.len() / hidden;
+        let lay = self.layout(hidden);
+        let w = lay.width();
+        let (xk, xv): (Vec<f32>, Vec<f32>) = match (kv_inputs, &v2.kv_input_norms) {
+            (Some((xk, xv)), Some([kn, vn])) => {
+                let norm = |x: &[f32], wt: &[f32]| -> Vec<f32> {
+                    let mut o = vec![0.0f32; x.len()];
+                    for (r, orow) in x.chunks_exact(hidden).zip(o.chunks_exact_mut(hidden)) {
+                        ops::rms_norm(r, wt, eps, orow);
+                    }
+                    o
+                };
+                (norm(xk, kn), norm(xv, vn))
+            }
+            _ => (xq.to_vec(), xq.to_vec()),
+        };
+        let (mut q, mut k_raw, mut v_raw, mut rel) = (vec![0.0f32; n * qd], vec![0.0f32; n * kvd], vec![0.0f32; n * kvd], vec![0.0f32; n * heads * self.d_rel]);
+        self.q.matmul(xq, &mut q);
+        self.k.matmul(&xk, &mut k_raw);
+        self.v.matmul(&xv, &mut v_raw);
+        self.r.matmul(xq, &mut rel);
+        let (mut sinks, mut gate) = (vec![0.0f32; n * heads], vec![0.0f32; n * qd]);
+        v2.sink.matmul(xq, &mut sinks);
+        v2.gate.matmul(xq, &mut gate);
+        let mut taps: [Vec<f32>; 2] = [Vec::new(), Vec::new()];
+        if let Some(dynamic) = &v2.dynamic {
+            for ((_, proj), (x, t)) in dynamic.iter().zip([&xk, &xv].into_iter().zip(taps.iter_mut())) {
+                *t = vec![0.0f32; n * kv_heads * k];
+                proj.matmul(x, t);
+            }
+        }
+        let mut attn = vec![0.0f32; n * qd];
+        let group = heads / kv_heads;
+        let scaling = (d as f32).powf(-0.5);
+        let static_div = ((k + 1) as f64).sqrt() as f32;
+        let dynamic_div = ((2 * k + 1) as f64).sqrt() as f32;
+        for seg in segments.iter_mut() {
+            let (rows, start) = (seg.rows.clone(), seg.start);
+            let len = rows.len();
+            let mut aux = vec![0.0f32; len * w];
+            for (i, row) in aux.chunks_exact_mut(w).enumerate() {
+                row[lay.k_raw()..lay.k_raw() + kvd].copy_from_slice(&k_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
+                row[lay.v_raw()..lay.v_raw() + kvd].copy_from_slice(&v_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
+            }
+            let earlier = seg.cache.aux(l, 0..start);
+            let mut convolved = vec![0.0f32; kvd];
+            for i in 0..len {
+                let p = start + i;
+                for (which, (raw, dst)) in [(lay.k_raw(), lay.k()), (lay.v_raw(), lay.v())].into_iter().enumerate() {
+                    let at = |q: usize| -> &[f32] {
+                        if q < start {
+                            &earlier[q * w + raw..q * w + raw + kvd]
+                        } else {
+                            &aux[(q - start) * w + raw..(q - start) * w + raw + kvd]
+                        }
+                    };
+                    match &v2.dynamic {
+                        None => {
+                            let conv = if which == 0 { &self.k_conv } else { &self.v_conv };
+                            short_conv(conv, k, p, at, &mut convolved);
+                            convolved.iter_mut().for_each(|v| *v /= static_div);
+                        }
+                        Some(dynamic) => {
+                            let stat = &dynamic[which].0;
+                            let dynw = &taps[which][(rows.start + i) * kv_heads * k..(rows.start + i + 1) * kv_heads * k];
+                            let current = at(p);
+                            for (c, o) in convolved.iter_mut().enumerate() {
+                                let g = c / d;
+                                let mut sum = 0.0f32;
+                                for lag in 0..k.min(p + 1) {
+                                    sum += at(p - lag)[c] * (stat[lag * kvd + c] + dynw[g * k + lag]);
+                                }
+                                *o = (sum + current[c]) / dynamic_div;
+                            }
+                        }
+                    }
+                    aux[i * w + dst..i * w + dst + kvd].copy_from_slice(&convolved);
+                }
+                l2_clip(&mut aux[i * w + lay.k()..i * w + lay.k() + kvd], d, None, v2.qk_clip);
+                for head in aux[i * w + lay.v()..i * w + lay.v() + kvd].chunks_exact_mut(d) {
+                    let mean = head.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                    let r = 1.0 / (mean + eps).sqrt();
+                    head.iter_mut().for_each(|v| *v *= r);
+                }
+            }
+            seg.cache.append_aux(l, &aux);
+            let all = seg.cache.aux(l, 0..start + len);
+            let mut logits = Vec::new();
+            for i in 0..len {
+                let (row, p) = (rows.start + i, start + i);
+                let lo = self.window.map_or(0, |win| (p + 1).saturating_sub(win));
+                let tau = match self.log_scaling {
+                    Some((floor, alpha)) => 1.0 + alpha * ((p + 1) as f32 / floor).max(1.0).ln(),
+                    None => 1.0,
+                };
+                let qrow = &mut q[row * qd..(row + 1) * qd];
+                l2_clip(qrow, d, Some(&v2.q_scale), v2.qk_clip);
+                qrow.iter_mut().for_each(|v| *v *= tau);
+                let rrow = &mut rel[row * heads * self.d_rel..(row + 1) * heads * self.d_rel];
+                l2_clip(rrow, self.d_rel, Some(&v2.rel_scale), v2.rel_clip);
+                rrow.iter_mut().for_each(|v| *v *= tau);
+                for hq in 0..heads {
+                    let g = hq / group;
+                    let qh = &q[row * qd + hq * d..row * qd + (hq + 1) * d];
+                    let states = &rel[row * heads * self.d_rel + hq * self.d_rel..row * heads * self.d_rel + (hq + 1) * self.d_rel];
+                    logits.clear();
+                    for j in lo..=p {
+                        let key = &all[j * w + lay.k() + g * d..j * w + lay.k() + (g + 1) * d];
+                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
+                        let distance = p - j;
+                        let bias = if distance < self.rel_extent {
+                            states.iter().enumerate().map(|(r, s)| s * self.rel_proj[r * self.rel_extent + distance]).sum::<f32>()
+                        } else {
+                            0.0
+                        };
+                        logits.push(dot * scaling + bias);
+                    }
+                    // The sink joins the softmax with no value.
+                    logits.push(sinks[row * heads + hq]);
+                    ops::softmax_in_place(&mut logits);
+                    let o = &mut attn[row * qd + hq * d..row * qd + (hq + 1) * d];
+                    o.fill(0.0);
+                    for (pj, j) in logits.iter().zip(lo..=p) {
+                        let value = &all[j * w + lay.v() + g * d..j * w + lay.v() + (g + 1) * d];
+                        o.iter_mut().zip(value).for_each(|(a, v)| *a += pj * v);
+                    }
+                }
+            }
+        }
+        attn.iter_mut().zip(&gate).for_each(|(a, g)| *a *= ops::sigmoid(*g));
+        let mut projected = vec![0.0f32; n * hidden];
+        self.o.matmul(&attn, &mut projected);
+        self.convolve_output(l, hidden, lay.attn_raw(), &self.attn_conv, &projected, segments, out);
+        out.iter_mut().for_each(|v| *v /= static_div);
+    }
+
     /// The MLP's output through its convolution (the layer's `mlp_conv`), in place.
     pub fn convolve_mlp(&self, l: usize, hidden: usize, segments: &mut [SegmentRows<'_>], y: &mut [f32]) {
         let raw = y.to_vec();
         let lay = self.layout(hidden);
         self.convolve_output(l, hidden, lay.mlp_raw(), &self.mlp_conv, &raw, segments, y);
+        if self.v2.is_some() {
+            // Inkling 2 scales its convolutions' outputs down by √(K + 1).
+            let div = ((self.kernel + 1) as f64).sqrt() as f32;
+            y.iter_mut().for_each(|v| *v /= div);
+        }
     }
 
     /// `out` = the convolution of `raw` (every row of every segment), the raw rows kept in the

@@ -82,6 +82,7 @@ impl Expert {
             ExpertActivation::Silu => ops::swiglu_in_place(&mut scratch.gate, &scratch.up),
             ExpertActivation::ClampedSwiglu { alpha, limit } => gating::clamped_swiglu_in_place(&mut scratch.gate, &scratch.up, alpha, limit),
             ExpertActivation::ClampedSilu { limit } => gating::clamped_silu_in_place(&mut scratch.gate, &scratch.up, limit),
+            ExpertActivation::SoftcappedSwiglu { gate_cap, up_cap } => gating::softcapped_swiglu_in_place(&mut scratch.gate, &scratch.up, gate_cap, up_cap),
         }
         self.down.matmul_on(&scratch.gate, out, parallel);
         if let Some(b) = &self.bias {

@@ -74,6 +74,15 @@ pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: us
             let (gate, up, down) = stacked_expert(ckpt, &g, &d, n, expert, h, i)?;
             Expert::new(gate, up, down).with_form(None, spec.moe.activation)
         }
+        ExpertLayout::StackedInterleaved => {
+            let n = spec.moe.num_experts;
+            let gu = ckpt.get(&g, &[n, 2 * i, h])?;
+            let gate = transpose_take(&gu, i, h, |r, c| (expert * 2 * i + 2 * r) * h + c);
+            let up = transpose_take(&gu, i, h, |r, c| (expert * 2 * i + 2 * r + 1) * h + c);
+            let dv = ckpt.get(&d, &[n, h, i])?;
+            let down = transpose_take(&dv, h, i, |r, c| (expert * h + r) * i + c);
+            Expert::new(gate, up, down).with_form(None, spec.moe.activation)
+        }
         ExpertLayout::FusedInterleaved => {
             let n = spec.moe.num_experts;
             let (gate, up) = fused_gate_up(ckpt, &g, n, expert, h, i)?;
