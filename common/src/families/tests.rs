@@ -299,6 +299,43 @@ fn inkling_reads_its_layer_shapes_padding_and_older_spellings() {
 }
 
 #[test]
+fn inkling2_defaults_are_inkling2_configs() {
+    let v = json!({
+        "architectures": ["Inkling2ForCausalLM"], "model_type": "inkling2_text", "vocab_size": 300000,
+        "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 4096, "moe_intermediate_size": 16
+    });
+    let s = parse(v.clone()).unwrap();
+    let AttentionKind::Relative(r) = &s.attention.kind else { panic!("{:?}", s.attention.kind) };
+    let v2 = r.v2.as_ref().unwrap();
+    // Inkling2TextConfig's defaults: every sixth layer full; clips, blocks of 6, softcaps.
+    assert_eq!(r.sliding_layers, [true, true, true, true, true, false]);
+    assert_eq!((r.sliding.heads, r.sliding.kv_heads, r.sliding.head_dim, r.window), (48, 8, 128, 1024));
+    assert_eq!(r.log_scaling, Some((128_000.0, 0.1)));
+    assert_eq!((v2.qk_clip, v2.rel_clip, v2.layers_per_block), (22.627417, 8.0, 6));
+    assert_eq!(s.moe.activation, ExpertActivation::SoftcappedSwiglu { gate_cap: 4.0, up_cap: 25.0 });
+    assert_eq!(s.moe.scoring, RouterScoring::SigmoidGrouped { n_group: 1, topk_group: 1, norm_topk_prob: true, routed_scaling_factor: 8.0 });
+    assert_eq!((s.vocab_size, s.padded_vocab, s.logit_softcap), (200_058, Some(300_000), Some(30.0)));
+    assert_eq!(s.expert_names.layout, ExpertLayout::StackedInterleaved);
+    // The aliases transformers maps: intermediate_size for the experts, routed_scaling_factor.
+    let mut alias = v.clone();
+    alias["intermediate_size"] = alias["moe_intermediate_size"].take();
+    alias.as_object_mut().unwrap().remove("moe_intermediate_size");
+    alias["routed_scaling_factor"] = json!(8.0);
+    assert_eq!(parse(alias).unwrap(), s);
+    for (field, value, want) in [
+        ("scoring_func", json!("softmax"), "`scoring_func`"),
+        ("n_routed_experts", json!(1), "`n_routed_experts`"),
+        ("qk_l2_clip_threshold", json!(0.0), "`qk_l2_clip_threshold`"),
+        ("unpadded_vocab_size", json!(400000), "`unpadded_vocab_size`"),
+    ] {
+        let mut bad = v.clone();
+        bad[field] = value;
+        assert!(message(parse(bad)).contains(want), "{field}");
+    }
+}
+
+#[test]
 fn qwen3_next_defaults_are_qwen3_next_configs() {
     let v = json!({
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 100,
