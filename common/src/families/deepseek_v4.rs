@@ -84,12 +84,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         Some(other) => return Err(FieldError::new("scoring_func", format!("`{other}` is not supported (DeepSeek-V4 routes with sqrtsoftplus)"))),
     }
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(1) };
-    let positive_or = |key: &str, default: usize| -> FieldResult<usize> {
-        match obj.usize_opt(key)?.unwrap_or(default) {
-            0 => Err(FieldError::new(key, "must be greater than zero")),
-            v => Ok(v),
-        }
-    };
+    let positive_or = |key: &str, default: usize| positive_or(obj, key, default);
     let mut spec = build(obj, &defaults, FAMILY.architecture, |sz| {
         let n = sz.num_layers;
         let rates = obj.obj_opt("compress_rates")?;

@@ -52,12 +52,7 @@ const EXPERTS: ExpertNames = ExpertNames {
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
     check_act(obj)?;
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
-    let positive_or = |key: &str, default: usize| -> FieldResult<usize> {
-        match obj.usize_opt(key)?.unwrap_or(default) {
-            0 => Err(FieldError::new(key, "must be greater than zero")),
-            v => Ok(v),
-        }
-    };
+    let positive_or = |key: &str, default: usize| positive_or(obj, key, default);
     // An older spelling: `dense_intermediate_size` for the dense MLPs, with `intermediate_size`
     // then the experts' width.
     let (dense_i, expert_i) = match obj.usize_opt("dense_intermediate_size")? {
@@ -79,12 +74,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
                 _ => (0..n).map(|l| (l + 1) % 6 != 0).collect(),
             },
         };
-        let full = HeadShape { heads: positive_or("num_attention_heads", 64)?, kv_heads: positive_or("num_key_value_heads", 8)?, head_dim: sz.head_dim };
-        let sliding = HeadShape {
-            heads: positive_or("swa_num_attention_heads", 64)?,
-            kv_heads: positive_or("swa_num_key_value_heads", 16)?,
-            head_dim: positive_or("swa_head_dim", 128)?,
-        };
+        let (full, sliding) = relative_head_shapes(obj, sz.head_dim, [64, 8, 64, 16, 128])?;
         let window = positive_or("sliding_window_size", 512)?;
         let log_scaling = match obj.usize_opt("log_scaling_n_floor")? {
             Some(0) => return Err(FieldError::new("log_scaling_n_floor", "must be greater than zero")),
@@ -146,14 +136,6 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         return Err(FieldError::new("logits_mup_width_multiplier", "must be positive"));
     }
     spec.logit_divisor = divisor;
-    if let Some(unpadded) = obj.usize_opt("unpadded_vocab_size")? {
-        if unpadded == 0 || unpadded > spec.vocab_size {
-            return Err(FieldError::new("unpadded_vocab_size", format!("{unpadded} must be positive and at most vocab_size = {}", spec.vocab_size)));
-        }
-        if unpadded < spec.vocab_size {
-            spec.padded_vocab = Some(spec.vocab_size);
-            spec.vocab_size = unpadded;
-        }
-    }
+    unpad_vocab(&mut spec, obj.usize_opt("unpadded_vocab_size")?)?;
     Ok(spec)
 }

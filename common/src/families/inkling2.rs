@@ -90,12 +90,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         Some(other) => return Err(FieldError::new("scoring_func", format!("`{other}` is not supported (Inkling 2 routes with sigmoid)"))),
     }
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
-    let positive_or = |key: &str, default: usize| -> FieldResult<usize> {
-        match obj.usize_opt(key)?.unwrap_or(default) {
-            0 => Err(FieldError::new(key, "must be greater than zero")),
-            v => Ok(v),
-        }
-    };
+    let positive_or = |key: &str, default: usize| positive_or(obj, key, default);
     let positive_f = |key: &str, default: f64| -> FieldResult<f32> {
         let v = obj.f64_or(key, default)? as f32;
         if v.is_nan() || v <= 0.0 {
@@ -117,12 +112,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             Some(kinds) => kinds,
             None => (0..n).map(|l| (l + 1) % 6 != 0).collect(),
         };
-        let full = HeadShape { heads: positive_or("num_attention_heads", 48)?, kv_heads: positive_or("num_key_value_heads", 8)?, head_dim: sz.head_dim };
-        let sliding = HeadShape {
-            heads: positive_or("swa_num_attention_heads", 48)?,
-            kv_heads: positive_or("swa_num_key_value_heads", 8)?,
-            head_dim: positive_or("swa_head_dim", 128)?,
-        };
+        let (full, sliding) = relative_head_shapes(obj, sz.head_dim, [48, 8, 48, 8, 128])?;
         let window = positive_or("sliding_window_size", 1024)?;
         let relative = RelativeSpec {
             full,
@@ -174,13 +164,6 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         Ok(FamilyParts { attention, layers: vec![LayerMlp::Moe; n], moe, expert_names: EXPERTS, dense_names: DENSE, rms_norm_unit_offset: false })
     })?;
     spec.logit_softcap = Some(positive_f("final_logit_softcapping", 30.0)?);
-    let unpadded = obj.usize_opt("unpadded_vocab_size")?.unwrap_or(200_058);
-    if unpadded == 0 || unpadded > spec.vocab_size {
-        return Err(FieldError::new("unpadded_vocab_size", format!("{unpadded} must be positive and at most vocab_size = {}", spec.vocab_size)));
-    }
-    if unpadded < spec.vocab_size {
-        spec.padded_vocab = Some(spec.vocab_size);
-        spec.vocab_size = unpadded;
-    }
+    unpad_vocab(&mut spec, Some(obj.usize_opt("unpadded_vocab_size")?.unwrap_or(200_058)))?;
     Ok(spec)
 }

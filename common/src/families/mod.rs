@@ -336,3 +336,39 @@ pub(crate) const QWEN_GATED_SHARED_NAMES: ExpertNames = ExpertNames {
     router_hash: None,
     ..GATE_UP_DOWN
 };
+
+/// A size the config may leave out (then `default`), which must not be zero.
+pub(crate) fn positive_or(obj: &Obj, key: &str, default: usize) -> FieldResult<usize> {
+    match obj.usize_opt(key)?.unwrap_or(default) {
+        0 => Err(FieldError::new(key, "must be greater than zero")),
+        v => Ok(v),
+    }
+}
+
+/// Inkling's two head shapes: full layers' (`num_attention_heads`, `num_key_value_heads`, the
+/// head size) and sliding layers' (`swa_*`), with the family's defaults
+/// `[heads, kv_heads, swa_heads, swa_kv_heads, swa_head_dim]`.
+pub(crate) fn relative_head_shapes(obj: &Obj, head_dim: usize, defaults: [usize; 5]) -> FieldResult<(HeadShape, HeadShape)> {
+    let [heads, kv, swa_heads, swa_kv, swa_d] = defaults;
+    let full = HeadShape { heads: positive_or(obj, "num_attention_heads", heads)?, kv_heads: positive_or(obj, "num_key_value_heads", kv)?, head_dim };
+    let sliding = HeadShape {
+        heads: positive_or(obj, "swa_num_attention_heads", swa_heads)?,
+        kv_heads: positive_or(obj, "swa_num_key_value_heads", swa_kv)?,
+        head_dim: positive_or(obj, "swa_head_dim", swa_d)?,
+    };
+    Ok((full, sliding))
+}
+
+/// `unpadded_vocab_size`: the logits and tokens span it; the embedding and head keep the padded
+/// `vocab_size` rows.
+pub(crate) fn unpad_vocab(spec: &mut ModelSpec, unpadded: Option<usize>) -> FieldResult<()> {
+    let Some(unpadded) = unpadded else { return Ok(()) };
+    if unpadded == 0 || unpadded > spec.vocab_size {
+        return Err(FieldError::new("unpadded_vocab_size", format!("{unpadded} must be positive and at most vocab_size = {}", spec.vocab_size)));
+    }
+    if unpadded < spec.vocab_size {
+        spec.padded_vocab = Some(spec.vocab_size);
+        spec.vocab_size = unpadded;
+    }
+    Ok(())
+}

@@ -244,7 +244,6 @@ impl Relative {
             head.copy_from_slice(&scratch);
         }
         let mut attn = vec![0.0f32; n * qd];
-        let group = heads / kv_heads;
         // q and k are RMS-normed per head, hence 1/d rather than 1/√d.
         let scaling = 1.0 / d as f32;
         for seg in segments.iter_mut() {
@@ -252,11 +251,7 @@ impl Relative {
             let len = rows.len();
             // The new positions' rows: raw projections first, then their convolutions (which
             // read the earlier positions' raw projections from the cache).
-            let mut aux = vec![0.0f32; len * w];
-            for (i, row) in aux.chunks_exact_mut(w).enumerate() {
-                row[lay.k_raw()..lay.k_raw() + kvd].copy_from_slice(&k_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
-                row[lay.v_raw()..lay.v_raw() + kvd].copy_from_slice(&v_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
-            }
+            let mut aux = raw_rows(&lay, &k_raw, &v_raw, rows.clone());
             let earlier = seg.cache.aux(l, 0..start);
             let mut convolved = vec![0.0f32; kvd];
             for i in 0..len {
@@ -279,38 +274,12 @@ impl Relative {
             }
             seg.cache.append_aux(l, &aux);
             let all = seg.cache.aux(l, 0..start + len);
-            let mut logits = Vec::new();
             for i in 0..len {
                 let (row, p) = (rows.start + i, start + i);
-                let lo = self.window.map_or(0, |win| (p + 1).saturating_sub(win));
-                let tau = match self.log_scaling {
-                    Some((floor, alpha)) => 1.0 + alpha * ((p + 1) as f32 / floor).max(1.0).ln(),
-                    None => 1.0,
-                };
-                for hq in 0..heads {
-                    let g = hq / group;
-                    let qh: Vec<f32> = q[row * qd + hq * d..row * qd + (hq + 1) * d].iter().map(|v| v * tau).collect();
-                    let states = &rel[row * heads * self.d_rel + hq * self.d_rel..row * heads * self.d_rel + (hq + 1) * self.d_rel];
-                    logits.clear();
-                    for j in lo..=p {
-                        let key = &all[j * w + lay.k() + g * d..j * w + lay.k() + (g + 1) * d];
-                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
-                        let distance = p - j;
-                        let bias = if distance < self.rel_extent {
-                            states.iter().enumerate().map(|(r, s)| s * self.rel_proj[r * self.rel_extent + distance]).sum::<f32>() * tau
-                        } else {
-                            0.0
-                        };
-                        logits.push(dot * scaling + bias);
-                    }
-                    ops::softmax_in_place(&mut logits);
-                    let o = &mut attn[row * qd + hq * d..row * qd + (hq + 1) * d];
-                    o.fill(0.0);
-                    for (pj, j) in logits.iter().zip(lo..=p) {
-                        let value = &all[j * w + lay.v() + g * d..j * w + lay.v() + (g + 1) * d];
-                        o.iter_mut().zip(value).for_each(|(a, v)| *a += pj * v);
-                    }
-                }
+                let tau = self.tau(p);
+                q[row * qd..(row + 1) * qd].iter_mut().for_each(|v| *v *= tau);
+                let states = &rel[row * heads * self.d_rel..(row + 1) * heads * self.d_rel];
+                self.attend_row(all, &lay, p, &q[row * qd..(row + 1) * qd], states, tau, scaling, None, &mut attn[row * qd..(row + 1) * qd]);
             }
         }
         let mut projected = vec![0.0f32; n * hidden];
@@ -358,18 +327,13 @@ impl Relative {
             }
         }
         let mut attn = vec![0.0f32; n * qd];
-        let group = heads / kv_heads;
         let scaling = (d as f32).powf(-0.5);
         let static_div = ((k + 1) as f64).sqrt() as f32;
         let dynamic_div = ((2 * k + 1) as f64).sqrt() as f32;
         for seg in segments.iter_mut() {
             let (rows, start) = (seg.rows.clone(), seg.start);
             let len = rows.len();
-            let mut aux = vec![0.0f32; len * w];
-            for (i, row) in aux.chunks_exact_mut(w).enumerate() {
-                row[lay.k_raw()..lay.k_raw() + kvd].copy_from_slice(&k_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
-                row[lay.v_raw()..lay.v_raw() + kvd].copy_from_slice(&v_raw[(rows.start + i) * kvd..(rows.start + i + 1) * kvd]);
-            }
+            let mut aux = raw_rows(&lay, &k_raw, &v_raw, rows.clone());
             let earlier = seg.cache.aux(l, 0..start);
             let mut convolved = vec![0.0f32; kvd];
             for i in 0..len {
@@ -413,46 +377,18 @@ impl Relative {
             }
             seg.cache.append_aux(l, &aux);
             let all = seg.cache.aux(l, 0..start + len);
-            let mut logits = Vec::new();
             for i in 0..len {
                 let (row, p) = (rows.start + i, start + i);
-                let lo = self.window.map_or(0, |win| (p + 1).saturating_sub(win));
-                let tau = match self.log_scaling {
-                    Some((floor, alpha)) => 1.0 + alpha * ((p + 1) as f32 / floor).max(1.0).ln(),
-                    None => 1.0,
-                };
+                let tau = self.tau(p);
                 let qrow = &mut q[row * qd..(row + 1) * qd];
                 l2_clip(qrow, d, Some(&v2.q_scale), v2.qk_clip);
                 qrow.iter_mut().for_each(|v| *v *= tau);
                 let rrow = &mut rel[row * heads * self.d_rel..(row + 1) * heads * self.d_rel];
                 l2_clip(rrow, self.d_rel, Some(&v2.rel_scale), v2.rel_clip);
                 rrow.iter_mut().for_each(|v| *v *= tau);
-                for hq in 0..heads {
-                    let g = hq / group;
-                    let qh = &q[row * qd + hq * d..row * qd + (hq + 1) * d];
-                    let states = &rel[row * heads * self.d_rel + hq * self.d_rel..row * heads * self.d_rel + (hq + 1) * self.d_rel];
-                    logits.clear();
-                    for j in lo..=p {
-                        let key = &all[j * w + lay.k() + g * d..j * w + lay.k() + (g + 1) * d];
-                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
-                        let distance = p - j;
-                        let bias = if distance < self.rel_extent {
-                            states.iter().enumerate().map(|(r, s)| s * self.rel_proj[r * self.rel_extent + distance]).sum::<f32>()
-                        } else {
-                            0.0
-                        };
-                        logits.push(dot * scaling + bias);
-                    }
-                    // The sink joins the softmax with no value.
-                    logits.push(sinks[row * heads + hq]);
-                    ops::softmax_in_place(&mut logits);
-                    let o = &mut attn[row * qd + hq * d..row * qd + (hq + 1) * d];
-                    o.fill(0.0);
-                    for (pj, j) in logits.iter().zip(lo..=p) {
-                        let value = &all[j * w + lay.v() + g * d..j * w + lay.v() + (g + 1) * d];
-                        o.iter_mut().zip(value).for_each(|(a, v)| *a += pj * v);
-                    }
-                }
+                let (qrow, states) = (&q[row * qd..(row + 1) * qd], &rel[row * heads * self.d_rel..(row + 1) * heads * self.d_rel]);
+                let sink = &sinks[row * heads..(row + 1) * heads];
+                self.attend_row(all, &lay, p, qrow, states, 1.0, scaling, Some(sink), &mut attn[row * qd..(row + 1) * qd]);
             }
         }
         attn.iter_mut().zip(&gate).for_each(|(a, g)| *a *= ops::sigmoid(*g));
@@ -460,6 +396,64 @@ impl Relative {
         self.o.matmul(&attn, &mut projected);
         self.convolve_output(l, hidden, lay.attn_raw(), &self.attn_conv, &projected, segments, out);
         out.iter_mut().for_each(|v| *v /= static_div);
+    }
+
+    /// Full layers' logarithmic scale at position `p` (1 elsewhere).
+    fn tau(&self, p: usize) -> f32 {
+        match self.log_scaling {
+            Some((floor, alpha)) => 1.0 + alpha * ((p + 1) as f32 / floor).max(1.0).ln(),
+            None => 1.0,
+        }
+    }
+
+    /// One query row's heads over its window (`all`: the auxiliary rows up to `p`): logits
+    /// `q·k·scaling + bias_scale · (states · profile at the distance)`, with a per-head sink if
+    /// given, softmax, the values' weighted sum.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_row(
+        &self,
+        all: &[f32],
+        lay: &Layout,
+        p: usize,
+        q: &[f32],
+        states: &[f32],
+        bias_scale: f32,
+        scaling: f32,
+        sinks: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let HeadShape { heads, kv_heads, head_dim: d } = self.shape;
+        let (w, group) = (lay.width(), heads / kv_heads);
+        let lo = self.window.map_or(0, |win| (p + 1).saturating_sub(win));
+        let mut logits = Vec::with_capacity(p + 2 - lo);
+        for hq in 0..heads {
+            let g = hq / group;
+            let qh = &q[hq * d..(hq + 1) * d];
+            let st = &states[hq * self.d_rel..(hq + 1) * self.d_rel];
+            logits.clear();
+            for j in lo..=p {
+                let key = &all[j * w + lay.k() + g * d..j * w + lay.k() + (g + 1) * d];
+                let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
+                let distance = p - j;
+                let bias = if distance < self.rel_extent {
+                    st.iter().enumerate().map(|(r, s)| s * self.rel_proj[r * self.rel_extent + distance]).sum::<f32>() * bias_scale
+                } else {
+                    0.0
+                };
+                logits.push(dot * scaling + bias);
+            }
+            // A sink joins the softmax with no value.
+            if let Some(s) = sinks {
+                logits.push(s[hq]);
+            }
+            ops::softmax_in_place(&mut logits);
+            let o = &mut out[hq * d..(hq + 1) * d];
+            o.fill(0.0);
+            for (pj, j) in logits.iter().zip(lo..=p) {
+                let value = &all[j * w + lay.v() + g * d..j * w + lay.v() + (g + 1) * d];
+                o.iter_mut().zip(value).for_each(|(a, v)| *a += pj * v);
+            }
+        }
     }
 
     /// The MLP's output through its convolution (the layer's `mlp_conv`), in place.
@@ -494,6 +488,19 @@ impl Relative {
             }
         }
     }
+}
+
+/// A segment's new auxiliary rows holding their raw key and value projections (the rest filled
+/// in after).
+fn raw_rows(lay: &Layout, k_raw: &[f32], v_raw: &[f32], rows: std::ops::Range<usize>) -> Vec<f32> {
+    let (w, kvd) = (lay.width(), lay.kvd);
+    let mut aux = vec![0.0f32; rows.len() * w];
+    for (i, row) in aux.chunks_exact_mut(w).enumerate() {
+        let r = rows.start + i;
+        row[lay.k_raw()..lay.k_raw() + kvd].copy_from_slice(&k_raw[r * kvd..(r + 1) * kvd]);
+        row[lay.v_raw()..lay.v_raw() + kvd].copy_from_slice(&v_raw[r * kvd..(r + 1) * kvd]);
+    }
+    aux
 }
 
 fn seg_width(segments: &[SegmentRows<'_>], l: usize) -> usize {
