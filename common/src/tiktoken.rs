@@ -174,7 +174,13 @@ impl TikToken {
             }
             match special {
                 Some(m) => {
-                    out.push(self.special_ids[m.as_str()]);
+                    // The matcher only matches the spellings the map holds.
+                    let id = self
+                        .special_ids
+                        .get(m.as_str())
+                        .copied()
+                        .ok_or_else(|| LoadError::malformed(&self.path, format!("`{}` is not a special token", m.as_str())))?;
+                    out.push(id);
                     start = m.end();
                 }
                 None => return Ok(()),

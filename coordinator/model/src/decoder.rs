@@ -383,7 +383,7 @@ impl Decoder {
                 (_, Mixer::GatedDeltaNet, Some(shape)) => Attention::Delta(GatedDelta::load(ckpt, spec, shape, l)?),
                 (AttentionKind::Mla(mla), _, _) => Attention::Mla(Box::new(Mla::load(ckpt, spec, mla, l)?)),
                 (AttentionKind::Compressed(c), _, _) => Attention::Compressed(Box::new(Compressed::load(ckpt, spec, c, l)?)),
-                (AttentionKind::Relative(r), _, _) => Attention::Relative(Box::new(Relative::load_v2(ckpt, spec, r, l)?)),
+                (AttentionKind::Relative(r), _, _) => Attention::Relative(Box::new(Relative::load(ckpt, spec, r, l)?)),
                 _ => Attention::Gqa(Self::load_gqa(ckpt, spec, names, l)?),
             };
             let mlp = match spec.layers[l] {
@@ -670,7 +670,9 @@ impl Decoder {
         if let Some(blocks) = &self.blocks {
             self.block_layers(blocks, &tokens, &mut h, &mut rows, experts, observer, &mut times)?;
         }
-        for (l, layer) in self.layers.iter().enumerate().filter(|_| self.blocks.is_none()) {
+        // Inkling 2's layers ran above, around its block residuals.
+        let plain_layers: &[Layer] = if self.blocks.is_none() { &self.layers } else { &[] };
+        for (l, layer) in plain_layers.iter().enumerate() {
             match &layer.hyper {
                 Some(hc) => {
                     hc.0.collapse(&h, &mut collapsed, &mut spread);

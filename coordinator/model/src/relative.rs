@@ -121,58 +121,48 @@ fn short_conv<'a>(weights: &[f32], kernel: usize, p: usize, x: impl Fn(usize) ->
 }
 
 impl Relative {
+    /// Layer `l` of an Inkling model, or of an Inkling 2 one (`rs.v2`).
     pub fn load(ckpt: &Checkpoint, spec: &ModelSpec, rs: &RelativeSpec, l: usize) -> Result<Self, LoadError> {
         let h = spec.hidden_size;
         let n = &rs.names;
-        let sliding = rs.sliding_layers[l];
-        let shape = if sliding { rs.sliding } else { rs.full };
-        let (qd, kvd) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
-        let rel_extent = if sliding { rs.window } else { rs.rel_extent };
-        let k = rs.conv_kernel;
-        let conv = |template: &str, channels: usize| -> Result<Vec<f32>, LoadError> { Ok(ckpt.get(&name(template, l), &[channels, 1, k])?.to_f32()) };
-        Ok(Relative {
-            shape,
-            window: sliding.then_some(rs.window),
-            rel_extent,
-            d_rel: rs.d_rel,
-            log_scaling: if sliding { None } else { rs.log_scaling },
-            q: matrix(ckpt, spec, &name(n.q, l), qd, h)?,
-            k: matrix(ckpt, spec, &name(n.k, l), kvd, h)?,
-            v: matrix(ckpt, spec, &name(n.v, l), kvd, h)?,
-            r: matrix(ckpt, spec, &name(n.r, l), shape.heads * rs.d_rel, h)?,
-            o: matrix(ckpt, spec, &name(n.o, l), h, qd)?,
-            q_norm: vector(ckpt, &name(n.q_norm, l), shape.head_dim)?,
-            k_norm: vector(ckpt, &name(n.k_norm, l), shape.head_dim)?,
-            k_conv: conv(n.k_conv, kvd)?,
-            v_conv: conv(n.v_conv, kvd)?,
-            attn_conv: conv(n.attn_conv, h)?,
-            mlp_conv: conv(n.mlp_conv, h)?,
-            kernel: k,
-            rel_proj: ckpt.get(&name(n.rel_proj, l), &[rs.d_rel, rel_extent])?.to_f32(),
-            v2: None,
-        })
-    }
-
-    /// An Inkling 2 layer.
-    pub fn load_v2(ckpt: &Checkpoint, spec: &ModelSpec, rs: &RelativeSpec, l: usize) -> Result<Self, LoadError> {
-        let h = spec.hidden_size;
-        let n = &rs.names;
-        let Some(v2) = &rs.v2 else { return Self::load(ckpt, spec, rs, l) };
-        let m = &v2.names;
         let sliding = rs.sliding_layers[l];
         let shape = if sliding { rs.sliding } else { rs.full };
         let (d, qd, kvd) = (shape.head_dim, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
         let rel_extent = if sliding { rs.window } else { rs.rel_extent };
         let k = rs.conv_kernel;
         let conv = |template: &str, channels: usize| -> Result<Vec<f32>, LoadError> { Ok(ckpt.get(&name(template, l), &[channels, 1, k])?.to_f32()) };
-        let (k_conv, v_conv, dynamic, kv_input_norms) = if sliding {
-            (conv(n.k_conv, kvd)?, conv(n.v_conv, kvd)?, None, None)
-        } else {
-            let dynamic = |stat: &str, proj: &str| -> Result<(Vec<f32>, Matrix), LoadError> {
-                Ok((ckpt.get(&name(stat, l), &[k, kvd])?.to_f32(), matrix(ckpt, spec, &name(proj, l), shape.kv_heads * k, h)?))
-            };
-            let norms = [vector(ckpt, &name(m.k_input_norm, l), h)?, vector(ckpt, &name(m.v_input_norm, l), h)?];
-            (Vec::new(), Vec::new(), Some([dynamic(m.k_static, m.k_dynamic)?, dynamic(m.v_static, m.v_dynamic)?]), Some(norms))
+        // Inkling norms q and k per head; Inkling 2 clips them instead, and its full layers
+        // convolve keys and values with per-token taps and norm their own k and v inputs.
+        let (q_norm, k_norm) = match &rs.v2 {
+            None => (vector(ckpt, &name(n.q_norm, l), d)?, vector(ckpt, &name(n.k_norm, l), d)?),
+            Some(_) => (Vec::new(), Vec::new()),
+        };
+        let (k_conv, v_conv, dynamic, kv_input_norms) = match &rs.v2 {
+            Some(v2) if !sliding => {
+                let m = &v2.names;
+                let dynamic = |stat: &str, proj: &str| -> Result<(Vec<f32>, Matrix), LoadError> {
+                    Ok((ckpt.get(&name(stat, l), &[k, kvd])?.to_f32(), matrix(ckpt, spec, &name(proj, l), shape.kv_heads * k, h)?))
+                };
+                let norms = [vector(ckpt, &name(m.k_input_norm, l), h)?, vector(ckpt, &name(m.v_input_norm, l), h)?];
+                (Vec::new(), Vec::new(), Some([dynamic(m.k_static, m.k_dynamic)?, dynamic(m.v_static, m.v_dynamic)?]), Some(norms))
+            }
+            _ => (conv(n.k_conv, kvd)?, conv(n.v_conv, kvd)?, None, None),
+        };
+        let v2 = match &rs.v2 {
+            Some(v2) => {
+                let m = &v2.names;
+                Some(Box::new(V2 {
+                    q_scale: ckpt.get(&name(m.q_scale, l), &[shape.heads, d])?.to_f32(),
+                    rel_scale: ckpt.get(&name(m.rel_scale, l), &[shape.heads, rs.d_rel])?.to_f32(),
+                    qk_clip: v2.qk_clip,
+                    rel_clip: v2.rel_clip,
+                    sink: matrix(ckpt, spec, &name(m.sink, l), shape.heads, h)?,
+                    gate: matrix(ckpt, spec, &name(m.gate, l), qd, h)?,
+                    dynamic,
+                    kv_input_norms,
+                }))
+            }
+            None => None,
         };
         Ok(Relative {
             shape,
@@ -185,24 +175,15 @@ impl Relative {
             v: matrix(ckpt, spec, &name(n.v, l), kvd, h)?,
             r: matrix(ckpt, spec, &name(n.r, l), shape.heads * rs.d_rel, h)?,
             o: matrix(ckpt, spec, &name(n.o, l), h, qd)?,
-            q_norm: Vec::new(),
-            k_norm: Vec::new(),
+            q_norm,
+            k_norm,
             k_conv,
             v_conv,
             attn_conv: conv(n.attn_conv, h)?,
             mlp_conv: conv(n.mlp_conv, h)?,
             kernel: k,
             rel_proj: ckpt.get(&name(n.rel_proj, l), &[rs.d_rel, rel_extent])?.to_f32(),
-            v2: Some(Box::new(V2 {
-                q_scale: ckpt.get(&name(m.q_scale, l), &[shape.heads, d])?.to_f32(),
-                rel_scale: ckpt.get(&name(m.rel_scale, l), &[shape.heads, rs.d_rel])?.to_f32(),
-                qk_clip: v2.qk_clip,
-                rel_clip: v2.rel_clip,
-                sink: matrix(ckpt, spec, &name(m.sink, l), shape.heads, h)?,
-                gate: matrix(ckpt, spec, &name(m.gate, l), qd, h)?,
-                dynamic,
-                kv_input_norms,
-            })),
+            v2,
         })
     }
 
