@@ -139,6 +139,17 @@ pub struct DenseNames {
     pub mlp_gate: &'static str,
     pub mlp_up: &'static str,
     pub mlp_down: &'static str,
+    pub mlp_layout: DenseMlpLayout,
+}
+
+/// How a dense MLP's gate and up projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseMlpLayout {
+    /// `mlp_gate` and `mlp_up` name one `intermediate × hidden` tensor each.
+    Separate,
+    /// One `2·intermediate × hidden` tensor under `mlp_gate`, gate and up rows interleaved (row
+    /// 2j gate j, row 2j + 1 up j: Inkling's release `w13_dn`); `mlp_up` is unused.
+    InterleavedGateUp,
 }
 
 impl DenseNames {
@@ -160,6 +171,7 @@ impl DenseNames {
         mlp_gate: "model.layers.{L}.mlp.gate_proj.weight",
         mlp_up: "model.layers.{L}.mlp.up_proj.weight",
         mlp_down: "model.layers.{L}.mlp.down_proj.weight",
+        mlp_layout: DenseMlpLayout::Separate,
     };
 }
 
@@ -732,7 +744,15 @@ impl ModelSpec {
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
         // Checks across fields name where the field is: in an image-text config, `text_config`;
         // in the family's own spelling.
+        // A head size the config does not state is hidden_size / num_attention_heads: a check on it
+        // names the field it came from.
+        let states_head_dim = map.get("head_dim").is_some() || text.is_some_and(|t| t.get("head_dim").is_some());
+        let derived_head_dim = !states_head_dim && spec.num_heads > 0 && spec.head_dim == spec.hidden_size / spec.num_heads;
         spec.check()
+            .map_err(|e| match e.field == "head_dim" && derived_head_dim {
+                true => FieldError::new("hidden_size", format!("{} (the head size is hidden_size / num_attention_heads)", e.problem)),
+                false => e,
+            })
             .map_err(|e| match entry.spellings.iter().find(|(ours, _)| e.field == *ours && map.get(*ours).is_none()) {
                 Some((_, theirs)) => FieldError::new(theirs, e.problem),
                 None => e,

@@ -197,6 +197,35 @@ impl Matrix {
         }
     }
 
+    /// The matrix of rows `rows` of this one, in order, each row's stored bits and scale as they
+    /// are (splitting a fused gate-up tensor moves rows; it never requantises them). Block-scaled
+    /// fp8 shares a scale across rows and cannot be split this way: an error says so.
+    pub fn take_rows(&self, rows: &[usize]) -> Result<Matrix, String> {
+        if let Some(bad) = rows.iter().find(|r| **r >= self.rows) {
+            return Err(format!("row {bad} of a {}-row matrix", self.rows));
+        }
+        fn gather<T: Copy>(v: &[T], per_row: usize, rows: &[usize]) -> Vec<T> {
+            rows.iter().flat_map(|r| v[r * per_row..(r + 1) * per_row].iter().copied()).collect()
+        }
+        let cols = self.cols;
+        let data = match &self.data {
+            WeightData::F32(v) => WeightData::F32(gather(v, cols, rows)),
+            WeightData::Bf16(v) => WeightData::Bf16(gather(v, cols, rows)),
+            WeightData::F16(v) => WeightData::F16(gather(v, cols, rows)),
+            WeightData::Int8 { q, scales } => WeightData::Int8 { q: gather(q, cols, rows), scales: gather(scales, 1, rows) },
+            WeightData::Int4 { packed, scales, group } => {
+                let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(*group));
+                WeightData::Int4 { packed: gather(packed, bpr, rows), scales: gather(scales, gpr, rows), group: *group }
+            }
+            WeightData::Mxfp4 { packed, scales } => {
+                let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(shimmer_common::quant::MXFP4_GROUP));
+                WeightData::Mxfp4 { packed: gather(packed, bpr, rows), scales: gather(scales, gpr, rows) }
+            }
+            WeightData::Fp8 { block, .. } => return Err(format!("fp8 rows share a scale per {block}-row block: they cannot be taken apart")),
+        };
+        Ok(Matrix { rows: rows.len(), cols, data, activations: self.activations })
+    }
+
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         let range = r * self.cols..(r + 1) * self.cols;
@@ -537,6 +566,33 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
         let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 3.0).collect();
         (w, x)
+    }
+
+    #[test]
+    fn taken_rows_keep_their_bits_in_every_format() {
+        use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+        let (rows, cols) = (6, 70);
+        let (w, x) = random(rows, cols, 5);
+        let formats = [
+            Matrix::from_f32(rows, cols, w.clone()),
+            Matrix::new(rows, cols, WeightData::Bf16(w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect())),
+            Matrix::new(rows, cols, WeightData::F16(w.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect())),
+            Matrix::from_quant(quantize_int8(&w, rows, cols)),
+            Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
+            Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
+        ];
+        for m in formats {
+            let odd = m.take_rows(&[1, 3, 5]).expect("rows in range");
+            let (mut full, mut taken) = (vec![0.0; rows], vec![0.0; 3]);
+            m.matvec(&x, &mut full);
+            odd.matvec(&x, &mut taken);
+            let want: Vec<u32> = [1, 3, 5].iter().map(|r| full[*r].to_bits()).collect();
+            assert_eq!(taken.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{:?}", std::mem::discriminant(&m.data));
+            assert_eq!(odd.activations, m.activations);
+        }
+        assert!(Matrix::from_f32(2, 2, vec![0.0; 4]).take_rows(&[2]).is_err());
+        let fp8 = Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![1.0], 128).expect("fp8");
+        assert!(fp8.take_rows(&[0]).unwrap_err().contains("cannot be taken apart"));
     }
 
     #[test]

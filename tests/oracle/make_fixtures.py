@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, GptOssConfig,
                           DeepseekV4Config, KimiLinearConfig, MixtralConfig, InklingForCausalLM, Inkling2ForCausalLM,
+                          InklingConfig, InklingForConditionalGeneration, Inkling2Config, Inkling2ForConditionalGeneration,
                           OlmoeConfig, PreTrainedTokenizerFast, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
                           Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -385,8 +386,14 @@ def why(reason):
         print(f"  rejected: {reason}", file=sys.stderr)
 
 
+# Image-text checkpoints whose class AutoModelForCausalLM does not map: the oracle reads them
+# with their own class (the text path is the causal LM's).
+ORACLE_CLASS = {"inkling_mm_model": InklingForConditionalGeneration, "inkling2": Inkling2ForConditionalGeneration}
+
+
 def oracle(d, prompts):
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model_type = json.load(open(os.path.join(d, "config.json")))["model_type"]
+    model = ORACLE_CLASS.get(model_type, AutoModelForCausalLM).from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     recurrent = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
     if recurrent:
@@ -627,6 +634,10 @@ def main():
         make_inkling(lines)
     if only in (None, "inkling2_text"):
         make_inkling2(lines)
+    if only in (None, "inkling"):
+        make_inkling_image_text(lines)
+    if only in (None, "inkling2"):
+        make_inkling2_image_text(lines)
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -996,6 +1007,59 @@ def make_inkling2(lines):
         dtype=torch.bfloat16, std=0.25, seed=1600, tokenizer=tok, template=CHATML, template_in_config=False,
         keep_f32=("e_score_correction_bias", "mlp.gate.weight", "post_attention_convolution", "post_mlp_convolution",
                   "sconv.conv1d", "attention_input", "mlp_input", "final_input"))
+
+
+def make_inkling_image_text(lines):
+    # Inkling as released: the image-text checkpoint (`InklingForConditionalGeneration`, tiny
+    # vision and audio towers, the text model under `text_config`), saved by transformers under
+    # the release's names (`model.llm.layers.N.attn.wq_du.weight`; gate and up rows interleaved in
+    # the experts' and the shared bank's `w13` and the dense MLP's `w13_dn`), of which shimmer
+    # serves the text part. Shapes as `inkling_text`, with one shared expert, the sliding and full
+    # layers in another order and two dense layers.
+    tok = train_tokenizer(lines, 512, bos=False)
+    im_end = tok.token_to_id("<|im_end|>")
+    vocab = tok.get_vocab_size()
+    config = InklingConfig(
+        text_config=dict(
+            vocab_size=vocab + 8, unpadded_vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+            swa_head_dim=24, sliding_window_size=6, d_rel=4, rel_extent=12, log_scaling_n_floor=4, log_scaling_alpha=0.3,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+            intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            route_scale=1.5, logits_mup_width_multiplier=0.25, conv_kernel_size=4, max_position_embeddings=256,
+            rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=im_end, pad_token_id=0),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4),
+        audio_config=dict(n_mel_bins=8, mel_vocab_size=16))
+    make("inkling", config, dtype=torch.bfloat16, std=0.25, seed=1700, tokenizer=tok, template=CHATML, template_in_config=False,
+         model_class=InklingForConditionalGeneration, adjust=inkling_scales,
+         keep_f32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv", "e_score_correction_bias", "gate.global_scale"))
+
+
+def make_inkling2_image_text(lines):
+    # Inkling 2 as released: the image-text checkpoint (`Inkling2ForConditionalGeneration`, a tiny
+    # vision tower, the text model under `text_config`; tensors under the same `model.llm.` names
+    # as `inkling2_text`), of which shimmer serves the text part. Shapes as `inkling2_text`, with
+    # full layers first and blocks of 3 layers for the attention residuals.
+    tok = train_tokenizer(lines, 512, bos=False)
+    im_end = tok.token_to_id("<|im_end|>")
+    vocab = tok.get_vocab_size()
+    config = Inkling2Config(
+        text_config=dict(
+            vocab_size=vocab + 8, unpadded_vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+            swa_head_dim=24, sliding_window_size=6, d_rel=4, rel_extent=12, log_scaling_n_floor=4, log_scaling_alpha=0.3,
+            layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=3,
+            moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, route_scale=2.5, conv_kernel_size=4,
+            qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=1.0, mlp_gate_softcap=1.0, mlp_up_softcap=1.5,
+            final_logit_softcapping=6.0, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None,
+            eos_token_id=im_end, pad_token_id=0),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, text_hidden_size=64, patch_size=4,
+                           posemb_grid_size=4, projection_hidden_dim=32),
+        eos_token_id=im_end)
+    make("inkling2", config, dtype=torch.bfloat16, std=0.25, seed=1800, tokenizer=tok, template=CHATML, template_in_config=False,
+         model_class=Inkling2ForConditionalGeneration,
+         keep_f32=("e_score_correction_bias", "mlp.gate.weight", "post_attention_convolution", "post_mlp_convolution",
+                   "sconv.conv1d", "attention_input", "mlp_input", "final_input"))
 
 
 def make_glm_moe_dsa(lines):

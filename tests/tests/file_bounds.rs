@@ -61,6 +61,20 @@ const NOT_SIZES: &[&str] = &[
     "patch_size",
     "spatial_merge_size",
     "temporal_patch_size",
+    // Inkling's image and audio towers (and Inkling 2's vision tower), unread alike.
+    "audio_bos_token_id",
+    "audio_token_id",
+    "image_bos_token_id",
+    "mel_vocab_size",
+    "n_layers",
+    "n_mel_bins",
+    "num_channels",
+    "text_hidden_size",
+    "layer_norm_eps",
+    "layer_scale_init_value",
+    "mlp_ratio",
+    "posemb_grid_size",
+    "projection_hidden_dim",
     // Sections of the multimodal rotary: text positions make them plain rotary.
     "mrope_section",
     // quantization_config.weight_block_size: bounded where it is parsed.

@@ -50,6 +50,7 @@ const DENSE: DenseNames = DenseNames {
     mlp_gate: "layers.{L}.ffn.shared_experts.w1.weight",
     mlp_up: "layers.{L}.ffn.shared_experts.w3.weight",
     mlp_down: "layers.{L}.ffn.shared_experts.w2.weight",
+    mlp_layout: DenseMlpLayout::Separate,
 };
 
 const EXPERTS: ExpertNames = ExpertNames {

@@ -7,14 +7,27 @@
 //! included) times `route_scale` and a global scale; the head reads the final state divided by
 //! the muP multiplier, over a vocabulary possibly padded past the tokenizer's.
 //!
-//! Tensor names are transformers 5.24's for the text model (`model.layers.N.self_attn.q_proj`,
-//! stacked experts `mlp.experts.gate_up_proj`, stacked shared experts).
+//! Two forms: the text model (`InklingForCausalLM`, `inkling_text`) with transformers 5.24's
+//! names (`model.layers.N.self_attn.q_proj`, stacked experts `mlp.experts.gate_up_proj`, stacked
+//! shared experts); and the image-text release (`InklingForConditionalGeneration`,
+//! `inkling_mm_model`), served as its text part: fields under `text_config`, the release's names
+//! (`model.llm.layers.N.attn.wq_du.weight`), gate and up rows interleaved in the experts' and the
+//! shared bank's `w13` and the dense MLPs' `w13_dn`; the vision and audio towers left unread.
 
 use super::*;
 
 pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "InklingForCausalLM", model_types: &["inkling_text"], parse, spellings: &[] };
+pub(super) const IMAGE_TEXT_FAMILY: FamilyDef =
+    FamilyDef { architecture: "InklingForConditionalGeneration", model_types: &["inkling_mm_model"], parse: parse_image_text, spellings: &[] };
 
-const NAMES: RelativeNames = RelativeNames {
+/// Where one form keeps its tensors.
+struct Names {
+    relative: RelativeNames,
+    experts: ExpertNames,
+    dense: DenseNames,
+}
+
+const TEXT_RELATIVE: RelativeNames = RelativeNames {
     q: "model.layers.{L}.self_attn.q_proj.weight",
     k: "model.layers.{L}.self_attn.k_proj.weight",
     v: "model.layers.{L}.self_attn.v_proj.weight",
@@ -32,7 +45,7 @@ const NAMES: RelativeNames = RelativeNames {
     embed_norm: "model.embed_tokens.embed_norm.weight",
 };
 
-const EXPERTS: ExpertNames = ExpertNames {
+const TEXT_EXPERTS: ExpertNames = ExpertNames {
     router: "model.layers.{L}.mlp.gate.weight",
     router_bias: Some("model.layers.{L}.mlp.gate.e_score_correction_bias"),
     router_logit_bias: None,
@@ -49,7 +62,72 @@ const EXPERTS: ExpertNames = ExpertNames {
     down: "model.layers.{L}.mlp.experts.down_proj",
 };
 
+const RELEASE_RELATIVE: RelativeNames = RelativeNames {
+    q: "model.llm.layers.{L}.attn.wq_du.weight",
+    k: "model.llm.layers.{L}.attn.wk_dv.weight",
+    v: "model.llm.layers.{L}.attn.wv_dv.weight",
+    r: "model.llm.layers.{L}.attn.wr_du.weight",
+    o: "model.llm.layers.{L}.attn.wo_ud.weight",
+    q_norm: "model.llm.layers.{L}.attn.q_norm.weight",
+    k_norm: "model.llm.layers.{L}.attn.k_norm.weight",
+    k_conv: "model.llm.layers.{L}.attn.k_sconv.weight",
+    v_conv: "model.llm.layers.{L}.attn.v_sconv.weight",
+    rel_proj: "model.llm.layers.{L}.attn.rel_logits_proj.proj",
+    attn_conv: "model.llm.layers.{L}.attn_sconv.weight",
+    mlp_conv: "model.llm.layers.{L}.mlp_sconv.weight",
+    mlp_scale: "model.llm.layers.{L}.mlp.global_scale",
+    router_scale: "model.llm.layers.{L}.mlp.gate.global_scale",
+    embed_norm: "model.llm.embed_norm.weight",
+};
+
+const RELEASE_EXPERTS: ExpertNames = ExpertNames {
+    router: "model.llm.layers.{L}.mlp.gate.weight",
+    router_bias: Some("model.llm.layers.{L}.mlp.gate.bias"),
+    router_logit_bias: None,
+    shared: Some([
+        "model.llm.layers.{L}.mlp.shared_experts.shared_w13_weight",
+        "model.llm.layers.{L}.mlp.shared_experts.shared_w13_weight",
+        "model.llm.layers.{L}.mlp.shared_experts.shared_w2_weight",
+    ]),
+    shared_gate: None,
+    router_hash: None,
+    layout: ExpertLayout::StackedInterleaved,
+    gate: "model.llm.layers.{L}.mlp.experts.w13_weight",
+    up: "model.llm.layers.{L}.mlp.experts.w13_weight",
+    down: "model.llm.layers.{L}.mlp.experts.w2_weight",
+};
+
+const RELEASE_DENSE: DenseNames = DenseNames {
+    embed: "model.llm.embed.weight",
+    final_norm: "model.llm.norm.weight",
+    lm_head: "model.llm.unembed.weight",
+    input_norm: "model.llm.layers.{L}.attn_norm.weight",
+    post_attention_norm: "model.llm.layers.{L}.mlp_norm.weight",
+    q: "model.llm.layers.{L}.attn.wq_du",
+    k: "model.llm.layers.{L}.attn.wk_dv",
+    v: "model.llm.layers.{L}.attn.wv_dv",
+    o: "model.llm.layers.{L}.attn.wo_ud",
+    q_norm: "model.llm.layers.{L}.attn.q_norm.weight",
+    k_norm: "model.llm.layers.{L}.attn.k_norm.weight",
+    sinks: "",
+    linear_attn: "model.llm.layers.{L}.attn",
+    mlp_gate: "model.llm.layers.{L}.mlp.w13_dn.weight",
+    mlp_up: "",
+    mlp_down: "model.llm.layers.{L}.mlp.w2_md.weight",
+    mlp_layout: DenseMlpLayout::InterleavedGateUp,
+};
+
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    text_model(obj, FAMILY.architecture, Names { relative: TEXT_RELATIVE, experts: TEXT_EXPERTS, dense: DenseNames::LLAMA })
+}
+
+fn parse_image_text(obj: &Obj) -> FieldResult<ModelSpec> {
+    text_config_part(obj, |text| {
+        text_model(text, IMAGE_TEXT_FAMILY.architecture, Names { relative: RELEASE_RELATIVE, experts: RELEASE_EXPERTS, dense: RELEASE_DENSE })
+    })
+}
+
+fn text_model(obj: &Obj, architecture: &'static str, names: Names) -> FieldResult<ModelSpec> {
     check_act(obj)?;
     let defaults = Defaults { rms_norm_eps: 1e-6, rope_theta: 10_000.0, tie_word_embeddings: false, head_dim_field: Some("head_dim"), num_kv_heads: Some(8) };
     let positive_or = |key: &str, default: usize| positive_or(obj, key, default);
@@ -59,7 +137,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         Some(d) => (d, positive_or("intermediate_size", 24576)?),
         None => (positive_or("intermediate_size", 24576)?, positive_or("moe_intermediate_size", 3072)?),
     };
-    let mut spec = build(obj, &defaults, FAMILY.architecture, |sz| {
+    let mut spec = build(obj, &defaults, architecture, |sz| {
         let n = sz.num_layers;
         let sliding_layers = match per_layer(obj, "layer_types", n, &[("hybrid_sliding", true), ("hybrid", false)])? {
             Some(kinds) => kinds,
@@ -90,7 +168,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             rel_extent: positive_or("rel_extent", 1024)?,
             log_scaling,
             conv_kernel: positive_or("conv_kernel_size", 4)?,
-            names: NAMES,
+            names: names.relative,
             v2: None,
         };
         let attention = AttentionSpec {
@@ -129,7 +207,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
             activation: ExpertActivation::Silu,
             expert_bias: false,
         };
-        Ok(FamilyParts { attention, layers, moe, expert_names: EXPERTS, dense_names: DenseNames::LLAMA, rms_norm_unit_offset: false })
+        Ok(FamilyParts { attention, layers, moe, expert_names: names.experts, dense_names: names.dense, rms_norm_unit_offset: false })
     })?;
     let divisor = obj.f64_or("logits_mup_width_multiplier", 24.0)? as f32;
     if divisor.is_nan() || divisor <= 0.0 {

@@ -1,5 +1,6 @@
-//! Inkling 2 (`Inkling2ForCausalLM`, `inkling2_text`): Inkling's relative-position bias and short
-//! convolutions, with block attention residuals (each layer's input a learned-query softmax over
+//! Inkling 2 (`Inkling2ForCausalLM`, `inkling2_text`; the image-text release
+//! `Inkling2ForConditionalGeneration`, `inkling2`, served as its text part): Inkling's
+//! relative-position bias and short convolutions, with block attention residuals (each layer's input a learned-query softmax over
 //! earlier blocks' outputs and the running state; full layers read one each for q, k and v),
 //! per-token attention sinks, L2-clipped queries, keys and relative states, dynamic key/value
 //! convolutions on full layers, a sigmoid-gated output projection, softcapped SwiGLU experts
@@ -13,6 +14,10 @@
 use super::*;
 
 pub(super) const FAMILY: FamilyDef = FamilyDef { architecture: "Inkling2ForCausalLM", model_types: &["inkling2_text"], parse, spellings: &[] };
+/// The image-text release (`Inkling2ForConditionalGeneration`): the text model under
+/// `text_config`, its tensors under the same `model.llm.` names; the vision tower is left unread.
+pub(super) const IMAGE_TEXT_FAMILY: FamilyDef =
+    FamilyDef { architecture: "Inkling2ForConditionalGeneration", model_types: &["inkling2"], parse: parse_image_text, spellings: &[] };
 
 const NAMES: RelativeNames = RelativeNames {
     q: "model.llm.layers.{L}.attn.wq_du.weight",
@@ -68,6 +73,7 @@ const DENSE: DenseNames = DenseNames {
     mlp_gate: "",
     mlp_up: "",
     mlp_down: "",
+    mlp_layout: DenseMlpLayout::Separate,
 };
 
 const EXPERTS: ExpertNames = ExpertNames {
@@ -84,6 +90,14 @@ const EXPERTS: ExpertNames = ExpertNames {
 };
 
 fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
+    text_model(obj, FAMILY.architecture)
+}
+
+fn parse_image_text(obj: &Obj) -> FieldResult<ModelSpec> {
+    text_config_part(obj, |text| text_model(text, IMAGE_TEXT_FAMILY.architecture))
+}
+
+fn text_model(obj: &Obj, architecture: &'static str) -> FieldResult<ModelSpec> {
     check_act(obj)?;
     match obj.str_opt("scoring_func")? {
         None | Some("sigmoid") => {}
@@ -106,7 +120,7 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         Some(r) => r,
         None => obj.f64_or("routed_scaling_factor", 8.0)?,
     } as f32;
-    let mut spec = build(obj, &defaults, FAMILY.architecture, |sz| {
+    let mut spec = build(obj, &defaults, architecture, |sz| {
         let n = sz.num_layers;
         let sliding_layers = match per_layer(obj, "layer_types", n, &[("hybrid_sliding", true), ("hybrid", false)])? {
             Some(kinds) => kinds,

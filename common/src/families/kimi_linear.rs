@@ -27,6 +27,7 @@ const NAMES: DenseNames = DenseNames {
     mlp_gate: "model.layers.{L}.block_sparse_moe.gate_proj.weight",
     mlp_up: "model.layers.{L}.block_sparse_moe.up_proj.weight",
     mlp_down: "model.layers.{L}.block_sparse_moe.down_proj.weight",
+    mlp_layout: DenseMlpLayout::Separate,
     ..DenseNames::LLAMA
 };
 

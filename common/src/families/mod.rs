@@ -56,7 +56,9 @@ pub const FAMILIES: &[&FamilyDef] = &[
     &kimi_linear::FAMILY,
     &deepseek_v4::FAMILY,
     &inkling::FAMILY,
+    &inkling::IMAGE_TEXT_FAMILY,
     &inkling2::FAMILY,
+    &inkling2::IMAGE_TEXT_FAMILY,
 ];
 
 /// Every family's MoE layers agree on these; families differ in defaults and names only.
@@ -71,6 +73,28 @@ pub(crate) fn moe(obj: &Obj, experts_key: &str, intermediate_key: &str, norm_top
         shared_intermediate_size: None,
         activation: ExpertActivation::Silu,
         expert_bias: false,
+    })
+}
+
+/// The text model of an image-text checkpoint (`…ForConditionalGeneration`): its fields under
+/// `text_config`, with what only the outer config says (its dtype, say) filling in, parsed by
+/// `parse`; errors name the field where the text model keeps it. The towers' configs are left
+/// unread, as their tensors are.
+pub(crate) fn text_config_part(obj: &Obj, parse: impl Fn(&Obj) -> FieldResult<ModelSpec>) -> FieldResult<ModelSpec> {
+    let text = obj.obj_opt("text_config")?.ok_or_else(|| FieldError::new("text_config", "missing (the text model's configuration)"))?;
+    let mut merged: serde_json::Map<String, serde_json::Value> =
+        obj.0.iter().filter(|(k, _)| !k.ends_with("_config") && *k != "architectures").map(|(k, v)| (k.clone(), v.clone())).collect();
+    for (k, v) in text.0 {
+        if k != "model_type" {
+            merged.insert(k.clone(), v.clone());
+        }
+    }
+    parse(&Obj(&merged)).map_err(|e| {
+        if text.get(&e.field).is_some() || obj.get(&e.field).is_none() {
+            FieldError::new(&format!("text_config.{}", e.field), e.problem)
+        } else {
+            e
+        }
     })
 }
 

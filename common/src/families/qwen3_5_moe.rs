@@ -6,7 +6,7 @@
 //! layer MoE, and interleaved mRoPE sections that text positions (equal in all three axes) turn
 //! into plain partial rotary.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::*;
 
@@ -33,6 +33,7 @@ const IMAGE_TEXT_NAMES: DenseNames = DenseNames {
     mlp_gate: "model.language_model.layers.{L}.mlp.gate_proj.weight",
     mlp_up: "model.language_model.layers.{L}.mlp.up_proj.weight",
     mlp_down: "model.language_model.layers.{L}.mlp.down_proj.weight",
+    mlp_layout: DenseMlpLayout::Separate,
 };
 
 const IMAGE_TEXT_EXPERTS: ExpertNames = ExpertNames {
@@ -53,23 +54,7 @@ const IMAGE_TEXT_EXPERTS: ExpertNames = ExpertNames {
 };
 
 fn parse_image_text(obj: &Obj) -> FieldResult<ModelSpec> {
-    let text = obj.obj_opt("text_config")?.ok_or_else(|| FieldError::new("text_config", "missing (the text model's configuration)"))?;
-    // The text model's fields, with what only the outer config says (its dtype, say) filling in.
-    let mut merged: Map<String, Value> =
-        obj.0.iter().filter(|(k, _)| !k.ends_with("_config") && *k != "architectures").map(|(k, v)| (k.clone(), v.clone())).collect();
-    for (k, v) in text.0 {
-        if k != "model_type" {
-            merged.insert(k.clone(), v.clone());
-        }
-    }
-    // Errors name the field where the text model keeps it.
-    text_model(&Obj(&merged), FAMILY.architecture, IMAGE_TEXT_NAMES, IMAGE_TEXT_EXPERTS).map_err(|e| {
-        if text.get(&e.field).is_some() || obj.get(&e.field).is_none() {
-            FieldError::new(&format!("text_config.{}", e.field), e.problem)
-        } else {
-            e
-        }
-    })
+    text_config_part(obj, |text| text_model(text, FAMILY.architecture, IMAGE_TEXT_NAMES, IMAGE_TEXT_EXPERTS))
 }
 
 fn parse_text(obj: &Obj) -> FieldResult<ModelSpec> {

@@ -336,6 +336,57 @@ fn inkling2_defaults_are_inkling2_configs() {
 }
 
 #[test]
+fn inkling_image_text_releases_serve_their_text_part_under_the_release_names() {
+    let text = json!({
+        "model_type": "inkling_text", "vocab_size": 120, "unpadded_vocab_size": 100, "hidden_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 48, "moe_intermediate_size": 16, "max_position_embeddings": 4096,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]
+    });
+    let outer = |arch: &str, model_type: &str, text: &Value| {
+        json!({
+            "architectures": [arch], "model_type": model_type, "dtype": "bfloat16", "text_config": text,
+            "vision_config": {"hidden_size": 32, "model_type": "inkling_vision"}, "audio_config": {"n_mel_bins": 8}
+        })
+    };
+    let s = parse(outer("InklingForConditionalGeneration", "inkling_mm_model", &text)).unwrap();
+    // The same model as the text checkpoint's, under the release's names and layouts.
+    let mut plain = text.clone();
+    plain["architectures"] = json!(["InklingForCausalLM"]);
+    plain["dtype"] = json!("bfloat16");
+    let p = parse(plain).unwrap();
+    assert_eq!((s.architecture, p.architecture), ("InklingForConditionalGeneration", "InklingForCausalLM"));
+    assert_eq!((&s.layers, &s.moe, s.vocab_size, s.padded_vocab, s.declared_dtype), (&p.layers, &p.moe, p.vocab_size, p.padded_vocab, p.declared_dtype));
+    assert_eq!(s.expert_names.layout, ExpertLayout::StackedInterleaved);
+    assert_eq!(s.expert_names.expert(2, 5)[0], "model.llm.layers.2.mlp.experts.w13_weight");
+    assert_eq!(s.expert_names.shared(1).unwrap()[0], "model.llm.layers.1.mlp.shared_experts.shared_w13_weight");
+    assert_eq!((s.dense_names.mlp_gate, s.dense_names.mlp_layout), ("model.llm.layers.{L}.mlp.w13_dn.weight", DenseMlpLayout::InterleavedGateUp));
+    assert_eq!(s.dense_names.lm_head, "model.llm.unembed.weight");
+    // A bad field of the text model is named where it is.
+    let mut bad = text.clone();
+    bad["n_shared_experts"] = json!(0);
+    assert!(message(parse(outer("InklingForConditionalGeneration", "inkling_mm_model", &bad))).contains("`text_config.n_shared_experts`"));
+    let missing = json!({"architectures": ["InklingForConditionalGeneration"], "model_type": "inkling_mm_model"});
+    assert!(message(parse(missing)).contains("`text_config`"));
+
+    let text2 = json!({
+        "model_type": "inkling2_text", "vocab_size": 300000, "hidden_size": 64, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+        "moe_intermediate_size": 16
+    });
+    let s2 = parse(outer("Inkling2ForConditionalGeneration", "inkling2", &text2)).unwrap();
+    let mut plain2 = text2.clone();
+    plain2["architectures"] = json!(["Inkling2ForCausalLM"]);
+    plain2["dtype"] = json!("bfloat16");
+    let mut p2 = parse(plain2).unwrap();
+    p2.architecture = s2.architecture;
+    assert_eq!(s2, p2, "Inkling 2's release keeps the text checkpoint's names");
+    let mut bad2 = text2.clone();
+    bad2["qk_l2_clip_threshold"] = json!(-1.0);
+    assert!(message(parse(outer("Inkling2ForConditionalGeneration", "inkling2", &bad2))).contains("`text_config.qk_l2_clip_threshold`"));
+}
+
+#[test]
 fn qwen3_next_defaults_are_qwen3_next_configs() {
     let v = json!({
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 100,
@@ -436,4 +487,15 @@ fn kimi_linear_reads_the_published_config_spelling() {
     let mut bad = published;
     bad["num_experts_per_token"] = json!(9);
     assert!(message(parse(bad)).contains("`num_experts_per_token`"), "named as the config spells it");
+}
+
+#[test]
+fn a_head_size_the_config_does_not_state_is_blamed_on_hidden_size() {
+    let mut v = mixtral();
+    v["hidden_size"] = json!(4);
+    let m = message(parse(v.clone()));
+    assert!(m.contains("`hidden_size`") && m.contains("hidden_size / num_attention_heads"), "{m}");
+    // Stated, it is named itself.
+    v["head_dim"] = json!(1);
+    assert!(message(parse(v)).contains("`head_dim`"));
 }

@@ -9,7 +9,7 @@
 //! All activations are f32; weights stay in their stored precision. Every row is computed by the
 //! same code whatever the batch, so prefill and decode agree bit for bit on a row's inputs.
 
-use shimmer_common::spec::{AttentionKind, DenseNames, ExpertActivation, LayerMlp, Mixer, QkNorm};
+use shimmer_common::spec::{AttentionKind, DenseMlpLayout, DenseNames, ExpertActivation, ExpertLayout, LayerMlp, Mixer, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
 use shimmer_kernels::attention::{attend_rows, AttentionShape};
@@ -61,13 +61,29 @@ impl DenseMlp {
     }
 
     fn load(ckpt: &Checkpoint, spec: &ModelSpec, [g, u, d]: [&str; 3], hidden: usize, intermediate: usize) -> Result<Self, LoadError> {
-        Ok(DenseMlp {
-            gate: matrix(ckpt, spec, g, intermediate, hidden)?,
-            up: matrix(ckpt, spec, u, intermediate, hidden)?,
-            down: matrix(ckpt, spec, d, hidden, intermediate)?,
-            activation: ExpertActivation::Silu,
-            scale: 1.0,
-        })
+        Self::load_as(ckpt, spec, [g, u, d], DenseMlpLayout::Separate, hidden, intermediate)
+    }
+
+    fn load_as(
+        ckpt: &Checkpoint,
+        spec: &ModelSpec,
+        [g, u, d]: [&str; 3],
+        layout: DenseMlpLayout,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self, LoadError> {
+        let (gate, up) = match layout {
+            DenseMlpLayout::Separate => (matrix(ckpt, spec, g, intermediate, hidden)?, matrix(ckpt, spec, u, intermediate, hidden)?),
+            DenseMlpLayout::InterleavedGateUp => {
+                let both = matrix(ckpt, spec, g, 2 * intermediate, hidden)?;
+                let split = |parity: usize| {
+                    let rows: Vec<usize> = (0..intermediate).map(|j| 2 * j + parity).collect();
+                    both.take_rows(&rows).map_err(|problem| LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: g.to_string(), problem })
+                };
+                (split(0)?, split(1)?)
+            }
+        };
+        Ok(DenseMlp { gate, up, down: matrix(ckpt, spec, d, hidden, intermediate)?, activation: ExpertActivation::Silu, scale: 1.0 })
     }
 
     /// `out = mlp(x)` for every row (each row's bits as if alone): gate and up in one pass.
@@ -388,7 +404,8 @@ impl Decoder {
             };
             let mlp = match spec.layers[l] {
                 LayerMlp::Dense { intermediate_size: i } => {
-                    let mut mlp = DenseMlp::load(ckpt, spec, [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)], h, i)?;
+                    let tensors = [&name(names.mlp_gate, l), &name(names.mlp_up, l), &name(names.mlp_down, l)];
+                    let mut mlp = DenseMlp::load_as(ckpt, spec, tensors.map(String::as_str), names.mlp_layout, h, i)?;
                     if let AttentionKind::Relative(r) = &spec.attention.kind {
                         mlp.scale = vector(ckpt, &name(r.names.mlp_scale, l), 1)?[0];
                     }
@@ -406,7 +423,8 @@ impl Decoder {
                         Some(t) => Some(expert_table(ckpt, &t, spec.vocab_size, spec.moe.top_k, e)?),
                         None => None,
                     };
-                    let stacked = spec.expert_names.layout == shimmer_common::spec::ExpertLayout::FusedStacked;
+                    let layout = spec.expert_names.layout;
+                    let stacked = matches!(layout, ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved);
                     let mut bank = Vec::new();
                     let shared = match (spec.expert_names.shared(l), spec.moe.shared_intermediate_size) {
                         (Some([g, u, d]), Some(i)) if stacked => {
@@ -415,7 +433,13 @@ impl Decoder {
                                 _ => 1,
                             };
                             for s in 0..count {
-                                let (gate, up, down) = shimmer_experts::weights::stacked_shared(ckpt, [&g, &u, &d], count, s, h, i)?;
+                                // A bank is stacked as the routed experts are: interleaved gate and
+                                // up rows in one tensor (`g`, `u` the same name), or apart.
+                                let (gate, up, down) = if layout == ExpertLayout::StackedInterleaved {
+                                    shimmer_experts::weights::stacked_interleaved_expert(ckpt, &g, &d, count, s, h, i)?
+                                } else {
+                                    shimmer_experts::weights::stacked_shared(ckpt, [&g, &u, &d], count, s, h, i)?
+                                };
                                 bank.push(DenseMlp { gate, up, down, activation: ExpertActivation::Silu, scale: 1.0 });
                             }
                             None

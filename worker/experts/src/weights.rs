@@ -75,12 +75,7 @@ pub fn load_expert(ckpt: &Checkpoint, spec: &ModelSpec, layer: usize, expert: us
             Expert::new(gate, up, down).with_form(None, spec.moe.activation)
         }
         ExpertLayout::StackedInterleaved => {
-            let n = spec.moe.num_experts;
-            let gu = ckpt.get(&g, &[n, 2 * i, h])?;
-            let gate = transpose_take(&gu, i, h, |r, c| (expert * 2 * i + 2 * r) * h + c);
-            let up = transpose_take(&gu, i, h, |r, c| (expert * 2 * i + 2 * r + 1) * h + c);
-            let dv = ckpt.get(&d, &[n, h, i])?;
-            let down = transpose_take(&dv, h, i, |r, c| (expert * h + r) * i + c);
+            let (gate, up, down) = stacked_interleaved_expert(ckpt, &g, &d, spec.moe.num_experts, expert, h, i)?;
             Expert::new(gate, up, down).with_form(None, spec.moe.activation)
         }
         ExpertLayout::FusedInterleaved => {
@@ -157,6 +152,26 @@ pub fn stacked_expert(ckpt: &Checkpoint, gate_up: &str, down: &str, n: usize, e:
     let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
     let gate = transpose_take(&gu, i, h, |r, c| (e * 2 * i + r) * h + c);
     let up = transpose_take(&gu, i, h, |r, c| (e * 2 * i + i + r) * h + c);
+    let dv = ckpt.get(down, &[n, h, i])?;
+    let down = transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c);
+    Ok((gate, up, down))
+}
+
+/// Expert `e`'s `[gate, up, down]` from stacked tensors whose gate and up rows are interleaved:
+/// `gate_up` (`n × 2i × h`, row 2j gate j, row 2j + 1 up j) and `down` (`n × h × i`). Inkling's
+/// release stores its routed experts and its shared-expert bank this way.
+pub fn stacked_interleaved_expert(
+    ckpt: &Checkpoint,
+    gate_up: &str,
+    down: &str,
+    n: usize,
+    e: usize,
+    h: usize,
+    i: usize,
+) -> Result<(Matrix, Matrix, Matrix), LoadError> {
+    let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
+    let gate = transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r) * h + c);
+    let up = transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r + 1) * h + c);
     let dv = ckpt.get(down, &[n, h, i])?;
     let down = transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c);
     Ok((gate, up, down))

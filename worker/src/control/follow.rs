@@ -7,7 +7,9 @@
 //! thread of its own, polling the member's applied state.
 //!
 //! Once the cluster retires the epoch before the active one (every coordinator has moved off
-//! it), the worker stops answering for it and drops from RAM the experts only it gave it.
+//! it), the worker stops answering for it and drops from RAM the experts only it gave it — and
+//! drops them again for a while after (`LINGER`): a request accepted under the old epoch just
+//! before the window moved, or a prefetch hint sent under it, can read one back in after the drop.
 //!
 //! Must never: say ready before its share is read; drop an expert a share it still answers
 //! for holds; answer for an epoch the cluster does not
@@ -27,6 +29,9 @@ use crate::server::{Assigned, EpochWindow, WorkerState};
 const POLL: Duration = Duration::from_millis(200);
 /// How soon a failed preparation (a read error, a proposal that timed out) is tried again.
 const RETRY: Duration = Duration::from_secs(2);
+/// How long the experts dropped with a retired epoch stay watched, each poll dropping again any
+/// that work begun under that epoch read back in (and no share holds).
+const LINGER: Duration = Duration::from_secs(5);
 
 /// What a worker does about its model's placements.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,7 +101,20 @@ pub fn follow(control: Arc<ControlPlane>, state: Arc<WorkerState>, model: String
     let mut retry_at: Option<Instant> = None;
     // The epoch it last said ready for: said once, unless saying it failed.
     let mut said_ready = None;
+    // Pairs a retired epoch gave it, watched until the deadline.
+    let mut lingering: Option<(Vec<(usize, usize)>, Instant)> = None;
     while !stop.load(Ordering::SeqCst) && !control.stopped() {
+        if let (Some((pairs, until)), Some(store)) = (&mut lingering, state.store.as_ref()) {
+            let held = shares.union();
+            pairs.retain(|&(l, e)| !held.contains(&(l as u32, e as u32)));
+            let again = store.release(pairs);
+            if again > 0 {
+                tracing::info!(again, "dropped experts of a retired placement epoch that work begun under it read back in");
+            }
+            if Instant::now() >= *until || pairs.is_empty() {
+                lingering = None;
+            }
+        }
         let (version, placement) = control.placement(&model);
         let due = retry_at.is_some_and(|t| Instant::now() >= t);
         if version == seen_version && !due {
@@ -126,6 +144,9 @@ pub fn follow(control: Arc<ControlPlane>, state: Arc<WorkerState>, model: String
             let pairs: Vec<(usize, usize)> = dropped.iter().map(|&(l, e)| (l as usize, e as usize)).collect();
             let released = state.store.as_ref().map_or(0, |s| s.release(&pairs));
             tracing::info!(epoch = v.window.active, no_longer_held = pairs.len(), released, "dropped what only a retired placement epoch gave it");
+            let mut watched = lingering.take().map(|(p, _)| p).unwrap_or_default();
+            watched.extend(pairs);
+            lingering = Some((watched, Instant::now() + LINGER));
         }
         let (Some(epoch), Some(record)) = (v.prepare, v.assignment) else { continue };
         if said_ready == Some(epoch) && !due {
