@@ -122,6 +122,17 @@ pub const MXFP4_GROUP: usize = 32;
 /// The e2m1 values by nibble: magnitudes for 0–7, their negatives (−0 first) for 8–15.
 pub static E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
+/// The tensor names that may hold the scales of a quantised weight `name`: `<name>_scale_inv`
+/// (DeepSeek-V3, transformers) and, for `<stem>.weight`, `<stem>.scale` (DeepSeek-V4's release).
+/// A converter moves them with the weight; a loader looks for them in this order.
+pub fn scale_names(name: &str) -> Vec<String> {
+    let mut names = vec![format!("{name}_scale_inv")];
+    if let Some(stem) = name.strip_suffix(".weight") {
+        names.push(format!("{stem}.scale"));
+    }
+    names
+}
+
 /// An e8m0 scale byte: `2^(e−127)` (exact in f32, 2⁻¹²⁷ being subnormal); 255 is NaN.
 #[inline]
 pub fn e8m0_to_f32(e: u8) -> f32 {

@@ -624,7 +624,9 @@ impl ExpertNames {
     /// them): what a converter moves into the expert container rather than the dense file.
     pub fn tensor_names(&self, layer: usize, experts: usize) -> Vec<String> {
         match self.layout {
-            ExpertLayout::Separate => (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| [format!("{n}_scale_inv"), n]).collect(),
+            ExpertLayout::Separate => {
+                (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| crate::quant::scale_names(&n).into_iter().chain([n])).collect()
+            }
             ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved => vec![fill(self.gate, layer, 0), fill(self.down, layer, 0)],
             ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
                 .into_iter()
@@ -698,6 +700,34 @@ fn fp8_block_size(config: &Value) -> FieldResult<usize> {
     }
 }
 
+/// The quantised forms a `quantization_config` may declare, checked before any tensor is read:
+/// block fp8 (`fp8`: DeepSeek-V3's f32 scales, DeepSeek-V4's UE8M0 ones and its FP4 experts) and
+/// gpt-oss's `mxfp4` experts. Anything else is refused naming the field — a method shimmer does not
+/// read would otherwise surface as a confusing missing tensor.
+fn check_quantization(config: &Value) -> FieldResult<()> {
+    let Some(qc) = config.get("quantization_config") else { return Ok(()) };
+    let Value::Object(qc) = qc else { return Err(FieldError::new("quantization_config", "expected an object")) };
+    let field = |key: &str, allowed: &[&str]| -> FieldResult<()> {
+        match qc.get(key) {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(v)) if allowed.contains(&v.as_str()) => Ok(()),
+            Some(v) => Err(FieldError::new(&format!("quantization_config.{key}"), format!("{v} is not read (shimmer reads {})", allowed.join(", ")))),
+        }
+    };
+    match qc.get("quant_method").and_then(Value::as_str) {
+        Some("fp8") => {
+            field("fmt", &["e4m3"])?;
+            // Static activation scales would scale inputs too: only dynamic (none stored) is read.
+            field("activation_scheme", &["dynamic"])?;
+            field("scale_fmt", &["float", "ue8m0"])?;
+            field("expert_dtype", &["fp8", "fp4"])
+        }
+        Some("mxfp4") => Ok(()),
+        Some(other) => Err(FieldError::new("quantization_config.quant_method", format!("`{other}` is not read (shimmer reads fp8 and mxfp4 checkpoints)"))),
+        None => Err(FieldError::new("quantization_config.quant_method", "missing")),
+    }
+}
+
 impl ModelSpec {
     /// Reads and checks `DIR/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
@@ -741,6 +771,7 @@ impl ModelSpec {
         }
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
+        check_quantization(value).map_err(field_err)?;
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
         // Checks across fields name where the field is: in an image-text config, `text_config`;
         // in the family's own spelling.

@@ -22,6 +22,7 @@ Usage (from the repository root):
 """
 import json
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -313,7 +314,7 @@ def margins(logits):
 
 def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_config, old=None, shard=None,
          extra_eos=None, prompts=PROMPTS, f32_routers=False, bos_token="<s>", eos_token="<|im_end|>", adjust=None,
-         model_class=None, check=None, keep_f32=(), rename=None):
+         model_class=None, check=None, keep_f32=(), rename=None, load=None):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -357,9 +358,10 @@ def make(name, config, *, dtype, std, seed, tokenizer, template, template_in_con
             tc["chat_template"] = template
             json.dump(tc, open(tc_path, "w"), indent=2)
             os.remove(os.path.join(d, "chat_template.jinja"))
-        ok, record, tensors = oracle(d, prompts)
+        # `load`: what transformers needs to read the saved files (a quantised release's config).
+        ok, record, tensors = oracle(d, prompts, **(load or {}))
         if ok and check is not None:
-            ok = check(d, record)
+            ok = check(d, record, **(load or {}))
         if ok:
             break
         print(f"{name}: seed {seed + attempt} gives EOS or a near-tie on a greedy path; trying the next", file=sys.stderr)
@@ -391,9 +393,9 @@ def why(reason):
 ORACLE_CLASS = {"inkling_mm_model": InklingForConditionalGeneration, "inkling2": Inkling2ForConditionalGeneration}
 
 
-def oracle(d, prompts):
+def oracle(d, prompts, **load):
     model_type = json.load(open(os.path.join(d, "config.json")))["model_type"]
-    model = ORACLE_CLASS.get(model_type, AutoModelForCausalLM).from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model = ORACLE_CLASS.get(model_type, AutoModelForCausalLM).from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **load)
     model.eval()
     recurrent = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
     if recurrent:
@@ -609,6 +611,71 @@ def make_mxfp4(src, dst):
     print(f"{os.path.basename(dst)}: from {os.path.basename(src)}")
 
 
+def e8m0_at_least(x):
+    """The smallest power of two ≥ x, as its UE8M0 exponent byte and its value."""
+    e = torch.ceil(torch.log2(x.clamp(min=2.0 ** -126))).clamp(-127, 127)
+    return (e + 127).to(torch.uint8), torch.pow(2.0, e)
+
+
+def fp8_ue8m0(w, block):
+    """fp8-e4m3 with one power-of-two (UE8M0) scale per `block`×`block` block, each scale the least
+    that keeps the block's largest magnitude within e4m3's 448, as DeepSeek-V4 ships its dense set."""
+    w = w.float()
+    r, c = w.shape
+    br, bc = -(-r // block), -(-c // block)
+    # transformers derives the block from the scale grid: the shapes used keep the two the same.
+    assert (br == 1 or r == br * block) and (bc == 1 or c == bc * block), f"{w.shape} with blocks of {block}"
+    amax = torch.zeros(br, bc)
+    for i in range(br):
+        for j in range(bc):
+            amax[i, j] = w[i * block:(i + 1) * block, j * block:(j + 1) * block].abs().max()
+    code, scale = e8m0_at_least(amax / 448.0)
+    expanded = scale.repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
+    return (w / expanded).to(torch.float8_e4m3fn), code.view(torch.float8_e8m0fnu)
+
+
+def fp4_packed(w):
+    """FP4 (e2m1) as DeepSeek-V4 ships its routed experts: two codes a byte, low nibble first, in an
+    int8 tensor (out × in/2), and one UE8M0 scale per 32 inputs of a row (out × ⌈in/32⌉)."""
+    out_dim, k = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -k % 32))
+    blocks, scales, _ = mxfp4_encode(padded)
+    packed = blocks.reshape(out_dim, -1)[:, :k // 2]
+    return packed.view(torch.int8).contiguous(), scales.view(torch.float8_e8m0fnu).contiguous()
+
+
+V4_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+V4_FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+QUANTIZED_V4 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+                "expert_dtype": "fp4", "weight_block_size": [32, 32]}
+
+
+def quantize_v4_release(d):
+    """DeepSeek-V4's release form, in place: the attention's and shared expert's projections in
+    fp8-e4m3 with UE8M0 block scales (`<stem>.scale`), the routed experts in FP4 with UE8M0 scales
+    per 32 inputs; the compressor, the indexer's scorer, router, embeddings, head and norms as they
+    were; `quantization_config` as the release's, with blocks of 32 (so matrices span several)."""
+    from safetensors.torch import load_file
+    path = os.path.join(d, "model.safetensors")
+    block = QUANTIZED_V4["weight_block_size"][0]
+    out = {}
+    for name, t in load_file(path).items():
+        stem = name[:-len(".weight")]
+        if V4_FP8.search(name):
+            out[name], out[stem + ".scale"] = fp8_ue8m0(t, block)
+        elif V4_FP4.search(name):
+            out[name], out[stem + ".scale"] = fp4_packed(t)
+        else:
+            out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = QUANTIZED_V4
+    json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--demo":
         make_demo(sys.argv[2])
@@ -634,6 +701,8 @@ def main():
         make_inkling(lines)
     if only in (None, "inkling2_text"):
         make_inkling2(lines)
+    if only in (None, "deepseek_v4_fp8"):
+        make_deepseek_v4_fp8(lines)
     if only in (None, "inkling"):
         make_inkling_image_text(lines)
     if only in (None, "inkling2"):
@@ -826,7 +895,7 @@ def make_qwen3_5_moe(lines):
 INDEX_MARGIN = 1e-5  # relative gap required between the k-th and (k+1)-th indexer scores (f32 rounding: ~1e-7)
 
 
-def indexer_selections_are_clear(d, record):
+def indexer_selections_are_clear(d, record, **load):
     """True when every DSA indexer choice on every prompt (and its continuation) is clear: no key
     that could tie the k-th selected one (transformers' top-k breaks ties arbitrarily, and an f32
     rounding difference could swap near-tied keys)."""
@@ -834,14 +903,14 @@ def indexer_selections_are_clear(d, record):
         if t.dim() == 3 and t.shape[-1] == t.shape[-2]:  # the indexer's [B, S, T] scores
             return [t[0][row, : row + 1] for row in range(t.shape[1])]
         return []
-    return topk_choices_are_clear(d, record, candidates)
+    return topk_choices_are_clear(d, record, candidates, **load)
 
 
-def topk_choices_are_clear(d, record, candidates):
+def topk_choices_are_clear(d, record, candidates, **load):
     """Runs every prompt with its continuation and checks each top-k whose `candidates(scores)`
     (the rows a query may choose from) hold more than k: the k-th and (k+1)-th differ by more than
     INDEX_MARGIN relative. Records the smallest gap."""
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **load).eval()
     gaps = []
     original_topk = torch.Tensor.topk
 
@@ -907,12 +976,12 @@ def deepseek_v4_hash_tables(model):
                 buf.copy_(torch.stack(rows))
 
 
-def v4_indexer_selections_are_clear(d, record):
+def v4_indexer_selections_are_clear(d, record, **load):
     """As `indexer_selections_are_clear`, for DeepSeek-V4's compressed-entry indexer: its scores
     are [B, S, entries] with the entries a query may not see at -inf."""
     def candidates(t):
         return [row[torch.isfinite(row)] for row in t[0]] if t.dim() == 3 else []
-    return topk_choices_are_clear(d, record, candidates)
+    return topk_choices_are_clear(d, record, candidates, **load)
 
 
 def make_deepseek_v4(lines):
@@ -927,9 +996,27 @@ def make_deepseek_v4(lines):
     # tensor names; DeepSeek's chat layout. Seeds are accepted only when every indexer choice is
     # clear of ties (`v4_indexer_selections_are_clear`).
     # EOS first (id 0, the padding id generate() is given): a BOS at id 0 would be masked as padding.
+    deepseek_v4_fixture(lines, "deepseek_v4", seed=1400)
+
+
+def make_deepseek_v4_fp8(lines):
+    # DeepSeek-V4 as released (`quantize_v4_release`): fp8-e4m3 attention and shared expert with
+    # UE8M0 block scales, FP4 routed experts; otherwise `deepseek_v4`'s shapes. The oracle is
+    # transformers reading these files, dequantised on the CPU (FineGrainedFP8Config(dequantize)).
+    from transformers import FineGrainedFP8Config
+    load = FineGrainedFP8Config(**{k: v for k, v in QUANTIZED_V4.items() if k != "quant_method"}, dequantize=True)
+    deepseek_v4_fixture(lines, "deepseek_v4_fp8", seed=1900, then=quantize_v4_release, load={"quantization_config": load})
+
+
+def deepseek_v4_fixture(lines, name, seed, then=None, load=None):
     tok = train_tokenizer(lines, 512, bos="<｜begin▁of▁sentence｜>", specials=DEEPSEEK_SPECIALS)
     end = tok.token_to_id("<｜end▁of▁sentence｜>")
-    make("deepseek_v4", DeepseekV4Config(
+
+    def release(d):
+        deepseek_v4_release_names(d)
+        if then is not None:
+            then(d)
+    make(name, DeepseekV4Config(
         vocab_size=tok.get_vocab_size(), hidden_size=64, moe_intermediate_size=16, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25,
         num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5,
@@ -940,11 +1027,11 @@ def make_deepseek_v4(lines):
         max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.token_to_id("<｜begin▁of▁sentence｜>"),
         eos_token_id=end, pad_token_id=0,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0}),
-        dtype=torch.bfloat16, std=0.25, seed=1400, tokenizer=tok, template=DEEPSEEK, template_in_config=False,
+        dtype=torch.bfloat16, std=0.25, seed=seed, tokenizer=tok, template=DEEPSEEK, template_in_config=False,
         bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>", adjust=deepseek_v4_hash_tables,
         keep_f32=("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
                   "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm"),
-        rename=deepseek_v4_release_names, check=v4_indexer_selections_are_clear)
+        rename=release, check=v4_indexer_selections_are_clear, load=load)
 
 
 def inkling_scales(model):

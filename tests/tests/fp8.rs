@@ -123,3 +123,69 @@ fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
     let engine = shimmer_coordinator::Engine::load(out4.path()).unwrap();
     assert!(engine.logits_all(&[1, 2, 3, 4]).unwrap().iter().all(|x| x.is_finite()));
 }
+
+/// DeepSeek-V4's release form (`deepseek_v4_fp8`: UE8M0 `.scale` beside fp8 and packed-FP4
+/// weights): a damaged scale is refused naming the tensor, never read as another number.
+#[test]
+fn a_damaged_release_scale_is_refused_by_name() {
+    let load = |dir: &std::path::Path| shimmer_coordinator::Engine::load(dir).err().map(|e| e.to_string()).unwrap_or_default();
+    let st = |dir: &std::path::Path| dir.join("model.safetensors");
+    // A scale missing: the fp8 weight names both spellings it looked for.
+    let dir = shimmer_tests::copy_fixture("deepseek_v4_fp8");
+    shimmer_tests::edit_safetensors_header(&st(dir.path()), |h| {
+        let v = h.remove("layers.1.attn.wq_a.scale").unwrap();
+        h.insert("layers.1.attn.wq_a.scales".into(), v);
+    });
+    let e = load(dir.path());
+    assert!(e.contains("layers.1.attn.wq_a.weight") && e.contains("layers.1.attn.wq_a.scale"), "{e}");
+    // A scale grid of the wrong shape, for fp8 and for FP4.
+    for (tensor, shape) in [("layers.1.attn.wq_b.scale", [2, 2]), ("layers.1.ffn.experts.0.w1.scale", [8, 4])] {
+        let dir = shimmer_tests::copy_fixture("deepseek_v4_fp8");
+        shimmer_tests::edit_safetensors_header(&st(dir.path()), |h| h[tensor]["shape"] = serde_json::json!(shape));
+        let e = match tensor.contains("experts") {
+            // Experts are read when first chosen: through the expert loader.
+            true => {
+                let ckpt = Checkpoint::open(dir.path()).unwrap();
+                let spec = shimmer_common::ModelSpec::from_dir(dir.path()).unwrap();
+                shimmer_experts::weights::load_expert(&ckpt, &spec, 1, 0).err().map(|e| e.to_string()).unwrap_or_default()
+            }
+            false => load(dir.path()),
+        };
+        assert!(e.contains(tensor) && e.contains("shape"), "{tensor}: {e}");
+    }
+    // The UE8M0 NaN (255) in a scale.
+    let dir = shimmer_tests::copy_fixture("deepseek_v4_fp8");
+    let mut bytes = std::fs::read(st(dir.path())).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = header["layers.1.attn.wo_b.scale"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + at] = 0xff;
+    std::fs::write(st(dir.path()), bytes).unwrap();
+    let e = load(dir.path());
+    assert!(e.contains("layers.1.attn.wo_b.scale") && e.contains("NaN"), "{e}");
+}
+
+/// The release's FP4 experts are read as the MXFP4 they are: each expert's values are the e2m1
+/// codes times the UE8M0 scales, as transformers' dequantisation defines them.
+#[test]
+fn release_fp4_experts_are_their_codes_times_their_scales() {
+    let dir = fixture("deepseek_v4_fp8");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
+    let expert = shimmer_experts::weights::load_expert(&ckpt, &spec, 2, 5).unwrap();
+    let raw = ckpt.raw("layers.2.ffn.experts.5.w2.weight").unwrap();
+    let scales = ckpt.raw("layers.2.ffn.experts.5.w2.scale").unwrap();
+    let (rows, cols) = (raw.shape[0], raw.shape[1] * 2);
+    let down = &expert.down;
+    assert_eq!((down.rows, down.cols), (rows, cols));
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        down.row_f32(r, &mut row);
+        for (c, got) in row.iter().enumerate() {
+            let byte = raw.bytes[r * cols / 2 + c / 2];
+            let code = if c % 2 == 0 { byte & 0xf } else { byte >> 4 };
+            let want = quant::E2M1[code as usize] * quant::e8m0_to_f32(scales.bytes[r * scales.shape[1] + c / 32]);
+            assert_eq!(got.to_bits(), want.to_bits(), "row {r} column {c}");
+        }
+    }
+}

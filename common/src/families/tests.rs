@@ -238,10 +238,17 @@ fn deepseek_v4_reads_transformers_and_release_spellings_alike() {
     o.insert("compress_rope_theta".into(), json!(160000.0));
     o.insert("rope_scaling".into(), json!({"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}));
     assert_eq!(parse(release.clone()).unwrap(), s);
-    // Refused by name: quantized release weights, another router, a bad ratio, two kv heads.
-    let mut bad = release.clone();
-    bad["quantization_config"] = json!({"quant_method": "fp8"});
-    assert!(message(parse(bad)).contains("`quantization_config`"));
+    // The release's quantization reads (FP8 with UE8M0 scales, FP4 experts); other forms are
+    // refused by name, as are another router, a bad ratio, two kv heads.
+    let mut quantized = release.clone();
+    quantized["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0", "expert_dtype": "fp4", "weight_block_size": [128, 128]});
+    assert_eq!(parse(quantized.clone()).unwrap().fp8_block, 128);
+    for (key, value) in [("expert_dtype", json!("nvfp4")), ("scale_fmt", json!("e5m2")), ("activation_scheme", json!("static")), ("quant_method", json!("awq"))]
+    {
+        let mut bad = quantized.clone();
+        bad["quantization_config"][key] = value;
+        assert!(message(parse(bad)).contains(&format!("`quantization_config.{key}`")), "{key}");
+    }
     let mut bad = release.clone();
     bad["scoring_func"] = json!("softmax");
     assert!(message(parse(bad)).contains("`scoring_func`"));

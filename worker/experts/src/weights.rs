@@ -1,7 +1,9 @@
 //! A weight matrix read from a checkpoint in the precision it is stored in — the one place that
-//! knows the stored forms: 32/16-bit floats; fp8-e4m3 with `<name>_scale_inv` block scales
-//! (DeepSeek-V3's checkpoints, served as they are through the fp8 kernels); int8 rows with
-//! `<name>_shimmer_int8_scale` (a converted container's dense weights).
+//! knows the stored forms: 32/16-bit floats; fp8-e4m3 with block scales, as f32 `<name>_scale_inv`
+//! (DeepSeek-V3's checkpoints) or as UE8M0 exponents in `<stem>.scale` (DeepSeek-V4's), served as
+//! they are through the fp8 kernels; FP4 (e2m1) packed two to a byte in an int8 tensor with a
+//! UE8M0 `<stem>.scale` per 32 values of a row (DeepSeek-V4's routed experts), served as the MXFP4
+//! it is; int8 rows with `<name>_shimmer_int8_scale` (a converted container's dense weights).
 //!
 //! It also reads a routed expert from a checkpoint in the layout its family stores
 //! (`ExpertLayout`): separate tensors per expert, or gpt-oss's fused, interleaved, biased
@@ -39,16 +41,77 @@ pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_
     }
     if ckpt.contains(name) {
         let raw = ckpt.raw(name)?;
+        let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
         if raw.dtype == StDtype::F8_E4M3 {
-            let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
             if raw.shape != [rows, cols] {
                 return Err(bad(format!("shape {:?} but the model config needs {:?}", raw.shape, [rows, cols])));
             }
-            let scales = ckpt.get(&format!("{name}_scale_inv"), &[rows.div_ceil(fp8_block), cols.div_ceil(fp8_block)])?.to_f32();
+            let scales = fp8_block_scales(ckpt, name, rows, cols, fp8_block)?;
             return Matrix::from_fp8_blocks(rows, cols, raw.bytes.to_vec(), scales, fp8_block).map_err(bad);
+        }
+        if raw.dtype == StDtype::I8 || raw.dtype == StDtype::U8 {
+            if let Some(scale_name) = sibling_scale(ckpt, name) {
+                return Ok(shipped_mxfp4(packed_fp4(ckpt, name, &scale_name, rows, cols)?));
+            }
         }
     }
     Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
+}
+
+/// DeepSeek-V4's name for a weight's scales: `<stem>.scale` beside `<stem>.weight`, if present.
+fn sibling_scale(ckpt: &Checkpoint, name: &str) -> Option<String> {
+    let scale = format!("{}.scale", name.strip_suffix(".weight")?);
+    ckpt.contains(&scale).then_some(scale)
+}
+
+/// The f32 block scales (`⌈rows/block⌉ × ⌈cols/block⌉`, what each block's fp8 values are
+/// multiplied by) of the fp8 matrix `name`: `<name>_scale_inv` as floats, or `<stem>.scale` as
+/// UE8M0 exponents (`2^(e − 127)`, exact in f32) or floats. A missing tensor, a wrong shape, the
+/// UE8M0 NaN (255) or a scale that is not finite is refused naming the tensor.
+pub fn fp8_block_scales(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, block: usize) -> Result<Vec<f32>, LoadError> {
+    let grid = [rows.div_ceil(block.max(1)), cols.div_ceil(block.max(1))];
+    let names = quant::scale_names(name);
+    match names.iter().find(|n| ckpt.contains(n)) {
+        Some(found) => scales_as_f32(ckpt, found, &grid),
+        None => Err(tensor_error(ckpt, name, format!("an fp8 weight without its block scales (`{}`)", names.join("` or `")))),
+    }
+}
+
+/// `name`'s scales of shape `shape` as f32: UE8M0 exponents or floats.
+fn scales_as_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+    let raw = ckpt.raw(name)?;
+    if raw.dtype != StDtype::F8_E8M0 {
+        return Ok(ckpt.get(name, shape)?.to_f32());
+    }
+    if raw.shape != shape {
+        return Err(tensor_error(ckpt, name, format!("shape {:?} but the weight it scales needs {shape:?}", raw.shape)));
+    }
+    if let Some(i) = raw.bytes.iter().position(|b| *b == 0xff) {
+        return Err(tensor_error(ckpt, name, format!("scale {i} is the UE8M0 NaN (255)")));
+    }
+    Ok(raw.bytes.iter().map(|e| quant::e8m0_to_f32(*e)).collect())
+}
+
+/// An FP4 matrix as DeepSeek-V4 ships its experts: `name` holds e2m1 codes two to a byte, low
+/// nibble first (`rows × ⌈cols/2⌉`, int8), and `scale_name` one UE8M0 exponent per 32 values of a
+/// row (`rows × ⌈cols/32⌉`) — exactly shimmer's MXFP4 layout.
+fn packed_fp4(ckpt: &Checkpoint, name: &str, scale_name: &str, rows: usize, cols: usize) -> Result<QuantMatrix, LoadError> {
+    let raw = ckpt.raw(name)?;
+    let want = [rows, QuantMatrix::bytes_per_row_int4(cols)];
+    if raw.shape != want {
+        return Err(tensor_error(ckpt, name, format!("packed FP4 of shape {:?}, but {rows}×{cols} values need {want:?}", raw.shape)));
+    }
+    let groups = [rows, QuantMatrix::groups_per_row(cols, MXFP4_GROUP)];
+    let sraw = ckpt.raw(scale_name)?;
+    if sraw.dtype != StDtype::F8_E8M0 && sraw.dtype != StDtype::U8 {
+        return Err(tensor_error(ckpt, scale_name, format!("FP4 scales must be UE8M0 exponents, found {:?}", sraw.dtype)));
+    }
+    if sraw.shape != groups {
+        return Err(tensor_error(ckpt, scale_name, format!("shape {:?} but {rows}×{cols} FP4 values in groups of {MXFP4_GROUP} need {groups:?}", sraw.shape)));
+    }
+    let m = QuantMatrix::Mxfp4 { rows, cols, packed: raw.bytes.to_vec(), scales: sraw.bytes.to_vec() };
+    quant::validate(&m, name)?;
+    Ok(m)
 }
 
 /// Expert `expert` of MoE layer `layer`, in its stored precision, with the family's biases and

@@ -142,8 +142,8 @@ fn write_atomic(path: &Path, bytes: &[u8], crash: &mut CrashPoints) -> Result<()
     Ok(())
 }
 
-/// A source tensor widened to f32; fp8-e4m3 tensors are dequantised with their
-/// `<name>_scale_inv` block scales.
+/// A source tensor widened to f32; fp8-e4m3 tensors are dequantised with their block scales
+/// (`weights::fp8_block_scales`).
 fn tensor_f32(ckpt: &Checkpoint, name: &str, shape: &[usize], fp8_block: usize) -> Result<Vec<f32>, LoadError> {
     let raw = ckpt.raw(name)?;
     if raw.dtype != StDtype::F8_E4M3 {
@@ -156,8 +156,7 @@ fn tensor_f32(ckpt: &Checkpoint, name: &str, shape: &[usize], fp8_block: usize) 
     if raw.shape != shape {
         return Err(err(format!("shape {:?} but the model config needs {shape:?}", raw.shape)));
     }
-    let scale_name = format!("{name}_scale_inv");
-    let scales = ckpt.get(&scale_name, &[rows.div_ceil(fp8_block), cols.div_ceil(fp8_block)])?.to_f32();
+    let scales = shimmer_experts::weights::fp8_block_scales(ckpt, name, rows, cols, fp8_block)?;
     quant::dequantize_fp8_blocks(raw.bytes, rows, cols, &scales, fp8_block).map_err(err)
 }
 
@@ -205,9 +204,13 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
             expert_tensors.extend(spec.expert_names.tensor_names(l, spec.moe.num_experts));
         }
     }
+    // A quantised weight's scales go with it: dequantised into it, never copied on their own.
+    let quantised = |n: &&str| ckpt.raw(n).is_ok_and(|r| matches!(r.dtype, StDtype::F8_E4M3 | StDtype::I8 | StDtype::U8));
+    let scales_of_quantised: std::collections::HashSet<String> =
+        ckpt.tensor_names().into_iter().filter(quantised).flat_map(quant::scale_names).filter(|n| ckpt.contains(n)).collect();
     let mut plans = Vec::new();
     for name in ckpt.tensor_names() {
-        if expert_tensors.contains(name) || (name.ends_with("_scale_inv") && ckpt.contains(name.trim_end_matches("_scale_inv"))) {
+        if expert_tensors.contains(name) || scales_of_quantised.contains(name) {
             continue;
         }
         let raw = ckpt.raw(name)?;
