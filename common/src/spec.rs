@@ -627,7 +627,10 @@ impl ExpertNames {
             ExpertLayout::Separate => {
                 (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| crate::quant::scale_names(&n).into_iter().chain([n])).collect()
             }
-            ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved => vec![fill(self.gate, layer, 0), fill(self.down, layer, 0)],
+            // MXFP8 experts' scales (`<name>_scale`, Inkling 2's release) go with them.
+            ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved => {
+                [fill(self.gate, layer, 0), fill(self.down, layer, 0)].into_iter().flat_map(|n| [format!("{n}_scale"), n]).collect()
+            }
             ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
                 .into_iter()
                 .flat_map(|n| ["", "_bias", "_blocks", "_scales"].map(|suffix| format!("{n}{suffix}")))
@@ -693,6 +696,10 @@ pub struct ModelSpec {
 /// `quantization_config.weight_block_size` (two equal sizes), or 128 when the config has none.
 fn fp8_block_size(config: &Value) -> FieldResult<usize> {
     let Some(qc) = config.get("quantization_config") else { return Ok(128) };
+    // MXFP8's [1, 32] groups are not square blocks: its scales' shapes say where they apply.
+    if qc.get("quant_method").and_then(Value::as_str) == Some("mxfp8") {
+        return Ok(128);
+    }
     match qc.get("weight_block_size").and_then(|v| v.as_array()).map(|a| a.iter().map(|x| x.as_u64()).collect::<Vec<_>>()) {
         None => Ok(128),
         Some(b) if b.len() == 2 && b[0] == b[1] && b[0].is_some_and(|x| x > 0 && x <= 1 << 16) => Ok(b[0].unwrap_or(128) as usize),
@@ -701,8 +708,8 @@ fn fp8_block_size(config: &Value) -> FieldResult<usize> {
 }
 
 /// The quantised forms a `quantization_config` may declare, checked before any tensor is read:
-/// block fp8 (`fp8`: DeepSeek-V3's f32 scales, DeepSeek-V4's UE8M0 ones and its FP4 experts) and
-/// gpt-oss's `mxfp4` experts. Anything else is refused naming the field — a method shimmer does not
+/// block fp8 (`fp8`: DeepSeek-V3's f32 scales, DeepSeek-V4's UE8M0 ones and its FP4 experts),
+/// Inkling 2's `mxfp8` experts and gpt-oss's `mxfp4` experts. Anything else is refused naming the field — a method shimmer does not
 /// read would otherwise surface as a confusing missing tensor.
 fn check_quantization(config: &Value) -> FieldResult<()> {
     let Some(qc) = config.get("quantization_config") else { return Ok(()) };
@@ -723,7 +730,19 @@ fn check_quantization(config: &Value) -> FieldResult<()> {
             field("expert_dtype", &["fp8", "fp4"])
         }
         Some("mxfp4") => Ok(()),
-        Some(other) => Err(FieldError::new("quantization_config.quant_method", format!("`{other}` is not read (shimmer reads fp8 and mxfp4 checkpoints)"))),
+        // Inkling 2's release: fp8-e4m3 experts with a UE8M0 scale per 32 values of a row.
+        Some("mxfp8") => {
+            field("activation_scheme", &["dynamic"])?;
+            field("scale_fmt", &["ue8m0"])?;
+            match qc.get("weight_block_size") {
+                None | Some(Value::Null) => Ok(()),
+                Some(b) if *b == serde_json::json!([1, 32]) => Ok(()),
+                Some(b) => Err(FieldError::new("quantization_config.weight_block_size", format!("{b}: MXFP8 scales groups of [1, 32]"))),
+            }
+        }
+        Some(other) => {
+            Err(FieldError::new("quantization_config.quant_method", format!("`{other}` is not read (shimmer reads fp8, mxfp8 and mxfp4 checkpoints)")))
+        }
         None => Err(FieldError::new("quantization_config.quant_method", "missing")),
     }
 }

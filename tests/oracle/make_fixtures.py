@@ -707,6 +707,8 @@ def main():
         make_inkling_image_text(lines)
     if only in (None, "inkling2"):
         make_inkling2_image_text(lines)
+    if only in (None, "inkling2", "inkling2_mxfp8"):
+        make_mxfp8_twin(os.path.join(OUT, "inkling2"), os.path.join(OUT, "inkling2_mxfp8"))
     if only is not None:
         return
     tok_plain = train_tokenizer(lines, 512, bos=False)
@@ -1122,11 +1124,64 @@ def make_inkling_image_text(lines):
          keep_f32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv", "e_score_correction_bias", "gate.global_scale"))
 
 
+def mxfp8_encode(w):
+    """MXFP8 along the last axis: fp8-e4m3 values with one UE8M0 scale per 32 (the least power of two
+    keeping the group within e4m3's 448; a short last group padded). Returns (values as e4m3,
+    scale bytes, the exact values they stand for)."""
+    *lead, k = w.shape
+    g = torch.nn.functional.pad(w.float(), (0, -k % 32)).reshape(*lead, -1, 32)
+    code, scale = e8m0_at_least(g.abs().amax(-1) / 448.0)
+    q = (g / scale[..., None]).to(torch.float8_e4m3fn)
+    values = (q.float() * scale[..., None]).reshape(*lead, -1)[..., :k]
+    return q.reshape(*lead, -1)[..., :k].contiguous(), code.contiguous(), values
+
+
+def snap_experts_to_mxfp8(model):
+    """Makes every routed expert weight exactly an MXFP8 value (groups of 32 along each row), so the
+    fixture and its MXFP8 twin (`make_mxfp8_twin`) are the same model."""
+    with torch.no_grad():
+        for mod_name, mod in model.named_modules():
+            if mod_name.endswith("mlp.experts"):
+                mod.gate_up_proj.copy_(mxfp8_encode(mod.gate_up_proj)[2])
+                mod.down_proj.copy_(mxfp8_encode(mod.down_proj)[2])
+
+
+def make_mxfp8_twin(src, dst):
+    """Inkling 2 as released in MXFP8 (`Inkling-2-Small-MXFP8`): the routed experts' `w13_weight`
+    and `w2_weight` as fp8-e4m3 with UE8M0 `<name>_scale` bytes per 32 values of a row, everything
+    else as in `src`, `quantization_config.quant_method = mxfp8`. transformers 5.24 cannot read
+    these on the CPU (with `dequantize` the interleaved experts' scales are left unpaired and the
+    fp8 values taken as they are), so the oracle is `src`'s — the same model: every tensor written
+    here is checked, by transformers' own MXFP8 dequantisation, to give back `src`'s values."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    out = {}
+    for name, t in load_file(path).items():
+        if name.endswith("mlp.experts.w13_weight") or name.endswith("mlp.experts.w2_weight"):
+            q, scale, _ = mxfp8_encode(t)
+            back = Fp8Dequantize(None)._dequantize_one(q, scale, output_dtype=torch.float32)
+            assert torch.equal(back, t.float()), f"{name} is not MXFP8-exact"
+            out[name], out[name + "_scale"] = q, scale
+        else:
+            out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+                                  "weight_block_size": [1, 32]}
+    json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
+    print(f"{os.path.basename(dst)}: from {os.path.basename(src)}")
+
+
 def make_inkling2_image_text(lines):
     # Inkling 2 as released: the image-text checkpoint (`Inkling2ForConditionalGeneration`, a tiny
     # vision tower, the text model under `text_config`; tensors under the same `model.llm.` names
     # as `inkling2_text`), of which shimmer serves the text part. Shapes as `inkling2_text`, with
-    # full layers first and blocks of 3 layers for the attention residuals.
+    # full layers first and blocks of 3 layers for the attention residuals; the experts' weights
+    # exactly MXFP8 values, so that `inkling2_mxfp8` (the MXFP8 release form) is the same model.
     tok = train_tokenizer(lines, 512, bos=False)
     im_end = tok.token_to_id("<|im_end|>")
     vocab = tok.get_vocab_size()
@@ -1144,7 +1199,7 @@ def make_inkling2_image_text(lines):
                            posemb_grid_size=4, projection_hidden_dim=32),
         eos_token_id=im_end)
     make("inkling2", config, dtype=torch.bfloat16, std=0.25, seed=1800, tokenizer=tok, template=CHATML, template_in_config=False,
-         model_class=Inkling2ForConditionalGeneration,
+         model_class=Inkling2ForConditionalGeneration, adjust=snap_experts_to_mxfp8,
          keep_f32=("e_score_correction_bias", "mlp.gate.weight", "post_attention_convolution", "post_mlp_convolution",
                    "sconv.conv1d", "attention_input", "mlp_input", "final_input"))
 

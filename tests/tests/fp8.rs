@@ -189,3 +189,37 @@ fn release_fp4_experts_are_their_codes_times_their_scales() {
         }
     }
 }
+
+/// Inkling 2's MXFP8 release form (`inkling2_mxfp8`) is the `inkling2` fixture's model: every
+/// routed expert reads back as exactly the values the bf16 checkpoint holds; a damaged scale is
+/// refused naming the tensor.
+#[test]
+fn mxfp8_release_experts_are_their_bf16_twins_values_and_damage_is_named() {
+    let (mx, bf) = (fixture("inkling2_mxfp8"), fixture("inkling2"));
+    let (cm, cb) = (Checkpoint::open(&mx).unwrap(), Checkpoint::open(&bf).unwrap());
+    let spec = shimmer_common::ModelSpec::from_dir(&mx).unwrap();
+    for (layer, expert) in [(0, 0), (1, 7), (3, 4)] {
+        let a = shimmer_experts::weights::load_expert(&cm, &spec, layer, expert).unwrap();
+        let b = shimmer_experts::weights::load_expert(&cb, &spec, layer, expert).unwrap();
+        for (x, y) in [(&a.gate, &b.gate), (&a.up, &b.up), (&a.down, &b.down)] {
+            assert_eq!(x.data, y.data, "layer {layer} expert {expert}");
+        }
+    }
+    let st = |dir: &std::path::Path| dir.join("model.safetensors");
+    let name = "model.llm.layers.1.mlp.experts.w13_weight_scale";
+    let dir = shimmer_tests::copy_fixture("inkling2_mxfp8");
+    shimmer_tests::edit_safetensors_header(&st(dir.path()), |h| h[name]["shape"] = serde_json::json!([8, 64, 1]));
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let e = shimmer_experts::weights::load_expert(&ckpt, &spec, 1, 0).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains(name) && e.contains("UE8M0"), "{e}");
+    let dir = shimmer_tests::copy_fixture("inkling2_mxfp8");
+    let mut bytes = std::fs::read(st(dir.path())).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + at] = 0xff;
+    std::fs::write(st(dir.path()), bytes).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let e = shimmer_experts::weights::load_expert(&ckpt, &spec, 1, 0).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains(name) && e.contains("NaN"), "{e}");
+}

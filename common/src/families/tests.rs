@@ -388,6 +388,12 @@ fn inkling_image_text_releases_serve_their_text_part_under_the_release_names() {
     let mut p2 = parse(plain2).unwrap();
     p2.architecture = s2.architecture;
     assert_eq!(s2, p2, "Inkling 2's release keeps the text checkpoint's names");
+    // The MXFP8 release's quantization reads; square blocks are not MXFP8's.
+    let mut mx = outer("Inkling2ForConditionalGeneration", "inkling2", &text2);
+    mx["quantization_config"] = json!({"quant_method": "mxfp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0", "weight_block_size": [1, 32]});
+    assert!(parse(mx.clone()).is_ok());
+    mx["quantization_config"]["weight_block_size"] = json!([128, 128]);
+    assert!(message(parse(mx)).contains("`quantization_config.weight_block_size`"));
     let mut bad2 = text2.clone();
     bad2["qk_l2_clip_threshold"] = json!(-1.0);
     assert!(message(parse(outer("Inkling2ForConditionalGeneration", "inkling2", &bad2))).contains("`text_config.qk_l2_clip_threshold`"));

@@ -232,12 +232,72 @@ pub fn stacked_interleaved_expert(
     h: usize,
     i: usize,
 ) -> Result<(Matrix, Matrix, Matrix), LoadError> {
-    let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
-    let gate = transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r) * h + c);
-    let up = transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r + 1) * h + c);
-    let dv = ckpt.get(down, &[n, h, i])?;
-    let down = transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c);
+    let (gate, up) = if is_mxfp8(ckpt, gate_up)? {
+        let gu = mxfp8_expert(ckpt, gate_up, n, e, 2 * i, h)?;
+        let rows = |parity: usize| (0..i).flat_map(|r| gu[(2 * r + parity) * h..(2 * r + parity + 1) * h].iter().copied()).collect();
+        (exact_matrix(i, h, rows(0)), exact_matrix(i, h, rows(1)))
+    } else {
+        let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
+        (transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r) * h + c), transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r + 1) * h + c))
+    };
+    let down = if is_mxfp8(ckpt, down)? {
+        exact_matrix(h, i, mxfp8_expert(ckpt, down, n, e, h, i)?)
+    } else {
+        let dv = ckpt.get(down, &[n, h, i])?;
+        transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c)
+    };
     Ok((gate, up, down))
+}
+
+/// The suffix of an MXFP8 tensor's scales (Inkling 2's release: `w13_weight_scale`).
+pub const MXFP8_SCALE_SUFFIX: &str = "_scale";
+
+/// Values of an MXFP8 group.
+const MXFP8_GROUP: usize = 32;
+
+/// Whether `name` is stored as MXFP8: fp8-e4m3 values with `<name>_scale` beside them.
+fn is_mxfp8(ckpt: &Checkpoint, name: &str) -> Result<bool, LoadError> {
+    Ok(ckpt.raw(name)?.dtype == StDtype::F8_E4M3 && ckpt.contains(&format!("{name}{MXFP8_SCALE_SUFFIX}")))
+}
+
+/// Expert `e`'s `rows × cols` values from a stacked MXFP8 tensor (`n × rows × cols` fp8-e4m3, and
+/// `n × rows × ⌈cols/32⌉` UE8M0 exponents in `<name>_scale`, one per 32 values of a row): each
+/// value `e4m3 · 2^(s − 127)`, exact in f32. An fp8 NaN or the UE8M0 NaN is refused by name.
+fn mxfp8_expert(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
+    let raw = ckpt.raw(name)?;
+    if raw.shape != [n, rows, cols] {
+        return Err(tensor_error(ckpt, name, format!("shape {:?} but the model config needs {:?}", raw.shape, [n, rows, cols])));
+    }
+    let scale_name = format!("{name}{MXFP8_SCALE_SUFFIX}");
+    let sraw = ckpt.raw(&scale_name)?;
+    let gpr = cols.div_ceil(MXFP8_GROUP);
+    if !matches!(sraw.dtype, StDtype::U8 | StDtype::F8_E8M0) || sraw.shape != [n, rows, gpr] {
+        return Err(tensor_error(
+            ckpt,
+            &scale_name,
+            format!("{:?} {:?}, but the MXFP8 scales of {:?} values are UE8M0 {:?}", sraw.dtype, sraw.shape, [n, rows, cols], [n, rows, gpr]),
+        ));
+    }
+    let q = &raw.bytes[e * rows * cols..(e + 1) * rows * cols];
+    let scales = &sraw.bytes[e * rows * gpr..(e + 1) * rows * gpr];
+    if let Some(at) = scales.iter().position(|s| *s == 0xff) {
+        return Err(tensor_error(ckpt, &scale_name, format!("expert {e}: scale {at} is the UE8M0 NaN (255)")));
+    }
+    if let Some(at) = q.iter().position(|b| b & 0x7f == 0x7f) {
+        return Err(tensor_error(ckpt, name, format!("expert {e}: value {at} is an fp8 NaN")));
+    }
+    Ok(q.iter().enumerate().map(|(k, b)| quant::fp8_e4m3_to_f32(*b) * quant::e8m0_to_f32(scales[(k / cols) * gpr + (k % cols) / MXFP8_GROUP])).collect())
+}
+
+/// Exact values as a matrix: bf16 when every value is one (an e4m3 value times a power of two
+/// is, unless it falls below bf16's range), else f32 — never rounded.
+fn exact_matrix(rows: usize, cols: usize, values: Vec<f32>) -> Matrix {
+    let bf16: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+    if bf16.iter().zip(&values).all(|(b, v)| half::bf16::from_bits(*b).to_f32().to_bits() == v.to_bits()) {
+        Matrix::new(rows, cols, WeightData::Bf16(bf16))
+    } else {
+        Matrix::from_f32(rows, cols, values)
+    }
 }
 
 /// Shared expert `e` of a stacked bank (`gate`, `up`: `n × i × h`; `down`: `n × h × i`).
