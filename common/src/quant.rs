@@ -245,14 +245,25 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
 /// (computed in f32, as DeepSeek's reference `weight_dequant` does), `scale_inv` being
 /// `⌈rows/block⌉ × ⌈cols/block⌉`. Errors name what does not fit.
 pub fn dequantize_fp8_blocks(q: &[u8], rows: usize, cols: usize, scale_inv: &[f32], block: usize) -> Result<Vec<f32>, String> {
+    dequantize_fp8_tiles(q, rows, cols, scale_inv, block, block)
+}
+
+/// fp8-e4m3 with one scale per tile of `row_block × col_block` values (row-major tiles): DeepSeek's
+/// 128 × 128 blocks, or one row's groups (1 × 32 for MXFP8, 1 × 16 for NVFP4 held as fp8) —
+/// `w[r][c] = fp8(q[r][c]) · scales[r / row_block][c / col_block]`, one rounding. The definition
+/// every fp8 kernel is held to.
+pub fn dequantize_fp8_tiles(q: &[u8], rows: usize, cols: usize, scales: &[f32], row_block: usize, col_block: usize) -> Result<Vec<f32>, String> {
+    if row_block == 0 || col_block == 0 {
+        return Err(format!("fp8 scale tiles of {row_block}×{col_block}"));
+    }
     if q.len() != rows * cols {
         return Err(format!("fp8 data is {} bytes, the shape {rows}×{cols} needs {}", q.len(), rows * cols));
     }
-    let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
-    if scale_inv.len() != br * bc {
-        return Err(format!("block scales hold {} values, {rows}×{cols} in {block}×{block} blocks needs {br}×{bc}", scale_inv.len()));
+    let (br, bc) = (rows.div_ceil(row_block), cols.div_ceil(col_block));
+    if scales.len() != br * bc {
+        return Err(format!("block scales hold {} values, {rows}×{cols} in {row_block}×{col_block} blocks needs {br}×{bc}", scales.len()));
     }
-    if let Some(bad) = scale_inv.iter().find(|s| !s.is_finite()) {
+    if let Some(bad) = scales.iter().find(|s| !s.is_finite()) {
         return Err(format!("a block scale is {bad}"));
     }
     let mut out = Vec::with_capacity(rows * cols);
@@ -262,7 +273,7 @@ pub fn dequantize_fp8_blocks(q: &[u8], rows: usize, cols: usize, scale_inv: &[f3
             if v.is_nan() {
                 return Err(format!("element ({r}, {c}) is an fp8 NaN"));
             }
-            out.push(v * scale_inv[(r / block) * bc + c / block]);
+            out.push(v * scales[(r / row_block) * bc + c / col_block]);
         }
     }
     Ok(out)

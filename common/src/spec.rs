@@ -627,9 +627,10 @@ impl ExpertNames {
             ExpertLayout::Separate => {
                 (0..experts).flat_map(|e| self.expert(layer, e)).flat_map(|n| crate::quant::scale_names(&n).into_iter().chain([n])).collect()
             }
-            // MXFP8 experts' scales (`<name>_scale`, Inkling 2's release) go with them.
+            // MXFP8 and NVFP4 experts' scales (`<name>_scale`, and NVFP4's per-expert
+            // `<name>_scale_2`: Inkling's releases) go with them.
             ExpertLayout::FusedStacked | ExpertLayout::StackedInterleaved => {
-                [fill(self.gate, layer, 0), fill(self.down, layer, 0)].into_iter().flat_map(|n| [format!("{n}_scale"), n]).collect()
+                [fill(self.gate, layer, 0), fill(self.down, layer, 0)].into_iter().flat_map(|n| [format!("{n}_scale"), format!("{n}_scale_2"), n]).collect()
             }
             ExpertLayout::FusedInterleaved => [fill(self.gate, layer, 0), fill(self.down, layer, 0)]
                 .into_iter()
@@ -709,7 +710,8 @@ fn fp8_block_size(config: &Value) -> FieldResult<usize> {
 
 /// The quantised forms a `quantization_config` may declare, checked before any tensor is read:
 /// block fp8 (`fp8`: DeepSeek-V3's f32 scales, DeepSeek-V4's UE8M0 ones and its FP4 experts),
-/// Inkling 2's `mxfp8` experts and gpt-oss's `mxfp4` experts. Anything else is refused naming the field — a method shimmer does not
+/// Inkling 2's `mxfp8` experts, Inkling's `modelopt` NVFP4 experts and gpt-oss's `mxfp4` experts.
+/// Anything else is refused naming the field — a method shimmer does not
 /// read would otherwise surface as a confusing missing tensor.
 fn check_quantization(config: &Value) -> FieldResult<()> {
     let Some(qc) = config.get("quantization_config") else { return Ok(()) };
@@ -740,10 +742,45 @@ fn check_quantization(config: &Value) -> FieldResult<()> {
                 Some(b) => Err(FieldError::new("quantization_config.weight_block_size", format!("{b}: MXFP8 scales groups of [1, 32]"))),
             }
         }
-        Some(other) => {
-            Err(FieldError::new("quantization_config.quant_method", format!("`{other}` is not read (shimmer reads fp8, mxfp8 and mxfp4 checkpoints)")))
-        }
+        // Inkling's release (ModelOpt NVFP4): routed experts as e2m1 codes with an fp8-e4m3 scale
+        // per 16 values and a per-expert f32 `_scale_2`; the other weights as they are.
+        Some("modelopt") => check_modelopt_nvfp4(qc),
+        Some(other) => Err(FieldError::new(
+            "quantization_config.quant_method",
+            format!("`{other}` is not read (shimmer reads fp8, mxfp8, mxfp4 and modelopt NVFP4 checkpoints)"),
+        )),
         None => Err(FieldError::new("quantization_config.quant_method", "missing")),
+    }
+}
+
+/// A ModelOpt `quantization_config` must declare NVFP4 weights in groups of 16: `quant_algo:
+/// NVFP4`, or (as Inkling's release spells it) a `*weight_quantizer` of e2m1 values (`num_bits`
+/// [2, 1]) with e4m3 scales (`block_sizes.scale_bits` [4, 3]); ModelOpt up to 0.29 nests all of it
+/// under `quantization`. The activation calibration it may carry (`input_amax`) is not applied:
+/// products take the activations as they are, as transformers computes with dequantised weights.
+fn check_modelopt_nvfp4(qc: &serde_json::Map<String, Value>) -> FieldResult<()> {
+    let (qc, at) = match qc.get("quantization") {
+        Some(Value::Object(inner)) => (inner, "quantization_config.quantization"),
+        _ => (qc, "quantization_config"),
+    };
+    let algo = qc.get("quant_algo").and_then(Value::as_str);
+    let quantizer = qc.get("modelopt_quant_config").and_then(|m| m.get("quant_cfg")).and_then(|q| q.get("*weight_quantizer"));
+    let nvfp4 = match (algo, quantizer) {
+        (Some(a), _) => a.eq_ignore_ascii_case("nvfp4"),
+        (None, Some(wq)) => {
+            wq.get("num_bits") == Some(&serde_json::json!([2, 1]))
+                && wq.get("block_sizes").and_then(|b| b.get("scale_bits")) == Some(&serde_json::json!([4, 3]))
+        }
+        (None, None) => false,
+    };
+    if !nvfp4 {
+        let what = algo.map_or_else(|| format!("{}", quantizer.unwrap_or(&Value::Null)), |a| format!("`{a}`"));
+        return Err(FieldError::new(at, format!("ModelOpt {what} is not read (shimmer reads ModelOpt NVFP4: e2m1 weights with e4m3 scales)")));
+    }
+    match qc.get("group_size") {
+        None | Some(Value::Null) => Ok(()),
+        Some(g) if g.as_u64() == Some(16) => Ok(()),
+        Some(g) => Err(FieldError::new(&format!("{at}.group_size"), format!("{g}: NVFP4 scales groups of 16"))),
     }
 }
 
@@ -791,6 +828,9 @@ impl ModelSpec {
         let entry = find_family(&obj, path)?;
         let mut spec = (entry.parse)(&obj).map_err(field_err)?;
         check_quantization(value).map_err(field_err)?;
+        if let Some(text) = text {
+            check_quantization(&Value::Object(text.clone())).map_err(|e| field_err(FieldError { field: format!("text_config.{}", e.field), ..e }))?;
+        }
         spec.fp8_block = fp8_block_size(value).map_err(field_err)?;
         // Checks across fields name where the field is: in an image-text config, `text_config`;
         // in the family's own spelling.

@@ -716,7 +716,7 @@ mod tests {
             }
             // fp8: every code but NaN in turn, with block scales of 128 and of an awkward 48.
             let fp8: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
-            let fp8_scales: Vec<Vec<f32>> = [128usize, 48].iter().map(|g| values(n.div_ceil(*g), 77 + *g as u64, 0.01)).collect();
+            let fp8_scales: Vec<Vec<f32>> = [128usize, 48, 32, 16].iter().map(|g| values(n.div_ceil(*g), 77 + *g as u64, 0.01)).collect();
             let mut formats: Vec<(String, WeightRow<'_>, Vec<f32>)> = vec![
                 ("f32".into(), WeightRow::F32(&w), w.clone()),
                 ("bf16".into(), WeightRow::Bf16(&bf), bf.iter().map(|b| half::bf16::from_bits(*b).to_f32()).collect()),
@@ -735,7 +735,7 @@ mod tests {
                 };
                 formats.push((label, row, dequantize(q)));
             }
-            for (g, scales) in [128usize, 48].iter().zip(&fp8_scales) {
+            for (g, scales) in [128usize, 48, 32, 16].iter().zip(&fp8_scales) {
                 let decoded = shimmer_common::quant::dequantize_fp8_blocks(&fp8, 1, n, scales, *g).unwrap_or_else(|e| panic!("{e}"));
                 formats.push((format!("fp8-b{g}"), WeightRow::Fp8 { q: &fp8, scales, group: *g }, decoded));
             }

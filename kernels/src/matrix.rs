@@ -87,12 +87,15 @@ pub enum WeightData {
         scales: Vec<f32>,
         group: usize,
     },
-    /// fp8-e4m3 with block scales (DeepSeek-V3's checkpoints): `w[r][c] = fp8(q) · scales[r /
-    /// block][c / block]`, `scales` being `⌈rows/block⌉ × ⌈cols/block⌉`.
+    /// fp8-e4m3 with one scale per tile of `row_block × block` values: `w[r][c] = fp8(q) ·
+    /// scales[r / row_block][c / block]`, `scales` being `⌈rows/row_block⌉ × ⌈cols/block⌉`.
+    /// DeepSeek-V3's checkpoints have 128 × 128 tiles; MXFP8 (1 × 32) and NVFP4 (1 × 16, its
+    /// e2m1 codes exact in e4m3) are held as row groups.
     Fp8 {
         q: Vec<u8>,
         scales: Vec<f32>,
         block: usize,
+        row_block: usize,
     },
     /// MXFP4 (`shimmer_common::quant`): e2m1 nibbles, one e8m0 scale per 32 values of a row.
     Mxfp4 {
@@ -165,17 +168,23 @@ impl Matrix {
         }
     }
 
-    /// Wraps a block-scaled fp8 matrix, checking its buffers. Errors say what does not fit.
+    /// Wraps a block-scaled fp8 matrix (square `block × block` tiles), checking its buffers.
+    /// Errors say what does not fit.
     pub fn from_fp8_blocks(rows: usize, cols: usize, q: Vec<u8>, scales: Vec<f32>, block: usize) -> Result<Self, String> {
-        if block == 0 {
-            return Err("fp8 block size is 0".into());
+        Self::from_fp8_tiles(rows, cols, q, scales, block, block)
+    }
+
+    /// Wraps an fp8 matrix with one scale per `row_block × block` tile, checking its buffers.
+    pub fn from_fp8_tiles(rows: usize, cols: usize, q: Vec<u8>, scales: Vec<f32>, row_block: usize, block: usize) -> Result<Self, String> {
+        if block == 0 || row_block == 0 {
+            return Err(format!("fp8 scale tiles of {row_block}×{block}"));
         }
         if q.len() != rows * cols {
             return Err(format!("fp8 data is {} bytes, the shape {rows}×{cols} needs {}", q.len(), rows * cols));
         }
-        let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
+        let (br, bc) = (rows.div_ceil(row_block), cols.div_ceil(block));
         if scales.len() != br * bc {
-            return Err(format!("block scales hold {} values, {rows}×{cols} in {block}×{block} blocks needs {br}×{bc}", scales.len()));
+            return Err(format!("block scales hold {} values, {rows}×{cols} in {row_block}×{block} blocks needs {br}×{bc}", scales.len()));
         }
         if let Some(bad) = scales.iter().find(|s| !s.is_finite()) {
             return Err(format!("a block scale is {bad}"));
@@ -183,7 +192,7 @@ impl Matrix {
         if let Some(i) = q.iter().position(|b| b & 0x7f == 0x7f) {
             return Err(format!("element ({}, {}) is an fp8 NaN", i / cols.max(1), i % cols.max(1)));
         }
-        Ok(Matrix::new(rows, cols, WeightData::Fp8 { q, scales, block }))
+        Ok(Matrix::new(rows, cols, WeightData::Fp8 { q, scales, block, row_block }))
     }
 
     pub fn bytes(&self) -> usize {
@@ -198,8 +207,8 @@ impl Matrix {
     }
 
     /// The matrix of rows `rows` of this one, in order, each row's stored bits and scale as they
-    /// are (splitting a fused gate-up tensor moves rows; it never requantises them). Block-scaled
-    /// fp8 shares a scale across rows and cannot be split this way: an error says so.
+    /// are (splitting a fused gate-up tensor moves rows; it never requantises them). fp8 whose
+    /// tiles span several rows shares a scale across them and cannot be split: an error says so.
     pub fn take_rows(&self, rows: &[usize]) -> Result<Matrix, String> {
         if let Some(bad) = rows.iter().find(|r| **r >= self.rows) {
             return Err(format!("row {bad} of a {}-row matrix", self.rows));
@@ -221,7 +230,11 @@ impl Matrix {
                 let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(shimmer_common::quant::MXFP4_GROUP));
                 WeightData::Mxfp4 { packed: gather(packed, bpr, rows), scales: gather(scales, gpr, rows) }
             }
-            WeightData::Fp8 { block, .. } => return Err(format!("fp8 rows share a scale per {block}-row block: they cannot be taken apart")),
+            WeightData::Fp8 { q, scales, block, row_block: 1 } => {
+                let gpr = cols.div_ceil(*block);
+                WeightData::Fp8 { q: gather(q, cols, rows), scales: gather(scales, gpr, rows), block: *block, row_block: 1 }
+            }
+            WeightData::Fp8 { row_block, .. } => return Err(format!("fp8 rows share a scale per {row_block}-row block: they cannot be taken apart")),
         };
         Ok(Matrix { rows: rows.len(), cols, data, activations: self.activations })
     }
@@ -259,9 +272,9 @@ impl Matrix {
                 let bpr = self.cols.div_ceil(2);
                 WeightRow::Int4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], group: *group, n: self.cols }
             }
-            WeightData::Fp8 { q, scales, block } => {
+            WeightData::Fp8 { q, scales, block, row_block } => {
                 let gpr = self.cols.div_ceil(*block);
-                let sr = (r / block) * gpr;
+                let sr = (r / row_block) * gpr;
                 WeightRow::Fp8 { q: &q[range], scales: &scales[sr..sr + gpr], group: *block }
             }
             WeightData::Mxfp4 { packed, scales } => {
@@ -580,6 +593,7 @@ mod tests {
             Matrix::from_quant(quantize_int8(&w, rows, cols)),
             Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
             Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
+            fp8_matrix(rows, cols, 1, 32),
         ];
         for m in formats {
             let odd = m.take_rows(&[1, 3, 5]).expect("rows in range");
@@ -593,6 +607,8 @@ mod tests {
         assert!(Matrix::from_f32(2, 2, vec![0.0; 4]).take_rows(&[2]).is_err());
         let fp8 = Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![1.0], 128).expect("fp8");
         assert!(fp8.take_rows(&[0]).unwrap_err().contains("cannot be taken apart"));
+        let fp8 = Matrix::from_fp8_tiles(2, 2, vec![0; 4], vec![1.0], 2, 2).expect("fp8");
+        assert!(fp8.take_rows(&[0]).unwrap_err().contains("2-row block"));
     }
 
     #[test]
@@ -726,30 +742,34 @@ mod tests {
             Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)),
             Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&w, rows, cols)),
             Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32),
-            fp8_matrix(rows, cols, 128),
+            fp8_matrix(rows, cols, 128, 128),
+            fp8_matrix(rows, cols, 1, 16),
             Matrix::from_f32(rows, cols, w.clone()),
         ] {
             batch_invariant(&m);
         }
     }
 
-    /// A block-scaled fp8 matrix with every non-NaN code and scales varying by block.
-    fn fp8_matrix(rows: usize, cols: usize, block: usize) -> Matrix {
+    /// An fp8 matrix in `row_block × block` tiles with every non-NaN code and scales varying by
+    /// tile.
+    fn fp8_matrix(rows: usize, cols: usize, row_block: usize, block: usize) -> Matrix {
         let q: Vec<u8> = (0..rows * cols).map(|i| (i * 53 % 256) as u8).map(|b| if b & 0x7f == 0x7f { 0x3c } else { b }).collect();
-        let scales: Vec<f32> = (0..rows.div_ceil(block) * cols.div_ceil(block)).map(|i| 0.001 * (i + 1) as f32).collect();
-        Matrix::from_fp8_blocks(rows, cols, q, scales, block).unwrap()
+        let scales: Vec<f32> = (0..rows.div_ceil(row_block) * cols.div_ceil(block)).map(|i| 0.001 * (i + 1) as f32).collect();
+        Matrix::from_fp8_tiles(rows, cols, q, scales, row_block, block).unwrap()
     }
 
     #[test]
     fn fp8_matrices_equal_their_block_dequantisation_row_by_row() {
-        for &(rows, cols, block) in &[(1, 1, 128), (3, 7, 2), (130, 300, 128), (17, 65, 16)] {
-            let m = fp8_matrix(rows, cols, block);
+        for &(rows, cols, row_block, block) in
+            &[(1, 1, 128, 128), (3, 7, 2, 2), (130, 300, 128, 128), (17, 65, 16, 16), (9, 100, 1, 32), (9, 100, 1, 16), (5, 40, 2, 8)]
+        {
+            let m = fp8_matrix(rows, cols, row_block, block);
             let WeightData::Fp8 { q, scales, .. } = &m.data else { unreachable!() };
-            let want = shimmer_common::quant::dequantize_fp8_blocks(q, rows, cols, scales, block).unwrap();
+            let want = shimmer_common::quant::dequantize_fp8_tiles(q, rows, cols, scales, row_block, block).unwrap();
             let mut row = vec![0.0; cols];
             for r in 0..rows {
                 m.row_f32(r, &mut row);
-                assert_eq!(row, want[r * cols..(r + 1) * cols], "{rows}x{cols}/{block} row {r}");
+                assert_eq!(row, want[r * cols..(r + 1) * cols], "{rows}x{cols}/{row_block}x{block} row {r}");
             }
             let x: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 - 2.0).collect();
             let mut got = vec![0.0; rows];

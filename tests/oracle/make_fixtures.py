@@ -705,6 +705,8 @@ def main():
         make_deepseek_v4_fp8(lines)
     if only in (None, "inkling"):
         make_inkling_image_text(lines)
+    if only in (None, "inkling", "inkling_nvfp4"):
+        make_nvfp4_twin(os.path.join(OUT, "inkling"), os.path.join(OUT, "inkling_nvfp4"))
     if only in (None, "inkling2"):
         make_inkling2_image_text(lines)
     if only in (None, "inkling2", "inkling2_mxfp8"):
@@ -1120,7 +1122,7 @@ def make_inkling_image_text(lines):
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4),
         audio_config=dict(n_mel_bins=8, mel_vocab_size=16))
     make("inkling", config, dtype=torch.bfloat16, std=0.25, seed=1700, tokenizer=tok, template=CHATML, template_in_config=False,
-         model_class=InklingForConditionalGeneration, adjust=inkling_scales,
+         model_class=InklingForConditionalGeneration, adjust=lambda m: (inkling_scales(m), snap_experts_to_nvfp4(m)),
          keep_f32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv", "e_score_correction_bias", "gate.global_scale"))
 
 
@@ -1172,6 +1174,90 @@ def make_mxfp8_twin(src, dst):
     cfg = json.load(open(cfg_path))
     cfg["quantization_config"] = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
                                   "weight_block_size": [1, 32]}
+    json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
+    print(f"{os.path.basename(dst)}: from {os.path.basename(src)}")
+
+
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES])
+
+
+def nvfp4_factor(experts):
+    """The per-expert second-level scale (`weight_scale_2`) the fixtures use: powers of two that
+    differ by expert (2^-6, 2^-7, 2^-8, ...), so that every NVFP4 value is exact in bf16 and a
+    factor read for the wrong expert shows."""
+    return torch.tensor([2.0 ** -(6 + e % 3) for e in range(experts)])
+
+
+def nvfp4_encode(w):
+    """NVFP4 along the last axis of an `experts × rows × cols` tensor, as ModelOpt stores it: e2m1
+    codes two to a byte (even element in the low nibble), one fp8-e4m3 scale per 16 values of a row
+    (the least e4m3 value keeping the group within e2m1's 6 after the expert's factor), one f32
+    factor per expert (`nvfp4_factor`). Returns (packed codes, scales, factors, the exact values
+    they stand for). Encoding those values again gives the same codes and scales."""
+    experts, rows, k = w.shape
+    factor = nvfp4_factor(experts)
+    g = torch.nn.functional.pad(w.float(), (0, -k % 16)).reshape(experts, rows, -1, 16)
+    target = g.abs().amax(-1) / 6.0 / factor[:, None, None]
+    scale = target.to(torch.float8_e4m3fn)
+    low = scale.float() < target
+    scale = torch.where(low, (scale.view(torch.uint8) + 1).view(torch.float8_e4m3fn), scale)
+    scale = torch.where(scale.float() == 0, torch.tensor(2.0 ** -9).to(torch.float8_e4m3fn), scale)
+    unit = g / (scale.float() * factor[:, None, None])[..., None]
+    magnitude = (unit.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1)
+    code = magnitude + 8 * ((unit < 0) & (magnitude > 0))
+    values = E2M1_VALUES[code] * scale.float()[..., None] * factor[:, None, None, None]
+    values = values.reshape(experts, rows, -1)[..., :k]
+    code = torch.nn.functional.pad(code.reshape(experts, rows, -1)[..., :k], (0, k % 2))
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous(), factor, values
+
+
+def snap_experts_to_nvfp4(model):
+    """Makes every routed expert weight exactly an NVFP4 value (`nvfp4_encode`), so the fixture and
+    its NVFP4 twin (`make_nvfp4_twin`) are the same model. The shared experts stay as they are (the
+    release keeps them in bf16)."""
+    with torch.no_grad():
+        for mod_name, mod in model.named_modules():
+            if mod_name.endswith("mlp.experts"):
+                mod.gate_up_proj.copy_(nvfp4_encode(mod.gate_up_proj)[3])
+                mod.down_proj.copy_(nvfp4_encode(mod.down_proj)[3])
+
+
+def make_nvfp4_twin(src, dst):
+    """Inkling as released in NVFP4 (`Inkling-NVFP4`, ModelOpt): the routed experts' `w13_weight`
+    and `w2_weight` as packed e2m1 codes with `<name>_scale` (fp8-e4m3 per 16 values of a row) and
+    `<name>_scale_2` (f32 per expert), everything else as in `src`, `quantization_config` ModelOpt's
+    NVFP4 as vLLM reads it. transformers 5.24 has no ModelOpt quantizer, so the oracle is `src`'s —
+    the same model: every tensor written here is checked, by transformers' own NVFP4
+    dequantisation (`Inkling2LoopDequantizeExperts`, whose per-expert factor `amax / denominator`
+    is `_scale_2` over one), to give back `src`'s values."""
+    from safetensors.torch import load_file
+    from transformers.core_model_loading import Inkling2LoopDequantizeExperts
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    out = {}
+    for name, t in load_file(path).items():
+        if name.endswith("mlp.experts.w13_weight") or name.endswith("mlp.experts.w2_weight"):
+            packed, scale, factor, values = nvfp4_encode(t)
+            assert torch.equal(values.to(t.dtype), t) and torch.equal(values, t.float()), f"{name} is not NVFP4-exact"
+            sources = ["w", "s", "amax", "den"]
+            back = Inkling2LoopDequantizeExperts().convert(
+                {"w": packed, "s": scale, "amax": factor, "den": torch.ones_like(factor)}, sources, ["out"])["out"]
+            assert torch.equal(back.float(), t.float()), f"{name}: transformers reads other values"
+            out[name], out[name + "_scale"], out[name + "_scale_2"] = packed, scale, factor
+        else:
+            out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_path))
+    layers = cfg["text_config"]["num_hidden_layers"]
+    cfg["quantization_config"] = {
+        "quant_method": "modelopt", "group_size": 16,
+        "modelopt_quant_config": {"quant_cfg": {"*weight_quantizer": {
+            "num_bits": [2, 1], "block_sizes": {"-1": 16, "type": "dynamic", "scale_bits": [4, 3]}, "enable": True}}},
+        "exclude_modules": [f"model.llm.layers.{i}.mlp.shared_experts" for i in range(layers)]}
     json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
     print(f"{os.path.basename(dst)}: from {os.path.basename(src)}")
 

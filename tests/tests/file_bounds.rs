@@ -79,6 +79,11 @@ const NOT_SIZES: &[&str] = &[
     "mrope_section",
     // quantization_config.weight_block_size: bounded where it is parsed.
     "weight_block_size",
+    // ModelOpt's NVFP4 `quantization_config`: each compared with the one value shimmer reads.
+    "group_size",
+    "num_bits",
+    "scale_bits",
+    "-1",
 ];
 
 fn config_of(name: &str) -> Value {

@@ -202,8 +202,10 @@ fn mxfp8_release_experts_are_their_bf16_twins_values_and_damage_is_named() {
         let a = shimmer_experts::weights::load_expert(&cm, &spec, layer, expert).unwrap();
         let b = shimmer_experts::weights::load_expert(&cb, &spec, layer, expert).unwrap();
         for (x, y) in [(&a.gate, &b.gate), (&a.up, &b.up), (&a.down, &b.down)] {
-            assert_eq!(x.data, y.data, "layer {layer} expert {expert}");
+            same_values_and_products(x, y, &format!("layer {layer} expert {expert}"));
         }
+        // Held as fp8 with its group scales: about half of what bf16 takes.
+        assert!(a.bytes() * 100 < b.bytes() * 60, "{} bytes against bf16's {}", a.bytes(), b.bytes());
     }
     let st = |dir: &std::path::Path| dir.join("model.safetensors");
     let name = "model.llm.layers.1.mlp.experts.w13_weight_scale";
@@ -222,4 +224,114 @@ fn mxfp8_release_experts_are_their_bf16_twins_values_and_damage_is_named() {
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let e = shimmer_experts::weights::load_expert(&ckpt, &spec, 1, 0).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains(name) && e.contains("NaN"), "{e}");
+}
+
+/// `x` and `y` hold the same values (bit for bit) and give the same products with any activations
+/// (the same canonical dot, whatever form each is held in).
+fn same_values_and_products(x: &shimmer_kernels::Matrix, y: &shimmer_kernels::Matrix, what: &str) {
+    assert_eq!((x.rows, x.cols), (y.rows, y.cols), "{what}");
+    let (mut rx, mut ry) = (vec![0.0f32; x.cols], vec![0.0f32; y.cols]);
+    for r in 0..x.rows {
+        x.row_f32(r, &mut rx);
+        y.row_f32(r, &mut ry);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&rx), bits(&ry), "{what}: row {r}");
+    }
+    let act: Vec<f32> = (0..x.cols).map(|c| ((c * 37 % 23) as f32 - 11.0) * 0.173).collect();
+    let (mut ox, mut oy) = (vec![0.0f32; x.rows], vec![0.0f32; y.rows]);
+    x.matvec(&act, &mut ox);
+    y.matvec(&act, &mut oy);
+    assert_eq!(ox.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), oy.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), "{what}: products");
+}
+
+/// Overwrites the bytes at `at` of tensor `name`'s data in a safetensors file.
+fn poke(path: &std::path::Path, name: &str, at: usize, data: &[u8]) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize + at;
+    bytes[start..start + data.len()].copy_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Inkling's NVFP4 release form (`inkling_nvfp4`, ModelOpt's layout) is the `inkling` fixture's
+/// model: every routed expert reads back as exactly the values the bf16 checkpoint holds (its
+/// per-expert factors powers of two), with the same products, in about 1.25 bytes a weight.
+#[test]
+fn nvfp4_release_experts_are_their_bf16_twins_values() {
+    let (nv, bf) = (fixture("inkling_nvfp4"), fixture("inkling"));
+    let (cn, cb) = (Checkpoint::open(&nv).unwrap(), Checkpoint::open(&bf).unwrap());
+    let spec = shimmer_common::ModelSpec::from_dir(&nv).unwrap();
+    let moe: Vec<usize> = (0..spec.layers.len()).filter(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    assert!(!moe.is_empty());
+    for &layer in &moe {
+        for expert in [0, 1, 2, 7] {
+            let a = shimmer_experts::weights::load_expert(&cn, &spec, layer, expert).unwrap();
+            let b = shimmer_experts::weights::load_expert(&cb, &spec, layer, expert).unwrap();
+            for (x, y) in [(&a.gate, &b.gate), (&a.up, &b.up), (&a.down, &b.down)] {
+                same_values_and_products(x, y, &format!("layer {layer} expert {expert}"));
+            }
+            assert!(a.bytes() * 100 < b.bytes() * 70, "{} bytes against bf16's {}", a.bytes(), b.bytes());
+        }
+    }
+}
+
+/// Each NVFP4 value is `e2m1 · (e4m3 scale · factor)`, the group's scale rounded once to f32 —
+/// checked with a factor that is not a power of two; damaged factors, scales and shapes are
+/// refused naming the tensor.
+#[test]
+fn nvfp4_values_are_codes_times_scales_times_factors_and_damage_is_named() {
+    let spec = shimmer_common::ModelSpec::from_dir(&fixture("inkling_nvfp4")).unwrap();
+    let layer = (0..spec.layers.len()).find(|l| spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).unwrap();
+    let base = format!("model.llm.layers.{layer}.mlp.experts.w2_weight");
+    let st = |dir: &std::path::Path| dir.join("model.safetensors");
+    let load = |dir: &std::path::Path| {
+        let ckpt = Checkpoint::open(dir).unwrap();
+        shimmer_experts::weights::load_expert(&ckpt, &spec, layer, 1)
+    };
+    let dir = shimmer_tests::copy_fixture("inkling_nvfp4");
+    let factor = 0.3f32;
+    poke(&st(dir.path()), &format!("{base}_scale_2"), 4, &factor.to_le_bytes());
+    let down = load(dir.path()).unwrap().down;
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let (codes, scales) = (ckpt.raw(&base).unwrap(), ckpt.raw(&format!("{base}_scale")).unwrap());
+    assert_eq!(scales.dtype, StDtype::F8_E4M3);
+    let (rows, bpr, gpr) = (codes.shape[1], codes.shape[2], scales.shape[2]);
+    let cols = bpr * 2;
+    assert_eq!((down.rows, down.cols), (rows, cols));
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        down.row_f32(r, &mut row);
+        for (c, got) in row.iter().enumerate() {
+            let byte = codes.bytes[(rows + r) * bpr + c / 2];
+            let code = if c % 2 == 0 { byte & 0xf } else { byte >> 4 };
+            let want = quant::E2M1[code as usize] * (quant::fp8_e4m3_to_f32(scales.bytes[(rows + r) * gpr + c / 16]) * factor);
+            assert_eq!(got.to_bits(), want.to_bits(), "row {r} column {c}");
+        }
+    }
+    // A factor that is not finite; an fp8 NaN scale; scales and factors of the wrong shape; the
+    // factors missing.
+    let dir = shimmer_tests::copy_fixture("inkling_nvfp4");
+    poke(&st(dir.path()), &format!("{base}_scale_2"), 4, &f32::INFINITY.to_le_bytes());
+    let e = load(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains(&format!("{base}_scale_2")) && e.contains("inf"), "{e}");
+    let dir = shimmer_tests::copy_fixture("inkling_nvfp4");
+    poke(&st(dir.path()), &format!("{base}_scale"), rows * gpr, &[0x7f]);
+    let e = load(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains(&format!("{base}_scale")) && e.contains("NaN"), "{e}");
+    for (tensor, shape, says) in
+        [(format!("{base}_scale"), serde_json::json!([8, rows * gpr]), "fp8-e4m3"), (format!("{base}_scale_2"), serde_json::json!([4, 2]), "one factor each")]
+    {
+        let dir = shimmer_tests::copy_fixture("inkling_nvfp4");
+        shimmer_tests::edit_safetensors_header(&st(dir.path()), |h| h[&tensor]["shape"] = shape.clone());
+        let e = load(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(&tensor) && e.contains(says), "{tensor}: {e}");
+    }
+    let dir = shimmer_tests::copy_fixture("inkling_nvfp4");
+    shimmer_tests::edit_safetensors_header(&st(dir.path()), |h| {
+        let v = h.remove(&format!("{base}_scale_2")).unwrap();
+        h.insert(format!("{base}_factor"), v);
+    });
+    let e = load(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains(&base) && e.contains("_scale_2"), "{e}");
 }

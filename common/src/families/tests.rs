@@ -394,6 +394,34 @@ fn inkling_image_text_releases_serve_their_text_part_under_the_release_names() {
     assert!(parse(mx.clone()).is_ok());
     mx["quantization_config"]["weight_block_size"] = json!([128, 128]);
     assert!(message(parse(mx)).contains("`quantization_config.weight_block_size`"));
+    // ModelOpt's NVFP4 (Inkling's release) reads in both spellings, also under `text_config` or
+    // nested as ModelOpt 0.29 did; its other algorithms and group sizes are refused by name.
+    let nvfp4 = json!({"quant_method": "modelopt", "group_size": 16, "modelopt_quant_config": {"quant_cfg": {"*weight_quantizer":
+        {"num_bits": [2, 1], "block_sizes": {"-1": 16, "type": "dynamic", "scale_bits": [4, 3]}}}}});
+    for qc in [
+        nvfp4.clone(),
+        json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}),
+        json!({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "group_size": 16}}),
+    ] {
+        let mut m = outer("Inkling2ForConditionalGeneration", "inkling2", &text2);
+        m["quantization_config"] = qc.clone();
+        assert!(parse(m).is_ok(), "{qc}");
+    }
+    for (qc, field) in [
+        (json!({"quant_method": "modelopt", "quant_algo": "FP8"}), "`quantization_config`"),
+        (json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}), "`quantization_config.group_size`"),
+        (json!({"quant_method": "modelopt", "quantization": {"quant_algo": "W4A8_AWQ"}}), "`quantization_config.quantization`"),
+        (json!({"quant_method": "modelopt", "modelopt_quant_config": {"quant_cfg": {"*weight_quantizer": {"num_bits": 8}}}}), "`quantization_config`"),
+    ] {
+        let mut m = outer("Inkling2ForConditionalGeneration", "inkling2", &text2);
+        m["quantization_config"] = qc.clone();
+        assert!(message(parse(m)).contains(field), "{qc}");
+    }
+    let mut inner = text2.clone();
+    inner["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "INT4_AWQ"});
+    assert!(message(parse(outer("Inkling2ForConditionalGeneration", "inkling2", &inner))).contains("`text_config.quantization_config`"));
+    inner["quantization_config"] = nvfp4;
+    assert!(parse(outer("Inkling2ForConditionalGeneration", "inkling2", &inner)).is_ok());
     let mut bad2 = text2.clone();
     bad2["qk_l2_clip_threshold"] = json!(-1.0);
     assert!(message(parse(outer("Inkling2ForConditionalGeneration", "inkling2", &bad2))).contains("`text_config.qk_l2_clip_threshold`"));

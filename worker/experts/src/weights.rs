@@ -6,8 +6,9 @@
 //! it is; int8 rows with `<name>_shimmer_int8_scale` (a converted container's dense weights).
 //!
 //! It also reads a routed expert from a checkpoint in the layout its family stores
-//! (`ExpertLayout`): separate tensors per expert, or gpt-oss's fused, interleaved, biased
-//! tensors — as floats or as the MXFP4 blocks and scales OpenAI ships.
+//! (`ExpertLayout`): separate tensors per expert, gpt-oss's fused, interleaved, biased tensors —
+//! as floats or as the MXFP4 blocks and scales OpenAI ships —, or Inkling's stacked tensors as
+//! floats, MXFP8 or NVFP4 (both held as fp8 with one f32 scale per row group).
 //!
 //! Must never: change a value — each form is served exactly as its format defines it.
 
@@ -222,7 +223,8 @@ pub fn stacked_expert(ckpt: &Checkpoint, gate_up: &str, down: &str, n: usize, e:
 
 /// Expert `e`'s `[gate, up, down]` from stacked tensors whose gate and up rows are interleaved:
 /// `gate_up` (`n × 2i × h`, row 2j gate j, row 2j + 1 up j) and `down` (`n × h × i`). Inkling's
-/// release stores its routed experts and its shared-expert bank this way.
+/// release stores its routed experts and its shared-expert bank this way — as floats, as MXFP8
+/// (Inkling 2) or as NVFP4 (Inkling's ModelOpt release); `StackedForm` says which.
 pub fn stacked_interleaved_expert(
     ckpt: &Checkpoint,
     gate_up: &str,
@@ -232,43 +234,83 @@ pub fn stacked_interleaved_expert(
     h: usize,
     i: usize,
 ) -> Result<(Matrix, Matrix, Matrix), LoadError> {
-    let (gate, up) = if is_mxfp8(ckpt, gate_up)? {
-        let gu = mxfp8_expert(ckpt, gate_up, n, e, 2 * i, h)?;
-        let rows = |parity: usize| (0..i).flat_map(|r| gu[(2 * r + parity) * h..(2 * r + parity + 1) * h].iter().copied()).collect();
-        (exact_matrix(i, h, rows(0)), exact_matrix(i, h, rows(1)))
-    } else {
-        let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
-        (transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r) * h + c), transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r + 1) * h + c))
+    let (gate, up) = match StackedForm::of(ckpt, gate_up)? {
+        StackedForm::Float => {
+            let gu = ckpt.get(gate_up, &[n, 2 * i, h])?;
+            (transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r) * h + c), transpose_take(&gu, i, h, |r, c| (e * 2 * i + 2 * r + 1) * h + c))
+        }
+        form => {
+            // Row groups: each row keeps its own scales, so the rows part as they are.
+            let gu = form.expert(ckpt, gate_up, n, e, 2 * i, h)?;
+            let part = |parity: usize| gu.take_rows(&(0..i).map(|r| 2 * r + parity).collect::<Vec<_>>()).map_err(|p| tensor_error(ckpt, gate_up, p));
+            (part(0)?, part(1)?)
+        }
     };
-    let down = if is_mxfp8(ckpt, down)? {
-        exact_matrix(h, i, mxfp8_expert(ckpt, down, n, e, h, i)?)
-    } else {
-        let dv = ckpt.get(down, &[n, h, i])?;
-        transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c)
+    let down = match StackedForm::of(ckpt, down)? {
+        StackedForm::Float => {
+            let dv = ckpt.get(down, &[n, h, i])?;
+            transpose_take(&dv, h, i, |r, c| (e * h + r) * i + c)
+        }
+        form => form.expert(ckpt, down, n, e, h, i)?,
     };
     Ok((gate, up, down))
 }
 
-/// The suffix of an MXFP8 tensor's scales (Inkling 2's release: `w13_weight_scale`).
-pub const MXFP8_SCALE_SUFFIX: &str = "_scale";
+/// The suffix of an MXFP8 or NVFP4 tensor's group scales (Inkling's releases: `w13_weight_scale`).
+pub const GROUP_SCALE_SUFFIX: &str = "_scale";
+
+/// The suffix of an NVFP4 tensor's per-expert second-level scales (ModelOpt's `weight_scale_2`).
+pub const NVFP4_SCALE_2_SUFFIX: &str = "_scale_2";
 
 /// Values of an MXFP8 group.
 const MXFP8_GROUP: usize = 32;
 
-/// Whether `name` is stored as MXFP8: fp8-e4m3 values with `<name>_scale` beside them.
-fn is_mxfp8(ckpt: &Checkpoint, name: &str) -> Result<bool, LoadError> {
-    Ok(ckpt.raw(name)?.dtype == StDtype::F8_E4M3 && ckpt.contains(&format!("{name}{MXFP8_SCALE_SUFFIX}")))
+/// Values of an NVFP4 group.
+const NVFP4_GROUP: usize = 16;
+
+/// How a stacked expert tensor is stored, told by its dtype and the scales beside it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum StackedForm {
+    /// bf16/f16/f32 values.
+    Float,
+    /// fp8-e4m3 values with `<name>_scale`: one UE8M0 exponent per 32 values of a row.
+    Mxfp8,
+    /// e2m1 codes two to a byte (even element in the low nibble) with `<name>_scale`: one
+    /// fp8-e4m3 scale per 16 values of a row, and `<name>_scale_2`: one f32 factor per expert.
+    Nvfp4,
 }
 
-/// Expert `e`'s `rows × cols` values from a stacked MXFP8 tensor (`n × rows × cols` fp8-e4m3, and
-/// `n × rows × ⌈cols/32⌉` UE8M0 exponents in `<name>_scale`, one per 32 values of a row): each
-/// value `e4m3 · 2^(s − 127)`, exact in f32. An fp8 NaN or the UE8M0 NaN is refused by name.
-fn mxfp8_expert(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
+impl StackedForm {
+    fn of(ckpt: &Checkpoint, name: &str) -> Result<Self, LoadError> {
+        let has_scales = ckpt.contains(&format!("{name}{GROUP_SCALE_SUFFIX}"));
+        Ok(match ckpt.raw(name)?.dtype {
+            StDtype::F8_E4M3 if has_scales => StackedForm::Mxfp8,
+            StDtype::U8 | StDtype::I8 if has_scales => StackedForm::Nvfp4,
+            _ => StackedForm::Float,
+        })
+    }
+
+    /// Expert `e`'s `rows × cols` matrix of the stacked tensor `name`, held as fp8 with one scale
+    /// per row group (its values exactly as the format defines them).
+    fn expert(self, ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        match self {
+            StackedForm::Float => Ok(transpose_take(&ckpt.get(name, &[n, rows, cols])?, rows, cols, |r, c| (e * rows + r) * cols + c)),
+            StackedForm::Mxfp8 => mxfp8_expert(ckpt, name, n, e, rows, cols),
+            StackedForm::Nvfp4 => nvfp4_expert(ckpt, name, n, e, rows, cols),
+        }
+    }
+}
+
+/// Expert `e` of a stacked MXFP8 tensor (`n × rows × cols` fp8-e4m3, and `n × rows × ⌈cols/32⌉`
+/// UE8M0 exponents in `<name>_scale`, one per 32 values of a row): each value `e4m3 · 2^(s −
+/// 127)`, held as the fp8 it is with its exact f32 group scales. An fp8 NaN or the UE8M0 NaN is
+/// refused by name.
+fn mxfp8_expert(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
     let raw = ckpt.raw(name)?;
     if raw.shape != [n, rows, cols] {
         return Err(tensor_error(ckpt, name, format!("shape {:?} but the model config needs {:?}", raw.shape, [n, rows, cols])));
     }
-    let scale_name = format!("{name}{MXFP8_SCALE_SUFFIX}");
+    let scale_name = format!("{name}{GROUP_SCALE_SUFFIX}");
     let sraw = ckpt.raw(&scale_name)?;
     let gpr = cols.div_ceil(MXFP8_GROUP);
     if !matches!(sraw.dtype, StDtype::U8 | StDtype::F8_E8M0) || sraw.shape != [n, rows, gpr] {
@@ -278,26 +320,76 @@ fn mxfp8_expert(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, 
             format!("{:?} {:?}, but the MXFP8 scales of {:?} values are UE8M0 {:?}", sraw.dtype, sraw.shape, [n, rows, cols], [n, rows, gpr]),
         ));
     }
-    let q = &raw.bytes[e * rows * cols..(e + 1) * rows * cols];
     let scales = &sraw.bytes[e * rows * gpr..(e + 1) * rows * gpr];
     if let Some(at) = scales.iter().position(|s| *s == 0xff) {
         return Err(tensor_error(ckpt, &scale_name, format!("expert {e}: scale {at} is the UE8M0 NaN (255)")));
     }
-    if let Some(at) = q.iter().position(|b| b & 0x7f == 0x7f) {
-        return Err(tensor_error(ckpt, name, format!("expert {e}: value {at} is an fp8 NaN")));
-    }
-    Ok(q.iter().enumerate().map(|(k, b)| quant::fp8_e4m3_to_f32(*b) * quant::e8m0_to_f32(scales[(k / cols) * gpr + (k % cols) / MXFP8_GROUP])).collect())
+    let q = raw.bytes[e * rows * cols..(e + 1) * rows * cols].to_vec();
+    let scales = scales.iter().map(|s| quant::e8m0_to_f32(*s)).collect();
+    Matrix::from_fp8_tiles(rows, cols, q, scales, 1, MXFP8_GROUP).map_err(|p| tensor_error(ckpt, name, format!("expert {e}: {p}")))
 }
 
-/// Exact values as a matrix: bf16 when every value is one (an e4m3 value times a power of two
-/// is, unless it falls below bf16's range), else f32 — never rounded.
-fn exact_matrix(rows: usize, cols: usize, values: Vec<f32>) -> Matrix {
-    let bf16: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
-    if bf16.iter().zip(&values).all(|(b, v)| half::bf16::from_bits(*b).to_f32().to_bits() == v.to_bits()) {
-        Matrix::new(rows, cols, WeightData::Bf16(bf16))
-    } else {
-        Matrix::from_f32(rows, cols, values)
+/// The e4m3 byte of each e2m1 code: every e2m1 value is an e4m3 value (1 mantissa bit in 3).
+const E2M1_AS_E4M3: [u8; 16] = [0x00, 0x30, 0x38, 0x3c, 0x40, 0x44, 0x48, 0x4c, 0x80, 0xb0, 0xb8, 0xbc, 0xc0, 0xc4, 0xc8, 0xcc];
+
+/// Expert `e` of a stacked NVFP4 tensor as ModelOpt writes it: `name` holds e2m1 codes two to a
+/// byte, even element in the low nibble (`n × rows × ⌈cols/2⌉`), `<name>_scale` one fp8-e4m3
+/// scale per 16 values of a row (`n × rows × ⌈cols/16⌉`) and `<name>_scale_2` one f32 factor per
+/// expert (`n` or `n × 1`). Each value is `e2m1 · (e4m3 scale · factor)`, the group's scale
+/// rounded once to f32 — held as fp8 (the codes are exact in e4m3) with those f32 group scales,
+/// 1.25 bytes a weight. Shapes, dtypes, NaNs and factors that are not finite are refused by name.
+fn nvfp4_expert(ckpt: &Checkpoint, name: &str, n: usize, e: usize, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    let raw = ckpt.raw(name)?;
+    let bpr = cols.div_ceil(2);
+    if raw.shape != [n, rows, bpr] {
+        return Err(tensor_error(
+            ckpt,
+            name,
+            format!("packed NVFP4 of shape {:?}, but {n} experts of {rows}×{cols} values need {:?}", raw.shape, [n, rows, bpr]),
+        ));
     }
+    let scale_name = format!("{name}{GROUP_SCALE_SUFFIX}");
+    let sraw = ckpt.raw(&scale_name)?;
+    let gpr = cols.div_ceil(NVFP4_GROUP);
+    if sraw.dtype != StDtype::F8_E4M3 || sraw.shape != [n, rows, gpr] {
+        return Err(tensor_error(
+            ckpt,
+            &scale_name,
+            format!("{:?} {:?}, but the NVFP4 scales of {:?} values are fp8-e4m3 {:?}", sraw.dtype, sraw.shape, [n, rows, cols], [n, rows, gpr]),
+        ));
+    }
+    let factor_name = format!("{name}{NVFP4_SCALE_2_SUFFIX}");
+    if !ckpt.contains(&factor_name) {
+        return Err(tensor_error(ckpt, name, format!("NVFP4 weights without their per-expert scales (`{factor_name}`)")));
+    }
+    let fraw = ckpt.raw(&factor_name)?;
+    if fraw.shape != [n] && fraw.shape != [n, 1] {
+        return Err(tensor_error(ckpt, &factor_name, format!("shape {:?}, but {n} experts have one factor each ([{n}] or [{n}, 1])", fraw.shape)));
+    }
+    let factor = ckpt.get(&factor_name, fraw.shape)?.to_f32()[e];
+    if !factor.is_finite() {
+        return Err(tensor_error(ckpt, &factor_name, format!("expert {e}'s factor is {factor}")));
+    }
+    let group_scales = &sraw.bytes[e * rows * gpr..(e + 1) * rows * gpr];
+    let mut scales = Vec::with_capacity(group_scales.len());
+    for (at, s) in group_scales.iter().enumerate() {
+        let scale = quant::fp8_e4m3_to_f32(*s) * factor;
+        if !scale.is_finite() {
+            return Err(tensor_error(
+                ckpt,
+                &scale_name,
+                format!("expert {e}: scale {at} is {} (times the factor {factor}: {scale})", quant::fp8_e4m3_to_f32(*s)),
+            ));
+        }
+        scales.push(scale);
+    }
+    let packed = &raw.bytes[e * rows * bpr..(e + 1) * rows * bpr];
+    let q = (0..rows * cols).map(|k| {
+        let (r, c) = (k / cols, k % cols);
+        let byte = packed[r * bpr + c / 2];
+        E2M1_AS_E4M3[usize::from(if c % 2 == 0 { byte & 0xf } else { byte >> 4 })]
+    });
+    Matrix::from_fp8_tiles(rows, cols, q.collect(), scales, 1, NVFP4_GROUP).map_err(|p| tensor_error(ckpt, name, format!("expert {e}: {p}")))
 }
 
 /// Shared expert `e` of a stacked bank (`gate`, `up`: `n × i × h`; `down`: `n × h × i`).

@@ -65,6 +65,7 @@ fn matrix(format: &str, rows: usize, cols: usize, rng: &mut Rng) -> Matrix {
                 q: (0..rows * cols).map(|_| (rng.next() as u8) & 0xf7).collect(),
                 scales: (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|_| rng.value().abs() + 1e-3).collect(),
                 block: 128,
+                row_block: 128,
             },
         ),
         "int8" => Matrix::from_quant(quantize_int8(&values, rows, cols)),

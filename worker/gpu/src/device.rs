@@ -163,8 +163,9 @@ impl ExpertImage {
                     v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
                     WeightFormat::F16
                 }
-                (WeightData::Fp8 { q, scales, block }, Activations::F32)
-                    if *block > 0 && *block <= u32::MAX as usize && scales.len() == m.rows.div_ceil(*block) * m.cols.div_ceil(*block) =>
+                // Square tiles only (DeepSeek's): row groups (MXFP8, NVFP4) are computed on the CPU.
+                (WeightData::Fp8 { q, scales, block, row_block }, Activations::F32)
+                    if *block > 0 && row_block == block && *block <= u32::MAX as usize && scales.len() == m.rows.div_ceil(*block) * m.cols.div_ceil(*block) =>
                 {
                     bytes.extend_from_slice(q);
                     align(&mut bytes);
@@ -238,6 +239,7 @@ fn format_name(data: &WeightData) -> &'static str {
         WeightData::F16(_) => "f16",
         WeightData::Int8 { .. } => "int8",
         WeightData::Int4 { .. } => "int4",
+        WeightData::Fp8 { block, row_block, .. } if block != row_block => "fp8 in row groups",
         WeightData::Fp8 { .. } => "fp8",
         WeightData::Mxfp4 { .. } => "mxfp4",
     }
@@ -376,7 +378,7 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
     // ~1e30 (so the gate products are normal).
     let fp8 = |scale: f32, k: u8| {
         let q: Vec<u8> = (0..inter * hidden).map(|i| (i as u8).wrapping_mul(37).wrapping_add(k) & 0x77).collect();
-        WeightData::Fp8 { q, scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)], block: 16 }
+        WeightData::Fp8 { q, scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)], block: 16, row_block: 16 }
     };
     let scaled = Expert::new(Matrix::new(inter, hidden, fp8(1e-41, 1)), Matrix::new(inter, hidden, fp8(1e-3, 2)), f32m(hidden, inter, &mut tiny(1.0)));
     let scaled_rows: Vec<f32> = (0..hidden).map(|i| ((i % 9) as f32 - 4.0) * 1e30).collect();

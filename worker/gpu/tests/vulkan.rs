@@ -60,6 +60,7 @@ fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
             q: (0..n).map(|_| (rng.next() as u8) & !if rng.next().is_multiple_of(2) { 0x01 } else { 0x04 }).collect(),
             scales: (0..rows.div_ceil(block) * cols.div_ceil(block)).map(|_| rng.value().abs() * 0.02 + 1e-3).collect(),
             block,
+            row_block: block,
         },
         Format::F16 => WeightData::F16(
             (0..n)
