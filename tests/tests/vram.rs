@@ -58,9 +58,8 @@ fn expert_bytes(dir: &Path) -> u64 {
 /// Every oracle fixture as it is published (f32 and bf16 checkpoints) and the demo: the CPU's
 /// answers with every expert in VRAM, with three experts' worth of VRAM (eviction on every
 /// layer), and with three in VRAM over a store holding a fraction in RAM (the rest from disk).
-/// gpt-oss's experts (biases, clamped SwiGLU) and fp8 with row-group scales have no GPU kernel
-/// yet: the tier must leave every one of them to the CPU, with the same bits (docs/gpu.md, "Not
-/// yet").
+/// gpt-oss's experts (biases, clamped SwiGLU) have no GPU kernel yet: the tier must leave every
+/// one of them to the CPU, with the same bits (docs/gpu.md, "Not yet").
 #[test]
 fn vram_ram_and_disk_splits_give_the_cpus_bits() {
     let mut models: Vec<PathBuf> = fixtures().into_iter().map(fixture).collect();
@@ -84,8 +83,7 @@ fn vram_ram_and_disk_splits_give_the_cpus_bits() {
             let g = t.telemetry();
             assert_eq!(g.faults.iter().map(|f| f.1).sum::<u64>(), 0, "{name}: {what}: {g:?}");
             let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
-            // Experts held in a form no shader takes yet (fp8 with row-group scales: Inkling's
-            // NVFP4 and MXFP8 releases) are left to the CPU like the others the GPU declines.
+            // Whatever `ExpertImage::of` refuses is left to the CPU, as gpt-oss's experts are.
             let layer = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).unwrap();
             let ckpt = shimmer_common::Checkpoint::open(&dir).unwrap();
             let expert = shimmer_experts::weights::load_expert(&ckpt, &spec, layer, 0).unwrap();

@@ -43,8 +43,9 @@ struct F16Row {
 
 struct Fp8Row {
     const u8* w;
-    const float* scales;  // ceil(rows / block) × ceil(cols / block)
+    const float* scales;  // ceil(rows / row_block) × ceil(cols / block)
     u32 block;
+    u32 row_block;
     __device__ float get(u32 row, u32 cols, u32 col) const {
         // e4m3fn by bits (S.1111.111 is NaN), then times the block's scale, rounded once.
         u32 b = w[(size_t)row * cols + col];
@@ -55,7 +56,7 @@ struct Fp8Row {
         else v = bits_to_float(((ex + 120u) << 23) | (man << 20));
         if ((b & 0x80u) != 0u && !isnan(v)) v = -v;
         u32 groups = (cols + block - 1u) / block;
-        return __fmul_rn(v, scales[(row / block) * groups + col / block]);
+        return __fmul_rn(v, scales[(row / row_block) * groups + col / block]);
     }
 };
 
@@ -86,8 +87,8 @@ __device__ void matvec(Row w, const float* x, float* y, u32 rows, u32 cols) {
 extern "C" __global__ void matvec_f32(const float* w, const float* x, float* y, u32 rows, u32 cols) { matvec(F32Row{w}, x, y, rows, cols); }
 extern "C" __global__ void matvec_bf16(const u16* w, const float* x, float* y, u32 rows, u32 cols) { matvec(Bf16Row{w}, x, y, rows, cols); }
 extern "C" __global__ void matvec_f16(const u16* w, const float* x, float* y, u32 rows, u32 cols) { matvec(F16Row{w}, x, y, rows, cols); }
-extern "C" __global__ void matvec_fp8(const u8* w, const float* scales, u32 block, const float* x, float* y, u32 rows, u32 cols) {
-    matvec(Fp8Row{w, scales, block}, x, y, rows, cols);
+extern "C" __global__ void matvec_fp8(const u8* w, const float* scales, u32 block, u32 row_block, const float* x, float* y, u32 rows, u32 cols) {
+    matvec(Fp8Row{w, scales, block, row_block}, x, y, rows, cols);
 }
 
 // --- the integer formats (kernels/src/qdot.rs) ---

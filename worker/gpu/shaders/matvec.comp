@@ -25,7 +25,8 @@ layout(push_constant) uniform Params {
     uint x_offset;   // first activation value
     uint y_offset;   // first output value
     uint s_offset;   // fp8: the block scales' first word
-    uint block;      // fp8: rows and columns per scale
+    uint block;      // fp8: columns per scale
+    uint row_block;  // fp8: rows per scale
 } p;
 
 shared float lanes[64];
@@ -72,7 +73,7 @@ float weight(uint row, uint col) {
         v = -v;
     }
     uint groups = (p.cols + p.block - 1u) / p.block;
-    precise float scaled = v * uintBitsToFloat(w[p.s_offset + (row / p.block) * groups + col / p.block]);
+    precise float scaled = v * uintBitsToFloat(w[p.s_offset + (row / p.row_block) * groups + col / p.block]);
     return scaled;
 #else
 #error "define FORMAT_F32, FORMAT_BF16, FORMAT_F16 or FORMAT_FP8"

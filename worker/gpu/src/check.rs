@@ -29,7 +29,7 @@ impl FormatCheck {
     }
 }
 
-const FORMATS: [&str; 9] = ["f32", "bf16", "f16", "fp8-b128", "int8", "int4-g32", "int4-g64", "int4-g128", "mxfp4"];
+const FORMATS: [&str; 10] = ["f32", "bf16", "f16", "fp8-b128", "fp8-r16", "int8", "int4-g32", "int4-g64", "int4-g128", "mxfp4"];
 
 struct Rng(u64);
 
@@ -66,6 +66,17 @@ fn matrix(format: &str, rows: usize, cols: usize, rng: &mut Rng) -> Matrix {
                 scales: (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|_| rng.value().abs() + 1e-3).collect(),
                 block: 128,
                 row_block: 128,
+            },
+        ),
+        // fp8 with a scale per 16 values of a row: Inkling's NVFP4 (and, per 32, MXFP8) experts.
+        "fp8-r16" => Matrix::new(
+            rows,
+            cols,
+            WeightData::Fp8 {
+                q: (0..rows * cols).map(|_| (rng.next() as u8) & 0xf7).collect(),
+                scales: (0..rows * cols.div_ceil(16)).map(|_| rng.value().abs() + 1e-3).collect(),
+                block: 16,
+                row_block: 1,
             },
         ),
         "int8" => Matrix::from_quant(quantize_int8(&values, rows, cols)),

@@ -248,10 +248,10 @@ impl State {
         let scales = w.slice(m.scales_offset..);
         let threads = if m.format.is_integer() { 32 } else { 64 };
         let cfg = LaunchConfig { grid_dim: (rows, n, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let (group, block) = match m.format {
-            WeightFormat::Int4 { group } => (group, 0),
-            WeightFormat::Fp8 { block } => (0, block),
-            _ => (0, 0),
+        let (group, block, row_block) = match m.format {
+            WeightFormat::Int4 { group } => (group, 0, 0),
+            WeightFormat::Fp8 { block, row_block } => (0, block, row_block),
+            _ => (0, 0, 0),
         };
         let mut launch = self.stream.launch_builder(&self.functions[kernel_of(m.format)]);
         match m.format {
@@ -259,7 +259,7 @@ impl State {
                 launch.arg(&values).arg(x).arg(y).arg(&rows).arg(&cols);
             }
             WeightFormat::Fp8 { .. } => {
-                launch.arg(&values).arg(&scales).arg(&block).arg(x).arg(y).arg(&rows).arg(&cols);
+                launch.arg(&values).arg(&scales).arg(&block).arg(&row_block).arg(x).arg(y).arg(&rows).arg(&cols);
             }
             WeightFormat::Int8 | WeightFormat::Mxfp4 | WeightFormat::Int4 { .. } => {
                 let (q, d) = q.ok_or_else(|| GpuError::Device("an integer matrix without quantised rows".into()))?;

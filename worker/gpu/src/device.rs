@@ -58,10 +58,12 @@ pub enum WeightFormat {
     F32,
     Bf16,
     F16,
-    /// fp8-e4m3 with one f32 scale per `block` × `block` tile (DeepSeek-V3's checkpoints), f32
+    /// fp8-e4m3 with one f32 scale per `row_block` × `block` tile (DeepSeek-V3's checkpoints:
+    /// 128 × 128; Inkling's MXFP8 and NVFP4 experts as held: row groups, 1 × 32 and 1 × 16), f32
     /// activations.
     Fp8 {
         block: u32,
+        row_block: u32,
     },
     /// int8 per row (`q`, one f32 row scale), integer products with int8 activations.
     Int8,
@@ -163,15 +165,18 @@ impl ExpertImage {
                     v.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
                     WeightFormat::F16
                 }
-                // Square tiles only (DeepSeek's): row groups (MXFP8, NVFP4) are computed on the CPU.
                 (WeightData::Fp8 { q, scales, block, row_block }, Activations::F32)
-                    if *block > 0 && row_block == block && *block <= u32::MAX as usize && scales.len() == m.rows.div_ceil(*block) * m.cols.div_ceil(*block) =>
+                    if *block > 0
+                        && *row_block > 0
+                        && *block <= u32::MAX as usize
+                        && *row_block <= u32::MAX as usize
+                        && scales.len() == m.rows.div_ceil(*row_block) * m.cols.div_ceil(*block) =>
                 {
                     bytes.extend_from_slice(q);
                     align(&mut bytes);
                     scales_offset = bytes.len();
                     scales.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
-                    WeightFormat::Fp8 { block: *block as u32 }
+                    WeightFormat::Fp8 { block: *block as u32, row_block: *row_block as u32 }
                 }
                 (WeightData::Int8 { q, scales }, Activations::Int8) if scales.len() == m.rows => {
                     bytes.extend(q.iter().map(|v| *v as u8));
@@ -239,7 +244,6 @@ fn format_name(data: &WeightData) -> &'static str {
         WeightData::F16(_) => "f16",
         WeightData::Int8 { .. } => "int8",
         WeightData::Int4 { .. } => "int4",
-        WeightData::Fp8 { block, row_block, .. } if block != row_block => "fp8 in row groups",
         WeightData::Fp8 { .. } => "fp8",
         WeightData::Mxfp4 { .. } => "mxfp4",
     }

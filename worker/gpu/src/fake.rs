@@ -80,9 +80,9 @@ pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
             WeightFormat::F32 => WeightData::F32(f32s(values)),
             WeightFormat::Bf16 => WeightData::Bf16(u16s(values)),
             WeightFormat::F16 => WeightData::F16(u16s(values)),
-            WeightFormat::Fp8 { block } => {
-                let n = m.rows.div_ceil(block as usize) * m.cols.div_ceil(block as usize);
-                WeightData::Fp8 { q: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), block: block as usize, row_block: block as usize }
+            WeightFormat::Fp8 { block, row_block } => {
+                let n = m.rows.div_ceil(row_block as usize) * m.cols.div_ceil(block as usize);
+                WeightData::Fp8 { q: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), block: block as usize, row_block: row_block as usize }
             }
             WeightFormat::Int8 => WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?) },
             WeightFormat::Int4 { group } => {

@@ -43,7 +43,10 @@ enum Format {
     Int8,
     Int4(usize),
     Mxfp4,
+    /// fp8 in square `block × block` tiles (DeepSeek's).
     Fp8(usize),
+    /// fp8 with one scale per group of a row (Inkling's MXFP8 and NVFP4 experts as held).
+    Fp8Rows(usize),
 }
 
 fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
@@ -56,12 +59,15 @@ fn matrix(rng: &mut Rng, rows: usize, cols: usize, format: Format) -> Matrix {
         Format::Int4(group) => return Matrix::from_quant(quantize_int4(&floats(rng, n), rows, cols, group)),
         Format::Mxfp4 => return Matrix::from_quant(quantize_mxfp4(&floats(rng, n), rows, cols)),
         // Every fp8 byte but the two NaNs, subnormals included; scales of all sizes.
-        Format::Fp8(block) => WeightData::Fp8 {
-            q: (0..n).map(|_| (rng.next() as u8) & !if rng.next().is_multiple_of(2) { 0x01 } else { 0x04 }).collect(),
-            scales: (0..rows.div_ceil(block) * cols.div_ceil(block)).map(|_| rng.value().abs() * 0.02 + 1e-3).collect(),
-            block,
-            row_block: block,
-        },
+        Format::Fp8(block) | Format::Fp8Rows(block) => {
+            let row_block = if matches!(format, Format::Fp8Rows(_)) { 1 } else { block };
+            WeightData::Fp8 {
+                q: (0..n).map(|_| (rng.next() as u8) & !if rng.next().is_multiple_of(2) { 0x01 } else { 0x04 }).collect(),
+                scales: (0..rows.div_ceil(row_block) * cols.div_ceil(block)).map(|_| rng.value().abs() * 0.02 + 1e-3).collect(),
+                block,
+                row_block,
+            }
+        }
         Format::F16 => WeightData::F16(
             (0..n)
                 .map(|_| {
@@ -137,6 +143,8 @@ fn check_device(device: &VulkanDevice, seed: u64) {
         Format::Mxfp4,
         Format::Fp8(16),
         Format::Fp8(128),
+        Format::Fp8Rows(16),
+        Format::Fp8Rows(32),
     ];
     let mut experts = Vec::new();
     for &(h, i) in &shapes {

@@ -814,11 +814,11 @@ impl State {
         let d = &self.device;
         d.cmd_bind_pipeline(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipelines[pipeline_of(m.format)]);
         d.cmd_bind_descriptor_sets(self.commands, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[set], &[]);
-        let (scales, block) = match m.format {
-            WeightFormat::Fp8 { block } => ((m.scales_offset / 4) as u32, block),
-            _ => (0, 1),
+        let (scales, block, row_block) = match m.format {
+            WeightFormat::Fp8 { block, row_block } => ((m.scales_offset / 4) as u32, block, row_block),
+            _ => (0, 1, 1),
         };
-        let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output, scales, block, 0];
+        let push = [m.element_offset() as u32, m.rows as u32, m.cols as u32, input, output, scales, block, row_block];
         d.cmd_push_constants(self.commands, self.pipeline_layout, vk::ShaderStageFlags::COMPUTE, 0, as_bytes(&push));
         d.cmd_dispatch(self.commands, m.rows as u32, n, 1);
     }
