@@ -15,7 +15,6 @@ pub mod error;
 pub mod expert_blob;
 pub mod families;
 pub mod json;
-pub mod json_constraint;
 pub mod quant;
 pub mod spec;
 pub mod tiktoken;

@@ -267,6 +267,13 @@ impl TikToken {
     pub fn vocab_size(&self) -> usize {
         self.tokens.len() + self.specials.len()
     }
+
+    /// Every id's bytes: a rank's own, a special's spelling (marked special).
+    pub fn vocabulary(&self) -> Vec<crate::tokenizer::TokenBytes> {
+        let ranks = self.tokens.iter().map(|t| crate::tokenizer::TokenBytes { bytes: t.clone(), special: false });
+        let specials = self.specials.iter().map(|(s, _)| crate::tokenizer::TokenBytes { bytes: s.as_bytes().to_vec(), special: true });
+        ranks.chain(specials).collect()
+    }
 }
 
 /// Ranks in rank order from the file's lines; every rank from 0 to the count once, every single

@@ -106,3 +106,172 @@ impl Tokenizer {
         }
     }
 }
+
+/// A token as constrained decoding sees it: the bytes it adds to a text (mid-text, as decoding
+/// joins tokens), and whether it is a special token — a control token that text never spells,
+/// so no grammar can ask for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenBytes {
+    pub bytes: Vec<u8>,
+    pub special: bool,
+}
+
+/// How a `tokenizer.json`'s decoder turns a vocabulary entry into bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ByteForm {
+    /// GPT-2's byte-to-character alphabet (`ByteLevel`).
+    ByteLevel,
+    /// SentencePiece's: `space` stands for a space, and with `byte_fallback` `<0xNN>` is byte NN
+    /// (`Metaspace`, or a `Sequence` of `Replace`/`ByteFallback`/`Fuse`/`Strip`).
+    Spaced { space: char, byte_fallback: bool },
+}
+
+impl ByteForm {
+    /// The form `decoder` (the decoder's JSON) describes; `None` for one that is neither.
+    fn of(decoder: &serde_json::Value) -> Option<ByteForm> {
+        let kind = |d: &serde_json::Value| d.get("type").and_then(serde_json::Value::as_str).map(str::to_string);
+        match kind(decoder)?.as_str() {
+            "ByteLevel" => Some(ByteForm::ByteLevel),
+            "Metaspace" => {
+                let space = decoder.get("replacement").and_then(serde_json::Value::as_str).and_then(single_char).unwrap_or('\u{2581}');
+                Some(ByteForm::Spaced { space, byte_fallback: false })
+            }
+            "Sequence" => {
+                let parts = decoder.get("decoders").and_then(serde_json::Value::as_array)?;
+                if parts.iter().any(|d| kind(d).as_deref() == Some("ByteLevel")) {
+                    return Some(ByteForm::ByteLevel);
+                }
+                let byte_fallback = parts.iter().any(|d| kind(d).as_deref() == Some("ByteFallback"));
+                let replace = parts.iter().find_map(|d| match kind(d).as_deref() {
+                    Some("Replace") if d.get("content").and_then(serde_json::Value::as_str) == Some(" ") => {
+                        d.get("pattern").and_then(|p| p.get("String")).and_then(serde_json::Value::as_str).and_then(single_char)
+                    }
+                    Some("Metaspace") => Some(d.get("replacement").and_then(serde_json::Value::as_str).and_then(single_char).unwrap_or('\u{2581}')),
+                    _ => None,
+                });
+                (byte_fallback || replace.is_some()).then(|| ByteForm::Spaced { space: replace.unwrap_or('\u{2581}'), byte_fallback })
+            }
+            _ => None,
+        }
+    }
+
+    fn bytes(self, token: &str, table: &[Option<u8>]) -> Option<Vec<u8>> {
+        match self {
+            ByteForm::ByteLevel => token.chars().map(|c| table.get(c as usize).copied().flatten()).collect(),
+            ByteForm::Spaced { space, byte_fallback } => {
+                if byte_fallback {
+                    if let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')).filter(|h| h.len() == 2) {
+                        if let Ok(b) = u8::from_str_radix(hex, 16) {
+                            return Some(vec![b]);
+                        }
+                    }
+                }
+                Some(token.replace(space, " ").into_bytes())
+            }
+        }
+    }
+}
+
+fn single_char(s: &str) -> Option<char> {
+    let mut chars = s.chars();
+    let c = chars.next()?;
+    chars.next().is_none().then_some(c)
+}
+
+/// GPT-2's byte-to-character alphabet inverted: the byte each character below U+0200 stands for
+/// (printable Latin-1 for itself, every other byte for a character from U+0100 up, in byte order).
+fn byte_level_table() -> Vec<Option<u8>> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let mut table = vec![None; 0x200];
+    let mut next = 0x100usize;
+    for b in 0..=255u32 {
+        if printable(b) {
+            table[b as usize] = Some(b as u8);
+        } else {
+            table[next] = Some(b as u8);
+            next += 1;
+        }
+    }
+    table
+}
+
+impl Tokenizer {
+    /// Every id's `TokenBytes`, indexed by id (`vocab_size()` of them). Byte-level and
+    /// SentencePiece vocabularies give each token's exact bytes — a token that is part of a UTF-8
+    /// character is that part. Any other decoder's tokens are taken as their decoded text (a
+    /// tokenizer without byte tokens has no partial characters to lose).
+    pub fn vocabulary(&self) -> Result<Vec<TokenBytes>, LoadError> {
+        match &self.inner {
+            Backend::TikToken(t) => Ok(t.vocabulary()),
+            Backend::HuggingFace(t) => {
+                let size = t.get_vocab_size(true);
+                let mut out = vec![TokenBytes::default(); size];
+                let decoder = serde_json::to_value(t.get_decoder()).unwrap_or(serde_json::Value::Null);
+                let form = ByteForm::of(&decoder);
+                let table = byte_level_table();
+                let added = t.get_added_tokens_decoder();
+                for (token, id) in t.get_vocab(false) {
+                    // An added token's entry in the model's vocabulary too (DeepSeek's specials)
+                    // is read as the added token it is.
+                    if added.contains_key(&id) {
+                        continue;
+                    }
+                    let Some(slot) = out.get_mut(id as usize) else { continue };
+                    let bytes = match form {
+                        Some(form) => form.bytes(&token, &table).ok_or_else(|| {
+                            LoadError::malformed(
+                                &self.path,
+                                format!("token {id} ({token:?}) has a character outside the byte-level alphabet its decoder reads"),
+                            )
+                        })?,
+                        None => t.decode(&[id], false).map_err(|e| LoadError::malformed(&self.path, format!("cannot decode token {id}: {e}")))?.into_bytes(),
+                    };
+                    slot.bytes = bytes;
+                }
+                for (id, added) in added {
+                    if let Some(slot) = out.get_mut(id as usize) {
+                        *slot = TokenBytes { bytes: added.content.into_bytes(), special: added.special };
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod vocabulary_tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_table_is_gpt2s_alphabet() {
+        let table = byte_level_table();
+        assert_eq!(table['a' as usize], Some(b'a'));
+        assert_eq!(table[0x120], Some(b' ')); // 'Ġ'
+        assert_eq!(table[0x10a], Some(b'\n')); // 'Ċ'
+        assert_eq!(table.iter().flatten().count(), 256);
+        let mut seen: Vec<u8> = table.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 256, "every byte once");
+    }
+
+    #[test]
+    fn decoders_are_read_by_kind() {
+        use serde_json::json;
+        assert_eq!(ByteForm::of(&json!({"type": "ByteLevel"})), Some(ByteForm::ByteLevel));
+        let llama = json!({"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]});
+        let form = ByteForm::of(&llama).unwrap();
+        assert_eq!(form, ByteForm::Spaced { space: '▁', byte_fallback: true });
+        let table = byte_level_table();
+        assert_eq!(form.bytes("<0xE4>", &table), Some(vec![0xe4]));
+        assert_eq!(form.bytes("▁Hello", &table), Some(b" Hello".to_vec()));
+        assert_eq!(form.bytes("<0xZZ>", &table), Some(b"<0xZZ>".to_vec()), "not a byte token: its text");
+        assert_eq!(ByteForm::of(&json!({"type": "Metaspace", "replacement": "▁"})), Some(ByteForm::Spaced { space: '▁', byte_fallback: false }));
+        assert_eq!(ByteForm::of(&json!({"type": "WordPiece"})), None);
+        assert_eq!(ByteForm::ByteLevel.bytes("Ġh中", &table), None, "中 is not in the alphabet");
+        assert_eq!(ByteForm::ByteLevel.bytes("ĠhÃ©", &table), Some(" hé".as_bytes().to_vec()));
+    }
+}

@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod constraint;
 pub mod demo;
 pub mod engine;
 pub mod model_dir;

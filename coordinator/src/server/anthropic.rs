@@ -224,7 +224,10 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         ..SamplingParams::default()
     };
     let stream = p.bool("stream")?;
-    let constraint = tools.as_ref().and_then(Tools::constraint).map(Arc::new);
+    let constraint = match tools.as_ref().and_then(Tools::constraint) {
+        Some(grammar) => Some(super::compile_grammar(&state, "tools", grammar).await?),
+        None => None,
+    };
     let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
     let calling = tools.filter(Tools::active);
     let context = state.engine.spec.max_position_embeddings;

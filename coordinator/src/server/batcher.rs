@@ -21,9 +21,9 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::dashboard::{Breakdown, Dashboard, LastTurn, StepRouting};
 use super::prefix_cache::PrefixCache;
+use crate::constraint::Constraint;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Session, TextStream};
 use crate::sampling::Sampler;
-use shimmer_common::json_constraint::Matcher;
 use shimmer_model::{Logits, Segment};
 
 /// Prompt tokens one step may prefill, across all sequences.
@@ -38,8 +38,8 @@ pub struct Job {
     pub frequency_penalty: f32,
     /// Report each token's log-probability, with this many alternatives (`None`: no logprobs).
     pub logprobs: Option<usize>,
-    /// Constrain the output to JSON of this schema (`response_format`).
-    pub constraint: Option<Arc<shimmer_common::json_constraint::Schema>>,
+    /// The grammar the output follows (`response_format`, a required tool call, …), compiled.
+    pub constraint: Option<Constraint>,
     pub events: UnboundedSender<Event>,
     /// When the request arrived (for the queue-time metric).
     pub submitted: Instant,
@@ -164,7 +164,6 @@ impl Batcher {
                     last_store,
                     last_network_wait,
                     last_vram_hits,
-                    pieces: None,
                     metrics,
                 }
                 .run()
@@ -221,7 +220,8 @@ struct Seq {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     breakdown: Breakdown,
-    matcher: Option<Matcher>,
+    /// The grammar the output follows, where the request gave one.
+    constraint: Option<Constraint>,
 }
 
 struct Loop {
@@ -243,7 +243,6 @@ struct Loop {
     /// The VRAM tier's hits so far (its growth is what a step computed from VRAM).
     last_vram_hits: Option<u64>,
     /// Each token's text as it extends an output (built at the first constrained request).
-    pieces: Option<Vec<Option<String>>>,
     metrics: Arc<super::metrics::Metrics>,
 }
 
@@ -316,10 +315,8 @@ impl Loop {
             // Start from the longest cached prefix of the prompt, if any.
             let session = self.prefix.lookup(&job.prompt).unwrap_or_else(|| self.engine.new_session());
             let fed = session.tokens.len();
-            let matcher = job.constraint.clone().map(Matcher::new);
-            if matcher.is_some() && self.pieces.is_none() {
-                self.pieces = Some(token_pieces(&self.engine));
-            }
+            let mut job = job;
+            let constraint = job.constraint.take();
             self.active.push(Seq {
                 session,
                 fed,
@@ -332,7 +329,7 @@ impl Loop {
                 first_token: None,
                 last_token: None,
                 breakdown: Breakdown::default(),
-                matcher,
+                constraint,
             });
         }
     }
@@ -358,15 +355,36 @@ impl Loop {
         }
         let mut segments: Vec<Segment<'_>> = Vec::new();
         let mut which = Vec::new();
+        // The grammars of the sequences that sample after this pass compute their masks on another
+        // thread while it runs (a mask depends only on the tokens already committed).
+        let mut constraints: Vec<&mut Constraint> = Vec::new();
         for (i, (seq, feed)) in self.active.iter_mut().zip(&feeds).enumerate() {
             if !feed.is_empty() {
-                segments.push(Segment { tokens: feed, cache: &mut seq.session.cache, want: Logits::Last });
+                let samples = seq.fed + feed.len() >= seq.job.prompt.len();
+                let Seq { session, constraint, .. } = seq;
+                segments.push(Segment { tokens: feed, cache: &mut session.cache, want: Logits::Last });
                 which.push(i);
+                if let Some(c) = constraint.as_mut().filter(|_| samples) {
+                    constraints.push(c);
+                }
             }
         }
         let t0 = Instant::now();
         let mut routing = StepRouting::new(self.engine.spec.num_layers, &self.moe_layers, self.engine.spec.moe.num_experts);
-        let result = self.engine.forward_batch_observed(&mut segments, &mut routing);
+        let engine = &self.engine;
+        let result = std::thread::scope(|scope| {
+            let masks = (!constraints.is_empty()).then(|| {
+                scope.spawn(move || {
+                    for c in constraints {
+                        c.prepare();
+                    }
+                })
+            });
+            let result = engine.forward_batch_observed(&mut segments, &mut routing);
+            // A mask not prepared (should that thread fail) is computed when sampling.
+            let _ = masks.map(|m| m.join());
+            result
+        });
         drop(segments);
         // What the store (or the cluster) did during the step: its wait for reads (answers), and
         // bytes by tier.
@@ -427,7 +445,7 @@ impl Loop {
             }
             generated += 1;
             let t_sample = Instant::now();
-            let finish = Self::sample(&self.engine, self.pieces.as_deref(), seq, &mut row);
+            let finish = Self::sample(&self.engine, seq, &mut row);
             seq.breakdown.sampling_ms += t_sample.elapsed().as_secs_f64() * 1e3;
             let now = Instant::now();
             seq.first_token.get_or_insert(now);
@@ -480,68 +498,51 @@ impl Loop {
     }
 
     /// Samples the next token from `logits`; returns why the sequence ends, if it does.
-    fn sample(engine: &Engine, pieces: Option<&[Option<String>]>, seq: &mut Seq, logits: &mut [f32]) -> Option<FinishReason> {
+    fn sample(engine: &Engine, seq: &mut Seq, logits: &mut [f32]) -> Option<FinishReason> {
         let lp = seq.job.logprobs.map(|top| logprobs_of(logits, top));
         for (tok, n) in &seq.counts {
             if let Some(l) = logits.get_mut(*tok as usize) {
                 *l -= seq.job.presence_penalty + seq.job.frequency_penalty * *n as f32;
             }
         }
-        // Constrained output: only tokens whose text continues valid JSON of the schema; the end
-        // of text only where the value is whole.
-        if let (Some(m), Some(pieces)) = (&seq.matcher, pieces) {
-            // Near the token limit only tokens that bring the value closer to its end are allowed,
-            // so it closes before the limit cuts it (every step then shortens what is left).
-            let left = seq.job.opts.max_tokens.saturating_sub(seq.output.len()).min(seq.session.cache.capacity().saturating_sub(seq.session.cache.len()));
-            let distance = m.min_to_finish();
-            let closing = left <= distance + 1;
-            // Each token's distance to the end after it (`None`: not allowed at all).
-            let after: Vec<Option<usize>> = (0..logits.len())
-                .map(|t| {
-                    if engine.eos_ids.contains(&(t as u32)) {
-                        return m.can_end().then_some(0);
-                    }
-                    let p = pieces.get(t).and_then(|p| p.as_deref())?;
-                    let mut next = m.clone();
-                    next.feed(p).then(|| next.min_to_finish())
-                })
-                .collect();
-            // Never a token after which the rest cannot fit the tokens left (at a character per
-            // token); when closing — or when nothing fits — only the tokens that bring the end
-            // nearest (several characters at once when the vocabulary has them).
-            let bound = left.saturating_sub(1);
-            let fits = after.iter().flatten().any(|d| *d <= bound);
-            let best = after.iter().flatten().copied().min();
-            let greedy = closing || !fits;
-            let mut any = false;
-            for (l, d) in logits.iter_mut().zip(&after) {
-                let ok = match d {
-                    None => false,
-                    Some(d) if greedy => Some(*d) == best,
-                    Some(d) => *d <= bound,
-                };
-                if ok {
-                    any |= l.is_finite();
-                } else {
-                    *l = f32::NEG_INFINITY;
-                }
+        // Constrained output: only the tokens the grammar allows next; the end of text only where
+        // the output is whole. Near the end of the budget (tokens left, by `max_tokens` or the
+        // context), only tokens after which the grammar can still close in what is left; the
+        // logits are kept to sample again from the plan's tokens when the model's choice is not.
+        let left = seq.job.opts.max_tokens.saturating_sub(seq.output.len()).min(seq.session.cache.capacity().saturating_sub(seq.session.cache.len()));
+        let mut before_mask = None;
+        if let Some(c) = &mut seq.constraint {
+            if c.near_end(left) {
+                before_mask = Some(logits.to_vec());
             }
-            if !any {
-                let _ = seq.job.events.send(Event::Error {
-                    fault: Fault::Internal,
-                    message: "constrained decoding reached a point no token of this model's vocabulary can continue".into(),
-                });
+            let fault = match c.allowed() {
+                Ok(allowed) if allowed.apply(logits) => None,
+                Ok(_) => Some("constrained decoding reached a point no token of this model's vocabulary can continue".to_string()),
+                Err(e) => Some(format!("constrained decoding failed: {e}")),
+            };
+            if let Some(message) = fault {
+                let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message });
                 return Some(FinishReason::Cancelled);
             }
         }
-        let next = seq.sampler.sample(logits, &seq.session.tokens);
+        let mut next = seq.sampler.sample(logits, &seq.session.tokens);
+        if let (Some(c), Some(mut again)) = (&mut seq.constraint, before_mask) {
+            if !c.fits_after(next, left.saturating_sub(1)) {
+                if let Some(plan) = c.plan_tokens() {
+                    next = if plan.apply(&mut again) { seq.sampler.sample(&mut again, &seq.session.tokens) } else { plan.first() };
+                }
+            }
+        }
         if engine.eos_ids.contains(&next) {
             return Some(FinishReason::Stop);
         }
-        let mut json_done = false;
-        if let (Some(m), Some(pieces)) = (&mut seq.matcher, pieces) {
-            m.feed(pieces.get(next as usize).and_then(|p| p.as_deref()).unwrap_or(""));
-            json_done = m.is_finished();
+        let mut grammar_done = false;
+        if let Some(c) = &mut seq.constraint {
+            if let Err(e) = c.commit(next) {
+                let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message: format!("constrained decoding failed: {e}") });
+                return Some(FinishReason::Cancelled);
+            }
+            grammar_done = c.is_finished();
         }
         seq.output.push(next);
         *seq.counts.entry(next).or_insert(0) += 1;
@@ -557,7 +558,7 @@ impl Loop {
         if !fresh.is_empty() || !logprobs.is_empty() {
             let _ = seq.job.events.send(Event::Text { text: fresh.to_string(), logprobs });
         }
-        if stopped || json_done {
+        if stopped || grammar_done {
             return Some(FinishReason::Stop);
         }
         if seq.output.len() >= seq.job.opts.max_tokens || seq.session.cache.len() + 1 > seq.session.cache.capacity() {
@@ -596,22 +597,4 @@ fn logprobs_of(logits: &[f32], top: usize) -> impl FnOnce(u32) -> TokenLogprob {
     // The sampler rewrites the logits in place; keep the raw ones for the chosen token.
     let chosen_logits = logits.to_vec();
     move |id| TokenLogprob { id, logprob: (chosen_logits[id as usize] as f64 - log_z) as f32, top: best }
-}
-
-/// Each vocabulary token's text as it continues an output: decoded after a fixed anchor token
-/// (so decoders that drop a leading space at the start of a text do not), `None` for special
-/// tokens and for byte pieces that are not whole characters (a constrained output never uses those).
-fn token_pieces(engine: &Engine) -> Vec<Option<String>> {
-    let tok = &engine.tokenizer;
-    let anchor = tok.encode("a", false).ok().and_then(|ids| ids.first().copied());
-    let base = anchor.and_then(|a| tok.decode(&[a], true).ok()).unwrap_or_default();
-    (0..engine.spec.vocab_size as u32)
-        .map(|t| {
-            let text = match anchor {
-                Some(a) => tok.decode(&[a, t], true).ok()?.strip_prefix(base.as_str())?.to_string(),
-                None => tok.decode(&[t], true).ok()?,
-            };
-            (!text.is_empty() && !text.contains('\u{FFFD}')).then_some(text)
-        })
-        .collect()
 }

@@ -77,6 +77,35 @@ pub struct AppState {
     /// Bytes of request bodies being read or parsed at once, across connections
     /// (`BODY_BYTES_IN_FLIGHT`): a body waits for its share before it is read.
     pub bodies: Arc<tokio::sync::Semaphore>,
+    /// The model's vocabulary as constrained decoding reads it, built by the first request that
+    /// asks for a grammar (`compile_grammar`).
+    pub vocabulary: std::sync::OnceLock<Result<Arc<crate::constraint::Vocabulary>, crate::constraint::GrammarError>>,
+}
+
+/// Compiles a request's grammar (`field` names where the request gave it) against the model's
+/// vocabulary, off the async runtime: a large schema takes milliseconds, the first request also
+/// builds the vocabulary's index. A grammar that cannot be compiled is the request's fault (400).
+pub(crate) async fn compile_grammar(
+    state: &Arc<AppState>,
+    field: &'static str,
+    grammar: crate::constraint::Grammar,
+) -> Result<crate::constraint::Constraint, ApiError> {
+    let st = state.clone();
+    let compiled = tokio::task::spawn_blocking(move || {
+        let vocabulary = st
+            .vocabulary
+            .get_or_init(|| {
+                let tokens = st.engine.tokenizer.vocabulary().map_err(|e| crate::constraint::GrammarError(e.to_string()))?;
+                crate::constraint::Vocabulary::new(&tokens, st.engine.spec.vocab_size, &st.engine.eos_ids).map(Arc::new)
+            })
+            .clone()
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("constrained decoding is unavailable for this model: {e}")).kind("server_error")
+            })?;
+        vocabulary.compile(&grammar).map_err(|e| ApiError::param(field, format!("invalid or unsupported grammar: {e}")).code("invalid_grammar"))
+    })
+    .await;
+    compiled.unwrap_or_else(|e| Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("compiling the grammar failed: {e}")).kind("server_error")))
 }
 
 /// The largest request body the API takes (a chat of a long document; 413 beyond).
@@ -235,6 +264,7 @@ pub fn app(engine: Engine, cfg: &ServerConfig) -> Result<(Router, Batcher)> {
         control: cfg.control.clone(),
         max_body_bytes: cfg.max_body_bytes,
         body_timeout: cfg.body_timeout,
+        vocabulary: std::sync::OnceLock::new(),
         bodies: Arc::new(tokio::sync::Semaphore::new(BODY_BYTES_IN_FLIGHT.max(cfg.max_body_bytes))),
     });
     Ok((router(state, cfg.max_body_bytes), batcher))

@@ -25,9 +25,9 @@ use super::errors::ApiError;
 use super::metrics::RequestTally;
 use super::tools::{Call, ToolChoice, ToolSpec, Tools};
 use super::AppState;
+use crate::constraint::Grammar;
 use crate::engine::{FinishReason, GenerateOptions};
 use crate::sampling::SamplingParams;
-use shimmer_common::json_constraint::Schema;
 
 /// Most tokens one request may ask for when it does not say (and the context allows).
 const DEFAULT_MAX_TOKENS: usize = 256;
@@ -165,7 +165,8 @@ struct Common {
     stop: Vec<String>,
     presence_penalty: f32,
     frequency_penalty: f32,
-    constraint: Option<Arc<Schema>>,
+    /// The grammar the output must follow, and the field that asked for it.
+    constraint: Option<(&'static str, Grammar)>,
 }
 
 const COMMON_FIELDS: &[&str] = &[
@@ -173,6 +174,11 @@ const COMMON_FIELDS: &[&str] = &[
     "stream",
     "stream_options",
     "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
     "max_tokens",
     "temperature",
     "top_p",
@@ -247,7 +253,7 @@ fn common(p: &Params<'_>, state: &AppState) -> Result<Common, ApiError> {
         stop: p.stops()?,
         presence_penalty: p.f32_in("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: p.f32_in("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
-        constraint: response_format(p)?,
+        constraint: requested_grammar(p)?,
     })
 }
 
@@ -302,14 +308,86 @@ pub(crate) fn given(v: Option<&Value>) -> String {
     v.map_or_else(|| "nothing".to_string(), Value::to_string)
 }
 
+/// The grammar a request asks for, at most one of: OpenAI's `response_format` (`text`,
+/// `json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `regex`, `grammar` in
+/// Lark, `choice`, `json_object`) and its older `guided_json`, `guided_regex`, `guided_grammar`
+/// and `guided_choice`. Only the shape is checked here; compiling (`compile_grammar`) refuses
+/// what llguidance cannot follow.
+fn requested_grammar(p: &Params<'_>) -> Result<Option<(&'static str, Grammar)>, ApiError> {
+    let mut found: Vec<(&'static str, Grammar)> = Vec::new();
+    if let Some(g) = response_format(p)? {
+        found.push(("response_format", g));
+    }
+    if let Some(so) = p.get("structured_outputs") {
+        let Value::Object(o) = so else {
+            return Err(ApiError::param("structured_outputs", format!("`structured_outputs` must be an object, got {so}")));
+        };
+        for (k, v) in o {
+            let g = match k.as_str() {
+                "json" => Some(json_schema_value("structured_outputs.json", v)?),
+                "regex" => Some(Grammar::Regex(text_of("structured_outputs.regex", v)?)),
+                "grammar" => Some(Grammar::Lark(text_of("structured_outputs.grammar", v)?)),
+                "choice" => Some(Grammar::Choice(choices_of("structured_outputs.choice", v)?)),
+                "json_object" => match v {
+                    Value::Bool(true) => Some(Grammar::AnyObject),
+                    Value::Bool(false) | Value::Null => None,
+                    _ => {
+                        return Err(ApiError::param(
+                            "structured_outputs.json_object",
+                            format!("`structured_outputs.json_object` must be true or false, got {v}"),
+                        ))
+                    }
+                },
+                _ => {
+                    return Err(ApiError::param("structured_outputs", format!("unknown structured output `{k}`: json, regex, grammar, choice or json_object")))
+                }
+            };
+            found.extend(g.map(|g| ("structured_outputs", g)));
+        }
+    }
+    for (field, make) in [
+        ("guided_json", json_schema_value as fn(&str, &Value) -> Result<Grammar, ApiError>),
+        ("guided_regex", |f: &str, v: &Value| text_of(f, v).map(Grammar::Regex)),
+        ("guided_grammar", |f: &str, v: &Value| text_of(f, v).map(Grammar::Lark)),
+        ("guided_choice", |f: &str, v: &Value| choices_of(f, v).map(Grammar::Choice)),
+    ] {
+        if let Some(v) = p.get(field).filter(|v| !v.is_null()) {
+            found.push((field, make(field, v)?));
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(f, _)| *f).collect();
+        return Err(ApiError::param(found[1].0, format!("one grammar per request: {} were given", names.join(" and "))));
+    }
+    Ok(found.pop())
+}
+
+/// A JSON schema given as an object or as its JSON text (vLLM takes both).
+fn json_schema_value(field: &str, v: &Value) -> Result<Grammar, ApiError> {
+    match v {
+        Value::Object(_) | Value::Bool(_) => Ok(Grammar::JsonSchema(v.clone())),
+        Value::String(s) => serde_json::from_str(s).map(Grammar::JsonSchema).map_err(|e| ApiError::param(field, format!("`{field}` is not JSON: {e}"))),
+        _ => Err(ApiError::param(field, format!("`{field}` must be a JSON schema, got {v}"))),
+    }
+}
+
+fn text_of(field: &str, v: &Value) -> Result<String, ApiError> {
+    v.as_str().map(str::to_string).ok_or_else(|| ApiError::param(field, format!("`{field}` must be a string, got {v}")))
+}
+
+fn choices_of(field: &str, v: &Value) -> Result<Vec<String>, ApiError> {
+    let list = v.as_array().ok_or_else(|| ApiError::param(field, format!("`{field}` must be a list of strings, got {v}")))?;
+    list.iter().map(|c| text_of(field, c)).collect()
+}
+
 /// `response_format`: text (no constraint), `json_object` (any JSON object) or `json_schema`
-/// (JSON valid against the schema; the subset `shimmer_common::json_constraint` supports).
-fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
+/// (JSON valid against the schema).
+fn response_format(p: &Params<'_>) -> Result<Option<Grammar>, ApiError> {
     let Some(rf) = p.get("response_format") else { return Ok(None) };
     let bad = |m: String| ApiError::param("response_format", m);
     match rf.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Arc::new(Schema::any_object()))),
+        Some("json_object") => Ok(Some(Grammar::AnyObject)),
         Some("json_schema") => {
             let Some(js) = rf.get("json_schema").filter(|v| v.is_object()) else {
                 return Err(bad("`response_format.json_schema` must be an object with a `schema`".into()));
@@ -317,9 +395,7 @@ fn response_format(p: &Params<'_>) -> Result<Option<Arc<Schema>>, ApiError> {
             let Some(schema) = js.get("schema") else {
                 return Err(bad("`response_format.json_schema.schema` is required".into()));
             };
-            Schema::compile(schema)
-                .map(|s| Some(Arc::new(s)))
-                .map_err(|e| ApiError::param("response_format.json_schema.schema", format!("unsupported or invalid schema: {e}")).code("unsupported_schema"))
+            json_schema_value("response_format.json_schema.schema", schema).map(Some)
         }
         _ => Err(bad(format!("`response_format.type` must be text, json_object or json_schema, got {}", given(rf.get("type"))))),
     }
@@ -600,14 +676,11 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(ApiError::param("parallel_tool_calls", format!("`parallel_tool_calls` must be true or false, got {v}"))),
     };
-    if let Some(schema) = tools.as_ref().and_then(Tools::constraint) {
-        if c.constraint.is_some() {
-            return Err(ApiError::param(
-                "response_format",
-                "`response_format` cannot be combined with a required or named `tool_choice` (the answer is a tool call)",
-            ));
+    if let Some(grammar) = tools.as_ref().and_then(Tools::constraint) {
+        if let Some((field, _)) = &c.constraint {
+            return Err(ApiError::param(field, format!("`{field}` cannot be combined with a required or named `tool_choice` (the answer is a tool call)")));
         }
-        c.constraint = Some(Arc::new(schema));
+        c.constraint = Some(("tools", grammar));
     }
     let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
     c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], "messages", prompt.len(), state.engine.spec.max_position_embeddings)?);
@@ -698,6 +771,10 @@ fn tool_calls_json(calls: &[Call], with_index: bool) -> Value {
 
 /// Submits the request and answers it whole or as a stream.
 async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, chat: bool, calling: Option<CallParse>) -> Result<Response, ApiError> {
+    let constraint = match c.constraint.clone() {
+        Some((field, grammar)) => Some(super::compile_grammar(&state, field, grammar).await?),
+        None => None,
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let opts = GenerateOptions { max_tokens: c.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), sampling: c.sampling.clone(), stop: c.stop.clone() };
     let prompt_len = prompt.len();
@@ -709,7 +786,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
             presence_penalty: c.presence_penalty,
             frequency_penalty: c.frequency_penalty,
             logprobs,
-            constraint: c.constraint.clone(),
+            constraint,
             events: tx,
             submitted: Instant::now(),
         },

@@ -9,15 +9,16 @@
 //! that JSON and results as user turns.
 //!
 //! Calling: `required` (any tool) and a named tool constrain the output to exactly one call whose
-//! arguments validate against that tool's parameters (`json_constraint::Schema::tool_call`);
+//! arguments validate against that tool's parameters (`constraint::Grammar::ToolCall`, compiled
+//! with the request: a schema llguidance cannot follow is refused then);
 //! `auto` lets the model choose, and an answer that is such a JSON object, or holds
 //! `<tool_call>…</tool_call>` blocks of them, is returned as calls; `none` keeps the tools in the
 //! prompt (so a conversation's prefix does not change) but the answer is text.
 //!
 //! Must never: return a call of a tool the request did not list, or arguments that are not JSON.
 
+use crate::constraint::Grammar;
 use serde_json::{json, Value};
-use shimmer_common::json_constraint::Schema;
 
 use super::errors::ApiError;
 
@@ -53,8 +54,8 @@ pub struct Call {
 const MAX_TOOLS: usize = 128;
 
 impl Tools {
-    /// Checks names (unique, non-empty), parameter schemas (compilable, so a required call can
-    /// be constrained) and the choice.
+    /// Checks names (unique, non-empty), parameter schemas (objects describing an object: a
+    /// call's arguments are one) and the choice.
     pub fn new(list: Vec<ToolSpec>, choice: ToolChoice, param: &str) -> Result<Tools, ApiError> {
         if list.len() > MAX_TOOLS {
             return Err(ApiError::param(param, format!("at most {MAX_TOOLS} tools")));
@@ -67,9 +68,18 @@ impl Tools {
                 return Err(ApiError::param(&format!("{param}[{i}]"), format!("two tools are named `{}`", t.name)));
             }
             if let Some(p) = &t.parameters {
-                Schema::tool_call(&[(t.name.clone(), Some(p.clone()))]).map_err(|e| {
-                    ApiError::param(&format!("{param}[{i}]"), format!("tool `{}`: unsupported parameters schema: {e}", t.name)).code("unsupported_schema")
-                })?;
+                let of_object = match p.get("type") {
+                    None => true,
+                    Some(Value::String(s)) => s == "object",
+                    Some(Value::Array(a)) => a.iter().any(|s| s == "object"),
+                    Some(_) => false,
+                };
+                if !p.is_object() || !of_object {
+                    return Err(ApiError::param(
+                        &format!("{param}[{i}]"),
+                        format!("tool `{}`: `parameters` must be a JSON schema of an object (the arguments are one), got {p}", t.name),
+                    ));
+                }
             }
         }
         if let ToolChoice::Named(n) = &choice {
@@ -89,13 +99,13 @@ impl Tools {
     }
 
     /// The constraint for `required` and named choices.
-    pub fn constraint(&self) -> Option<Schema> {
+    pub fn constraint(&self) -> Option<Grammar> {
         let pick: Vec<(String, Option<Value>)> = match &self.choice {
             ToolChoice::Required => self.list.iter().map(|t| (t.name.clone(), t.parameters.clone())).collect(),
             ToolChoice::Named(n) => self.list.iter().filter(|t| &t.name == n).map(|t| (t.name.clone(), t.parameters.clone())).collect(),
             _ => return None,
         };
-        Schema::tool_call(&pick).ok()
+        Some(Grammar::ToolCall(pick))
     }
 
     /// The tools as a template expects them (OpenAI's function shape).
@@ -224,17 +234,14 @@ mod tests {
         assert!(e.message.contains("a b"));
         let dup = vec![ToolSpec { name: "x".into(), description: "".into(), parameters: None }; 2];
         assert!(Tools::new(dup, ToolChoice::Auto, "tools").unwrap_err().message.contains("two tools"));
-        let e = Tools::new(
-            vec![ToolSpec {
-                name: "x".into(),
-                description: "".into(),
-                parameters: Some(json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})),
-            }],
-            ToolChoice::Auto,
-            "tools",
-        )
-        .unwrap_err();
-        assert!(e.message.contains("pattern"), "{}", e.message);
+        let e = Tools::new(vec![ToolSpec { name: "x".into(), description: "".into(), parameters: Some(json!({"type": "string"})) }], ToolChoice::Auto, "tools")
+            .unwrap_err();
+        assert!(e.message.contains("object"), "{}", e.message);
+        let e = Tools::new(vec![ToolSpec { name: "x".into(), description: "".into(), parameters: Some(json!([1])) }], ToolChoice::Auto, "tools").unwrap_err();
+        assert!(e.message.contains("object"), "{}", e.message);
+        // What the old matcher refused (`pattern`) is a schema like any other now.
+        let pattern = json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}});
+        assert!(Tools::new(vec![ToolSpec { name: "x".into(), description: "".into(), parameters: Some(pattern) }], ToolChoice::Auto, "tools").is_ok());
         assert!(Tools::new(vec![], ToolChoice::Named("x".into()), "tools").is_err());
     }
 
