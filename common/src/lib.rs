@@ -14,6 +14,7 @@ pub mod checksum;
 pub mod error;
 pub mod expert_blob;
 pub mod families;
+pub mod gguf;
 pub mod json;
 pub mod quant;
 pub mod spec;
