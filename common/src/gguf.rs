@@ -392,6 +392,60 @@ impl Gguf {
     }
 }
 
+/// A GGUF's metadata as a model family reads it: most keys sit under the architecture's name
+/// (`qwen3moe.block_count`); the tokenizer's under `tokenizer.`. Errors name the full key.
+pub struct Meta<'a> {
+    pub architecture: &'a str,
+    pub entries: &'a BTreeMap<String, Value>,
+    pub tensors: &'a [TensorInfo],
+}
+
+impl<'a> Meta<'a> {
+    pub fn new(entries: &'a BTreeMap<String, Value>, tensors: &'a [TensorInfo]) -> Result<Meta<'a>, String> {
+        let architecture = match entries.get("general.architecture") {
+            Some(Value::String(a)) => a.as_str(),
+            Some(other) => return Err(format!("`general.architecture` is {other:?}, not a string")),
+            None => return Err("`general.architecture` is missing".into()),
+        };
+        Ok(Meta { architecture, entries, tensors })
+    }
+
+    /// The value of `{architecture}.{key}`.
+    pub fn arch(&self, key: &str) -> Option<&'a Value> {
+        self.entries.get(&format!("{}.{key}", self.architecture))
+    }
+
+    /// A required non-negative integer under the architecture.
+    pub fn count(&self, key: &str) -> Result<u64, String> {
+        self.count_opt(key)?.ok_or_else(|| format!("`{}.{key}` is missing", self.architecture))
+    }
+
+    pub fn count_opt(&self, key: &str) -> Result<Option<u64>, String> {
+        match self.arch(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| format!("`{}.{key}` is {v:?}, not a non-negative integer", self.architecture)),
+        }
+    }
+
+    pub fn float_opt(&self, key: &str) -> Result<Option<f64>, String> {
+        match self.arch(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| format!("`{}.{key}` is {v:?}, not a number", self.architecture)),
+        }
+    }
+
+    pub fn string_opt(&self, key: &str) -> Result<Option<&'a str>, String> {
+        match self.arch(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| format!("`{}.{key}` is {v:?}, not a string", self.architecture)),
+        }
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&'a TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
 /// `bytes` of whole blocks of `kind` as f32, as gguf-py computes them (f32 products and
 /// differences, in its order; half values widened exactly).
 pub fn dequantize(kind: GgmlType, bytes: &[u8]) -> Vec<f32> {

@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod deepseek_v4;
+mod gguf;
 mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
@@ -24,6 +25,9 @@ mod qwen3_moe;
 mod qwen3_next;
 #[cfg(test)]
 mod tests;
+
+pub use gguf::{gguf_dialect, GgufDialect, GgufTensor, GGUF_DIALECTS};
+pub(crate) use gguf::{llama_config, llama_tensor, moe_counts};
 
 use crate::json::{FieldError, FieldResult, Obj};
 use crate::spec::*;

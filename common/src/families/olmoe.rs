@@ -37,3 +37,31 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         })
     })
 }
+
+/// llama.cpp's `olmoe`: top-k weights never renormalised (its graph does not), `clip_qkv` as
+/// `attention.clamp_kqv`.
+pub(super) const GGUF: GgufDialect = GgufDialect {
+    gguf_architecture: "olmoe",
+    family: FAMILY.architecture,
+    accepts: |_| true,
+    config: |meta| {
+        let mut c = llama_config(meta, FAMILY.architecture, "olmoe")?;
+        let (experts, used, expert_ffn) = moe_counts(meta)?;
+        let expert_ffn = match expert_ffn {
+            Some(n) => n,
+            None => meta.count("feed_forward_length")?,
+        };
+        c.insert("num_experts".into(), experts.into());
+        c.insert("num_experts_per_tok".into(), used.into());
+        c.insert("intermediate_size".into(), expert_ffn.into());
+        c.insert("norm_topk_prob".into(), false.into());
+        c.insert("attention_bias".into(), meta.tensor("blk.0.attn_q.bias").is_some().into());
+        if let Some(clip) = meta.float_opt("attention.clamp_kqv")? {
+            c.insert("clip_qkv".into(), clip.into());
+        }
+        // OLMoE sizes its QK-norm by the whole projection: an explicit head_dim must agree.
+        c.remove("head_dim");
+        Ok(c)
+    },
+    tensor: |name, meta| llama_tensor(name, meta, &GATE_UP_DOWN, false),
+};

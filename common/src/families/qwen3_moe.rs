@@ -32,3 +32,30 @@ fn parse(obj: &Obj) -> FieldResult<ModelSpec> {
         })
     })
 }
+
+/// llama.cpp's `qwen3moe`: every layer MoE (its graph has no `mlp_only_layers`), top-k weights
+/// renormalised (its graph always does, unless the file says otherwise), no sliding window.
+pub(super) const GGUF: GgufDialect = GgufDialect {
+    gguf_architecture: "qwen3moe",
+    family: FAMILY.architecture,
+    accepts: |_| true,
+    config: |meta| {
+        let mut c = llama_config(meta, FAMILY.architecture, "qwen3_moe")?;
+        let (experts, used, expert_ffn) = moe_counts(meta)?;
+        let expert_ffn = expert_ffn.ok_or("`qwen3moe.expert_feed_forward_length` is missing")?;
+        c.insert("num_experts".into(), experts.into());
+        c.insert("num_experts_per_tok".into(), used.into());
+        c.insert("moe_intermediate_size".into(), expert_ffn.into());
+        c.insert("intermediate_size".into(), meta.count_opt("feed_forward_length")?.unwrap_or(expert_ffn).into());
+        c.insert(
+            "norm_topk_prob".into(),
+            meta.arch("expert_weights_norm").and_then(|v| matches!(v, crate::gguf::Value::Bool(false)).then_some(false)).unwrap_or(true).into(),
+        );
+        c.insert("decoder_sparse_step".into(), 1.into());
+        c.insert("mlp_only_layers".into(), serde_json::json!([]));
+        c.insert("attention_bias".into(), meta.tensor("blk.0.attn_q.bias").is_some().into());
+        c.insert("use_sliding_window".into(), false.into());
+        Ok(c)
+    },
+    tensor: |name, meta| llama_tensor(name, meta, &GATE_UP_DOWN, false),
+};

@@ -1,36 +1,91 @@
-//! `shimmer convert`: a Hugging Face checkpoint into an expert container.
+//! `shimmer convert`: a Hugging Face checkpoint into an expert container, or a llama.cpp GGUF
+//! into a Hugging Face checkpoint (`shimmer_store::gguf_import`).
 
 use super::*;
 
 #[derive(Args)]
 pub(super) struct ConvertArgs {
-    /// The Hugging Face checkpoint directory (bf16/f16/f32, or fp8-e4m3 with 128×128 block scales).
+    /// The Hugging Face checkpoint directory (bf16/f16/f32, or fp8-e4m3 with 128×128 block
+    /// scales), or a llama.cpp GGUF file (Qwen3-MoE, OLMoE, Mixtral) to import as a checkpoint.
     #[arg(long)]
     pub(super) from: PathBuf,
-    /// The container directory to write (new or empty, or an interrupted conversion to resume).
+    /// The container directory to write (new or empty, or an interrupted conversion to resume);
+    /// for a GGUF, the checkpoint directory (new or empty).
     #[arg(long)]
     pub(super) to: PathBuf,
     /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128, mxfp4.
-    #[arg(long, default_value = "bf16")]
-    pub(super) quant: String,
+    #[arg(long)]
+    pub(super) quant: Option<String>,
     /// Dense weights' format: bf16 or int8.
-    #[arg(long, default_value = "bf16")]
-    pub(super) dense_quant: String,
+    #[arg(long)]
+    pub(super) dense_quant: Option<String>,
+    /// A GGUF's tensors as: exact (F32/F16/BF16 kept, quantised types as f32, so every value is
+    /// ggml's), or f32, f16, bf16 (rounded).
+    #[arg(long)]
+    pub(super) dtype: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub(super) quiet: bool,
 }
 
-pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
-    use shimmer_store::convert::{ConvertEvent, ConvertOptions, DenseQuant};
-    let expert_quant = shimmer_common::quant::QuantScheme::parse(&a.quant).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
-    let dense_quant = DenseQuant::parse(&a.dense_quant).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
-    let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(0) };
+/// Whether `path` is a GGUF file (by its magic, so a renamed file is still recognised).
+fn is_gguf(path: &std::path::Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file() && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
+}
+
+fn progress_bar(quiet: bool) -> Result<indicatif::ProgressBar> {
+    let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(0) };
     bar.set_style(
         indicatif::ProgressStyle::with_template("{msg:>14} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}")
             .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?
             .progress_chars("=> "),
     );
+    Ok(bar)
+}
+
+fn import_gguf(a: ConvertArgs) -> Result<ExitCode> {
+    use shimmer_store::gguf_import::{import, ImportDtype};
+    if a.quant.is_some() || a.dense_quant.is_some() {
+        anyhow::bail!(
+            "--quant and --dense-quant apply to a checkpoint: import the GGUF first (`shimmer convert --from {} --to DIR`), then convert DIR",
+            a.from.display()
+        );
+    }
+    let dtype = ImportDtype::parse(a.dtype.as_deref().unwrap_or("exact")).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    let bar = progress_bar(a.quiet)?;
+    bar.set_message("import");
+    let report = import(&a.from, &a.to, dtype, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("cannot import {} into {}", a.from.display(), a.to.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "shimmer: wrote {} ({} checkpoint, from llama.cpp's `{}`: {} tensors, {:.1} MB in {} file{})",
+        a.to.display(),
+        report.family,
+        report.architecture,
+        report.tensors,
+        report.bytes as f64 / 1e6,
+        report.shards,
+        if report.shards == 1 { "" } else { "s" }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
+    use shimmer_store::convert::{ConvertEvent, ConvertOptions, DenseQuant};
+    if is_gguf(&a.from) {
+        return import_gguf(a);
+    }
+    if a.dtype.is_some() {
+        anyhow::bail!("--dtype applies to a GGUF import; {} is not a GGUF file", a.from.display());
+    }
+    let expert_quant = shimmer_common::quant::QuantScheme::parse(a.quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
+    let dense_quant = DenseQuant::parse(a.dense_quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
+    let bar = progress_bar(a.quiet)?;
     let report = shimmer_store::convert::convert(&a.from, &a.to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
         ConvertEvent::Start { total_bytes, done_bytes } => {
             bar.set_length(total_bytes);

@@ -243,7 +243,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
     Ok(plans)
 }
 
-fn safetensors_header(entries: &[(String, &str, Vec<usize>, u64)], metadata: &str) -> Vec<u8> {
+pub(crate) fn safetensors_header(entries: &[(String, &str, Vec<usize>, u64)], metadata: &str) -> Vec<u8> {
     let mut map = serde_json::Map::new();
     map.insert("__metadata__".into(), serde_json::json!({ "format": metadata }));
     let mut at = 0u64;

@@ -30,6 +30,7 @@
 
 pub mod container;
 pub mod convert;
+pub mod gguf_import;
 pub mod policy;
 pub mod probe;
 pub mod source;
