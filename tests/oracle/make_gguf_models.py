@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -42,10 +42,20 @@ sys.path.insert(0, str(HERE))
 import make_fixtures as mf  # noqa: E402
 
 
+def vocab_of(fixture):
+    """Every id the fixture's tokenizer can produce (llama.cpp's converter wants them all embedded)."""
+    t = json.load(open(FIXTURES / fixture / "tokenizer.json"))
+    return 1 + max([*t["model"]["vocab"].values(), *(a["id"] for a in t["added_tokens"])])
+
+
 def configs():
     olmoe = json.load(open(FIXTURES / "olmoe" / "config.json"))
     qwen = json.load(open(FIXTURES / "qwen3_moe" / "config.json"))
     mixtral = json.load(open(FIXTURES / "mixtral" / "config.json"))
+    deepseek = json.load(open(FIXTURES / "deepseek_v3" / "config.json"))
+    # llama.cpp's GLM vocabulary reader wants GLM's own specials ([gMASK], <|user|>, …): the
+    # GLM-5 fixture's tokenizer and template have them.
+    glm = json.load(open(FIXTURES / "glm_moe_dsa" / "config.json"))
     return {
         # OLMoE: MHA, QK-norm over the whole projection, no renormalisation; llama.cpp's olmoe
         # graph has no clip_qkv and its converter writes rms eps 1e-5.
@@ -72,6 +82,30 @@ def configs():
             num_local_experts=8, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False,
             bos_token_id=mixtral["bos_token_id"], eos_token_id=mixtral["eos_token_id"], pad_token_id=0,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), torch.float16, 1300),
+        # DeepSeek-V3: MLA with q_lora_rank (llama.cpp splits kv_b_proj per head), YaRN with one
+        # mscale (llama.cpp keeps only mscale_all_dim), a dense first layer, sigmoid routing over
+        # 4 groups (2 chosen) with a random correction bias, a shared expert, renormalised × 2.5.
+        "deepseek_v3": ("deepseek_v3", DeepseekV3Config(
+            vocab_size=deepseek["vocab_size"], hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_interleave=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=None, eos_token_id=deepseek["eos_token_id"], pad_token_id=0,
+            attention_bias=False, scoring_func="sigmoid",
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8}), torch.bfloat16, 1400),
+        # GLM-4.5: GQA with half rotary, per-head QK-norm, q/k/v biases, a dense first layer,
+        # sigmoid routing over 2 groups (1 chosen), a shared expert, × 1.5, one MTP layer counted
+        # in llama.cpp's block count.
+        "glm4_moe": ("glm_moe_dsa", Glm4MoeConfig(
+            vocab_size=vocab_of("glm_moe_dsa"), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=12,
+            num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=1.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+            max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
+            eos_token_id=glm["eos_token_id"], pad_token_id=0, num_nextn_predict_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), torch.bfloat16, 1500),
     }
 
 
@@ -83,20 +117,20 @@ LLAMA_CPP_EOG = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
 
 
-def save_source(family, config, dtype, seed, d):
+def save_source(tokenizer_from, config, dtype, seed, d):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     mf.randomize(model, 0.25, seed)
     model.to(dtype).save_pretrained(d)
     for f in TOKENIZER_FILES:
-        if (FIXTURES / family / f).exists():
-            shutil.copy(FIXTURES / family / f, d / f)
+        if (FIXTURES / tokenizer_from / f).exists():
+            shutil.copy(FIXTURES / tokenizer_from / f, d / f)
 
 
 def convert(llama, src, out):
     subprocess.run([sys.executable, str(ROOT / "bench" / "vs-llama-cpp" / "convert_with_known_pretokenizer.py"), str(llama),
                     str(src), "--outtype", "q8_0", "--outfile", str(out)], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+                   stderr=None if os.environ.get("FIXTURE_WHY") else subprocess.DEVNULL)
 
 
 def unpermute(w, n_head):
@@ -132,7 +166,8 @@ def dequantized_checkpoint(gguf_path, src, config):
             i = parts.index("experts")
             expert = int(parts[i + 1])
             lookup = ".".join(parts[:i + 1] + parts[i + 2:])
-        base, suffix = lookup.rsplit(".", 1)
+        # llama.cpp's converter reads the router's bias as `e_score_correction.bias`.
+        base, suffix = lookup.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
         candidates = [base]
         if "block_sparse_moe.experts" in base:  # llama.cpp's converter stacks Mixtral's under this name
             candidates.append(base.replace("model.layers", "layers").replace("block_sparse_moe.experts", "feed_forward.experts"))
@@ -142,6 +177,16 @@ def dequantized_checkpoint(gguf_path, src, config):
         gname = f"{gname}.{suffix}"
         if name == "lm_head.weight" and gname not in values:
             continue
+        if name.endswith("kv_b_proj.weight") and gname not in values:
+            # llama.cpp's MLA split: per head, the key rows transposed ([heads, rank, nope]) and
+            # the value rows ([heads, v, rank]).
+            kname, vname = gname.replace("attn_kv_b", "attn_k_b"), gname.replace("attn_kv_b", "attn_v_b")
+            (k, kq), (vv, vq) = values[kname], values[vname]
+            heads = k.shape[0]
+            merged = np.concatenate([k.transpose(0, 2, 1), vv], axis=1).reshape(-1, k.shape[1])
+            used.update([kname, vname])
+            values[gname] = (merged, gguf.GGMLQuantizationType.Q8_0 if gguf.GGMLQuantizationType.Q8_0 in (kq, vq) else kq)
+            assert merged.shape[0] % heads == 0
         v, qtype = values[gname]
         used.add(gname)
         if expert is not None:
@@ -163,7 +208,7 @@ def dequantized_checkpoint(gguf_path, src, config):
             rounded = torch.from_numpy(ref).to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype.name]).float().numpy()
             assert np.array_equal(v, rounded), f"{name}: a {qtype.name} tensor differs from the source"
         out[name] = torch.from_numpy(np.array(v, dtype=np.float32))
-    unused = set(values) - used
+    unused = {n for n in values if n not in used and "attn_kv_b" not in n}
     if unused:
         raise SystemExit(f"GGUF tensors no checkpoint tensor maps to: {sorted(unused)}")
     return out

@@ -49,10 +49,17 @@ pub enum GgufTensor {
     /// A stack `[experts, rows, cols]`: expert `E` is the checkpoint tensor `template` with `{E}`
     /// filled in.
     Experts { template: String, count: usize },
+    /// MLA's `kv_b_proj` as llama.cpp splits it for its absorbed attention: this tensor holds each
+    /// head's key rows transposed (`[heads, kv_lora_rank, qk_nope]`), `value` the value rows
+    /// (`[heads, v_head_dim, kv_lora_rank]`); put back as `[heads × (qk_nope + v_head_dim),
+    /// kv_lora_rank]`, key rows first in each head.
+    KvB { name: String, value: String },
+    /// Read with the tensor named here (the value half of `KvB`).
+    PartOf(String),
 }
 
 /// The families whose GGUF files shimmer imports.
-pub const GGUF_DIALECTS: &[&GgufDialect] = &[&qwen3_moe::GGUF, &olmoe::GGUF, &mixtral::GGUF];
+pub const GGUF_DIALECTS: &[&GgufDialect] = &[&qwen3_moe::GGUF, &olmoe::GGUF, &mixtral::GGUF, &deepseek_v3::GGUF, &glm4_moe::GGUF];
 
 /// The family of a GGUF file, by its architecture.
 pub fn gguf_dialect(meta: &Meta) -> Result<&'static GgufDialect, String> {
@@ -116,17 +123,27 @@ pub(crate) fn llama_tensor(name: &str, meta: &Meta, experts: &ExpertNames, permu
 
 /// What every Llama-named family's config holds, from llama.cpp's keys.
 pub(crate) fn llama_config(meta: &Meta, architecture: &str, model_type: &str) -> Result<Map<String, Json>, String> {
-    let hidden = meta.count("embedding_length")?;
+    let mut c = common_config(meta, architecture, model_type)?;
     let heads = meta.count("attention.head_count")?;
-    if heads == 0 || hidden == 0 {
-        return Err(format!("`{}.embedding_length` and `.attention.head_count` must be positive", meta.architecture));
-    }
+    let hidden = meta.count("embedding_length")?;
     let kv_heads = meta.count_opt("attention.head_count_kv")?.unwrap_or(heads);
     let head_dim = meta.count_opt("attention.key_length")?.unwrap_or(hidden / heads);
     if let Some(v) = meta.count_opt("attention.value_length")? {
         if v != head_dim {
             return Err(format!("`{}.attention.value_length` {v} differs from the key length {head_dim}", meta.architecture));
         }
+    }
+    c.insert("num_key_value_heads".into(), json!(kv_heads));
+    c.insert("head_dim".into(), json!(head_dim));
+    Ok(c)
+}
+
+/// What every family's config holds, attention shapes aside (GQA and MLA say those their ways).
+pub(crate) fn common_config(meta: &Meta, architecture: &str, model_type: &str) -> Result<Map<String, Json>, String> {
+    let hidden = meta.count("embedding_length")?;
+    let heads = meta.count("attention.head_count")?;
+    if heads == 0 || hidden == 0 {
+        return Err(format!("`{}.embedding_length` and `.attention.head_count` must be positive", meta.architecture));
     }
     let embed = meta.tensor("token_embd.weight").ok_or("the file has no `token_embd.weight`")?;
     let vocab = embed.dims.get(1).copied().ok_or("`token_embd.weight` is not a matrix")?;
@@ -136,8 +153,6 @@ pub(crate) fn llama_config(meta: &Meta, architecture: &str, model_type: &str) ->
     c.insert("hidden_size".into(), json!(hidden));
     c.insert("num_hidden_layers".into(), json!(meta.count("block_count")?));
     c.insert("num_attention_heads".into(), json!(heads));
-    c.insert("num_key_value_heads".into(), json!(kv_heads));
-    c.insert("head_dim".into(), json!(head_dim));
     c.insert("vocab_size".into(), json!(vocab));
     c.insert("hidden_act".into(), json!("silu"));
     c.insert("tie_word_embeddings".into(), json!(meta.tensor("output.weight").is_none()));
@@ -178,7 +193,18 @@ fn rope_scaling(meta: &Meta) -> Result<Option<Json>, String> {
         Some("yarn") => {
             let factor = factor.ok_or_else(|| format!("`{}.rope.scaling.factor` is missing", meta.architecture))?;
             let original = meta.count("rope.scaling.original_context_length")?;
-            Ok(Some(json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original})))
+            let mut yarn = json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original});
+            for (key, field) in [("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")] {
+                if let Some(v) = meta.float_opt(key)? {
+                    yarn[field] = json!(v);
+                }
+            }
+            // llama.cpp keeps DeepSeek's `mscale_all_dim` as a tenth of it (and one mscale for both).
+            if let Some(log_mul) = meta.float_opt("rope.scaling.yarn_log_multiplier")? {
+                yarn["mscale"] = json!(log_mul / 0.1);
+                yarn["mscale_all_dim"] = json!(log_mul / 0.1);
+            }
+            Ok(Some(yarn))
         }
         Some(other) => Err(format!("`{}.rope.scaling.type` `{other}` is not imported (none, linear and yarn are)", meta.architecture)),
     }
@@ -187,4 +213,49 @@ fn rope_scaling(meta: &Meta) -> Result<Option<Json>, String> {
 /// The MoE keys every Llama-named family's llama.cpp export writes.
 pub(crate) fn moe_counts(meta: &Meta) -> Result<(u64, u64, Option<u64>), String> {
     Ok((meta.count("expert_count")?, meta.count("expert_used_count")?, meta.count_opt("expert_feed_forward_length")?))
+}
+
+/// The sigmoid, group-limited router with a selection bias and shared experts (DeepSeek-V3,
+/// GLM-4.5), as llama.cpp's keys give it.
+pub(crate) fn grouped_config(meta: &Meta, c: &mut Map<String, Json>) -> Result<(), String> {
+    match meta.count_opt("expert_gating_func")? {
+        Some(2) => {}
+        other => {
+            return Err(format!(
+                "`{}.expert_gating_func` is {other:?}: only the sigmoid router (2) of these families is run (llama.cpp reads a missing one as softmax, DeepSeek-V2's)",
+                meta.architecture
+            ))
+        }
+    }
+    let (experts, used, expert_ffn) = moe_counts(meta)?;
+    let expert_ffn = expert_ffn.ok_or_else(|| format!("`{}.expert_feed_forward_length` is missing", meta.architecture))?;
+    c.insert("n_routed_experts".into(), json!(experts));
+    c.insert("num_experts_per_tok".into(), json!(used));
+    c.insert("moe_intermediate_size".into(), json!(expert_ffn));
+    c.insert("intermediate_size".into(), json!(meta.count_opt("feed_forward_length")?.unwrap_or(expert_ffn)));
+    c.insert("n_shared_experts".into(), json!(meta.count_opt("expert_shared_count")?.unwrap_or(0)));
+    c.insert("first_k_dense_replace".into(), json!(meta.count_opt("leading_dense_block_count")?.unwrap_or(0)));
+    c.insert("routed_scaling_factor".into(), json!(meta.float_opt("expert_weights_scale")?.unwrap_or(1.0)));
+    let norm = matches!(meta.arch("expert_weights_norm"), Some(crate::gguf::Value::Bool(true)));
+    c.insert("norm_topk_prob".into(), json!(norm));
+    c.insert("n_group".into(), json!(meta.count_opt("expert_group_count")?.unwrap_or(1)));
+    c.insert("topk_group".into(), json!(meta.count_opt("expert_group_used_count")?.unwrap_or(1)));
+    c.insert("scoring_func".into(), json!("sigmoid"));
+    Ok(())
+}
+
+/// The grouped router's own tensors: its selection bias and the shared expert.
+pub(crate) fn grouped_tensor(name: &str) -> Option<GgufTensor> {
+    let names = GROUPED_SIGMOID_NAMES;
+    let (layer, part) = name.strip_prefix("blk.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let fill = |t: &str| t.replace("{L}", &layer.to_string());
+    let [gate, up, down] = names.shared?;
+    Some(GgufTensor::Same(match part {
+        "exp_probs_b.bias" => fill(names.router_bias?),
+        "ffn_gate_shexp.weight" => fill(gate),
+        "ffn_up_shexp.weight" => fill(up),
+        "ffn_down_shexp.weight" => fill(down),
+        _ => return None,
+    }))
 }

@@ -26,8 +26,8 @@ mod qwen3_next;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use gguf::{common_config, grouped_config, grouped_tensor, llama_config, llama_tensor, moe_counts};
 pub use gguf::{gguf_dialect, GgufDialect, GgufTensor, GGUF_DIALECTS};
-pub(crate) use gguf::{llama_config, llama_tensor, moe_counts};
 
 use crate::json::{FieldError, FieldResult, Obj};
 use crate::spec::*;

@@ -76,12 +76,22 @@ pub struct ImportReport {
     pub shards: usize,
 }
 
-/// One checkpoint tensor: from which GGUF tensor, which slice, and how.
+/// How a checkpoint tensor's values come out of its GGUF tensor(s).
+enum Take {
+    Whole,
+    Expert(usize),
+    Unpermute(usize),
+    /// `kv_b_proj` from its key half (`source`) and this value half (`GgufTensor::KvB`).
+    KvB {
+        value: usize,
+    },
+}
+
+/// One checkpoint tensor: from which GGUF tensor, and how.
 struct Planned {
     name: String,
     source: usize,
-    expert: Option<usize>,
-    unpermute_heads: Option<usize>,
+    take: Take,
     shape: Vec<usize>,
     dtype: &'static str,
     bytes: u64,
@@ -113,6 +123,20 @@ fn unpermute(values: &[f32], rows: usize, heads: usize) -> Result<Vec<f32>, Stri
     Ok(out)
 }
 
+/// `kv_b_proj` rows per head — key rows (the columns of `keys[h]`, `[rank, nope]`) then value rows
+/// (`values[h]`, `[v, rank]`) — as DeepSeek's checkpoints hold them.
+fn merge_kv_b(keys: &[f32], values: &[f32], heads: usize, rank: usize, nope: usize, v: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(heads * (nope + v) * rank);
+    for h in 0..heads {
+        let k = &keys[h * rank * nope..(h + 1) * rank * nope];
+        for r in 0..nope {
+            out.extend((0..rank).map(|c| k[c * nope + r]));
+        }
+        out.extend_from_slice(&values[h * v * rank..(h + 1) * v * rank]);
+    }
+    out
+}
+
 fn encode(values: &[f32], dtype: &str, out: &mut Vec<u8>) {
     out.clear();
     match dtype {
@@ -132,21 +156,39 @@ fn plan(gguf: &Gguf, meta: &Meta, dtype: ImportDtype) -> Result<Vec<Planned>, St
         let shape = t.shape();
         match place {
             GgufTensor::Same(name) => {
-                planned.push(Planned { name, source: index, expert: None, unpermute_heads: None, bytes: (t.elements() * width) as u64, shape, dtype: written })
+                planned.push(Planned { name, source: index, take: Take::Whole, bytes: (t.elements() * width) as u64, shape, dtype: written })
             }
             GgufTensor::Unpermute { name, heads } => {
                 if heads == 0 || !shape[0].is_multiple_of(2 * heads) {
                     return Err(format!("tensor `{}` has {} rows, not pairs over {heads} heads", t.name, shape[0]));
                 }
+                planned.push(Planned { name, source: index, take: Take::Unpermute(heads), bytes: (t.elements() * width) as u64, shape, dtype: written })
+            }
+            GgufTensor::KvB { name, value } => {
+                let v_index = gguf.tensors.iter().position(|u| u.name == value).ok_or_else(|| format!("tensor `{}` has no `{value}` beside it", t.name))?;
+                let (k_shape, v_shape) = (shape, gguf.tensors[v_index].shape());
+                // keys [heads, rank, nope], values [heads, v, rank].
+                if k_shape.len() != 3 || v_shape.len() != 3 || k_shape[0] != v_shape[0] || k_shape[1] != v_shape[2] {
+                    return Err(format!("tensors `{}` {k_shape:?} and `{value}` {v_shape:?} are not the two halves of one kv_b_proj", t.name));
+                }
+                let (heads, rank, nope, v) = (k_shape[0], k_shape[1], k_shape[2], v_shape[1]);
+                // Exact: one type for both halves, f32 unless they share a half type.
+                let written = if written != dtype.written(gguf.tensors[v_index].kind) { "F32" } else { written };
+                let width = if written == "F32" { 4 } else { 2 };
                 planned.push(Planned {
                     name,
                     source: index,
-                    expert: None,
-                    unpermute_heads: Some(heads),
-                    bytes: (t.elements() * width) as u64,
-                    shape,
+                    take: Take::KvB { value: v_index },
+                    shape: vec![heads * (nope + v), rank],
                     dtype: written,
-                })
+                    bytes: (heads * (nope + v) * rank * width) as u64,
+                });
+            }
+            GgufTensor::PartOf(partner) => {
+                let paired = gguf.tensors.iter().any(|u| u.name == partner && matches!(dialect.tensor(&u.name, meta), Some(GgufTensor::KvB { .. })));
+                if !paired {
+                    return Err(format!("tensor `{}` has no `{partner}` to be read with", t.name));
+                }
             }
             GgufTensor::Experts { template, count } => {
                 if shape.len() != 3 || shape[0] != count {
@@ -157,8 +199,7 @@ fn plan(gguf: &Gguf, meta: &Meta, dtype: ImportDtype) -> Result<Vec<Planned>, St
                     planned.push(Planned {
                         name: template.replace("{E}", &e.to_string()),
                         source: index,
-                        expert: Some(e),
-                        unpermute_heads: None,
+                        take: Take::Expert(e),
                         shape: shape[1..].to_vec(),
                         dtype: written,
                         bytes: (each * width) as u64,
@@ -233,15 +274,20 @@ pub fn import(from: &Path, to: &Path, dtype: ImportDtype, progress: &mut dyn FnM
                 cached = Some((p.source, gguf.dequantize(&gguf.tensors[p.source])));
             }
             let all = &cached.as_ref().expect("just filled").1;
-            let values: std::borrow::Cow<[f32]> = match (p.expert, p.unpermute_heads) {
-                (Some(e), _) => {
+            let values: std::borrow::Cow<[f32]> = match p.take {
+                Take::Whole => std::borrow::Cow::Borrowed(&all[..]),
+                Take::Expert(e) => {
                     let each = p.shape.iter().product::<usize>();
                     std::borrow::Cow::Borrowed(&all[e * each..(e + 1) * each])
                 }
-                (None, Some(heads)) => {
+                Take::Unpermute(heads) => {
                     std::borrow::Cow::Owned(unpermute(all, p.shape[0], heads).map_err(|m| LoadError::malformed(from, format!("tensor `{}`: {m}", p.name)))?)
                 }
-                (None, None) => std::borrow::Cow::Borrowed(&all[..]),
+                Take::KvB { value } => {
+                    let (k, v) = (gguf.tensors[p.source].shape(), gguf.tensors[value].shape());
+                    let values = gguf.dequantize(&gguf.tensors[value]);
+                    std::borrow::Cow::Owned(merge_kv_b(all, &values, k[0], k[1], k[2], v[1]))
+                }
             };
             encode(&values, p.dtype, &mut bytes);
             w.write_all(&bytes).map_err(io(&tmp))?;
@@ -312,6 +358,23 @@ mod tests {
             }
         }
         out
+    }
+
+    /// llama.cpp's split (view [heads, nope + v, rank], split, transpose the key half), written
+    /// directly, undone by `merge_kv_b`.
+    #[test]
+    fn kv_b_halves_merge_back() {
+        let (heads, rank, nope, v) = (3, 4, 2, 5);
+        let kv_b: Vec<f32> = (0..heads * (nope + v) * rank).map(|i| i as f32).collect();
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for h in 0..heads {
+            let head = &kv_b[h * (nope + v) * rank..(h + 1) * (nope + v) * rank];
+            for c in 0..rank {
+                keys.extend((0..nope).map(|r| head[r * rank + c]));
+            }
+            values.extend_from_slice(&head[nope * rank..]);
+        }
+        assert_eq!(merge_kv_b(&keys, &values, heads, rank, nope, v), kv_b);
     }
 
     #[test]
