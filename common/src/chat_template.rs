@@ -128,6 +128,18 @@ impl ChatConfig {
     /// What rendering `messages` takes, as data (so that another process can do it: the server
     /// renders in a sandbox process), and the template's file for errors.
     pub fn job(&self, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool) -> Result<(RenderJob, PathBuf), LoadError> {
+        self.job_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// `job` with variables of the request's own for the template (`chat_template_kwargs`, e.g.
+    /// `enable_thinking`); they never replace the ones `job` sets.
+    pub fn job_with(
+        &self,
+        messages: &[Value],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<(RenderJob, PathBuf), LoadError> {
         let (Some(template), Some(path)) = (&self.template, &self.template_path) else {
             return Err(LoadError::malformed("tokenizer_config.json", "the model has no chat template"));
         };
@@ -138,6 +150,7 @@ impl ChatConfig {
             add_generation_prompt,
             bos_token: self.bos_token.clone(),
             eos_token: self.eos_token.clone(),
+            extra: extra.clone(),
         };
         Ok((job, path.clone()))
     }
@@ -158,6 +171,9 @@ pub struct RenderJob {
     pub add_generation_prompt: bool,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The request's own template variables (`chat_template_kwargs`).
+    #[serde(default)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 impl RenderJob {
@@ -170,6 +186,7 @@ impl RenderJob {
             self.add_generation_prompt,
             self.bos_token.as_deref(),
             self.eos_token.as_deref(),
+            &self.extra,
         )
         .map_err(|e| e.to_string())
     }
@@ -191,7 +208,7 @@ pub fn render_template(
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String, JinjaError> {
-    render_with(template, &minijinja::value::Serde(messages), None, add_generation_prompt, bos_token, eos_token)
+    render_with(template, &minijinja::value::Serde(messages), None, add_generation_prompt, bos_token, eos_token, &serde_json::Map::new())
 }
 
 fn render_with<M: serde::Serialize>(
@@ -201,6 +218,7 @@ fn render_with<M: serde::Serialize>(
     add_generation_prompt: bool,
     bos_token: Option<&str>,
     eos_token: Option<&str>,
+    extra: &serde_json::Map<String, Value>,
 ) -> Result<String, JinjaError> {
     let mut env = Environment::new();
     let syntax = minijinja::syntax::SyntaxConfig::builder()
@@ -210,7 +228,8 @@ fn render_with<M: serde::Serialize>(
         .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
     env.set_syntax(syntax);
     // A template is code from the checkpoint: bound the work and memory one render may use.
-    let input_bytes = serde_json::to_string(&messages.0).map_or(0, |t| t.len()) + tools.map_or(0, |t| t.to_string().len());
+    let input_bytes =
+        serde_json::to_string(&messages.0).map_or(0, |t| t.len()) + tools.map_or(0, |t| t.to_string().len()) + Value::Object(extra.clone()).to_string().len();
     env.set_fuel(Some(RENDER_FUEL + input_bytes as u64 / 8));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
@@ -225,6 +244,7 @@ fn render_with<M: serde::Serialize>(
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or(""),
         eos_token => eos_token.unwrap_or(""),
+        ..JValue::from(minijinja::value::Serde(extra))
     };
     env.render_str(template, ctx)
 }

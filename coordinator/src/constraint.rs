@@ -65,6 +65,58 @@ pub enum Grammar {
     /// One call `{"name": NAME, "arguments": ARGS}` of one of these tools, its arguments JSON
     /// valid against that tool's parameters (any object where it gives none).
     ToolCall(Vec<(String, Option<Value>)>),
+    /// One call of one of these tools spelled as a family's chat format spells it (`CallShape`),
+    /// its arguments valid against the tool's parameters.
+    ShapedToolCall(Vec<(String, Option<Value>)>, CallShape),
+}
+
+/// How a chat format writes one tool call around the tool's name and its arguments. Each part is
+/// a list of segments; a segment that is the text of one of the vocabulary's special tokens is
+/// that token (as the model writes it), any other is literal text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallShape {
+    /// Once, before the call (a section's start).
+    pub open: Vec<String>,
+    pub before_name: Vec<String>,
+    pub after_name: Vec<String>,
+    pub arguments: ArgumentsShape,
+    pub after_arguments: Vec<String>,
+    /// Once, after the call.
+    pub close: Vec<String>,
+}
+
+/// How the arguments are written.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ArgumentsShape {
+    /// One JSON object.
+    Json,
+    /// One pair per parameter, in the schema's order (required ones always, the others may be
+    /// left out): `key_open NAME key_close value_open VALUE value_close`; a string parameter's
+    /// value is its raw text (no `<`), any other its JSON.
+    Pairs { key: [Vec<String>; 2], value: [Vec<String>; 2] },
+}
+
+impl CallShape {
+    /// `{"name": NAME, "arguments": ARGS}`: shimmer's own format, for templates without one.
+    pub fn json() -> CallShape {
+        CallShape {
+            open: vec![],
+            before_name: vec!["{\"name\": \"".into()],
+            after_name: vec!["\", \"arguments\": ".into()],
+            arguments: ArgumentsShape::Json,
+            after_arguments: vec!["}".into()],
+            close: vec![],
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        let parts = [&self.open, &self.before_name, &self.after_name, &self.after_arguments, &self.close];
+        let pairs = match &self.arguments {
+            ArgumentsShape::Json => 0,
+            ArgumentsShape::Pairs { key, value } => key.iter().chain(value).flatten().map(String::len).sum(),
+        };
+        parts.iter().flat_map(|p| p.iter()).map(String::len).sum::<usize>() + pairs
+    }
 }
 
 impl Grammar {
@@ -81,6 +133,9 @@ impl Grammar {
                 c.iter().map(String::len).sum()
             }
             Grammar::ToolCall(tools) => tools.iter().map(|(n, p)| n.len() + p.as_ref().map_or(0, |p| p.to_string().len())).sum(),
+            Grammar::ShapedToolCall(tools, shape) => {
+                shape.bytes() + tools.iter().map(|(n, p)| n.len() + p.as_ref().map_or(0, |p| p.to_string().len())).sum::<usize>()
+            }
         };
         if bytes > MAX_GRAMMAR_BYTES {
             return Err(GrammarError(format!("the grammar is {bytes} bytes, over the {MAX_GRAMMAR_BYTES}-byte limit")));
@@ -88,7 +143,8 @@ impl Grammar {
         Ok(())
     }
 
-    fn to_llguidance(&self) -> Result<TopLevelGrammar, GrammarError> {
+    /// `special`: the id of the special token with this text, if the vocabulary has one.
+    fn to_llguidance(&self, special: &dyn Fn(&str) -> Option<u32>) -> Result<TopLevelGrammar, GrammarError> {
         self.check_size()?;
         Ok(match self {
             Grammar::AnyObject => TopLevelGrammar::from_json_schema(bounded_whitespace(json!({"type": "object"}))),
@@ -104,23 +160,53 @@ impl Grammar {
                 let alternatives: Vec<String> = options.iter().map(|o| lark_string(o)).collect();
                 TopLevelGrammar::from_lark(format!("start: {}\n", alternatives.join(" | ")))
             }
-            Grammar::ToolCall(tools) => {
-                if tools.is_empty() {
-                    return Err(GrammarError("a tool call needs at least one tool".into()));
-                }
-                // Each tool's parameters are a schema of their own (`%json`), so a `$ref` in one
-                // resolves against that schema's own `$defs`.
-                let mut rules = vec![format!("start: {}", (0..tools.len()).map(|i| format!("call_{i}")).collect::<Vec<_>>().join(" | "))];
-                for (i, (name, parameters)) in tools.iter().enumerate() {
-                    let head = format!("{{\"name\": {}, \"arguments\": ", lark_string(name));
-                    let schema = bounded_whitespace(arguments_schema(parameters.as_ref()));
-                    rules.push(format!("call_{i}: {} args_{i} \"}}\"", lark_string(&head)));
-                    rules.push(format!("args_{i}: %json {schema}"));
-                }
-                TopLevelGrammar::from_lark(rules.join("\n") + "\n")
-            }
+            Grammar::ToolCall(tools) => TopLevelGrammar::from_lark(tool_call_lark(tools, &CallShape::json(), special)?),
+            Grammar::ShapedToolCall(tools, shape) => TopLevelGrammar::from_lark(tool_call_lark(tools, shape, special)?),
         })
     }
+}
+
+/// The Lark text of one call of one of `tools`, spelled as `shape` says. Each tool's parameters
+/// are a schema of their own (`%json`), so a `$ref` in one resolves against its own `$defs`.
+fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special: &dyn Fn(&str) -> Option<u32>) -> Result<String, GrammarError> {
+    if tools.is_empty() {
+        return Err(GrammarError("a tool call needs at least one tool".into()));
+    }
+    let seq = |parts: &[String]| -> String {
+        parts.iter().filter(|p| !p.is_empty()).map(|p| special(p).map_or_else(|| lark_string(p), |id| format!("<[{id}]>"))).collect::<Vec<_>>().join(" ")
+    };
+    let calls = (0..tools.len()).map(|i| format!("call_{i}")).collect::<Vec<_>>().join(" | ");
+    let mut rules = vec![format!("start: {} ({calls}) {}", seq(&shape.open), seq(&shape.close))];
+    for (i, (name, parameters)) in tools.iter().enumerate() {
+        let schema = arguments_schema(parameters.as_ref());
+        let mut args = format!("args_{i}");
+        match &shape.arguments {
+            ArgumentsShape::Json => rules.push(format!("args_{i}: %json {}", bounded_whitespace(schema))),
+            ArgumentsShape::Pairs { key, value } => {
+                let properties = schema.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
+                let required: Vec<&str> =
+                    schema.get("required").and_then(Value::as_array).map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+                let mut items = Vec::new();
+                for (j, (param, param_schema)) in properties.iter().enumerate() {
+                    let is_string = param_schema.get("type").and_then(Value::as_str) == Some("string") && param_schema.get("enum").is_none();
+                    if is_string {
+                        rules.push(format!("value_{i}_{j}: /[^<]*/"));
+                    } else {
+                        rules.push(format!("value_{i}_{j}: %json {}", bounded_whitespace(param_schema.clone())));
+                    }
+                    let pair = format!("{} {} {} {} value_{i}_{j} {}", seq(&key[0]), lark_string(param), seq(&key[1]), seq(&value[0]), seq(&value[1]));
+                    items.push(if required.contains(&param.as_str()) { pair } else { format!("({pair})?") });
+                }
+                if items.is_empty() {
+                    args.clear();
+                } else {
+                    rules.push(format!("args_{i}: {}", items.join(" ")));
+                }
+            }
+        }
+        rules.push(format!("call_{i}: {} {} {} {args} {}", seq(&shape.before_name), lark_string(name), seq(&shape.after_name), seq(&shape.after_arguments)));
+    }
+    Ok(rules.join("\n") + "\n")
 }
 
 /// A tool's arguments schema: its parameters, narrowed to objects (JSON Schema's keywords are
@@ -187,6 +273,9 @@ struct Shared {
     /// The token of each single byte, where the vocabulary has one (the plan's steps).
     byte_tokens: Vec<Option<u32>>,
     order: Vec<u8>,
+    /// Special tokens (and end-of-text ones) by their text: a `CallShape` segment equal to one is
+    /// written as that token.
+    specials: std::collections::HashMap<Vec<u8>, u32>,
 }
 
 struct Env {
@@ -233,6 +322,12 @@ impl Vocabulary {
         };
         let trie = std::panic::catch_unwind(|| TokTrie::from(&TokRxInfo::new(size, first_eos), &words).with_eos_tokens(&eos))
             .map_err(|_| GrammarError("the vocabulary cannot be indexed for constrained decoding".into()))?;
+        let mut specials = std::collections::HashMap::new();
+        for (id, w) in words.iter().enumerate() {
+            if let Some((&TokTrie::SPECIAL_TOKEN_MARKER, text)) = w.split_first() {
+                specials.entry(text.to_vec()).or_insert(id as u32);
+            }
+        }
         let mut byte_tokens = vec![None; 256];
         for (id, w) in words.iter().enumerate() {
             if let [b] = w.as_slice() {
@@ -244,13 +339,14 @@ impl Vocabulary {
             .map_err(|e| GrammarError(format!("cannot prepare the vocabulary for constrained decoding: {e}")))?;
         factory.quiet();
         *factory.limits_mut() = ParserLimits { verbose_errors: false, ..ParserLimits::default() };
-        Ok(Vocabulary { factory, shared: Arc::new(Shared { env, size: logits, byte_tokens, order: plan_byte_order() }) })
+        Ok(Vocabulary { factory, shared: Arc::new(Shared { env, size: logits, byte_tokens, order: plan_byte_order(), specials }) })
     }
 
     /// A fresh constraint for `grammar`: compiling it is where a bad or unsupported grammar is
     /// refused, naming the problem.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, GrammarError> {
-        let top = grammar.to_llguidance()?;
+        let specials = &self.shared.specials;
+        let top = grammar.to_llguidance(&|text: &str| specials.get(text.as_bytes()).copied())?;
         let parser = self.factory.create_parser(top).map_err(|e| GrammarError(clean(&e.to_string())))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {

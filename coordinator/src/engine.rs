@@ -425,12 +425,24 @@ impl Engine {
     /// The ids of API-shaped messages (JSON, with tool calls and results) and tools rendered with
     /// the model's chat template, ready for generation.
     pub fn encode_chat_json(&self, messages: &[serde_json::Value], tools: Option<&serde_json::Value>) -> Result<Vec<u32>, EngineError> {
-        let (job, path) = self.chat.job(messages, tools, true)?;
+        Ok(self.encode_chat_with(messages, tools, &serde_json::Map::new())?.0)
+    }
+
+    /// `encode_chat_json` with the request's own template variables (`chat_template_kwargs`);
+    /// also the rendered text.
+    pub fn encode_chat_with(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(Vec<u32>, String), EngineError> {
+        let (job, path) = self.chat.job_with(messages, tools, true, extra)?;
         // The template is the checkpoint's code: the binary renders it in a sandbox process.
         let text = crate::template_sandbox::render(&job).map_err(|e| LoadError::malformed(path, format!("chat template failed: {e}")))?;
         self.refuse_certainly_too_long(&text)?;
         // The template already wrote any BOS it wants; the tokenizer must not add another.
-        Ok(self.tokenizer.encode(&text, false)?)
+        let ids = self.tokenizer.encode(&text, false)?;
+        Ok((ids, text))
     }
 
     /// Teacher forcing over `ids` in one pass.

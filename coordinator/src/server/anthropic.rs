@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job};
+use super::chat_format::Streamed;
 use super::errors::ApiError;
 use super::metrics::RequestTally;
 use super::openai::{async_stream, authorize, encode_conversation, parse_body, rand_seed, seed, stop_list, submit, top_k, top_p, Params};
@@ -179,8 +180,23 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     let obj = parse_body(body)?;
     let p = Params(&obj);
     p.only(
-        &["model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "seed", "tools", "tool_choice"],
-        &[("thinking", "extended thinking is not supported"), ("mcp_servers", "MCP is not supported")],
+        &[
+            "model",
+            "messages",
+            "system",
+            "max_tokens",
+            "stop_sequences",
+            "stream",
+            "temperature",
+            "top_p",
+            "top_k",
+            "metadata",
+            "seed",
+            "tools",
+            "tool_choice",
+            "thinking",
+        ],
+        &[("mcp_servers", "MCP is not supported")],
     )?;
     let model = p.str("model")?.ok_or_else(|| ApiError::param("model", "`model` is required"))?.to_string();
     if model != state.model_id {
@@ -224,11 +240,24 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         ..SamplingParams::default()
     };
     let stream = p.bool("stream")?;
-    let constraint = match tools.as_ref().and_then(Tools::constraint) {
+    // `thinking: {type: enabled | disabled}` reaches the template as Qwen's and GLM's
+    // `enable_thinking` (the budget is the answer's `max_tokens`).
+    let mut extra = serde_json::Map::new();
+    match p.get("thinking") {
+        None | Some(Value::Null) => {}
+        Some(t) => match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => drop(extra.insert("enable_thinking".into(), json!(true))),
+            Some("disabled") => drop(extra.insert("enable_thinking".into(), json!(false))),
+            _ => return Err(ApiError::param("thinking", format!("`thinking` must be {{\"type\": \"enabled\" | \"disabled\"}}, got {t}"))),
+        },
+    }
+    let prompt = encode_conversation(&state, msgs, tools.as_ref(), &extra)?;
+    let constraint = match tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape())) {
         Some(grammar) => Some(super::compile_grammar(&state, "tools", grammar).await?),
         None => None,
     };
-    let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
+    let (format, in_reasoning) = (prompt.format, prompt.in_reasoning);
+    let prompt = prompt.ids;
     let calling = tools.filter(Tools::active);
     let context = state.engine.spec.max_position_embeddings;
     if prompt.len() + max_tokens > context {
@@ -247,6 +276,7 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
             constraint,
             events: tx,
             submitted: Instant::now(),
+            keep_special_tokens: format.keeps_special_tokens(),
         },
     )?;
     let id = format!("msg_{:016x}", rand_seed());
@@ -276,10 +306,17 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         if let Some(t) = tally.take() {
             t.finish(true);
         }
-        let (content, reason) = match calling.as_ref().and_then(|t| t.parse(&text)) {
-            Some(calls) => (Value::Array(calls.iter().map(tool_use_block).collect()), "tool_use"),
-            None => (json!([{ "type": "text", "text": text }]), stop_reason(finish, &stop_sequence)),
-        };
+        let parsed = format.parse(&text, in_reasoning, calling.as_ref());
+        let mut blocks = Vec::new();
+        if !parsed.reasoning.is_empty() {
+            blocks.push(json!({ "type": "thinking", "thinking": parsed.reasoning, "signature": "" }));
+        }
+        if !parsed.content.is_empty() || parsed.calls.is_empty() {
+            blocks.push(json!({ "type": "text", "text": parsed.content }));
+        }
+        blocks.extend(parsed.calls.iter().map(tool_use_block));
+        let reason = if parsed.calls.is_empty() { stop_reason(finish, &stop_sequence) } else { "tool_use" };
+        let content = Value::Array(blocks);
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
             "content": content,
@@ -290,18 +327,14 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
     }
 
     let metrics = state.metrics.clone();
-    let named = |name: &str, data: Value| SseEvent::default().event(name).data(data.to_string());
     let stream = async_stream(move |out: mpsc::UnboundedSender<SseEvent>| async move {
         let start = json!({ "type": "message_start", "message": { "id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": { "input_tokens": input_tokens, "output_tokens": 0 } } });
         let _ = out.send(named("message_start", start));
-        // With tools the answer is held until it is known whether it is a call.
-        let text_block = |out: &mpsc::UnboundedSender<SseEvent>| {
-            out.send(named("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })))
-        };
-        if calling.is_none() {
-            let _ = text_block(&out);
-        }
-        let mut held = String::new();
+        // Blocks open as their text arrives: thinking, then the answer's text; with tools the
+        // text is held until it is known whether the answer is a call.
+        let holding = calling.is_some();
+        let mut streamed = Streamed::new(format, in_reasoning);
+        let mut blocks = Blocks { index: 0, open: None };
         let mut first = true;
         loop {
             match rx.recv().await {
@@ -313,17 +346,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                         metrics.first_token(t0.elapsed());
                         first = false;
                     }
-                    if calling.is_some() {
-                        held.push_str(&text);
-                        continue;
-                    }
-                    if out
-                        .send(named(
-                            "content_block_delta",
-                            json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text } }),
-                        ))
-                        .is_err()
-                    {
+                    let (reasoning, content) = streamed.push(&text);
+                    let sent = blocks.send(&out, "thinking", &reasoning) && (holding || blocks.send(&out, "text", &content));
+                    if !sent {
                         return; // the client left: dropping `rx` cancels the generation
                     }
                 }
@@ -332,30 +357,34 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
                         t.finish(true);
                     }
                     let mut reason = stop_reason(finish, &stop_sequence);
-                    match calling.as_ref().map(|t| t.parse(&held)) {
-                        Some(Some(calls)) => {
+                    let (reasoning, content) = streamed.finish();
+                    blocks.send(&out, "thinking", &reasoning);
+                    if holding {
+                        let parsed = format.parse(streamed.text(), in_reasoning, calling.as_ref());
+                        blocks.send(&out, "text", &parsed.content);
+                        if !parsed.calls.is_empty() {
                             reason = "tool_use";
-                            for (i, call) in calls.iter().enumerate() {
-                                let mut block = tool_use_block(call);
-                                let input = block["input"].take();
-                                block["input"] = json!({});
-                                let _ = out.send(named("content_block_start", json!({ "type": "content_block_start", "index": i, "content_block": block })));
-                                let _ = out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": i, "delta": { "type": "input_json_delta", "partial_json": input.to_string() } })));
-                                let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": i })));
-                            }
+                        } else if blocks.index == 0 && blocks.open.is_none() {
+                            blocks.start(&out, "text");
                         }
-                        Some(None) => {
-                            let _ = text_block(&out);
-                            let _ = out.send(named(
-                                "content_block_delta",
-                                json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": held } }),
-                            ));
-                            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+                        for call in &parsed.calls {
+                            blocks.stop(&out);
+                            let mut block = tool_use_block(call);
+                            let input = block["input"].take();
+                            block["input"] = json!({});
+                            let i = blocks.index;
+                            let _ = out.send(named("content_block_start", json!({ "type": "content_block_start", "index": i, "content_block": block })));
+                            let _ = out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": i, "delta": { "type": "input_json_delta", "partial_json": input.to_string() } })));
+                            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": i })));
+                            blocks.index += 1;
                         }
-                        None => {
-                            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+                    } else {
+                        blocks.send(&out, "text", &content);
+                        if blocks.index == 0 && blocks.open.is_none() {
+                            blocks.start(&out, "text");
                         }
                     }
+                    blocks.stop(&out);
                     let _ = out.send(named("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": reason, "stop_sequence": stop_sequence }, "usage": { "output_tokens": completion_tokens } })));
                     let _ = out.send(named("message_stop", json!({ "type": "message_stop" })));
                     return;
@@ -372,6 +401,46 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         }
     });
     Ok(Sse::new(stream.map(Ok::<_, Infallible>)).into_response())
+}
+
+fn named(name: &str, data: Value) -> SseEvent {
+    SseEvent::default().event(name).data(data.to_string())
+}
+
+/// The streamed content blocks: the open one (thinking or text) and the next index.
+struct Blocks {
+    index: usize,
+    open: Option<&'static str>,
+}
+
+impl Blocks {
+    fn start(&mut self, out: &mpsc::UnboundedSender<SseEvent>, kind: &'static str) -> bool {
+        let block = if kind == "thinking" { json!({ "type": "thinking", "thinking": "", "signature": "" }) } else { json!({ "type": "text", "text": "" }) };
+        self.open = Some(kind);
+        out.send(named("content_block_start", json!({ "type": "content_block_start", "index": self.index, "content_block": block }))).is_ok()
+    }
+
+    fn stop(&mut self, out: &mpsc::UnboundedSender<SseEvent>) {
+        if self.open.take().is_some() {
+            let _ = out.send(named("content_block_stop", json!({ "type": "content_block_stop", "index": self.index })));
+            self.index += 1;
+        }
+    }
+
+    /// `text` into a block of `kind` (closing another kind's block first); false if the client left.
+    fn send(&mut self, out: &mpsc::UnboundedSender<SseEvent>, kind: &'static str, text: &str) -> bool {
+        if text.is_empty() {
+            return true;
+        }
+        if self.open != Some(kind) {
+            self.stop(out);
+            if !self.start(out, kind) {
+                return false;
+            }
+        }
+        let delta = if kind == "thinking" { json!({ "type": "thinking_delta", "thinking": text }) } else { json!({ "type": "text_delta", "text": text }) };
+        out.send(named("content_block_delta", json!({ "type": "content_block_delta", "index": self.index, "delta": delta }))).is_ok()
+    }
 }
 
 /// A call as Anthropic's `tool_use` block.

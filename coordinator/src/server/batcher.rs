@@ -43,6 +43,9 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When the request arrived (for the queue-time metric).
     pub submitted: Instant,
+    /// Decode the answer with its special tokens (a chat format whose markers are such tokens,
+    /// `chat_format.rs`); otherwise they are left out, as transformers' `skip_special_tokens`.
+    pub keep_special_tokens: bool,
 }
 
 /// A token's log-probability under the model (raw logits, before sampling's processors) and the
@@ -547,7 +550,7 @@ impl Loop {
         seq.output.push(next);
         *seq.counts.entry(next).or_insert(0) += 1;
         let logprobs: Vec<TokenLogprob> = lp.map(|f| f(next)).into_iter().collect();
-        let text = match engine.tokenizer.decode(&seq.output, true) {
+        let text = match engine.tokenizer.decode(&seq.output, !seq.job.keep_special_tokens) {
             Ok(t) => t,
             Err(e) => {
                 let _ = seq.job.events.send(Event::Error { fault: Fault::Internal, message: e.to_string() });

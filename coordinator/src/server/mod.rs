@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod batcher;
+pub mod chat_format;
 pub mod dashboard;
 pub mod errors;
 mod guard;

@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
 use super::batcher::{Event, Job, SubmitError, TokenLogprob};
+use super::chat_format::{ChatFormat, Parsed, ReasoningSyntax, Streamed, ToolSyntax};
 use super::errors::ApiError;
 use super::metrics::RequestTally;
 use super::tools::{Call, ToolChoice, ToolSpec, Tools};
@@ -563,26 +564,55 @@ fn tools_of(p: &Params<'_>) -> Result<Option<Tools>, ApiError> {
     Tools::new(list, choice, "tools").map(Some)
 }
 
+/// A rendered conversation: its ids, and how the answer to it is read.
+pub(crate) struct Prompt {
+    pub ids: Vec<u32>,
+    pub format: ChatFormat,
+    /// The template ended the prompt inside an open `<think>`: the answer starts as reasoning.
+    pub in_reasoning: bool,
+}
+
 /// The prompt for a conversation with (or without) tools: rendered by the template itself when it
-/// knows tools, else with our tool instructions and plain turns (`tools.rs`).
-pub(crate) fn encode_conversation(state: &AppState, msgs: Vec<Value>, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+/// knows tools, else with our tool instructions and plain turns (`tools.rs`). `extra`: the
+/// request's `chat_template_kwargs`.
+pub(crate) fn encode_conversation(state: &AppState, msgs: Vec<Value>, tools: Option<&Tools>, extra: &Map<String, Value>) -> Result<Prompt, ApiError> {
     let has_tool_turns = msgs.iter().any(|m| m.get("tool_calls").is_some() || m["role"] == "tool");
     let engine = &state.engine;
+    let mut format = ChatFormat::detect(engine.chat.template.as_deref());
+    if !engine.chat.knows_tools() {
+        // Our own instructions ask for shimmer's JSON call.
+        format.tools = ToolSyntax::Json;
+    }
     let rendered = match tools {
         // The tools stay in the prompt with `tool_choice: none` too (the conversation's prefix, and
         // so its cached KV, does not change with the choice).
-        Some(t) if !t.list.is_empty() && engine.chat.knows_tools() => engine.encode_chat_json(&msgs, Some(&t.for_template())),
-        Some(t) if !t.list.is_empty() => engine.encode_chat_json(&super::tools::plain_messages(msgs, t), None),
+        Some(t) if !t.list.is_empty() && engine.chat.knows_tools() => engine.encode_chat_with(&msgs, Some(&t.for_template()), extra),
+        Some(t) if !t.list.is_empty() => engine.encode_chat_with(&super::tools::plain_messages(msgs, t), None, extra),
         _ if has_tool_turns && !engine.chat.knows_tools() => {
             let none = Tools { list: Vec::new(), choice: ToolChoice::None };
-            engine.encode_chat_json(&super::tools::plain_messages(msgs, &none), None)
+            engine.encode_chat_with(&super::tools::plain_messages(msgs, &none), None, extra)
         }
-        _ => engine.encode_chat_json(&msgs, None),
+        _ => engine.encode_chat_with(&msgs, None, extra),
     };
-    rendered.map_err(|e| match e {
+    let (ids, text) = rendered.map_err(|e| match e {
         crate::engine::EngineError::Input(why) => ApiError::param("messages", why),
         e => ApiError::param("messages", format!("cannot render the chat template: {e}")),
-    })
+    })?;
+    let in_reasoning = format.reasoning == ReasoningSyntax::ThinkTags && {
+        let tail = text.trim_end();
+        tail.ends_with("<think>")
+    };
+    Ok(Prompt { ids, format, in_reasoning })
+}
+
+/// `chat_template_kwargs`: variables of the request's own for the template (vLLM's field), an
+/// object.
+pub(crate) fn template_kwargs(p: &Params<'_>) -> Result<Map<String, Value>, ApiError> {
+    match p.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Ok(Map::new()),
+        Some(Value::Object(m)) => Ok(m.clone()),
+        Some(v) => Err(ApiError::param("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, got {v}"))),
+    }
 }
 
 fn logprobs_request(p: &Params<'_>, chat: bool) -> Result<Option<usize>, ApiError> {
@@ -665,6 +695,7 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "chat_template_kwargs",
     ]);
     p.only(&known, UNSUPPORTED)?;
     let mut c = common(&p, &state)?;
@@ -676,16 +707,21 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(ApiError::param("parallel_tool_calls", format!("`parallel_tool_calls` must be true or false, got {v}"))),
     };
-    if let Some(grammar) = tools.as_ref().and_then(Tools::constraint) {
+    let extra = template_kwargs(&p)?;
+    let prompt = encode_conversation(&state, msgs, tools.as_ref(), &extra)?;
+    if let Some(grammar) = tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape())) {
         if let Some((field, _)) = &c.constraint {
             return Err(ApiError::param(field, format!("`{field}` cannot be combined with a required or named `tool_choice` (the answer is a tool call)")));
         }
         c.constraint = Some(("tools", grammar));
     }
-    let prompt = encode_conversation(&state, msgs, tools.as_ref())?;
-    c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], "messages", prompt.len(), state.engine.spec.max_position_embeddings)?);
-    let calling = tools.filter(|t| t.active()).map(|t| CallParse { tools: Arc::new(t), parallel });
-    run(state, c, prompt, logprobs, true, calling).await
+    c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], "messages", prompt.ids.len(), state.engine.spec.max_position_embeddings)?);
+    let reading = Reading {
+        format: prompt.format,
+        in_reasoning: prompt.in_reasoning,
+        calling: tools.filter(|t| t.active()).map(|t| CallParse { tools: Arc::new(t), parallel }),
+    };
+    run(state, c, prompt.ids, logprobs, Some(reading)).await
 }
 
 pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
@@ -732,7 +768,26 @@ async fn completions_inner(state: Arc<AppState>, headers: HeaderMap, body: Resul
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
     c.max_tokens = Some(max_tokens(&p, &["max_tokens"], "prompt", prompt.len(), state.engine.spec.max_position_embeddings)?);
-    run(state, c, prompt, logprobs, false, None).await
+    run(state, c, prompt, logprobs, None).await
+}
+
+/// How a chat answer is read: its reasoning, and its calls when tools may be called.
+struct Reading {
+    format: ChatFormat,
+    in_reasoning: bool,
+    calling: Option<CallParse>,
+}
+
+impl Reading {
+    fn parse(&self, text: &str) -> Parsed {
+        let mut p = self.format.parse(text, self.in_reasoning, self.calling.as_ref().map(|c| &*c.tools));
+        if let Some(c) = &self.calling {
+            if !c.parallel {
+                p.calls.truncate(1);
+            }
+        }
+        p
+    }
 }
 
 /// How a chat answer is read for tool calls.
@@ -740,16 +795,6 @@ struct CallParse {
     tools: Arc<Tools>,
     /// `parallel_tool_calls`: false keeps only the first call.
     parallel: bool,
-}
-
-impl CallParse {
-    fn calls(&self, text: &str) -> Option<Vec<Call>> {
-        let mut calls = self.tools.parse(text)?;
-        if !self.parallel {
-            calls.truncate(1);
-        }
-        Some(calls)
-    }
 }
 
 /// OpenAI's `tool_calls` for an answer's calls (arguments as JSON text, as the API gives them).
@@ -770,7 +815,9 @@ fn tool_calls_json(calls: &[Call], with_index: bool) -> Value {
 }
 
 /// Submits the request and answers it whole or as a stream.
-async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, chat: bool, calling: Option<CallParse>) -> Result<Response, ApiError> {
+/// `reading`: a chat answer's (`None`: a completion, plain text).
+async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option<usize>, reading: Option<Reading>) -> Result<Response, ApiError> {
+    let chat = reading.is_some();
     let constraint = match c.constraint.clone() {
         Some((field, grammar)) => Some(super::compile_grammar(&state, field, grammar).await?),
         None => None,
@@ -789,6 +836,7 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
             constraint,
             events: tx,
             submitted: Instant::now(),
+            keep_special_tokens: reading.as_ref().is_some_and(|r| r.format.keeps_special_tokens()),
         },
     )?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_seed());
@@ -829,12 +877,20 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
         let usage = json!({ "prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "total_tokens": prompt_len + completion_tokens });
         let choice = if chat {
             let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&state.engine, l)).collect::<Vec<_>>() }));
-            match calling.as_ref().and_then(|cp| cp.calls(&text)) {
-                Some(calls) => {
-                    json!({ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": tool_calls_json(&calls, false) }, "logprobs": lp, "finish_reason": "tool_calls" })
-                }
-                None => json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": finish_str(finish) }),
+            let parsed = reading.as_ref().map(|r| r.parse(&text)).unwrap_or_default();
+            let mut message = json!({ "role": "assistant", "content": parsed.content });
+            if !parsed.reasoning.is_empty() {
+                message["reasoning_content"] = json!(parsed.reasoning);
             }
+            let mut finish_reason = finish_str(finish);
+            if !parsed.calls.is_empty() {
+                if parsed.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = tool_calls_json(&parsed.calls, false);
+                finish_reason = "tool_calls";
+            }
+            json!({ "index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason })
         } else {
             json!({ "index": 0, "text": text, "logprobs": logprobs.map(|_| completion_logprobs(&state.engine, &lps)), "finish_reason": finish_str(finish) })
         };
@@ -859,8 +915,20 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
             let _ = out.send(chunk(json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
         }
         let mut first = true;
-        // With tools the answer is held until it is known whether it is a call.
-        let mut held = String::new();
+        // Reasoning streams as it comes; with tools the content is held until it is known
+        // whether the answer is a call.
+        let mut streamed = reading.as_ref().map(|r| Streamed::new(r.format, r.in_reasoning));
+        let holding = reading.as_ref().is_some_and(|r| r.calling.is_some());
+        let delta_chunk = |reasoning: String, content: String, lp: Option<Value>| -> Option<SseEvent> {
+            let mut delta = Map::new();
+            if !reasoning.is_empty() {
+                delta.insert("reasoning_content".into(), json!(reasoning));
+            }
+            if !content.is_empty() {
+                delta.insert("content".into(), json!(content));
+            }
+            (!delta.is_empty() || lp.is_some()).then(|| chunk(json!([{ "index": 0, "delta": delta, "logprobs": lp, "finish_reason": null }]), None))
+        };
         loop {
             match rx.recv().await {
                 Some(Event::Text { text, logprobs: lps }) => {
@@ -868,13 +936,16 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                         metrics.first_token(t0.elapsed());
                         first = false;
                     }
-                    if calling.is_some() {
-                        held.push_str(&text);
-                        continue;
-                    }
-                    let choice = if chat {
+                    let choice = if let Some(s) = streamed.as_mut() {
+                        let (reasoning, content) = s.push(&text);
+                        let content = if holding { String::new() } else { content };
                         let lp = logprobs.map(|_| json!({ "content": lps.iter().map(|l| logprob_json(&engine, l)).collect::<Vec<_>>() }));
-                        json!([{ "index": 0, "delta": { "content": text }, "logprobs": lp, "finish_reason": null }])
+                        if let Some(event) = delta_chunk(reasoning, content, lp) {
+                            if out.send(event).is_err() {
+                                return; // the client left; dropping `rx` cancels the generation
+                            }
+                        }
+                        continue;
                     } else {
                         json!([{ "index": 0, "text": text, "logprobs": logprobs.map(|_| completion_logprobs(&engine, &lps)), "finish_reason": null }])
                     };
@@ -887,15 +958,25 @@ async fn run(state: Arc<AppState>, c: Common, prompt: Vec<u32>, logprobs: Option
                         t.finish(true);
                     }
                     let mut finish_reason = finish_str(finish);
-                    if let Some(cp) = &calling {
-                        let delta = match cp.calls(&held) {
-                            Some(calls) => {
-                                finish_reason = "tool_calls";
-                                json!({ "tool_calls": tool_calls_json(&calls, true) })
+                    if let (Some(s), Some(r)) = (streamed.as_mut(), reading.as_ref()) {
+                        let (reasoning, content) = s.finish();
+                        if holding {
+                            let parsed = r.parse(s.text());
+                            if let Some(event) = delta_chunk(reasoning, String::new(), None) {
+                                let _ = out.send(event);
                             }
-                            None => json!({ "content": held }),
-                        };
-                        let _ = out.send(chunk(json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
+                            let mut delta = json!({});
+                            if !parsed.content.is_empty() {
+                                delta["content"] = json!(parsed.content);
+                            }
+                            if !parsed.calls.is_empty() {
+                                finish_reason = "tool_calls";
+                                delta["tool_calls"] = tool_calls_json(&parsed.calls, true);
+                            }
+                            let _ = out.send(chunk(json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
+                        } else if let Some(event) = delta_chunk(reasoning, content, None) {
+                            let _ = out.send(event);
+                        }
                     }
                     let choice = if chat {
                         json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason }])

@@ -17,7 +17,7 @@
 //!
 //! Must never: return a call of a tool the request did not list, or arguments that are not JSON.
 
-use crate::constraint::Grammar;
+use crate::constraint::{CallShape, Grammar};
 use serde_json::{json, Value};
 
 use super::errors::ApiError;
@@ -98,14 +98,15 @@ impl Tools {
         self.choice != ToolChoice::None && !self.list.is_empty()
     }
 
-    /// The constraint for `required` and named choices.
-    pub fn constraint(&self) -> Option<Grammar> {
+    /// The constraint for `required` and named choices: one call, written as `shape` says (the
+    /// chat format's own syntax, `chat_format.rs`).
+    pub fn constraint(&self, shape: CallShape) -> Option<Grammar> {
         let pick: Vec<(String, Option<Value>)> = match &self.choice {
             ToolChoice::Required => self.list.iter().map(|t| (t.name.clone(), t.parameters.clone())).collect(),
             ToolChoice::Named(n) => self.list.iter().filter(|t| &t.name == n).map(|t| (t.name.clone(), t.parameters.clone())).collect(),
             _ => return None,
         };
-        Some(Grammar::ToolCall(pick))
+        Some(Grammar::ShapedToolCall(pick, shape))
     }
 
     /// The tools as a template expects them (OpenAI's function shape).
@@ -262,6 +263,6 @@ mod tests {
                 .replace(r#"{"arguments":{"city":"Ur"},"name":"get_weather"}"#, &json!({"name": "get_weather", "arguments": {"city": "Ur"}}).to_string())
         );
         assert_eq!(out[3], json!({"role": "user", "content": "Result of call_1: hot"}));
-        assert!(t.constraint().is_some() && tools(ToolChoice::Auto).constraint().is_none());
+        assert!(t.constraint(CallShape::json()).is_some() && tools(ToolChoice::Auto).constraint(CallShape::json()).is_none());
     }
 }

@@ -1,0 +1,410 @@
+//! Each family's own way of writing tool calls and reasoning in an answer, read from its chat
+//! template: which syntax the model was trained to emit, the `CallShape` that constrains a
+//! required call to it, and the parse of an answer (whole, or growing as it streams) into
+//! reasoning, content and calls.
+//!
+//! Syntaxes: Hermes/Qwen (`<tool_call>{"name": …, "arguments": …}</tool_call>`, also shimmer's own
+//! bare JSON object for templates without tools), GLM (`<tool_call>NAME` then
+//! `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs), DeepSeek-V3.1
+//! (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` inside a calls section), Kimi K2
+//! (`<|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>ARGS<|tool_call_end|>` inside
+//! a section) and gpt-oss's harmony (`<|channel|>commentary to=functions.NAME … <|message|>ARGS`,
+//! its `analysis` channel the reasoning, `final` the answer). Reasoning elsewhere is
+//! `<think>…</think>`, or everything up to `</think>` when the prompt already opened it.
+//!
+//! Must never: return a call of a tool the request did not list or arguments that are not a JSON
+//! object (the answer is then content, as written); lose text (what is neither reasoning nor a
+//! call is content); emit a streamed piece it later takes back (text that may be the start of a
+//! marker is held until it is known).
+
+use serde_json::Value;
+
+use super::tools::{Call, Tools};
+use crate::constraint::{ArgumentsShape, CallShape};
+
+/// How the model writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// `<tool_call>{JSON}</tool_call>` blocks or one bare JSON call (Qwen, Hermes, and shimmer's
+    /// own instructions).
+    Json,
+    Glm,
+    DeepSeek,
+    Kimi,
+    Harmony,
+}
+
+/// How the model writes its reasoning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningSyntax {
+    None,
+    /// `<think>…</think>`.
+    ThinkTags,
+    /// Harmony's `analysis` channel.
+    Harmony,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatFormat {
+    pub tools: ToolSyntax,
+    pub reasoning: ReasoningSyntax,
+}
+
+/// An answer read back.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Parsed {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<Call>,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const DS_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const DS_SEP: &str = "<｜tool▁sep｜>";
+const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
+const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
+const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
+const HARMONY_MARKERS: [&str; 7] = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"];
+
+impl ChatFormat {
+    /// The format a chat template was written for, by the markers it renders.
+    pub fn detect(template: Option<&str>) -> ChatFormat {
+        let t = template.unwrap_or("");
+        let tools = if t.contains("<|channel|>") {
+            ToolSyntax::Harmony
+        } else if t.contains("<arg_key>") {
+            ToolSyntax::Glm
+        } else if t.contains("tool▁call▁begin") {
+            ToolSyntax::DeepSeek
+        } else if t.contains("<|tool_call_begin|>") {
+            ToolSyntax::Kimi
+        } else {
+            ToolSyntax::Json
+        };
+        let reasoning = if tools == ToolSyntax::Harmony {
+            ReasoningSyntax::Harmony
+        } else if t.contains(THINK_CLOSE) {
+            ReasoningSyntax::ThinkTags
+        } else {
+            ReasoningSyntax::None
+        };
+        ChatFormat { tools, reasoning }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self.tools {
+            ToolSyntax::Json => "json",
+            ToolSyntax::Glm => "glm",
+            ToolSyntax::DeepSeek => "deepseek",
+            ToolSyntax::Kimi => "kimi",
+            ToolSyntax::Harmony => "harmony",
+        }
+    }
+
+    /// Whether answers must be decoded with their special tokens (the markers are such tokens).
+    pub fn keeps_special_tokens(&self) -> bool {
+        self.tools != ToolSyntax::Json || self.reasoning != ReasoningSyntax::None
+    }
+
+    /// How one call is written, for the constraint of a required call.
+    pub fn call_shape(&self) -> CallShape {
+        let v = |parts: &[&str]| parts.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+        match self.tools {
+            ToolSyntax::Json => CallShape::json(),
+            ToolSyntax::Glm => CallShape {
+                open: vec![],
+                before_name: v(&["<tool_call>"]),
+                after_name: v(&["\n"]),
+                arguments: ArgumentsShape::Pairs {
+                    key: [v(&["<arg_key>"]), v(&["</arg_key>", "\n"])],
+                    value: [v(&["<arg_value>"]), v(&["</arg_value>", "\n"])],
+                },
+                after_arguments: v(&["</tool_call>"]),
+                close: vec![],
+            },
+            ToolSyntax::DeepSeek => CallShape {
+                open: v(&[DS_CALLS_BEGIN]),
+                before_name: v(&[DS_CALL_BEGIN]),
+                after_name: v(&[DS_SEP]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: v(&[DS_CALL_END]),
+                close: v(&[DS_CALLS_END]),
+            },
+            ToolSyntax::Kimi => CallShape {
+                open: v(&[KIMI_SECTION_BEGIN]),
+                before_name: v(&[KIMI_CALL_BEGIN, "functions."]),
+                after_name: v(&[":0", KIMI_ARGS]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: v(&[KIMI_CALL_END]),
+                close: v(&[KIMI_SECTION_END]),
+            },
+            // The call ends the answer: its `<|call|>` is an end-of-text token the sampler takes.
+            ToolSyntax::Harmony => CallShape {
+                open: vec![],
+                before_name: v(&["<|channel|>", "commentary to=functions."]),
+                after_name: v(&[" ", "<|constrain|>", "json", "<|message|>"]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: vec![],
+                close: vec![],
+            },
+        }
+    }
+
+    /// A whole answer read back. `in_reasoning`: the prompt ended inside an open `<think>`.
+    /// Calls are read only with `tools` (and only of its tools); else call markup is content.
+    pub fn parse(&self, text: &str, in_reasoning: bool, tools: Option<&Tools>) -> Parsed {
+        let (reasoning, rest, harmony_calls) = self.split(text, in_reasoning, true);
+        // Content is the answer's own text: trimmed only where markup was taken out of it.
+        let mut out = Parsed { reasoning, content: rest.clone(), calls: vec![] };
+        let Some(tools) = tools.filter(|t| t.active()) else {
+            return out;
+        };
+        let found = match self.tools {
+            ToolSyntax::Harmony => (!harmony_calls.is_empty()).then(|| (String::new(), harmony_calls.clone())),
+            ToolSyntax::Json => {
+                tools.parse(&rest).map(|calls| (json_blocks_outside(&rest), calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect()))
+            }
+            ToolSyntax::Glm => glm_calls(&rest, tools),
+            ToolSyntax::DeepSeek => section_calls(&rest, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, |body| {
+                let (name, args) = body.split_once(DS_SEP)?;
+                // DeepSeek-V3's older form: `function<sep>NAME\n```json\nARGS\n````.
+                let (name, args) = match args.split_once("```json") {
+                    Some((n, a)) if name.trim() == "function" => (n.trim(), a.trim().trim_end_matches("```")),
+                    _ => (name.trim(), args),
+                };
+                Some((name.to_string(), args.trim().to_string()))
+            }),
+            ToolSyntax::Kimi => section_calls(&rest, KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_CALL_END, |body| {
+                let (id, args) = body.split_once(KIMI_ARGS)?;
+                let name = id.trim().strip_prefix("functions.").unwrap_or(id.trim());
+                let name = name.rsplit_once(':').map_or(name, |(n, _)| n);
+                Some((name.to_string(), args.trim().to_string()))
+            }),
+        };
+        if let Some((content, raw)) = found {
+            let calls: Option<Vec<Call>> = raw.into_iter().map(|(name, args)| call_of(tools, &name, &args)).collect();
+            if let Some(calls) = calls.filter(|c| !c.is_empty()) {
+                out.calls = calls;
+                out.content = content.trim().to_string();
+            }
+        }
+        out
+    }
+
+    /// Reasoning, the rest, and (harmony) the calls' raw (name, arguments). `complete: false`
+    /// holds back a tail that may be the start of a marker, so what is returned only grows.
+    fn split(&self, text: &str, in_reasoning: bool, complete: bool) -> (String, String, Vec<(String, String)>) {
+        match self.reasoning {
+            ReasoningSyntax::None => (String::new(), held(text, complete, &[]).to_string(), vec![]),
+            ReasoningSyntax::ThinkTags => {
+                let body = if in_reasoning {
+                    Some(text)
+                } else {
+                    let t = text.trim_start();
+                    t.strip_prefix(THINK_OPEN).or_else(|| (!complete && THINK_OPEN.starts_with(t)).then_some(""))
+                };
+                match body {
+                    None => (String::new(), held(text, complete, &[THINK_OPEN]).to_string(), vec![]),
+                    Some(b) => match b.find(THINK_CLOSE) {
+                        Some(end) => (b[..end].trim().to_string(), held(&b[end + THINK_CLOSE.len()..], complete, &[]).trim_start().to_string(), vec![]),
+                        None => (held(b, complete, &[THINK_CLOSE]).trim_start().to_string(), String::new(), vec![]),
+                    },
+                }
+            }
+            ReasoningSyntax::Harmony => harmony(held(text, complete, &HARMONY_MARKERS)),
+        }
+    }
+}
+
+/// `text` less a tail that may be the start of one of `markers` (when not `complete`).
+fn held<'a>(text: &'a str, complete: bool, markers: &[&str]) -> &'a str {
+    if complete {
+        return text;
+    }
+    let mut cut = text.len();
+    for m in markers {
+        for k in (1..m.len()).rev() {
+            if m.is_char_boundary(k) && text.ends_with(&m[..k]) {
+                cut = cut.min(text.len() - k);
+                break;
+            }
+        }
+    }
+    &text[..cut]
+}
+
+/// Harmony messages: `[<|start|>ROLE]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>BODY`
+/// ended by `<|end|>`, `<|call|>`, `<|return|>` or the answer's end.
+fn harmony(text: &str) -> (String, String, Vec<(String, String)>) {
+    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+    let mut rest = text;
+    // Text before the first channel (a model that skipped the header) is content.
+    if let Some(i) = rest.find("<|channel|>") {
+        content.push_str(rest[..i].trim_start_matches("<|start|>assistant"));
+        rest = &rest[i..];
+    } else {
+        content.push_str(rest);
+        rest = "";
+    }
+    while let Some(after) = rest.strip_prefix("<|channel|>") {
+        let Some(m) = after.find("<|message|>") else {
+            break; // a header still being written
+        };
+        let header = &after[..m];
+        let body_start = &after[m + "<|message|>".len()..];
+        let end = ["<|end|>", "<|call|>", "<|return|>", "<|start|>"].iter().filter_map(|e| body_start.find(e)).min().unwrap_or(body_start.len());
+        let body = &body_start[..end];
+        let channel = header.split_whitespace().next().unwrap_or("");
+        let recipient = header.split_whitespace().find_map(|w| w.strip_prefix("to="));
+        match (channel, recipient) {
+            (_, Some(r)) => calls.push((r.strip_prefix("functions.").unwrap_or(r).to_string(), body.trim().to_string())),
+            ("analysis", None) => reasoning.push_str(body),
+            _ => content.push_str(body),
+        }
+        rest = &body_start[end..];
+        for marker in ["<|end|>", "<|call|>", "<|return|>"] {
+            rest = rest.strip_prefix(marker).unwrap_or(rest);
+        }
+        rest = rest.strip_prefix("<|start|>").map_or(rest, |r| r.strip_prefix("assistant").unwrap_or(r));
+    }
+    (reasoning.trim().to_string(), content, calls)
+}
+
+/// `text` without its `<tool_call>…</tool_call>` blocks (or empty if it is one bare JSON call).
+fn json_blocks_outside(text: &str) -> String {
+    if serde_json::from_str::<Value>(text.trim()).is_ok() {
+        return String::new();
+    }
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("<tool_call>") {
+        out.push_str(&rest[..start]);
+        match rest[start..].find("</tool_call>") {
+            Some(end) => rest = &rest[start + end + "</tool_call>".len()..],
+            None => {
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Calls inside `begin … end` sections, each `call_begin BODY call_end`, read by `one`; the text
+/// outside the sections is content.
+fn section_calls(
+    text: &str,
+    begin: &str,
+    end: &str,
+    call_begin: &str,
+    call_end: &str,
+    one: impl Fn(&str) -> Option<(String, String)>,
+) -> Option<(String, Vec<(String, String)>)> {
+    let start = text.find(begin).or_else(|| text.find(call_begin))?;
+    let mut content = text[..start].to_string();
+    let mut rest = &text[start..];
+    rest = rest.strip_prefix(begin).unwrap_or(rest);
+    let mut calls = Vec::new();
+    while let Some(i) = rest.find(call_begin) {
+        let body = &rest[i + call_begin.len()..];
+        let stop = body.find(call_end).unwrap_or(body.len());
+        calls.push(one(&body[..stop])?);
+        rest = body.get(stop + call_end.len()..).unwrap_or("");
+    }
+    if let Some(i) = rest.find(end) {
+        content.push_str(&rest[i + end.len()..]);
+    }
+    Some((content, calls))
+}
+
+/// GLM's `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>…</tool_call>` blocks: a
+/// value is a string where the tool's schema says so, else JSON (text when it is not).
+fn glm_calls(text: &str, tools: &Tools) -> Option<(String, Vec<(String, String)>)> {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("<tool_call>") {
+        content.push_str(&rest[..start]);
+        let block = &rest[start + "<tool_call>".len()..];
+        let stop = block.find("</tool_call>").unwrap_or(block.len());
+        let body = &block[..stop];
+        rest = block.get(stop + "</tool_call>".len()..).unwrap_or("");
+        let name = body.split("<arg_key>").next().unwrap_or("").trim().to_string();
+        let schema = tools.list.iter().find(|t| t.name == name).and_then(|t| t.parameters.clone());
+        let mut args = serde_json::Map::new();
+        let mut pairs = body;
+        while let Some(k) = pairs.find("<arg_key>") {
+            let after = &pairs[k + "<arg_key>".len()..];
+            let key_end = after.find("</arg_key>")?;
+            let key = after[..key_end].trim().to_string();
+            let v = after.find("<arg_value>")? + "<arg_value>".len();
+            let value_end = after[v..].find("</arg_value>").map_or(after.len(), |e| v + e);
+            let raw = &after[v..value_end];
+            let is_string =
+                schema.as_ref().and_then(|s| s.pointer(&format!("/properties/{}/type", key.replace('~', "~0").replace('/', "~1")))).and_then(Value::as_str)
+                    == Some("string");
+            let value =
+                if is_string { Value::String(raw.to_string()) } else { serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.to_string())) };
+            args.insert(key, value);
+            pairs = after.get(value_end + "</arg_value>".len()..).unwrap_or("");
+        }
+        calls.push((name, Value::Object(args).to_string()));
+    }
+    content.push_str(rest);
+    (!calls.is_empty()).then_some((content, calls))
+}
+
+/// A call of a listed tool whose arguments are a JSON object.
+fn call_of(tools: &Tools, name: &str, args: &str) -> Option<Call> {
+    let arguments: Value = if args.trim().is_empty() { Value::Object(Default::default()) } else { serde_json::from_str(args.trim()).ok()? };
+    (tools.list.iter().any(|t| t.name == name) && arguments.is_object()).then(|| Call { name: name.to_string(), arguments })
+}
+
+/// An answer as it streams: the reasoning and content each new piece adds, never taken back.
+pub struct Streamed {
+    format: ChatFormat,
+    in_reasoning: bool,
+    text: String,
+    reasoning_sent: usize,
+    content_sent: usize,
+}
+
+impl Streamed {
+    pub fn new(format: ChatFormat, in_reasoning: bool) -> Streamed {
+        Streamed { format, in_reasoning, text: String::new(), reasoning_sent: 0, content_sent: 0 }
+    }
+
+    /// Adds a piece of the answer; returns the new reasoning and the new content.
+    pub fn push(&mut self, piece: &str) -> (String, String) {
+        self.text.push_str(piece);
+        let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, false);
+        self.delta(&reasoning, &content)
+    }
+
+    /// The answer is whole: whatever was held back.
+    pub fn finish(&mut self) -> (String, String) {
+        let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, true);
+        self.delta(&reasoning, &content)
+    }
+
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    fn delta(&mut self, reasoning: &str, content: &str) -> (String, String) {
+        let r = reasoning.get(self.reasoning_sent..).unwrap_or("").to_string();
+        let c = content.get(self.content_sent..).unwrap_or("").to_string();
+        self.reasoning_sent = self.reasoning_sent.max(reasoning.len());
+        self.content_sent = self.content_sent.max(content.len());
+        (r, c)
+    }
+}
+
+#[cfg(test)]
+mod tests;
