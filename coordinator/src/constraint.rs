@@ -81,8 +81,10 @@ pub struct CallShape {
     pub after_name: Vec<String>,
     pub arguments: ArgumentsShape,
     pub after_arguments: Vec<String>,
-    /// Once, after the call.
+    /// Once, after the calls.
     pub close: Vec<String>,
+    /// Most calls in one answer (at least one; more only where the format can hold several).
+    pub most: usize,
 }
 
 /// How the arguments are written.
@@ -106,6 +108,7 @@ impl CallShape {
             arguments: ArgumentsShape::Json,
             after_arguments: vec!["}".into()],
             close: vec![],
+            most: 1,
         }
     }
 
@@ -166,6 +169,9 @@ impl Grammar {
     }
 }
 
+/// Most calls one constrained answer may hold.
+pub const MAX_CALLS: usize = 8;
+
 /// The Lark text of one call of one of `tools`, spelled as `shape` says. Each tool's parameters
 /// are a schema of their own (`%json`), so a `$ref` in one resolves against its own `$defs`.
 fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special: &dyn Fn(&str) -> Option<u32>) -> Result<String, GrammarError> {
@@ -175,8 +181,12 @@ fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special:
     let seq = |parts: &[String]| -> String {
         parts.iter().filter(|p| !p.is_empty()).map(|p| special(p).map_or_else(|| lark_string(p), |id| format!("<[{id}]>"))).collect::<Vec<_>>().join(" ")
     };
+    if shape.most == 0 || shape.most > MAX_CALLS {
+        return Err(GrammarError(format!("an answer holds 1 to {MAX_CALLS} calls, not {}", shape.most)));
+    }
     let calls = (0..tools.len()).map(|i| format!("call_{i}")).collect::<Vec<_>>().join(" | ");
-    let mut rules = vec![format!("start: {} ({calls}) {}", seq(&shape.open), seq(&shape.close))];
+    let more = " (one)?".repeat(shape.most - 1);
+    let mut rules = vec![format!("start: {} one{more} {}", seq(&shape.open), seq(&shape.close)), format!("one: {calls}")];
     for (i, (name, parameters)) in tools.iter().enumerate() {
         let schema = arguments_schema(parameters.as_ref());
         let mut args = format!("args_{i}");

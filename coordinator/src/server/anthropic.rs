@@ -252,7 +252,9 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         },
     }
     let prompt = encode_conversation(&state, msgs, tools.as_ref(), &extra)?;
-    let constraint = match tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape())) {
+    // `tool_choice.disable_parallel_tool_use`: at most one call.
+    let parallel = p.get("tool_choice").and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool) != Some(true);
+    let constraint = match tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape(parallel))) {
         Some(grammar) => Some(super::compile_grammar(&state, "tools", grammar).await?),
         None => None,
     };

@@ -25,9 +25,11 @@ use crate::constraint::{ArgumentsShape, CallShape};
 /// How the model writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolSyntax {
-    /// `<tool_call>{JSON}</tool_call>` blocks or one bare JSON call (Qwen, Hermes, and shimmer's
-    /// own instructions).
+    /// One bare JSON call (shimmer's own instructions, for templates that do not render tools);
+    /// `<tool_call>` blocks are read too.
     Json,
+    /// `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>` blocks (Qwen, Hermes).
+    Hermes,
     Glm,
     DeepSeek,
     Kimi,
@@ -58,6 +60,9 @@ pub struct Parsed {
     pub calls: Vec<Call>,
 }
 
+/// Most calls a constrained answer holds when parallel calls are allowed.
+const PARALLEL_CALLS: usize = 4;
+
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
@@ -84,6 +89,8 @@ impl ChatFormat {
             ToolSyntax::DeepSeek
         } else if t.contains("<|tool_call_begin|>") {
             ToolSyntax::Kimi
+        } else if t.contains("<tool_call>") {
+            ToolSyntax::Hermes
         } else {
             ToolSyntax::Json
         };
@@ -100,6 +107,7 @@ impl ChatFormat {
     pub fn name(&self) -> &'static str {
         match self.tools {
             ToolSyntax::Json => "json",
+            ToolSyntax::Hermes => "hermes",
             ToolSyntax::Glm => "glm",
             ToolSyntax::DeepSeek => "deepseek",
             ToolSyntax::Kimi => "kimi",
@@ -107,16 +115,35 @@ impl ChatFormat {
         }
     }
 
-    /// Whether answers must be decoded with their special tokens (the markers are such tokens).
+    /// Whether answers must be decoded with their special tokens (the markers may be such
+    /// tokens: Hermes' and shimmer's JSON never are).
     pub fn keeps_special_tokens(&self) -> bool {
-        self.tools != ToolSyntax::Json || self.reasoning != ReasoningSyntax::None
+        !matches!(self.tools, ToolSyntax::Json | ToolSyntax::Hermes) || self.reasoning != ReasoningSyntax::None
     }
 
-    /// How one call is written, for the constraint of a required call.
-    pub fn call_shape(&self) -> CallShape {
+    /// How calls are written, for the constraint of a required call; `parallel`: the answer may
+    /// hold several (where the syntax can).
+    pub fn call_shape(&self, parallel: bool) -> CallShape {
+        let mut shape = self.one_call_shape();
+        if parallel && !matches!(self.tools, ToolSyntax::Json | ToolSyntax::Harmony) {
+            shape.most = PARALLEL_CALLS;
+        }
+        shape
+    }
+
+    fn one_call_shape(&self) -> CallShape {
         let v = |parts: &[&str]| parts.iter().map(|p| p.to_string()).collect::<Vec<_>>();
         match self.tools {
             ToolSyntax::Json => CallShape::json(),
+            ToolSyntax::Hermes => CallShape {
+                open: vec![],
+                before_name: v(&["<tool_call>", "\n{\"name\": \""]),
+                after_name: v(&["\", \"arguments\": "]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: v(&["}\n", "</tool_call>"]),
+                close: vec![],
+                most: 1,
+            },
             ToolSyntax::Glm => CallShape {
                 open: vec![],
                 before_name: v(&["<tool_call>"]),
@@ -127,6 +154,7 @@ impl ChatFormat {
                 },
                 after_arguments: v(&["</tool_call>"]),
                 close: vec![],
+                most: 1,
             },
             ToolSyntax::DeepSeek => CallShape {
                 open: v(&[DS_CALLS_BEGIN]),
@@ -135,6 +163,7 @@ impl ChatFormat {
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&[DS_CALL_END]),
                 close: v(&[DS_CALLS_END]),
+                most: 1,
             },
             ToolSyntax::Kimi => CallShape {
                 open: v(&[KIMI_SECTION_BEGIN]),
@@ -143,8 +172,9 @@ impl ChatFormat {
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&[KIMI_CALL_END]),
                 close: v(&[KIMI_SECTION_END]),
+                most: 1,
             },
-            // The call ends the answer: its `<|call|>` is an end-of-text token the sampler takes.
+            // A call ends the answer: its `<|call|>` is an end-of-text token the sampler takes.
             ToolSyntax::Harmony => CallShape {
                 open: vec![],
                 before_name: v(&["<|channel|>", "commentary to=functions."]),
@@ -152,6 +182,7 @@ impl ChatFormat {
                 arguments: ArgumentsShape::Json,
                 after_arguments: vec![],
                 close: vec![],
+                most: 1,
             },
         }
     }
@@ -167,7 +198,7 @@ impl ChatFormat {
         };
         let found = match self.tools {
             ToolSyntax::Harmony => (!harmony_calls.is_empty()).then(|| (String::new(), harmony_calls.clone())),
-            ToolSyntax::Json => {
+            ToolSyntax::Json | ToolSyntax::Hermes => {
                 tools.parse(&rest).map(|calls| (json_blocks_outside(&rest), calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect()))
             }
             ToolSyntax::Glm => glm_calls(&rest, tools),

@@ -709,7 +709,7 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
     };
     let extra = template_kwargs(&p)?;
     let prompt = encode_conversation(&state, msgs, tools.as_ref(), &extra)?;
-    if let Some(grammar) = tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape())) {
+    if let Some(grammar) = tools.as_ref().and_then(|t| t.constraint(prompt.format.call_shape(parallel))) {
         if let Some((field, _)) = &c.constraint {
             return Err(ApiError::param(field, format!("`{field}` cannot be combined with a required or named `tool_choice` (the answer is a tool call)")));
         }
