@@ -13,6 +13,8 @@ pub const MAX_TOKENIZER_BYTES: u64 = 128 << 20;
 pub struct Tokenizer {
     inner: Backend,
     path: PathBuf,
+    /// `vocabulary()`, built the first time a token's bytes are asked for.
+    bytes: std::sync::OnceLock<Vec<TokenBytes>>,
 }
 
 enum Backend {
@@ -27,7 +29,7 @@ impl Tokenizer {
         let path = dir.join("tokenizer.json");
         if !path.exists() && dir.join("tiktoken.model").exists() {
             let tiktoken = TikToken::from_dir(dir)?;
-            return Ok(Tokenizer { path: tiktoken.path().to_path_buf(), inner: Backend::TikToken(Box::new(tiktoken)) });
+            return Ok(Tokenizer { path: tiktoken.path().to_path_buf(), inner: Backend::TikToken(Box::new(tiktoken)), bytes: Default::default() });
         }
         let meta = std::fs::metadata(&path).map_err(|e| LoadError::io(&path, e))?;
         if meta.len() > MAX_TOKENIZER_BYTES {
@@ -35,7 +37,7 @@ impl Tokenizer {
         }
         let bytes = std::fs::read(&path).map_err(|e| LoadError::io(&path, e))?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| LoadError::malformed(&path, format!("does not parse as a tokenizer: {e}")))?;
-        Ok(Tokenizer { inner: Backend::HuggingFace(Box::new(inner)), path })
+        Ok(Tokenizer { inner: Backend::HuggingFace(Box::new(inner)), path, bytes: Default::default() })
     }
 
     pub fn path(&self) -> &Path {
@@ -200,6 +202,16 @@ impl Tokenizer {
     /// SentencePiece vocabularies give each token's exact bytes — a token that is part of a UTF-8
     /// character is that part. Any other decoder's tokens are taken as their decoded text (a
     /// tokenizer without byte tokens has no partial characters to lose).
+    /// The exact bytes token `id` stands for (`vocabulary()`'s entry, kept after the first
+    /// call), e.g. for logprobs' `bytes`: a token inside a UTF-8 character is that part of it.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        if self.bytes.get().is_none() {
+            let table = self.vocabulary().ok()?;
+            let _ = self.bytes.set(table);
+        }
+        self.bytes.get()?.get(id as usize).map(|t| t.bytes.as_slice())
+    }
+
     pub fn vocabulary(&self) -> Result<Vec<TokenBytes>, LoadError> {
         match &self.inner {
             Backend::TikToken(t) => Ok(t.vocabulary()),

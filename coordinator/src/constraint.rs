@@ -198,12 +198,7 @@ fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special:
                     schema.get("required").and_then(Value::as_array).map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
                 let mut items = Vec::new();
                 for (j, (param, param_schema)) in properties.iter().enumerate() {
-                    let is_string = param_schema.get("type").and_then(Value::as_str) == Some("string") && param_schema.get("enum").is_none();
-                    if is_string {
-                        rules.push(format!("value_{i}_{j}: /[^<]*/"));
-                    } else {
-                        rules.push(format!("value_{i}_{j}: %json {}", bounded_whitespace(param_schema.clone())));
-                    }
+                    rules.push(format!("value_{i}_{j}: {}", raw_value(param_schema)));
                     let pair = format!("{} {} {} {} value_{i}_{j} {}", seq(&key[0]), lark_string(param), seq(&key[1]), seq(&value[0]), seq(&value[1]));
                     items.push(if required.contains(&param.as_str()) { pair } else { format!("({pair})?") });
                 }
@@ -217,6 +212,25 @@ fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special:
         rules.push(format!("call_{i}: {} {} {} {args} {}", seq(&shape.before_name), lark_string(name), seq(&shape.after_name), seq(&shape.after_arguments)));
     }
     Ok(rules.join("\n") + "\n")
+}
+
+/// A pair's value as Lark: a string parameter's raw text (no `<`, which starts the closing
+/// marker) within its length bounds, or one of its enum's strings; any other parameter's JSON.
+fn raw_value(schema: &Value) -> String {
+    if schema.get("type").and_then(Value::as_str) != Some("string") {
+        return format!("%json {}", bounded_whitespace(schema.clone()));
+    }
+    if let Some(options) = schema.get("enum").and_then(Value::as_array) {
+        let texts: Vec<String> = options.iter().filter_map(Value::as_str).map(lark_string).collect();
+        if !texts.is_empty() && texts.len() == options.len() {
+            return texts.join(" | ");
+        }
+    }
+    let min = schema.get("minLength").and_then(Value::as_u64).unwrap_or(0).min(10_000);
+    match schema.get("maxLength").and_then(Value::as_u64) {
+        Some(max) => format!("/[^<]{{{min},{}}}/", max.clamp(min, 10_000)),
+        None => format!("/[^<]{{{min},}}/"),
+    }
 }
 
 /// A tool's arguments schema: its parameters, narrowed to objects (JSON Schema's keywords are

@@ -258,7 +258,8 @@ async fn messages_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<B
         Some(grammar) => Some(super::compile_grammar(&state, "tools", grammar).await?),
         None => None,
     };
-    let (format, in_reasoning) = (prompt.format, prompt.in_reasoning);
+    // Under a grammar the answer is what the grammar allows from its first token.
+    let (format, in_reasoning) = (prompt.format, prompt.in_reasoning && constraint.is_none());
     let prompt = prompt.ids;
     let calling = tools.filter(Tools::active);
     let context = state.engine.spec.max_position_embeddings;

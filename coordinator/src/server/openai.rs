@@ -665,7 +665,9 @@ fn logprob_json(engine: &crate::Engine, lp: &TokenLogprob) -> Value {
     let token = |id: u32| engine.tokenizer.decode(&[id], false).unwrap_or_default();
     let entry = |id: u32, logprob: f32| {
         let t = token(id);
-        json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
+        // The token's own bytes (part of a character, where it is one), not its lossy text's.
+        let bytes = engine.tokenizer.token_bytes(id).map_or_else(|| t.as_bytes().to_vec(), <[u8]>::to_vec);
+        json!({ "token": t, "logprob": logprob, "bytes": bytes })
     };
     let mut v = entry(lp.id, lp.logprob);
     v["top_logprobs"] = Value::Array(lp.top.iter().map(|(id, l)| entry(*id, *l)).collect());
@@ -716,9 +718,11 @@ async fn chat_inner(state: Arc<AppState>, headers: HeaderMap, body: Result<Bytes
         c.constraint = Some(("tools", grammar));
     }
     c.max_tokens = Some(max_tokens(&p, &["max_tokens", "max_completion_tokens"], "messages", prompt.ids.len(), state.engine.spec.max_position_embeddings)?);
+    // Under a grammar the answer is what the grammar allows from its first token, even where the
+    // prompt opened a `<think>`: it is not read as reasoning.
     let reading = Reading {
         format: prompt.format,
-        in_reasoning: prompt.in_reasoning,
+        in_reasoning: prompt.in_reasoning && c.constraint.is_none(),
         calling: tools.filter(|t| t.active()).map(|t| CallParse { tools: Arc::new(t), parallel }),
     };
     run(state, c, prompt.ids, logprobs, Some(reading)).await

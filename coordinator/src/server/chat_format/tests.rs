@@ -178,7 +178,9 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
         let mut names = std::collections::BTreeSet::new();
         let mut several = false;
         for seed in 0..12u64 {
-            let mut c = v.compile(&crate::constraint::Grammar::ShapedToolCall(pick.clone(), f.call_shape(seed % 2 == 1))).unwrap_or_else(|e| panic!("{}: {e}", f.name()));
+            let mut c = v
+                .compile(&crate::constraint::Grammar::ShapedToolCall(pick.clone(), f.call_shape(seed % 2 == 1)))
+                .unwrap_or_else(|e| panic!("{}: {e}", f.name()));
             let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             let mut text = Vec::new();
             let mut used_special = false;
