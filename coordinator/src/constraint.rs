@@ -95,7 +95,9 @@ pub enum ArgumentsShape {
     /// One pair per parameter, in the schema's order (required ones always, the others may be
     /// left out): `key_open NAME key_close value_open VALUE value_close`; a string parameter's
     /// value is its raw text (no `<`), any other its JSON.
-    Pairs { key: [Vec<String>; 2], value: [Vec<String>; 2] },
+    /// `json_key_close`: where a non-string value's key closes differently (DeepSeek's DSML
+    /// says `string="false"` there).
+    Pairs { key: [Vec<String>; 2], value: [Vec<String>; 2], json_key_close: Option<Vec<String>> },
 }
 
 impl CallShape {
@@ -116,7 +118,7 @@ impl CallShape {
         let parts = [&self.open, &self.before_name, &self.after_name, &self.after_arguments, &self.close];
         let pairs = match &self.arguments {
             ArgumentsShape::Json => 0,
-            ArgumentsShape::Pairs { key, value } => key.iter().chain(value).flatten().map(String::len).sum(),
+            ArgumentsShape::Pairs { key, value, json_key_close } => key.iter().chain(value).chain(json_key_close).flatten().map(String::len).sum(),
         };
         parts.iter().flat_map(|p| p.iter()).map(String::len).sum::<usize>() + pairs
     }
@@ -192,14 +194,19 @@ fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special:
         let mut args = format!("args_{i}");
         match &shape.arguments {
             ArgumentsShape::Json => rules.push(format!("args_{i}: %json {}", bounded_whitespace(schema))),
-            ArgumentsShape::Pairs { key, value } => {
+            ArgumentsShape::Pairs { key, value, json_key_close } => {
                 let properties = schema.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
                 let required: Vec<&str> =
                     schema.get("required").and_then(Value::as_array).map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
                 let mut items = Vec::new();
                 for (j, (param, param_schema)) in properties.iter().enumerate() {
                     rules.push(format!("value_{i}_{j}: {}", raw_value(param_schema)));
-                    let pair = format!("{} {} {} {} value_{i}_{j} {}", seq(&key[0]), lark_string(param), seq(&key[1]), seq(&value[0]), seq(&value[1]));
+                    let is_string = param_schema.get("type").and_then(Value::as_str) == Some("string");
+                    let key_close = match json_key_close {
+                        Some(close) if !is_string => close,
+                        _ => &key[1],
+                    };
+                    let pair = format!("{} {} {} {} value_{i}_{j} {}", seq(&key[0]), lark_string(param), seq(key_close), seq(&value[0]), seq(&value[1]));
                     items.push(if required.contains(&param.as_str()) { pair } else { format!("({pair})?") });
                 }
                 if items.is_empty() {

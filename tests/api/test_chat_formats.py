@@ -1,7 +1,7 @@
 """Each family's own tool-call and reasoning syntax through the real `openai` and `anthropic`
 clients: a fixture model given a chat template written the way that family's templates render
-tools, calls and results (GLM's `<arg_key>/<arg_value>`, DeepSeek-V3.1's tool-call tokens, Kimi
-K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON). A required call is
+tools, calls and results (GLM's `<arg_key>/<arg_value>`, DeepSeek-V3.1's tool-call tokens,
+DeepSeek-V3.2's DSML, Kimi K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON). A required call is
 constrained to the family's syntax (the raw tokens, seen through logprobs, show its markers) and
 read back as `tool_calls` / `tool_use`, streamed and not, several in one answer where the syntax
 holds several; the result is fed back through the template; reasoning comes back as
@@ -30,6 +30,16 @@ DEEPSEEK = (
     "{% elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content or '' }}{% if m.tool_calls %}<｜tool▁calls▁begin｜>"
     "{% for c in m.tool_calls %}<｜tool▁call▁begin｜>{{ c.function.name }}<｜tool▁sep｜>{{ c.function.arguments | tojson }}<｜tool▁call▁end｜>{% endfor %}"
     "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
+)
+DSML = (
+    "{% if tools %}## Tools\n{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content or '' }}{% if m.tool_calls %}\n\n<｜DSML｜function_calls>\n"
+    "{% for c in m.tool_calls %}<｜DSML｜invoke name=\"{{ c.function.name }}\">\n{% for k, v in c.function.arguments.items() %}"
+    "<｜DSML｜parameter name=\"{{ k }}\" string=\"{{ 'true' if v is string else 'false' }}\">{{ v if v is string else v | tojson }}</｜DSML｜parameter>\n"
+    "{% endfor %}</｜DSML｜invoke>\n{% endfor %}</｜DSML｜function_calls>{% endif %}<｜end▁of▁sentence｜>"
+    "{% elif m.role == 'tool' %}<｜User｜><function_results>{{ m.content }}</function_results>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
 )
 KIMI = (
@@ -61,6 +71,7 @@ HARMONY = (
 FORMATS = {
     "glm": ("qwen3_moe", GLM, ("<tool_call>ping\n</tool_call>", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>")),
     "deepseek": ("qwen3_moe", DEEPSEEK, ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",)),
+    "dsml": ("qwen3_moe", DSML, ("<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"",)),
     "kimi": ("qwen3_moe", KIMI, ("<|tool_calls_section_begin|><|tool_call_begin|>functions.",)),
     "hermes": ("qwen3_moe", HERMES, ('<tool_call>\n{"name": "',)),
     # gpt-oss's tokenizer holds harmony's markers as special tokens.

@@ -32,6 +32,9 @@ pub enum ToolSyntax {
     Hermes,
     Glm,
     DeepSeek,
+    /// DeepSeek-V3.2's DSML: `<｜DSML｜invoke name="N">` with `<｜DSML｜parameter name="K"
+    /// string="true|false">V</｜DSML｜parameter>` inside `<｜DSML｜function_calls>`.
+    Dsml,
     Kimi,
     Harmony,
 }
@@ -70,6 +73,10 @@ const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
 const DS_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 const DS_SEP: &str = "<｜tool▁sep｜>";
 const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DSML_CALLS: &str = "<｜DSML｜function_calls>";
+const DSML_CALLS_END: &str = "</｜DSML｜function_calls>";
+const DSML_INVOKE_END: &str = "</｜DSML｜invoke>";
+const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
 const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
 const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
 const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
@@ -83,6 +90,8 @@ impl ChatFormat {
         let t = template.unwrap_or("");
         let tools = if t.contains("<|channel|>") {
             ToolSyntax::Harmony
+        } else if t.contains("｜DSML｜") {
+            ToolSyntax::Dsml
         } else if t.contains("<arg_key>") {
             ToolSyntax::Glm
         } else if t.contains("tool▁call▁begin") {
@@ -110,6 +119,7 @@ impl ChatFormat {
             ToolSyntax::Hermes => "hermes",
             ToolSyntax::Glm => "glm",
             ToolSyntax::DeepSeek => "deepseek",
+            ToolSyntax::Dsml => "dsml",
             ToolSyntax::Kimi => "kimi",
             ToolSyntax::Harmony => "harmony",
         }
@@ -151,6 +161,7 @@ impl ChatFormat {
                 arguments: ArgumentsShape::Pairs {
                     key: [v(&["<arg_key>"]), v(&["</arg_key>", "\n"])],
                     value: [v(&["<arg_value>"]), v(&["</arg_value>", "\n"])],
+                    json_key_close: None,
                 },
                 after_arguments: v(&["</tool_call>"]),
                 close: vec![],
@@ -163,6 +174,19 @@ impl ChatFormat {
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&[DS_CALL_END]),
                 close: v(&[DS_CALLS_END]),
+                most: 1,
+            },
+            ToolSyntax::Dsml => CallShape {
+                open: v(&[DSML_CALLS, "\n"]),
+                before_name: v(&["<｜DSML｜invoke name=\""]),
+                after_name: v(&["\">\n"]),
+                arguments: ArgumentsShape::Pairs {
+                    key: [v(&["<｜DSML｜parameter name=\""]), v(&["\" string=\"true\">"])],
+                    value: [vec![], v(&[DSML_PARAMETER_END, "\n"])],
+                    json_key_close: Some(v(&["\" string=\"false\">"])),
+                },
+                after_arguments: v(&[DSML_INVOKE_END, "\n"]),
+                close: v(&[DSML_CALLS_END]),
                 most: 1,
             },
             ToolSyntax::Kimi => CallShape {
@@ -202,6 +226,7 @@ impl ChatFormat {
                 tools.parse(&rest).map(|calls| (json_blocks_outside(&rest), calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect()))
             }
             ToolSyntax::Glm => glm_calls(&rest, tools),
+            ToolSyntax::Dsml => dsml_calls(&rest),
             ToolSyntax::DeepSeek => section_calls(&rest, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, |body| {
                 let (name, args) = body.split_once(DS_SEP)?;
                 // DeepSeek-V3's older form: `function<sep>NAME\n```json\nARGS\n````.
@@ -388,6 +413,47 @@ fn glm_calls(text: &str, tools: &Tools) -> Option<(String, Vec<(String, String)>
         calls.push((name, Value::Object(args).to_string()));
     }
     content.push_str(rest);
+    (!calls.is_empty()).then_some((content, calls))
+}
+
+/// DSML blocks: `<｜DSML｜invoke name="N">` … `</｜DSML｜invoke>`, each parameter
+/// `<｜DSML｜parameter name="K" string="true">raw text</｜DSML｜parameter>` or `string="false"` and
+/// JSON; the text outside `<｜DSML｜function_calls>` is content.
+fn dsml_calls(text: &str) -> Option<(String, Vec<(String, String)>)> {
+    let start = text.find(DSML_CALLS)?;
+    let mut content = text[..start].to_string();
+    let section = &text[start + DSML_CALLS.len()..];
+    let (section, after) = match section.find(DSML_CALLS_END) {
+        Some(e) => (&section[..e], &section[e + DSML_CALLS_END.len()..]),
+        None => (section, ""),
+    };
+    content.push_str(after);
+    let attribute = |tag: &str, name: &str| -> Option<String> {
+        let at = tag.find(&format!("{name}=\""))? + name.len() + 2;
+        Some(tag[at..at + tag[at..].find('"')?].to_string())
+    };
+    let mut calls = Vec::new();
+    let mut rest = section;
+    while let Some(i) = rest.find("<｜DSML｜invoke ") {
+        let open_end = rest[i..].find('>')? + i;
+        let name = attribute(&rest[i..open_end], "name")?;
+        let body_end = rest[open_end..].find(DSML_INVOKE_END).map_or(rest.len(), |e| open_end + e);
+        let mut body = &rest[open_end + 1..body_end];
+        let mut args = serde_json::Map::new();
+        while let Some(p) = body.find("<｜DSML｜parameter ") {
+            let tag_end = body[p..].find('>')? + p;
+            let tag = &body[p..tag_end];
+            let key = attribute(tag, "name")?;
+            let value_end = body[tag_end..].find(DSML_PARAMETER_END).map_or(body.len(), |e| tag_end + e);
+            let raw = &body[tag_end + 1..value_end];
+            let value =
+                if attribute(tag, "string").as_deref() == Some("false") { serde_json::from_str(raw.trim()).ok()? } else { Value::String(raw.to_string()) };
+            args.insert(key, value);
+            body = body.get(value_end + DSML_PARAMETER_END.len()..).unwrap_or("");
+        }
+        calls.push((name, Value::Object(args).to_string()));
+        rest = rest.get(body_end + DSML_INVOKE_END.len()..).unwrap_or("");
+    }
     (!calls.is_empty()).then_some((content, calls))
 }
 

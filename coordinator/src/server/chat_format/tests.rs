@@ -31,6 +31,7 @@ fn format(template: &str) -> ChatFormat {
 
 const GLM: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<tool_call>{{ name }}<arg_key>k</arg_key><arg_value>v</arg_value></tool_call><think></think>";
 const DEEPSEEK: &str = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ n }}<｜tool▁sep｜>{{ a }}<｜tool▁call▁end｜><｜tool▁calls▁end｜></think>";
+const DSML: &str = "<｜DSML｜function_calls><｜DSML｜invoke name=\"{{ n }}\"><｜DSML｜parameter name=\"k\" string=\"true\">v</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls></think>";
 const KIMI: &str = "<|tool_calls_section_begin|><|tool_call_begin|>{{ id }}<|tool_call_argument_begin|>{{ a }}<|tool_call_end|><|tool_calls_section_end|>";
 const HARMONY: &str = "<|start|>assistant<|channel|>analysis<|message|>{{ m }}<|end|>";
 const QWEN: &str = "{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}<think>\n\n</think>";
@@ -40,6 +41,7 @@ fn templates_name_their_formats() {
     assert_eq!(format(GLM), ChatFormat { tools: ToolSyntax::Glm, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(DEEPSEEK), ChatFormat { tools: ToolSyntax::DeepSeek, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(KIMI), ChatFormat { tools: ToolSyntax::Kimi, reasoning: ReasoningSyntax::None });
+    assert_eq!(format(DSML), ChatFormat { tools: ToolSyntax::Dsml, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(HARMONY), ChatFormat { tools: ToolSyntax::Harmony, reasoning: ReasoningSyntax::Harmony });
     assert_eq!(format(QWEN), ChatFormat { tools: ToolSyntax::Hermes, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(ChatFormat::detect(None), ChatFormat { tools: ToolSyntax::Json, reasoning: ReasoningSyntax::None });
@@ -67,6 +69,11 @@ fn answers_are_read_in_each_syntax() {
     let old =
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Ur\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
     assert_eq!(format(DEEPSEEK).parse(old, false, Some(&t)).calls, vec![call("get_weather", json!({"city": "Ur"}))]);
+
+    let dsml = "Looking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">Ur</｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"ping\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>";
+    let p = format(DSML).parse(dsml, false, Some(&t));
+    assert_eq!(p.content, "Looking.");
+    assert_eq!(p.calls, vec![call("get_weather", json!({"city": "Ur", "days": 2})), call("ping", json!({}))]);
 
     let kimi = "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Ur\"}<|tool_call_end|><|tool_call_begin|>functions.ping:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
     let p = format(KIMI).parse(kimi, false, Some(&t));
@@ -173,7 +180,7 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
     let (v, n, tokens) = vocabulary();
     let t = tools();
     let pick: Vec<(String, Option<Value>)> = t.list.iter().map(|s| (s.name.clone(), s.parameters.clone())).collect();
-    for template in [GLM, DEEPSEEK, KIMI, HARMONY, QWEN] {
+    for template in [GLM, DEEPSEEK, DSML, KIMI, HARMONY, QWEN] {
         let f = format(template);
         let mut names = std::collections::BTreeSet::new();
         let mut several = false;
