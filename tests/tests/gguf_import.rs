@@ -152,3 +152,31 @@ fn bf16_import_rounds_every_value_of_the_exact_import_and_runs() {
     let gen = engine.generate(&mut engine.new_session(), &p.ids, &opts, |_| true).unwrap();
     assert!(!gen.output_ids.is_empty());
 }
+
+/// A SentencePiece vocabulary (Llama 2's, as llama.cpp ships it for its own tokenizer tests)
+/// rebuilt as `tokenizer.json` encodes llama.cpp's test texts to the ids transformers gives them
+/// (its `.out` file) and decodes them back.
+#[test]
+fn sentencepiece_vocabularies_encode_as_transformers_does() {
+    let dir = fixture("gguf/vocab");
+    let json = shimmer_store::gguf_import::tokenizer_json(&dir.join("ggml-vocab-llama-spm.gguf")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), serde_json::to_vec(&json).unwrap()).unwrap();
+    let tokenizer = shimmer_common::tokenizer::Tokenizer::from_dir(tmp.path()).unwrap();
+    let inputs = std::fs::read_to_string(dir.join("ggml-vocab-llama-spm.gguf.inp")).unwrap();
+    let outputs = std::fs::read_to_string(dir.join("ggml-vocab-llama-spm.gguf.out")).unwrap();
+    let texts: Vec<&str> = inputs.split("\n__ggml_vocab_test__\n").collect();
+    let ids: Vec<Vec<u32>> = outputs.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+    assert!(texts.len() >= 30 && texts.len() <= ids.len() + 1, "{} texts, {} id lines", texts.len(), ids.len());
+    let mut checked = 0;
+    for (text, want) in texts.iter().zip(&ids) {
+        assert_eq!(&tokenizer.encode(text, false).unwrap(), want, "{text:?}");
+        if !want.is_empty() && !text.starts_with(' ') {
+            assert_eq!(tokenizer.decode(want, true).unwrap(), *text, "{text:?} decodes back");
+        }
+        checked += 1;
+    }
+    assert!(checked >= 30);
+    // With special tokens, BOS comes first (`add_bos_token`).
+    assert_eq!(tokenizer.encode("Hello", true).unwrap()[0], 1);
+}

@@ -330,6 +330,14 @@ pub fn import(from: &Path, to: &Path, dtype: ImportDtype, progress: &mut dyn FnM
     Ok(ImportReport { architecture: meta.architecture.to_string(), family: dialect.family, tensors: planned.len(), bytes: total, shards: shards.len() })
 }
 
+/// The `tokenizer.json` a GGUF's `tokenizer.*` metadata stands for (a vocabulary-only file will
+/// do: no family or tensor is read).
+pub fn tokenizer_json(path: &Path) -> Result<serde_json::Value, LoadError> {
+    let gguf = Gguf::open(path)?;
+    let meta = Meta::new(&gguf.metadata, &gguf.tensors).map_err(|m| LoadError::malformed(path, m))?;
+    Ok(tokenizer::tokenizer_json(&meta).map_err(|m| LoadError::malformed(path, m))?.json)
+}
+
 fn write_file(dir: &Path, name: &str, value: &serde_json::Value) -> Result<(), LoadError> {
     let path = dir.join(name);
     let tmp = dir.join(format!("{name}.partial"));
