@@ -1,7 +1,8 @@
 """Each family's own tool-call and reasoning syntax through the real `openai` and `anthropic`
 clients: a fixture model given a chat template written the way that family's templates render
 tools, calls and results (GLM's `<arg_key>/<arg_value>`, DeepSeek-V3.1's tool-call tokens,
-DeepSeek-V3.2's DSML, Kimi K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON). A required call is
+DeepSeek-V3.2's DSML, Kimi K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON
+and Qwen3-Coder's XML). A required call is
 constrained to the family's syntax (the raw tokens, seen through logprobs, show its markers) and
 read back as `tool_calls` / `tool_use`, streamed and not, several in one answer where the syntax
 holds several; the result is fed back through the template; reasoning comes back as
@@ -42,6 +43,16 @@ DSML = (
     "{% elif m.role == 'tool' %}<｜User｜><function_results>{{ m.content }}</function_results>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
 )
+QWEN_XML = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Call one as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}"
+    "<parameter={{ k }}>\n{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 KIMI = (
     "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
     "{% for m in messages %}{% if m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
@@ -73,6 +84,7 @@ FORMATS = {
     "deepseek": ("qwen3_moe", DEEPSEEK, ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",)),
     "dsml": ("qwen3_moe", DSML, ("<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"",)),
     "kimi": ("qwen3_moe", KIMI, ("<|tool_calls_section_begin|><|tool_call_begin|>functions.",)),
+    "qwen_xml": ("qwen3_moe", QWEN_XML, ("<tool_call>\n<function=",)),
     "hermes": ("qwen3_moe", HERMES, ('<tool_call>\n{"name": "',)),
     # gpt-oss's tokenizer holds harmony's markers as special tokens.
     "harmony": ("gpt_oss", HARMONY, ("<|channel|>commentary to=functions.",)),

@@ -4,7 +4,8 @@
 //! reasoning, content and calls.
 //!
 //! Syntaxes: Hermes/Qwen (`<tool_call>{"name": …, "arguments": …}</tool_call>`, also shimmer's own
-//! bare JSON object for templates without tools), GLM (`<tool_call>NAME` then
+//! bare JSON object for templates without tools), Qwen3-Coder's XML (`<function=NAME>` with
+//! `<parameter=K>` blocks), DeepSeek-V3.2's DSML, GLM (`<tool_call>NAME` then
 //! `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs), DeepSeek-V3.1
 //! (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` inside a calls section), Kimi K2
 //! (`<|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>ARGS<|tool_call_end|>` inside
@@ -30,6 +31,8 @@ pub enum ToolSyntax {
     Json,
     /// `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>` blocks (Qwen, Hermes).
     Hermes,
+    /// Qwen3-Coder's XML: `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>`.
+    QwenXml,
     Glm,
     DeepSeek,
     /// DeepSeek-V3.2's DSML: `<｜DSML｜invoke name="N">` with `<｜DSML｜parameter name="K"
@@ -98,6 +101,8 @@ impl ChatFormat {
             ToolSyntax::DeepSeek
         } else if t.contains("<|tool_call_begin|>") {
             ToolSyntax::Kimi
+        } else if t.contains("<function=") && t.contains("<parameter=") {
+            ToolSyntax::QwenXml
         } else if t.contains("<tool_call>") {
             ToolSyntax::Hermes
         } else {
@@ -117,6 +122,7 @@ impl ChatFormat {
         match self.tools {
             ToolSyntax::Json => "json",
             ToolSyntax::Hermes => "hermes",
+            ToolSyntax::QwenXml => "qwen-xml",
             ToolSyntax::Glm => "glm",
             ToolSyntax::DeepSeek => "deepseek",
             ToolSyntax::Dsml => "dsml",
@@ -151,6 +157,15 @@ impl ChatFormat {
                 after_name: v(&["\", \"arguments\": "]),
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&["}\n", "</tool_call>"]),
+                close: vec![],
+                most: 1,
+            },
+            ToolSyntax::QwenXml => CallShape {
+                open: vec![],
+                before_name: v(&["<tool_call>", "\n<function="]),
+                after_name: v(&[">\n"]),
+                arguments: ArgumentsShape::Pairs { key: [v(&["<parameter="]), v(&[">\n"])], value: [vec![], v(&["\n</parameter>\n"])], json_key_close: None },
+                after_arguments: v(&["</function>\n", "</tool_call>"]),
                 close: vec![],
                 most: 1,
             },
@@ -226,6 +241,7 @@ impl ChatFormat {
                 tools.parse(&rest).map(|calls| (json_blocks_outside(&rest), calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect()))
             }
             ToolSyntax::Glm => glm_calls(&rest, tools),
+            ToolSyntax::QwenXml => qwen_xml_calls(&rest, tools),
             ToolSyntax::Dsml => dsml_calls(&rest),
             ToolSyntax::DeepSeek => section_calls(&rest, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, |body| {
                 let (name, args) = body.split_once(DS_SEP)?;
@@ -402,18 +418,58 @@ fn glm_calls(text: &str, tools: &Tools) -> Option<(String, Vec<(String, String)>
             let v = after.find("<arg_value>")? + "<arg_value>".len();
             let value_end = after[v..].find("</arg_value>").map_or(after.len(), |e| v + e);
             let raw = &after[v..value_end];
-            let is_string =
-                schema.as_ref().and_then(|s| s.pointer(&format!("/properties/{}/type", key.replace('~', "~0").replace('/', "~1")))).and_then(Value::as_str)
-                    == Some("string");
-            let value =
-                if is_string { Value::String(raw.to_string()) } else { serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.to_string())) };
-            args.insert(key, value);
+            args.insert(key.clone(), typed_value(schema.as_ref(), &key, raw));
             pairs = after.get(value_end + "</arg_value>".len()..).unwrap_or("");
         }
         calls.push((name, Value::Object(args).to_string()));
     }
     content.push_str(rest);
     (!calls.is_empty()).then_some((content, calls))
+}
+
+/// Qwen3-Coder's `<tool_call>` blocks of `<function=NAME>` with `<parameter=K>\nV\n</parameter>`:
+/// a value is a string where the tool's schema says so, else JSON (text when it is not).
+fn qwen_xml_calls(text: &str, tools: &Tools) -> Option<(String, Vec<(String, String)>)> {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("<tool_call>") {
+        content.push_str(&rest[..start]);
+        let block = &rest[start + "<tool_call>".len()..];
+        let stop = block.find("</tool_call>").unwrap_or(block.len());
+        let body = &block[..stop];
+        rest = block.get(stop + "</tool_call>".len()..).unwrap_or("");
+        let f = body.find("<function=")? + "<function=".len();
+        let name_end = body[f..].find('>')? + f;
+        let name = body[f..name_end].trim().to_string();
+        let schema = tools.list.iter().find(|t| t.name == name).and_then(|t| t.parameters.clone());
+        let mut args = serde_json::Map::new();
+        let mut params = &body[name_end..];
+        while let Some(p) = params.find("<parameter=") {
+            let k = p + "<parameter=".len();
+            let key_end = params[k..].find('>')? + k;
+            let key = params[k..key_end].trim().to_string();
+            let value_end = params[key_end..].find("</parameter>").map_or(params.len(), |e| key_end + e);
+            let raw = params[key_end + 1..value_end].strip_prefix('\n').unwrap_or(&params[key_end + 1..value_end]);
+            let raw = raw.strip_suffix('\n').unwrap_or(raw);
+            args.insert(key.clone(), typed_value(schema.as_ref(), &key, raw));
+            params = params.get(value_end + "</parameter>".len()..).unwrap_or("");
+        }
+        calls.push((name, Value::Object(args).to_string()));
+    }
+    content.push_str(rest);
+    (!calls.is_empty()).then_some((content, calls))
+}
+
+/// A raw parameter value: the text itself where the schema types the parameter a string, else its
+/// JSON (the text where it is not JSON).
+fn typed_value(schema: Option<&Value>, key: &str, raw: &str) -> Value {
+    let pointer = format!("/properties/{}/type", key.replace('~', "~0").replace('/', "~1"));
+    if schema.and_then(|s| s.pointer(&pointer)).and_then(Value::as_str) == Some("string") {
+        Value::String(raw.to_string())
+    } else {
+        serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.to_string()))
+    }
 }
 
 /// DSML blocks: `<｜DSML｜invoke name="N">` … `</｜DSML｜invoke>`, each parameter

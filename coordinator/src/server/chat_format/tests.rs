@@ -32,6 +32,7 @@ fn format(template: &str) -> ChatFormat {
 const GLM: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<tool_call>{{ name }}<arg_key>k</arg_key><arg_value>v</arg_value></tool_call><think></think>";
 const DEEPSEEK: &str = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ n }}<｜tool▁sep｜>{{ a }}<｜tool▁call▁end｜><｜tool▁calls▁end｜></think>";
 const DSML: &str = "<｜DSML｜function_calls><｜DSML｜invoke name=\"{{ n }}\"><｜DSML｜parameter name=\"k\" string=\"true\">v</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls></think>";
+const QWEN_XML: &str = "{% if tools %}<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>{% endif %}<think></think>";
 const KIMI: &str = "<|tool_calls_section_begin|><|tool_call_begin|>{{ id }}<|tool_call_argument_begin|>{{ a }}<|tool_call_end|><|tool_calls_section_end|>";
 const HARMONY: &str = "<|start|>assistant<|channel|>analysis<|message|>{{ m }}<|end|>";
 const QWEN: &str = "{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}<think>\n\n</think>";
@@ -41,6 +42,7 @@ fn templates_name_their_formats() {
     assert_eq!(format(GLM), ChatFormat { tools: ToolSyntax::Glm, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(DEEPSEEK), ChatFormat { tools: ToolSyntax::DeepSeek, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(KIMI), ChatFormat { tools: ToolSyntax::Kimi, reasoning: ReasoningSyntax::None });
+    assert_eq!(format(QWEN_XML), ChatFormat { tools: ToolSyntax::QwenXml, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(DSML), ChatFormat { tools: ToolSyntax::Dsml, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(HARMONY), ChatFormat { tools: ToolSyntax::Harmony, reasoning: ReasoningSyntax::Harmony });
     assert_eq!(format(QWEN), ChatFormat { tools: ToolSyntax::Hermes, reasoning: ReasoningSyntax::ThinkTags });
@@ -74,6 +76,11 @@ fn answers_are_read_in_each_syntax() {
     let p = format(DSML).parse(dsml, false, Some(&t));
     assert_eq!(p.content, "Looking.");
     assert_eq!(p.calls, vec![call("get_weather", json!({"city": "Ur", "days": 2})), call("ping", json!({}))]);
+
+    let xml = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
+    let p = format(QWEN_XML).parse(xml, false, Some(&t));
+    assert_eq!(p.content, "Checking.");
+    assert_eq!(p.calls, vec![call("get_weather", json!({"city": "New York", "days": 2}))]);
 
     let kimi = "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Ur\"}<|tool_call_end|><|tool_call_begin|>functions.ping:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
     let p = format(KIMI).parse(kimi, false, Some(&t));
@@ -180,7 +187,7 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
     let (v, n, tokens) = vocabulary();
     let t = tools();
     let pick: Vec<(String, Option<Value>)> = t.list.iter().map(|s| (s.name.clone(), s.parameters.clone())).collect();
-    for template in [GLM, DEEPSEEK, DSML, KIMI, HARMONY, QWEN] {
+    for template in [GLM, DEEPSEEK, DSML, QWEN_XML, KIMI, HARMONY, QWEN] {
         let f = format(template);
         let mut names = std::collections::BTreeSet::new();
         let mut several = false;
