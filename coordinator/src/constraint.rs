@@ -242,13 +242,20 @@ fn raw_value(schema: &Value) -> String {
 
 /// A tool's arguments schema: its parameters, narrowed to objects (JSON Schema's keywords are
 /// conjunctive, so `type: object` beside the others is their intersection with objects); no
-/// parameters at all is OpenAI's function without parameters, an empty object.
+/// parameters at all is OpenAI's function without parameters, an empty object. A call writes the
+/// parameters the tool lists: where the schema lists `properties` and says nothing of
+/// `additionalProperties`, others are not generated (as llama.cpp's JSON Schema grammars decide;
+/// a schema listing none allows any object) — a model otherwise may invent keys whose free values
+/// (numbers past f64, say) no tool could take.
 fn arguments_schema(parameters: Option<&Value>) -> Value {
     match parameters {
         None => json!({"type": "object", "properties": {}, "additionalProperties": false}),
         Some(Value::Object(p)) => {
             let mut p = p.clone();
             p.insert("type".into(), json!("object"));
+            if p.contains_key("properties") {
+                p.entry("additionalProperties").or_insert(json!(false));
+            }
             Value::Object(p)
         }
         Some(_) => json!({"type": "object"}),

@@ -155,7 +155,11 @@ fn a_tool_call_names_one_tool_and_its_arguments_follow_its_own_schema() {
         };
         let name = call["name"].as_str().unwrap().to_string();
         match name.as_str() {
-            "weather" => assert!(["c", "f"].contains(&call["arguments"]["unit"].as_str().unwrap()), "{text}"),
+            "weather" => {
+                assert!(["c", "f"].contains(&call["arguments"]["unit"].as_str().unwrap()), "{text}");
+                // Only the listed parameters: the schema does not allow others.
+                assert!(call["arguments"].as_object().unwrap().keys().all(|k| k == "unit"), "{text}");
+            }
             "time" => assert!(call["arguments"].is_object(), "{text}"),
             other => panic!("a tool nobody listed: {other}"),
         }
