@@ -191,7 +191,7 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
         let f = format(template);
         let mut names = std::collections::BTreeSet::new();
         let mut several = false;
-        for seed in 0..12u64 {
+        for seed in 0..32u64 {
             let mut c = v
                 .compile(&crate::constraint::Grammar::ShapedToolCall(pick.clone(), f.call_shape(seed % 2 == 1)))
                 .unwrap_or_else(|e| panic!("{}: {e}", f.name()));
