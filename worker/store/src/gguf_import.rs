@@ -335,7 +335,12 @@ pub fn import(from: &Path, to: &Path, dtype: ImportDtype, progress: &mut dyn FnM
 pub fn tokenizer_json(path: &Path) -> Result<serde_json::Value, LoadError> {
     let gguf = Gguf::open(path)?;
     let meta = Meta::new(&gguf.metadata, &gguf.tensors).map_err(|m| LoadError::malformed(path, m))?;
-    Ok(tokenizer::tokenizer_json(&meta).map_err(|m| LoadError::malformed(path, m))?.json)
+    tokenizer_of(&meta).map_err(|m| LoadError::malformed(path, m))
+}
+
+/// `tokenizer_json` from metadata already read.
+pub fn tokenizer_of(meta: &Meta) -> Result<serde_json::Value, String> {
+    Ok(tokenizer::tokenizer_json(meta)?.json)
 }
 
 fn write_file(dir: &Path, name: &str, value: &serde_json::Value) -> Result<(), LoadError> {
