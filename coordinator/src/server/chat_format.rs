@@ -536,6 +536,12 @@ impl Streamed {
     /// Adds a piece of the answer; returns the new reasoning and the new content.
     pub fn push(&mut self, piece: &str) -> (String, String) {
         self.text.push_str(piece);
+        if self.format.reasoning == ReasoningSyntax::None {
+            // No marker to wait for: the piece is content as it is (and the whole answer need not
+            // be read again on every token).
+            self.content_sent = self.text.len();
+            return (String::new(), piece.to_string());
+        }
         let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, false);
         self.delta(&reasoning, &content)
     }
