@@ -14,9 +14,10 @@ const TOKEN_UNKNOWN: u64 = 2;
 const TOKEN_CONTROL: u64 = 3;
 const TOKEN_USER_DEFINED: u64 = 4;
 
-/// The splits of Qwen2's, Llama 3's and DeepSeek-V3's `tokenizer.json` (GPT-2's is the one
-/// `ByteLevel { use_regex: true }` applies itself).
+/// The splits of Qwen2's, Qwen3.5's, Llama 3's (also GLM-4.5's) and DeepSeek-V3's `tokenizer.json`
+/// (GPT-2's is the one `ByteLevel { use_regex: true }` applies itself).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const DEEPSEEK3_SPLITS: [&str; 3] = [
     r"\p{N}{1,3}",
@@ -48,21 +49,24 @@ fn split(regex: &str) -> Json {
     json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false})
 }
 
-/// The pre-tokenizer llama.cpp applies for `pre`, as `tokenizers` spells it.
-fn pre_tokenizer(pre: &str) -> Result<Json, String> {
+/// The pre-tokenizer llama.cpp applies for `pre`, as `tokenizers` spells it, and whether a word
+/// the vocabulary holds whole is taken as it is before any merge (`ignore_merges`, as the source
+/// `tokenizer.json` says and llama.cpp copies).
+fn pre_tokenizer(pre: &str) -> Result<(Json, bool), String> {
     let sequence = |splits: &[&str]| {
         let mut items: Vec<Json> = splits.iter().map(|r| split(r)).collect();
         items.push(byte_level(false));
         json!({"type": "Sequence", "pretokenizers": items})
     };
     Ok(match pre {
-        "gpt-2" | "mpt" | "olmo" | "jais" => byte_level(true),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => sequence(&[QWEN2_SPLIT]),
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => sequence(&[LLAMA3_SPLIT]),
-        "deepseek-v3" => sequence(&DEEPSEEK3_SPLITS),
+        "gpt-2" | "mpt" | "olmo" | "jais" => (byte_level(true), false),
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => (sequence(&[QWEN2_SPLIT]), false),
+        "qwen35" => (sequence(&[QWEN35_SPLIT]), false),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "glm4" | "glm5" => (sequence(&[LLAMA3_SPLIT]), true),
+        "deepseek-v3" => (sequence(&DEEPSEEK3_SPLITS), false),
         other => {
             return Err(format!(
-                "`tokenizer.ggml.pre` `{other}` is not imported (gpt-2, olmo, qwen2, llama-bpe and deepseek-v3 are): its split is not known here"
+                "`tokenizer.ggml.pre` `{other}` is not imported (gpt-2, olmo, qwen2, qwen35, llama-bpe, glm4 and deepseek-v3 are): its split is not known here"
             ))
         }
     })
@@ -108,6 +112,7 @@ pub(super) fn tokenizer_json(meta: &Meta) -> Result<ImportedTokenizer, String> {
     let merges = strings(meta, "tokenizer.ggml.merges")?;
     let types = token_types(meta, tokens.len())?;
     let pre = meta.entries.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("gpt-2");
+    let (pre_tokenizer, ignore_merges) = pre_tokenizer(pre)?;
     let mut vocab = Map::new();
     let mut added = Vec::new();
     for (id, (&token, &kind)) in tokens.iter().zip(&types).enumerate() {
@@ -137,12 +142,12 @@ pub(super) fn tokenizer_json(meta: &Meta) -> Result<ImportedTokenizer, String> {
         "padding": null,
         "added_tokens": added,
         "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(pre)?,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges
         }
     });
     finish(meta, tokenizer, &tokens, bos, eos)
