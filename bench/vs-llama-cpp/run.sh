@@ -6,7 +6,8 @@
 # Builds llama.cpp's converter, quantiser and llama-bench from the llama.cpp tree inside the PyPI
 # source package of llama-cpp-python (pinned), makes a ~1.6B-parameter random Qwen3-MoE model with a
 # tokenizer the converter knows, converts it (and the demo model) to GGUF Q8_0 / Q4_0 with
-# llama.cpp's tools and to shimmer containers int8 / int4-g32 (dense int8), then alternates the
+# llama.cpp's tools and to shimmer containers int8 / int4-g32 (dense int8) and int4-g64 with dense
+# int4-g64 (embedding and head int8; against Q4_0 too), then alternates the
 # two engines RUNS times per format on the same prompt length and thread count and prints the
 # shimmer ÷ llama.cpp ratios for prefill and decode (min / median / max), and for the aggregate
 # decode of PARALLEL sequences at once (llama-batched-bench -npl against shimmer bench --parallel).
@@ -49,8 +50,9 @@ for model in m1b demo; do
   for q in Q8_0 Q4_0; do
     [ -f "$WORK/$model.$q.gguf" ] || "$BIN/llama-quantize" "$WORK/$model.bf16.gguf" "$WORK/$model.$q.gguf" "$q" "$THREADS" >/dev/null 2>&1
   done
-  for q in int8 int4-g32; do
-    [ -f "$WORK/$model-$q/shimmer-manifest.json" ] || "$SHIMMER" convert --from "$src" --to "$WORK/$model-$q" --quant "$q" --dense-quant int8 --quiet
+  for q in int8 int4-g32 int4-g64+int4-g64; do
+    [ -f "$WORK/$model-$q/shimmer-manifest.json" ] || "$SHIMMER" convert --from "$src" --to "$WORK/$model-$q" --quant "${q%%+*}" \
+      --dense-quant "$([ "$q" = "${q#*+}" ] && echo int8 || echo "${q#*+}")" --quiet
   done
 done
 
@@ -59,12 +61,13 @@ done
 RESULTS="$WORK/results.jsonl"
 : > "$RESULTS"
 for model in m1b demo; do
-  for pair in "Q8_0 int8" "Q4_0 int4-g32"; do
+  # A shimmer format is the experts' quantisation, then `+` and the dense weights' where not int8.
+  for pair in "Q8_0 int8" "Q4_0 int4-g32" "Q4_0 int4-g64+int4-g64"; do
     set -- $pair
     for i in $(seq "$RUNS"); do
       say "$model $1 vs $2, run $i/$RUNS"
       "$BIN/llama-bench" -m "$WORK/$model.$1.gguf" -p "$PROMPT" -n "$GEN" -t "$THREADS" -r 1 -o json 2>/dev/null \
-        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
+        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
       # PARALLEL sequences of PROMPT random tokens each, prefilled in one batch, then GEN tokens
       # each, all sequences in every step (its "S_TG t/s").
       # (Once in a dozen runs here it ended without a result; that pair then has no batched row.)
@@ -72,13 +75,13 @@ for model in m1b demo; do
         -ntg "$GEN" -npl "$PARALLEL" -t "$THREADS" --output-format jsonl > "$WORK/batched.out" 2> "$WORK/batched.err" \
         && grep -q '^{' "$WORK/batched.out"; then
         grep '^{' "$WORK/batched.out" \
-          | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'llama.cpp', 'test': 'batched', 'tok_s': json.loads(l)['speed_tg']})) for l in sys.stdin]" >> "$RESULTS"
+          | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'llama.cpp', 'test': 'batched', 'tok_s': json.loads(l)['speed_tg']})) for l in sys.stdin]" >> "$RESULTS"
       else
         say "llama-batched-bench gave no result (exit $?): $(tail -n 2 "$WORK/batched.err" | tr '\n' ' ')"
       fi
       "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
         --gen-tokens "$GEN" --disk-probe-mb 1 --preload --warmup 1 --parallel "$PARALLEL" --json 2>/dev/null \
-        | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"
+        | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"
     done
   done
 done
@@ -88,17 +91,17 @@ done
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"shimmer ÷ llama.cpp, {sys.argv[2]} threads (min / median / max over paired runs; batched: {sys.argv[3]} sequences, all of them)")
-print(f"{'model':6} {'format':18} {'test':8} {'llama.cpp tok/s':>16} {'shimmer tok/s':>14} {'ratio min/med/max':>22} {'shimmer of roofline':>20}")
+print(f"{'model':6} {'format':26} {'test':8} {'llama.cpp tok/s':>16} {'shimmer tok/s':>14} {'ratio min/med/max':>22} {'shimmer of roofline':>20}")
 for model in ("m1b", "demo"):
-    for fmt in ("Q8_0", "Q4_0"):
+    for fmt in ("Q8_0 / int8", "Q4_0 / int4-g32", "Q4_0 / int4-g64+int4-g64"):
         for test in ("prefill", "decode", "batched"):
             l = [r["tok_s"] for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "llama.cpp", test)]
             s = [r for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "shimmer", test)]
             if not l or not s:
                 continue
             ratios = sorted(a["tok_s"] / b for a, b in zip(s, l))
-            label = f"{fmt} / {'int8' if fmt == 'Q8_0' else 'int4-g32'}"
+            label = fmt
             roof = statistics.median(r["roofline"] for r in s) if test == "decode" else float("nan")
-            print(f"{model:6} {label:18} {test:8} {statistics.median(l):16.2f} {statistics.median(r['tok_s'] for r in s):14.2f} "
+            print(f"{model:6} {label:26} {test:8} {statistics.median(l):16.2f} {statistics.median(r['tok_s'] for r in s):14.2f} "
                   f"{ratios[0]:6.2f} / {statistics.median(ratios):5.2f} / {ratios[-1]:5.2f} {roof:20.3f}")
 PY

@@ -99,21 +99,59 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
     let bpr = QuantMatrix::bytes_per_row_int4(cols);
     let mut packed = vec![0u8; rows * bpr];
     let mut scales = Vec::with_capacity(rows * QuantMatrix::groups_per_row(cols, group));
+    let mut q = Vec::with_capacity(group);
     for (r, row) in w.chunks_exact(cols).enumerate() {
         for (g, chunk) in row.chunks(group).enumerate() {
-            let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let s = max / 7.0;
-            scales.push(s);
-            for (i, v) in chunk.iter().enumerate() {
-                let q = if s == 0.0 { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 };
+            let s = int4_group_scale(chunk, &mut q);
+            for (i, &qi) in q.iter().enumerate() {
                 let c = g * group + i;
-                let nib = (q + 8) as u8;
+                let nib = (qi + 8) as u8;
                 let byte = &mut packed[r * bpr + c / 2];
                 *byte |= if c.is_multiple_of(2) { nib } else { nib << 4 };
             }
+            scales.push(s);
         }
     }
     QuantMatrix::Int4 { rows, cols, group, packed, scales }
+}
+
+/// One int4 group's scale, its values' codes in [-8, 7] left in `q`: of the grids that put the
+/// largest magnitude at 7, 7.5 or 8 steps (toward −8 on the side that has it), the one whose
+/// least-squares scale for its rounded codes leaves the smallest squared error. A plain `max / 7`
+/// leaves the −8 code unused; this is llama.cpp's refit (`make_qx_quants`) on the same format.
+/// Deterministic: the same group always gets the same codes.
+fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> f32 {
+    let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    q.clear();
+    if max == 0.0 || !max.is_finite() {
+        // Zero (or non-finite, which validation refuses) groups: the plain definition.
+        let s = max / 7.0;
+        q.extend(chunk.iter().map(|v| if s == 0.0 { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
+        return s;
+    }
+    let mut best: Option<(f64, f32)> = None;
+    for steps in [7.0f32, 7.25, 7.5, 7.75, 8.0] {
+        let inv = steps / max;
+        let (mut wq, mut qq, mut err_base) = (0.0f64, 0.0f64, 0.0f64);
+        for v in chunk {
+            let c = (v * inv).round().clamp(-8.0, 7.0) as f64;
+            wq += *v as f64 * c;
+            qq += c * c;
+            err_base += (*v as f64) * (*v as f64);
+        }
+        if qq == 0.0 || wq <= 0.0 {
+            continue;
+        }
+        let s = (wq / qq) as f32;
+        // Squared error of the refit scale: Σw² − (Σwq)²/Σq², up to rounding of s to f32.
+        let err = err_base - wq * wq / qq;
+        if best.is_none_or(|(e, _)| err < e) {
+            best = Some((err, s));
+        }
+    }
+    let s = best.map_or(max / 7.0, |(_, s)| s);
+    q.extend(chunk.iter().map(|v| (v / s).round().clamp(-8.0, 7.0) as i32));
+    s
 }
 
 /// Values per MXFP4 scale.
@@ -306,8 +344,11 @@ mod tests {
         }
     }
 
+    /// Each value gets the nearest code its group's scale has (clamped to [-8, 7]), and no group's
+    /// squared error exceeds that of the plain `max / 7` grid.
     #[test]
-    fn int4_round_trip_error_is_at_most_half_a_step_per_group() {
+    fn int4_codes_are_nearest_and_groups_never_worse_than_max_over_seven() {
+        let mut improved = 0;
         for group in [32, 64, 128] {
             for &(rows, cols) in &[(1, 1), (2, 31), (3, 100), (4, 257)] {
                 let w = data(rows, cols, group as u64);
@@ -315,12 +356,27 @@ mod tests {
                 validate(&m, "test").unwrap();
                 let QuantMatrix::Int4 { scales, .. } = &m else { unreachable!() };
                 let gpr = QuantMatrix::groups_per_row(cols, group);
-                for (i, (a, b)) in w.iter().zip(dequantize(&m)).enumerate() {
-                    let s = scales[(i / cols) * gpr + (i % cols) / group];
-                    assert!((a - b).abs() <= s * 0.5 + 1e-6, "g{group} {rows}x{cols} #{i}: {a} vs {b}");
+                let back = dequantize(&m);
+                for (r, row) in w.chunks(cols).enumerate() {
+                    for (g, chunk) in row.chunks(group).enumerate() {
+                        let s = scales[r * gpr + g];
+                        let start = r * cols + g * group;
+                        let (mut err, mut plain_err) = (0.0f64, 0.0f64);
+                        let plain = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 7.0;
+                        for (i, &a) in chunk.iter().enumerate() {
+                            let b = back[start + i];
+                            assert_eq!(b, (a / s).round().clamp(-8.0, 7.0) * s, "g{group} {rows}x{cols} row {r} #{i}: nearest code");
+                            err += ((a - b) as f64).powi(2);
+                            let p = if plain == 0.0 { 0.0 } else { (a / plain).round().clamp(-8.0, 7.0) * plain };
+                            plain_err += ((a - p) as f64).powi(2);
+                        }
+                        assert!(err <= plain_err * (1.0 + 1e-6) + 1e-12, "g{group} {rows}x{cols} row {r} group {g}: {err} > {plain_err}");
+                        improved += usize::from(err < plain_err * 0.999);
+                    }
                 }
             }
         }
+        assert!(improved > 10, "the refit improved only {improved} groups");
     }
 
     #[test]

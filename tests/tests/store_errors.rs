@@ -276,3 +276,75 @@ fn a_mirror_serves_corrupt_blobs_from_the_good_copy_with_one_warning_per_expert_
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["timings"]["store"]["experts"]["mirror_fallbacks"].as_u64().unwrap() as usize > n, "expected repeated fallbacks after the first warnings: {v}");
 }
+
+/// A dense int4 container whose matrices were damaged: the file's checksum refuses any changed
+/// byte through the binary; below it, the loader itself refuses a scale tensor of the wrong shape
+/// or a negative scale naming the matrix (what a writer's bug would leave); an unknown
+/// `dense_quant` is refused naming the field.
+#[test]
+fn a_damaged_dense_int4_matrix_is_refused_by_name() {
+    use shimmer_experts::weights::load_matrix;
+    let out = tempfile::tempdir().unwrap();
+    let o = shimmer(&[
+        "convert",
+        "--from",
+        fixture("olmoe").to_str().unwrap(),
+        "--to",
+        out.path().to_str().unwrap(),
+        "--quant",
+        "int8",
+        "--dense-quant",
+        "int4-g32",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(score(out.path(), &[]).status.success());
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let scale = format!("{q}_shimmer_int4_g32_scale");
+    let dense = |dir: &Path| shimmer_common::Checkpoint::open_files(dir, &["dense.safetensors"]).unwrap();
+    let (rows, cols) = {
+        let h: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("olmoe").join("config.json")).unwrap()).unwrap();
+        let (heads, hd, hidden) = (h["num_attention_heads"].as_u64().unwrap(), h.get("head_dim").and_then(|v| v.as_u64()), h["hidden_size"].as_u64().unwrap());
+        ((heads * hd.unwrap_or(hidden / heads)) as usize, hidden as usize)
+    };
+    assert!(load_matrix(&dense(out.path()), q, rows, cols, 128).is_ok());
+
+    // A changed scale byte: the container's checksum refuses the file.
+    let negative = tempfile::tempdir().unwrap();
+    copy_dir(out.path(), negative.path());
+    let path = negative.path().join("dense.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = 8 + n + header[&scale]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at + 3] |= 0x80;
+    std::fs::write(&path, bytes).unwrap();
+    assert_clean_failure(&score(negative.path(), &[]), &["dense.safetensors", "checksum mismatch"]);
+    // The loader: a negative scale.
+    let e = load_matrix(&dense(negative.path()), q, rows, cols, 128).unwrap_err().to_string();
+    assert!(e.contains(q) && e.contains("negative"), "{e}");
+
+    // The loader: scales of another shape (groups and rows swapped).
+    let wrong_shape = tempfile::tempdir().unwrap();
+    copy_dir(out.path(), wrong_shape.path());
+    shimmer_tests::edit_safetensors_header(&wrong_shape.path().join("dense.safetensors"), |h| {
+        let shape = h[&scale]["shape"].as_array().unwrap().clone();
+        h.get_mut(&scale).unwrap()["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let e = load_matrix(&dense(wrong_shape.path()), q, rows, cols, 128).unwrap_err().to_string();
+    assert!(e.contains(&scale), "{e}");
+
+    let unknown = tempfile::tempdir().unwrap();
+    copy_dir(out.path(), unknown.path());
+    let path = unknown.path().join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).unwrap().replace("\"int4-g32\"", "\"int4-g48\"");
+    std::fs::write(&path, text).unwrap();
+    assert_clean_failure(&score(unknown.path(), &[]), &["dense_quant", "int4-g48"]);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}

@@ -16,7 +16,8 @@ pub(super) struct ConvertArgs {
     /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128, mxfp4.
     #[arg(long)]
     pub(super) quant: Option<String>,
-    /// Dense weights' format: bf16 or int8.
+    /// Dense weights' format: bf16, int8, or int4-g32/g64/g128 (the layers' matrices; embedding
+    /// and LM head int8).
     #[arg(long)]
     pub(super) dense_quant: Option<String>,
     /// A GGUF's tensors as: exact (F32/F16/BF16 kept, quantised types as f32, so every value is

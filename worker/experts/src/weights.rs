@@ -3,7 +3,8 @@
 //! (DeepSeek-V3's checkpoints) or as UE8M0 exponents in `<stem>.scale` (DeepSeek-V4's), served as
 //! they are through the fp8 kernels; FP4 (e2m1) packed two to a byte in an int8 tensor with a
 //! UE8M0 `<stem>.scale` per 32 values of a row (DeepSeek-V4's routed experts), served as the MXFP4
-//! it is; int8 rows with `<name>_shimmer_int8_scale` (a converted container's dense weights).
+//! it is; int8 rows with `<name>_shimmer_int8_scale` and int4 groups with
+//! `<name>_shimmer_int4_gN_scale` (a converted container's dense weights).
 //!
 //! It also reads a routed expert from a checkpoint in the layout its family stores
 //! (`ExpertLayout`): separate tensors per expert, gpt-oss's fused, interleaved, biased tensors —
@@ -25,9 +26,30 @@ use crate::expert::{Expert, ExpertBias};
 /// --dense-quant int8` writes them; this loader reads them).
 pub const INT8_SCALE_SUFFIX: &str = "_shimmer_int8_scale";
 
+/// The groups an int4 dense matrix may have (`shimmer convert --dense-quant int4-gN`).
+pub const DENSE_INT4_GROUPS: [usize; 3] = [32, 64, 128];
+
+/// The name of the per-group f32 scales (`rows × ⌈cols/group⌉`) stored beside an int4 dense
+/// matrix, which name its group: packed nibbles alone cannot say it.
+pub fn int4_scale_name(name: &str, group: usize) -> String {
+    format!("{name}_shimmer_int4_g{group}_scale")
+}
+
 /// `name` as a `rows × cols` matrix; `fp8_block` is the model's fp8 block side
 /// (`ModelSpec::fp8_block`).
 pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<Matrix, LoadError> {
+    if let Some(group) = DENSE_INT4_GROUPS.into_iter().find(|g| ckpt.contains(&int4_scale_name(name, *g))) {
+        let raw = ckpt.raw(name)?;
+        let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
+        let bpr = quant::QuantMatrix::bytes_per_row_int4(cols);
+        if raw.dtype != StDtype::U8 || raw.shape != [rows, bpr] {
+            return Err(bad(format!("int4 dense weight must be U8 {:?} (two values a byte), found {:?} {:?}", [rows, bpr], raw.dtype, raw.shape)));
+        }
+        let scales = ckpt.get(&int4_scale_name(name, group), &[rows, quant::QuantMatrix::groups_per_row(cols, group)])?.to_f32();
+        let m = quant::QuantMatrix::Int4 { rows, cols, group, packed: raw.bytes.to_vec(), scales };
+        quant::validate(&m, name).map_err(|e| bad(e.to_string()))?;
+        return Ok(Matrix::from_quant(m));
+    }
     let int8_scales = format!("{name}{INT8_SCALE_SUFFIX}");
     if ckpt.contains(&int8_scales) {
         let raw = ckpt.raw(name)?;

@@ -179,8 +179,8 @@ impl Container {
         }
         let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(format!("invalid manifest: {e}")))?;
         let scheme = QuantScheme::parse(&manifest.expert_quant).map_err(|e| bad(format!("`expert_quant`: {e}")))?;
-        if !matches!(manifest.dense_quant.as_str(), "bf16" | "int8") {
-            return Err(bad(format!("`dense_quant` is `{}` (expected bf16 or int8)", manifest.dense_quant)));
+        if let Err(e) = crate::convert::DenseQuant::parse(&manifest.dense_quant) {
+            return Err(bad(format!("`dense_quant`: {e}")));
         }
         let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);
         if manifest.hidden_size != h || manifest.expert_intermediate_size != i {

@@ -37,6 +37,10 @@ pub enum DenseQuant {
     Bf16,
     /// Matrices (except routers and embeddings' 1-D companions) as int8 per row; vectors as stored.
     Int8,
+    /// The layers' matrices (attention, shared experts, dense MLPs) as int4 in groups of `group`
+    /// values of a row; the embedding and the LM head as int8 (as llama.cpp's Q4_0 keeps its head
+    /// at 6 bits: it decides every logit); routers and vectors as stored.
+    Int4 { group: usize },
 }
 
 impl DenseQuant {
@@ -44,18 +48,22 @@ impl DenseQuant {
         match s {
             "bf16" => Ok(DenseQuant::Bf16),
             "int8" => Ok(DenseQuant::Int8),
-            other => Err(format!("unknown dense format `{other}` (expected bf16 or int8)")),
+            "int4-g32" => Ok(DenseQuant::Int4 { group: 32 }),
+            "int4-g64" => Ok(DenseQuant::Int4 { group: 64 }),
+            "int4-g128" => Ok(DenseQuant::Int4 { group: 128 }),
+            other => Err(format!("unknown dense format `{other}` (expected bf16, int8, int4-g32, int4-g64 or int4-g128)")),
         }
     }
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            DenseQuant::Bf16 => "bf16",
-            DenseQuant::Int8 => "int8",
+            DenseQuant::Bf16 => "bf16".into(),
+            DenseQuant::Int8 => "int8".into(),
+            DenseQuant::Int4 { group } => format!("int4-g{group}"),
         }
     }
 }
 
-pub use shimmer_experts::weights::INT8_SCALE_SUFFIX;
+pub use shimmer_experts::weights::{int4_scale_name, INT8_SCALE_SUFFIX};
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConvertOptions {
@@ -176,7 +184,11 @@ enum DenseKind {
     ToBf16,
     /// Quantised int8 per row (its scales are the next plan entry).
     Int8,
-    Int8Scales,
+    /// Quantised int4 in groups of `group` values of a row of `cols` (the stored shape is in
+    /// bytes; its scales are the next entry).
+    Int4 { group: usize, cols: usize },
+    /// The scales of the quantised matrix before.
+    Scales,
 }
 
 fn dtype_name(d: StDtype) -> Option<&'static str> {
@@ -208,6 +220,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
     let quantised = |n: &&str| ckpt.raw(n).is_ok_and(|r| matches!(r.dtype, StDtype::F8_E4M3 | StDtype::I8 | StDtype::U8));
     let scales_of_quantised: std::collections::HashSet<String> =
         ckpt.tensor_names().into_iter().filter(quantised).flat_map(quant::scale_names).filter(|n| ckpt.contains(n)).collect();
+    let embedding_or_head = [spec.dense_names.embed, spec.dense_names.lm_head];
     let mut plans = Vec::new();
     for name in ckpt.tensor_names() {
         if expert_tensors.contains(name) || scales_of_quantised.contains(name) {
@@ -220,14 +233,35 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         let float = matches!(raw.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3);
         // Routers are never converted (unless fp8, which must be dequantised): a rounded router
         // could choose other experts.
-        if is_matrix && float && dense_quant == DenseQuant::Int8 {
+        let int4_group = match dense_quant {
+            DenseQuant::Int4 { group } if !embedding_or_head.contains(&name) => Some(group),
+            _ => None,
+        };
+        if let (true, true, Some(group)) = (is_matrix, float, int4_group) {
+            let (rows, cols) = (shape[0], shape[1]);
+            let (bpr, gpr) = (quant::QuantMatrix::bytes_per_row_int4(cols), quant::QuantMatrix::groups_per_row(cols, group));
+            plans.push(DensePlan {
+                name: name.to_string(),
+                dtype: "U8",
+                shape: vec![rows, bpr],
+                bytes: (rows * bpr) as u64,
+                kind: DenseKind::Int4 { group, cols },
+            });
+            plans.push(DensePlan {
+                name: int4_scale_name(name, group),
+                dtype: "F32",
+                shape: vec![rows, gpr],
+                bytes: (rows * gpr * 4) as u64,
+                kind: DenseKind::Scales,
+            });
+        } else if is_matrix && float && dense_quant != DenseQuant::Bf16 {
             plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
             plans.push(DensePlan {
                 name: format!("{name}{INT8_SCALE_SUFFIX}"),
                 dtype: "F32",
                 shape: vec![shape[0]],
                 bytes: shape[0] as u64 * 4,
-                kind: DenseKind::Int8Scales,
+                kind: DenseKind::Scales,
             });
         } else if raw.dtype == StDtype::F8_E4M3 || (raw.dtype == StDtype::F32 && is_matrix) {
             plans.push(DensePlan { name: name.to_string(), dtype: "BF16", shape, bytes: elems as u64 * 2, kind: DenseKind::ToBf16 });
@@ -284,7 +318,18 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
                     _ => unreachable!("int8 quantisation returns int8"),
                 }
             }
-            DenseKind::Int8Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
+            DenseKind::Int4 { group, cols } => {
+                let rows = p.shape[0];
+                let w = tensor_f32(ckpt, &p.name, &[rows, cols], fp8_block)?;
+                match quant::quantize_int4(&w, rows, cols, group) {
+                    quant::QuantMatrix::Int4 { packed, scales, .. } => {
+                        pending_scales = Some(scales);
+                        packed
+                    }
+                    _ => unreachable!("int4 quantisation returns int4"),
+                }
+            }
+            DenseKind::Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
         };
         if bytes.len() as u64 != p.bytes {
             return Err(LoadError::Tensor {
@@ -341,7 +386,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     let fresh = Journal {
         source_fingerprint: source_fingerprint.clone(),
         expert_quant: expert_quant.clone(),
-        dense_quant: dense_quant.into(),
+        dense_quant: dense_quant.clone(),
         blob_bytes,
         dense_done: None,
         blobs_done: Vec::new(),
@@ -481,7 +526,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
         version: FORMAT_VERSION,
         source_fingerprint,
         expert_quant,
-        dense_quant: dense_quant.into(),
+        dense_quant: dense_quant.clone(),
         hidden_size: h,
         expert_intermediate_size: i,
         blob_bytes,
