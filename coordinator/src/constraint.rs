@@ -67,7 +67,7 @@ pub enum Grammar {
     ToolCall(Vec<(String, Option<Value>)>),
     /// One call of one of these tools spelled as a family's chat format spells it (`CallShape`),
     /// its arguments valid against the tool's parameters.
-    ShapedToolCall(Vec<(String, Option<Value>)>, CallShape),
+    ShapedToolCall(Vec<(String, Option<Value>)>, Box<CallShape>),
 }
 
 /// How a chat format writes one tool call around the tool's name and its arguments. Each part is
@@ -81,6 +81,8 @@ pub struct CallShape {
     pub after_name: Vec<String>,
     pub arguments: ArgumentsShape,
     pub after_arguments: Vec<String>,
+    /// Between two calls (a JSON array's comma).
+    pub between: Vec<String>,
     /// Once, after the calls.
     pub close: Vec<String>,
     /// Most calls in one answer (at least one; more only where the format can hold several).
@@ -109,13 +111,14 @@ impl CallShape {
             after_name: vec!["\", \"arguments\": ".into()],
             arguments: ArgumentsShape::Json,
             after_arguments: vec!["}".into()],
+            between: vec![],
             close: vec![],
             most: 1,
         }
     }
 
     fn bytes(&self) -> usize {
-        let parts = [&self.open, &self.before_name, &self.after_name, &self.after_arguments, &self.close];
+        let parts = [&self.open, &self.before_name, &self.after_name, &self.after_arguments, &self.between, &self.close];
         let pairs = match &self.arguments {
             ArgumentsShape::Json => 0,
             ArgumentsShape::Pairs { key, value, json_key_close } => key.iter().chain(value).chain(json_key_close).flatten().map(String::len).sum(),
@@ -187,7 +190,7 @@ fn tool_call_lark(tools: &[(String, Option<Value>)], shape: &CallShape, special:
         return Err(GrammarError(format!("an answer holds 1 to {MAX_CALLS} calls, not {}", shape.most)));
     }
     let calls = (0..tools.len()).map(|i| format!("call_{i}")).collect::<Vec<_>>().join(" | ");
-    let more = " (one)?".repeat(shape.most - 1);
+    let more = format!(" ({} one)?", seq(&shape.between)).repeat(shape.most - 1);
     let mut rules = vec![format!("start: {} one{more} {}", seq(&shape.open), seq(&shape.close)), format!("one: {calls}")];
     for (i, (name, parameters)) in tools.iter().enumerate() {
         let schema = arguments_schema(parameters.as_ref());

@@ -1,8 +1,8 @@
 """Each family's own tool-call and reasoning syntax through the real `openai` and `anthropic`
 clients: a fixture model given a chat template written the way that family's templates render
 tools, calls and results (GLM's `<arg_key>/<arg_value>`, DeepSeek-V3.1's tool-call tokens,
-DeepSeek-V3.2's DSML, Kimi K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON
-and Qwen3-Coder's XML). A required call is
+DeepSeek-V3.2's DSML, Kimi K2's sections, gpt-oss's harmony channels, Qwen's `<tool_call>` JSON,
+Qwen3-Coder's XML, and Mistral's `[TOOL_CALLS]` in its JSON-array and `[ARGS]` forms). A required call is
 constrained to the family's syntax (the raw tokens, seen through logprobs, show its markers) and
 read back as `tool_calls` / `tool_use`, streamed and not, several in one answer where the syntax
 holds several; the result is fed back through the template; reasoning comes back as
@@ -78,6 +78,20 @@ HARMONY = (
     "{% elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
+MISTRAL = (
+    "<s>{% if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{% if m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{% if not loop.last %}, {% endif %}"
+    "{% endfor %}]</s>{% else %}{{ m.content }}</s>{% endif %}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}}[/TOOL_RESULTS]{% endif %}{% endfor %}"
+)
+MISTRAL_ARGS = (
+    "<s>{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}{% endfor %}"
+)
 # family: (the fixture whose weights and tokenizer run it, its template, how its calls begin)
 FORMATS = {
     "glm": ("qwen3_moe", GLM, ("<tool_call>ping\n</tool_call>", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>")),
@@ -86,6 +100,8 @@ FORMATS = {
     "kimi": ("qwen3_moe", KIMI, ("<|tool_calls_section_begin|><|tool_call_begin|>functions.",)),
     "qwen_xml": ("qwen3_moe", QWEN_XML, ("<tool_call>\n<function=",)),
     "hermes": ("qwen3_moe", HERMES, ('<tool_call>\n{"name": "',)),
+    "mistral": ("qwen3_moe", MISTRAL, ('[TOOL_CALLS] [{"name": "',)),
+    "mistral_args": ("qwen3_moe", MISTRAL_ARGS, ("[TOOL_CALLS]",)),
     # gpt-oss's tokenizer holds harmony's markers as special tokens.
     "harmony": ("gpt_oss", HARMONY, ("<|channel|>commentary to=functions.",)),
 }
@@ -190,7 +206,7 @@ def test_required_calls_in_the_family_syntax_come_back_as_tool_calls(make_server
     assert grown > plain.usage.prompt_tokens, "the call and its result are in the prompt"
 
 
-@pytest.mark.parametrize("family", ["glm", "kimi", "harmony"])
+@pytest.mark.parametrize("family", ["glm", "kimi", "harmony", "mistral"])
 def test_anthropic_tool_use_in_the_family_syntax_and_a_result_fed_back(make_server, tmp_path, family):
     s = make_server("--model", str(model_dir(tmp_path, family)), "--no-usage")
     c = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0, timeout=120)

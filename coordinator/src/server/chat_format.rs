@@ -10,7 +10,8 @@
 //! (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` inside a calls section), Kimi K2
 //! (`<|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>ARGS<|tool_call_end|>` inside
 //! a section) and gpt-oss's harmony (`<|channel|>commentary to=functions.NAME … <|message|>ARGS`,
-//! its `analysis` channel the reasoning, `final` the answer). Reasoning elsewhere is
+//! its `analysis` channel the reasoning, `final` the answer), Mistral's (`[TOOL_CALLS]` then a
+//! JSON array of calls, or `[TOOL_CALLS]NAME[ARGS]{…}` per call). Reasoning elsewhere is
 //! `<think>…</think>`, or everything up to `</think>` when the prompt already opened it.
 //!
 //! Must never: return a call of a tool the request did not list or arguments that are not a JSON
@@ -40,6 +41,11 @@ pub enum ToolSyntax {
     Dsml,
     Kimi,
     Harmony,
+    /// Mistral's v3 tokenizers (Mixtral-8x22B-Instruct, Mistral-7B-Instruct-v0.3):
+    /// `[TOOL_CALLS] [{"name": …, "arguments": …}, …]`.
+    Mistral,
+    /// Mistral's later tokenizers (v11 on): `[TOOL_CALLS]NAME[ARGS]{…}` per call.
+    MistralArgs,
 }
 
 /// How the model writes its reasoning.
@@ -85,6 +91,9 @@ const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
 const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
 const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
+const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+const MISTRAL_ARGS: &str = "[ARGS]";
+const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 const HARMONY_MARKERS: [&str; 7] = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"];
 
 impl ChatFormat {
@@ -93,6 +102,12 @@ impl ChatFormat {
         let t = template.unwrap_or("");
         let tools = if t.contains("<|channel|>") {
             ToolSyntax::Harmony
+        } else if t.contains(MISTRAL_CALLS) {
+            if t.contains(MISTRAL_ARGS) {
+                ToolSyntax::MistralArgs
+            } else {
+                ToolSyntax::Mistral
+            }
         } else if t.contains("｜DSML｜") {
             ToolSyntax::Dsml
         } else if t.contains("<arg_key>") {
@@ -128,6 +143,8 @@ impl ChatFormat {
             ToolSyntax::Dsml => "dsml",
             ToolSyntax::Kimi => "kimi",
             ToolSyntax::Harmony => "harmony",
+            ToolSyntax::Mistral => "mistral",
+            ToolSyntax::MistralArgs => "mistral-args",
         }
     }
 
@@ -157,6 +174,7 @@ impl ChatFormat {
                 after_name: v(&["\", \"arguments\": "]),
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&["}\n", "</tool_call>"]),
+                between: vec![],
                 close: vec![],
                 most: 1,
             },
@@ -166,6 +184,7 @@ impl ChatFormat {
                 after_name: v(&[">\n"]),
                 arguments: ArgumentsShape::Pairs { key: [v(&["<parameter="]), v(&[">\n"])], value: [vec![], v(&["\n</parameter>\n"])], json_key_close: None },
                 after_arguments: v(&["</function>\n", "</tool_call>"]),
+                between: vec![],
                 close: vec![],
                 most: 1,
             },
@@ -179,6 +198,7 @@ impl ChatFormat {
                     json_key_close: None,
                 },
                 after_arguments: v(&["</tool_call>"]),
+                between: vec![],
                 close: vec![],
                 most: 1,
             },
@@ -188,6 +208,7 @@ impl ChatFormat {
                 after_name: v(&[DS_SEP]),
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&[DS_CALL_END]),
+                between: vec![],
                 close: v(&[DS_CALLS_END]),
                 most: 1,
             },
@@ -201,6 +222,7 @@ impl ChatFormat {
                     json_key_close: Some(v(&["\" string=\"false\">"])),
                 },
                 after_arguments: v(&[DSML_INVOKE_END, "\n"]),
+                between: vec![],
                 close: v(&[DSML_CALLS_END]),
                 most: 1,
             },
@@ -210,7 +232,28 @@ impl ChatFormat {
                 after_name: v(&[":0", KIMI_ARGS]),
                 arguments: ArgumentsShape::Json,
                 after_arguments: v(&[KIMI_CALL_END]),
+                between: vec![],
                 close: v(&[KIMI_SECTION_END]),
+                most: 1,
+            },
+            ToolSyntax::Mistral => CallShape {
+                open: v(&[MISTRAL_CALLS, " ["]),
+                before_name: v(&["{\"name\": \""]),
+                after_name: v(&["\", \"arguments\": "]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: v(&["}"]),
+                between: v(&[", "]),
+                close: v(&["]"]),
+                most: 1,
+            },
+            ToolSyntax::MistralArgs => CallShape {
+                open: vec![],
+                before_name: v(&[MISTRAL_CALLS]),
+                after_name: v(&[MISTRAL_ARGS]),
+                arguments: ArgumentsShape::Json,
+                after_arguments: vec![],
+                between: vec![],
+                close: vec![],
                 most: 1,
             },
             // A call ends the answer: its `<|call|>` is an end-of-text token the sampler takes.
@@ -220,6 +263,7 @@ impl ChatFormat {
                 after_name: v(&[" ", "<|constrain|>", "json", "<|message|>"]),
                 arguments: ArgumentsShape::Json,
                 after_arguments: vec![],
+                between: vec![],
                 close: vec![],
                 most: 1,
             },
@@ -243,6 +287,8 @@ impl ChatFormat {
             ToolSyntax::Glm => glm_calls(&rest, tools),
             ToolSyntax::QwenXml => qwen_xml_calls(&rest, tools),
             ToolSyntax::Dsml => dsml_calls(&rest),
+            ToolSyntax::Mistral => mistral_calls(&rest),
+            ToolSyntax::MistralArgs => mistral_args_calls(&rest),
             ToolSyntax::DeepSeek => section_calls(&rest, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, |body| {
                 let (name, args) = body.split_once(DS_SEP)?;
                 // DeepSeek-V3's older form: `function<sep>NAME\n```json\nARGS\n````.
@@ -511,6 +557,55 @@ fn dsml_calls(text: &str) -> Option<(String, Vec<(String, String)>)> {
         rest = rest.get(body_end + DSML_INVOKE_END.len()..).unwrap_or("");
     }
     (!calls.is_empty()).then_some((content, calls))
+}
+
+/// The JSON value at the start of `text` (after whitespace) and the text after it.
+fn leading_json(text: &str) -> Option<(Value, &str)> {
+    let text = text.trim_start();
+    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    let value = values.next()?.ok()?;
+    Some((value, &text[values.byte_offset()..]))
+}
+
+/// Mistral's v3 form: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (arguments an
+/// object, or a string holding one); the text before and after it is content.
+fn mistral_calls(text: &str) -> Option<(String, Vec<(String, String)>)> {
+    let start = text.find(MISTRAL_CALLS)?;
+    let (value, after) = leading_json(&text[start + MISTRAL_CALLS.len()..])?;
+    let items = match value {
+        Value::Array(items) => items,
+        one @ Value::Object(_) => vec![one],
+        _ => return None,
+    };
+    let calls = items
+        .iter()
+        .map(|item| {
+            let name = item.get("name")?.as_str()?.to_string();
+            let args = match item.get("arguments") {
+                Some(Value::String(s)) => s.clone(),
+                Some(v) => v.to_string(),
+                None => String::new(),
+            };
+            Some((name, args))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((format!("{}{after}", &text[..start]), calls))
+}
+
+/// Mistral's later form: `[TOOL_CALLS]NAME[ARGS]{…}` per call (a `[CALL_ID]id` after the name
+/// where the tokenizer has one); the text before the first and after the last is content.
+fn mistral_args_calls(text: &str) -> Option<(String, Vec<(String, String)>)> {
+    let start = text.find(MISTRAL_CALLS)?;
+    let mut calls = Vec::new();
+    let mut rest = &text[start..];
+    while let Some(call) = rest.trim_start().strip_prefix(MISTRAL_CALLS) {
+        let at = call.find(MISTRAL_ARGS)?;
+        let name = call[..at].split(MISTRAL_CALL_ID).next().unwrap_or("").trim().to_string();
+        let (args, after) = leading_json(&call[at + MISTRAL_ARGS.len()..])?;
+        calls.push((name, args.to_string()));
+        rest = after;
+    }
+    Some((format!("{}{rest}", &text[..start]), calls))
 }
 
 /// A call of a listed tool whose arguments are a JSON object.

@@ -106,7 +106,7 @@ impl Tools {
             ToolChoice::Named(n) => self.list.iter().filter(|t| &t.name == n).map(|t| (t.name.clone(), t.parameters.clone())).collect(),
             _ => return None,
         };
-        Some(Grammar::ShapedToolCall(pick, shape))
+        Some(Grammar::ShapedToolCall(pick, Box::new(shape)))
     }
 
     /// The tools as a template expects them (OpenAI's function shape).

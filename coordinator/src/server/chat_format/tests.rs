@@ -36,6 +36,8 @@ const QWEN_XML: &str = "{% if tools %}<tool_call>\n<function=NAME>\n<parameter=K
 const KIMI: &str = "<|tool_calls_section_begin|><|tool_call_begin|>{{ id }}<|tool_call_argument_begin|>{{ a }}<|tool_call_end|><|tool_calls_section_end|>";
 const HARMONY: &str = "<|start|>assistant<|channel|>analysis<|message|>{{ m }}<|end|>";
 const QWEN: &str = "{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}<think>\n\n</think>";
+const MISTRAL: &str = "[AVAILABLE_TOOLS] {{ tools|tojson }}[/AVAILABLE_TOOLS][INST] {{ m }}[/INST][TOOL_CALLS] {{ calls|tojson }}</s>";
+const MISTRAL_ARGS: &str = "[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS][INST]{{ m }}[/INST][TOOL_CALLS]{{ name }}[ARGS]{{ args|tojson }}</s>";
 
 #[test]
 fn templates_name_their_formats() {
@@ -46,6 +48,8 @@ fn templates_name_their_formats() {
     assert_eq!(format(DSML), ChatFormat { tools: ToolSyntax::Dsml, reasoning: ReasoningSyntax::ThinkTags });
     assert_eq!(format(HARMONY), ChatFormat { tools: ToolSyntax::Harmony, reasoning: ReasoningSyntax::Harmony });
     assert_eq!(format(QWEN), ChatFormat { tools: ToolSyntax::Hermes, reasoning: ReasoningSyntax::ThinkTags });
+    assert_eq!(format(MISTRAL), ChatFormat { tools: ToolSyntax::Mistral, reasoning: ReasoningSyntax::None });
+    assert_eq!(format(MISTRAL_ARGS), ChatFormat { tools: ToolSyntax::MistralArgs, reasoning: ReasoningSyntax::None });
     assert_eq!(ChatFormat::detect(None), ChatFormat { tools: ToolSyntax::Json, reasoning: ReasoningSyntax::None });
     assert!(!ChatFormat::detect(None).keeps_special_tokens() && format(KIMI).keeps_special_tokens());
 }
@@ -95,6 +99,19 @@ fn answers_are_read_in_each_syntax() {
     let p = format(HARMONY).parse(answer, false, Some(&t));
     assert_eq!((p.reasoning.as_str(), p.content.as_str(), p.calls.len()), ("Easy.", "Hot and dry.", 0));
 
+    let mistral = "Checking. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Ur\", \"days\": 2}}, {\"name\": \"ping\", \"arguments\": {}, \"id\": \"a1b2c3d4e\"}]";
+    let p = format(MISTRAL).parse(mistral, false, Some(&t));
+    assert_eq!(p.content, "Checking.");
+    assert_eq!(p.calls, vec![call("get_weather", json!({"city": "Ur", "days": 2})), call("ping", json!({}))]);
+    // Arguments as a string holding the object, as some of Mistral's templates render them.
+    let p = format(MISTRAL).parse("[TOOL_CALLS] [{\"name\": \"ping\", \"arguments\": \"{}\"}]", false, Some(&t));
+    assert_eq!(p.calls, vec![call("ping", json!({}))]);
+
+    let args = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Ur\"}[TOOL_CALLS]ping[CALL_ID]x7[ARGS]{}";
+    let p = format(MISTRAL_ARGS).parse(args, false, Some(&t));
+    assert_eq!(p.content, "");
+    assert_eq!(p.calls, vec![call("get_weather", json!({"city": "Ur"})), call("ping", json!({}))]);
+
     let qwen = "<think>\nHmm.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Ur\"}}\n</tool_call>";
     let p = format(QWEN).parse(qwen, false, Some(&t));
     assert_eq!((p.reasoning.as_str(), p.content.as_str()), ("Hmm.", ""));
@@ -111,6 +128,9 @@ fn what_is_not_a_call_of_a_listed_tool_stays_content() {
     let bad_json =
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.ping:0<|tool_call_argument_begin|>{oops<|tool_call_end|><|tool_calls_section_end|>";
     assert!(format(KIMI).parse(bad_json, false, Some(&t)).calls.is_empty());
+    let unclosed = "[TOOL_CALLS] [{\"name\": \"ping\", \"arguments\": {}";
+    let p = format(MISTRAL).parse(unclosed, false, Some(&t));
+    assert_eq!((p.calls.len(), p.content.as_str()), (0, unclosed));
     // Without tools, call markup is text like any other.
     let p = format(GLM).parse("<tool_call>ping\n</tool_call>", false, None);
     assert_eq!((p.calls.len(), p.content.as_str()), (0, "<tool_call>ping\n</tool_call>"));
@@ -169,6 +189,8 @@ fn vocabulary() -> (Vocabulary, usize, Vec<TokenBytes>) {
         KIMI_CALL_BEGIN,
         KIMI_ARGS,
         KIMI_CALL_END,
+        MISTRAL_CALLS,
+        MISTRAL_ARGS,
     ];
     tokens.extend(specials.iter().map(|s| TokenBytes { bytes: s.as_bytes().to_vec(), special: true }));
     // GLM's markers are ordinary added tokens.
@@ -187,13 +209,13 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
     let (v, n, tokens) = vocabulary();
     let t = tools();
     let pick: Vec<(String, Option<Value>)> = t.list.iter().map(|s| (s.name.clone(), s.parameters.clone())).collect();
-    for template in [GLM, DEEPSEEK, DSML, QWEN_XML, KIMI, HARMONY, QWEN] {
+    for template in [GLM, DEEPSEEK, DSML, QWEN_XML, KIMI, HARMONY, QWEN, MISTRAL, MISTRAL_ARGS] {
         let f = format(template);
         let mut names = std::collections::BTreeSet::new();
         let mut several = false;
         for seed in 0..32u64 {
             let mut c = v
-                .compile(&crate::constraint::Grammar::ShapedToolCall(pick.clone(), f.call_shape(seed % 2 == 1)))
+                .compile(&crate::constraint::Grammar::ShapedToolCall(pick.clone(), Box::new(f.call_shape(seed % 2 == 1))))
                 .unwrap_or_else(|e| panic!("{}: {e}", f.name()));
             let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             let mut text = Vec::new();
@@ -235,7 +257,7 @@ fn a_required_call_is_written_in_the_family_syntax_and_reads_back() {
             if call.name == "get_weather" {
                 assert!(call.arguments["city"].is_string(), "{}: {text:?}", f.name());
             }
-            if matches!(f.tools, ToolSyntax::DeepSeek | ToolSyntax::Kimi | ToolSyntax::Harmony) {
+            if matches!(f.tools, ToolSyntax::DeepSeek | ToolSyntax::Kimi | ToolSyntax::Harmony | ToolSyntax::Mistral | ToolSyntax::MistralArgs) {
                 assert!(used_special, "{}: the markers are written as the special tokens", f.name());
             }
             names.insert(call.name.clone());
