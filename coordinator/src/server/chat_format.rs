@@ -321,21 +321,43 @@ impl ChatFormat {
         match self.reasoning {
             ReasoningSyntax::None => (String::new(), held(text, complete, &[]).to_string(), vec![]),
             ReasoningSyntax::ThinkTags => {
-                let body = if in_reasoning {
-                    Some(text)
-                } else {
-                    let t = text.trim_start();
-                    t.strip_prefix(THINK_OPEN).or_else(|| (!complete && THINK_OPEN.starts_with(t)).then_some(""))
-                };
-                match body {
-                    None => (String::new(), held(text, complete, &[THINK_OPEN]).to_string(), vec![]),
-                    Some(b) => match b.find(THINK_CLOSE) {
-                        Some(end) => (b[..end].trim().to_string(), held(&b[end + THINK_CLOSE.len()..], complete, &[]).trim_start().to_string(), vec![]),
-                        None => (held(b, complete, &[THINK_CLOSE]).trim_start().to_string(), String::new(), vec![]),
-                    },
-                }
+                let (reasoning, content) = think_split(text, in_reasoning, complete, &mut 0);
+                (reasoning.to_string(), content.to_string(), vec![])
             }
             ReasoningSyntax::Harmony => harmony(held(text, complete, &HARMONY_MARKERS)),
+        }
+    }
+}
+
+/// `<think>…</think>` reasoning and the content after it, as slices of `text` (the reasoning is
+/// everything up to `</think>` when `in_reasoning`: the prompt opened it). `close_from`: no
+/// `</think>` starts before this offset — `Streamed` keeps it between pieces so that a long
+/// answer is searched once, not once per token.
+fn think_split<'a>(text: &'a str, in_reasoning: bool, complete: bool, close_from: &mut usize) -> (&'a str, &'a str) {
+    let body_start = if in_reasoning {
+        0
+    } else {
+        let t = text.trim_start();
+        match t.strip_prefix(THINK_OPEN) {
+            Some(b) => text.len() - b.len(),
+            None if !complete && THINK_OPEN.starts_with(t) => return ("", ""),
+            None => return ("", held(text, complete, &[THINK_OPEN])),
+        }
+    };
+    let from = (*close_from).max(body_start);
+    match text[from..].find(THINK_CLOSE) {
+        Some(i) => {
+            *close_from = from + i;
+            (text[body_start..from + i].trim(), held(&text[from + i + THINK_CLOSE.len()..], complete, &[]).trim_start())
+        }
+        None => {
+            // The next search starts where a `</think>` cut by this piece's end could begin.
+            let mut next = text.len().saturating_sub(THINK_CLOSE.len() - 1).max(from);
+            while !text.is_char_boundary(next) {
+                next -= 1;
+            }
+            *close_from = next;
+            (held(&text[body_start..], complete, &[THINK_CLOSE]).trim_start(), "")
         }
     }
 }
@@ -621,11 +643,13 @@ pub struct Streamed {
     text: String,
     reasoning_sent: usize,
     content_sent: usize,
+    /// `think_split`'s search hint.
+    close_from: usize,
 }
 
 impl Streamed {
     pub fn new(format: ChatFormat, in_reasoning: bool) -> Streamed {
-        Streamed { format, in_reasoning, text: String::new(), reasoning_sent: 0, content_sent: 0 }
+        Streamed { format, in_reasoning, text: String::new(), reasoning_sent: 0, content_sent: 0, close_from: 0 }
     }
 
     /// Adds a piece of the answer; returns the new reasoning and the new content.
@@ -637,27 +661,37 @@ impl Streamed {
             self.content_sent = self.text.len();
             return (String::new(), piece.to_string());
         }
-        let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, false);
-        self.delta(&reasoning, &content)
+        self.read(false)
     }
 
     /// The answer is whole: whatever was held back.
     pub fn finish(&mut self) -> (String, String) {
-        let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, true);
-        self.delta(&reasoning, &content)
+        self.read(true)
+    }
+
+    /// The reasoning and content not sent yet. Think tags are read from slices of the answer
+    /// (only the new piece is searched and copied); harmony re-reads its messages.
+    fn read(&mut self, complete: bool) -> (String, String) {
+        if self.format.reasoning == ReasoningSyntax::ThinkTags {
+            let (reasoning, content) = think_split(&self.text, self.in_reasoning, complete, &mut self.close_from);
+            return delta(&mut self.reasoning_sent, &mut self.content_sent, reasoning, content);
+        }
+        let (reasoning, content, _) = self.format.split(&self.text, self.in_reasoning, complete);
+        delta(&mut self.reasoning_sent, &mut self.content_sent, &reasoning, &content)
     }
 
     pub fn text(&self) -> &str {
         &self.text
     }
+}
 
-    fn delta(&mut self, reasoning: &str, content: &str) -> (String, String) {
-        let r = reasoning.get(self.reasoning_sent..).unwrap_or("").to_string();
-        let c = content.get(self.content_sent..).unwrap_or("").to_string();
-        self.reasoning_sent = self.reasoning_sent.max(reasoning.len());
-        self.content_sent = self.content_sent.max(content.len());
-        (r, c)
-    }
+/// What of `reasoning` and `content` lies past what was sent, and the sent lengths advanced.
+fn delta(reasoning_sent: &mut usize, content_sent: &mut usize, reasoning: &str, content: &str) -> (String, String) {
+    let r = reasoning.get(*reasoning_sent..).unwrap_or("").to_string();
+    let c = content.get(*content_sent..).unwrap_or("").to_string();
+    *reasoning_sent = (*reasoning_sent).max(reasoning.len());
+    *content_sent = (*content_sent).max(content.len());
+    (r, c)
 }
 
 #[cfg(test)]

@@ -144,6 +144,9 @@ fn streamed_pieces_add_up_to_the_whole_and_are_never_taken_back() {
     let cases = [
         (format(QWEN), false, "<think>\nFirst I weigh it.\n</think>\n\nThe answer is 4."),
         (format(DEEPSEEK), true, "Reasoning here</think>Final <b>text</b>."),
+        // A false start of the closing tag, multi-byte text at the pieces' edges.
+        (format(QWEN), false, "  <think>x </thin y 數學</think>\n答案 </think> <b>"),
+        (format(QWEN), false, "No thought, 數 <think> inside."),
         (format(HARMONY), false, "<|channel|>analysis<|message|>Think <|sta|>.<|end|><|start|>assistant<|channel|>final<|message|>Done."),
         (ChatFormat::detect(None), false, "plain <think> text"),
     ];
