@@ -112,6 +112,8 @@ fn import_refuses_what_it_cannot_do_by_name() {
     let reader_fixture = fixture("gguf/quants.gguf");
     assert_clean_failure(&shimmer(&["convert", "--from", reader_fixture.to_str().unwrap(), "--to", to.to_str().unwrap()]), &["quants.gguf", "`qwen3moe."]);
     assert!(!to.join("config.json").exists());
+    // Run directly, a GGUF gets the command that imports it.
+    assert_clean_failure(&shimmer(&["generate", "--model", g, "--prompt", "hi", "--max-tokens", "2"]), &["a GGUF file", "shimmer convert --from"]);
 }
 
 #[test]

@@ -30,7 +30,7 @@ pub(super) struct ConvertArgs {
 }
 
 /// Whether `path` is a GGUF file (by its magic, so a renamed file is still recognised).
-fn is_gguf(path: &std::path::Path) -> bool {
+pub(super) fn is_gguf(path: &std::path::Path) -> bool {
     use std::io::Read;
     let mut magic = [0u8; 4];
     path.is_file() && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"

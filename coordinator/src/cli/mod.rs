@@ -172,6 +172,16 @@ fn start_trace(engine: &Engine, path: &Option<PathBuf>) -> Result<()> {
 /// The model directory to use: `--model`, or the bundled demo model (saying so on stderr).
 fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(dir) = model {
+        if convert::is_gguf(dir) {
+            anyhow::bail!(
+                "--model {}: a GGUF file; shimmer runs a checkpoint directory: import it once with `shimmer convert --from {} --to DIR`, then pass --model DIR",
+                dir.display(),
+                dir.display()
+            );
+        }
+        if dir.is_file() {
+            anyhow::bail!("--model {}: a file; give the model's directory (config.json, the safetensors, the tokenizer)", dir.display());
+        }
         return Ok(dir.clone());
     }
     let dir = crate::demo::demo_model_dir()?;
