@@ -229,6 +229,23 @@ fn a_dense_int4_container_stores_the_format_and_answers_under_every_placement() 
     assert!(kl < 0.2, "mean KL {kl}");
 }
 
+/// Every family's fixture converts with int8 and with int4 dense weights and runs: a family's 2-D
+/// tensors that are not weight matrices (DeepSeek-V4's position tables, Inkling's convolution
+/// taps and clip scales) stay floats, as its loader reads them.
+#[test]
+fn every_family_runs_from_a_container_with_quantised_dense_weights() {
+    for name in fixtures() {
+        for dense_quant in [DenseQuant::Int8, DenseQuant::Int4 { group: 32 }] {
+            let out = tempfile::tempdir().unwrap();
+            let options = ConvertOptions { expert_quant: QuantScheme::Int8PerRow, dense_quant };
+            convert(&fixture(name), out.path(), options, &mut |_| {}).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
+            let engine = Engine::load(out.path()).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
+            let logits = engine.logits_all(&[1, 2, 3]).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
+            assert!(logits.iter().all(|x| x.is_finite()), "{name} {}", dense_quant.name());
+        }
+    }
+}
+
 /// KL(softmax(p) ‖ softmax(q)) in nats.
 fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
     let log_softmax = |x: &[f32]| {

@@ -230,6 +230,9 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         let shape = raw.shape.to_vec();
         let elems: usize = shape.iter().product();
         let is_matrix = shape.len() == 2 && !routers.contains(name);
+        // Quantised: weight matrices the model multiplies by (`….weight`); families keep other
+        // 2-D tensors (position tables, convolution taps, clip scales) that are read as floats.
+        let quantisable = is_matrix && name.ends_with(".weight");
         let float = matches!(raw.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3);
         // Routers are never converted (unless fp8, which must be dequantised): a rounded router
         // could choose other experts.
@@ -237,7 +240,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
             DenseQuant::Int4 { group } if !embedding_or_head.contains(&name) => Some(group),
             _ => None,
         };
-        if let (true, true, Some(group)) = (is_matrix, float, int4_group) {
+        if let (true, true, Some(group)) = (quantisable, float, int4_group) {
             let (rows, cols) = (shape[0], shape[1]);
             let (bpr, gpr) = (quant::QuantMatrix::bytes_per_row_int4(cols), quant::QuantMatrix::groups_per_row(cols, group));
             plans.push(DensePlan {
@@ -254,7 +257,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
                 bytes: (rows * gpr * 4) as u64,
                 kind: DenseKind::Scales,
             });
-        } else if is_matrix && float && dense_quant != DenseQuant::Bf16 {
+        } else if quantisable && float && dense_quant != DenseQuant::Bf16 {
             plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
             plans.push(DensePlan {
                 name: format!("{name}{INT8_SCALE_SUFFIX}"),
