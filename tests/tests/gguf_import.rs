@@ -103,9 +103,11 @@ fn import_refuses_what_it_cannot_do_by_name() {
     std::fs::write(full.join("keep.txt"), "mine").unwrap();
     assert_clean_failure(&shimmer(&["convert", "--from", g, "--to", full.to_str().unwrap()]), &["not empty"]);
     assert_eq!(std::fs::read_to_string(full.join("keep.txt")).unwrap(), "mine");
-    // Container flags belong to the second step.
+    // Container formats are checked before anything is imported.
     let to = tmp.path().join("x");
-    assert_clean_failure(&shimmer(&["convert", "--from", g, "--to", to.to_str().unwrap(), "--quant", "int8"]), &["--quant", "import the GGUF first"]);
+    assert_clean_failure(&shimmer(&["convert", "--from", g, "--to", to.to_str().unwrap(), "--quant", "int9"]), &["--quant", "int9"]);
+    assert_clean_failure(&shimmer(&["convert", "--from", g, "--to", full.to_str().unwrap(), "--quant", "int8"]), &["not empty"]);
+    assert!(!to.exists() && !tmp.path().join("x.gguf-import").exists());
     assert_clean_failure(&shimmer(&["convert", "--from", g, "--to", to.to_str().unwrap(), "--dtype", "f8"]), &["--dtype", "f8"]);
     // A GGUF of an architecture no family reads: the reader's own fixture says `qwen3moe` but has
     // none of its keys.
@@ -114,6 +116,40 @@ fn import_refuses_what_it_cannot_do_by_name() {
     assert!(!to.join("config.json").exists());
     // Run directly, a GGUF gets the command that imports it.
     assert_clean_failure(&shimmer(&["generate", "--model", g, "--prompt", "hi", "--max-tokens", "2"]), &["a GGUF file", "shimmer convert --from"]);
+}
+
+/// `--quant`/`--dense-quant` with a GGUF: one step gives exactly the container the two steps
+/// (import, then convert) give, and leaves no staging directory.
+#[test]
+fn a_gguf_converts_to_a_container_in_one_step_as_in_two() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = fixture("gguf/olmoe/model.q8_0.gguf");
+    let path = |name: &str| tmp.path().join(name);
+    let run = |args: &[&str]| {
+        let out = shimmer(args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let g = gguf.to_str().unwrap();
+    run(&["convert", "--from", g, "--to", path("checkpoint").to_str().unwrap(), "--quiet"]);
+    run(&[
+        "convert",
+        "--from",
+        path("checkpoint").to_str().unwrap(),
+        "--to",
+        path("two").to_str().unwrap(),
+        "--quant",
+        "int4-g32",
+        "--dense-quant",
+        "int8",
+        "--quiet",
+    ]);
+    run(&["convert", "--from", g, "--to", path("one").to_str().unwrap(), "--quant", "int4-g32", "--dense-quant", "int8", "--quiet"]);
+    for file in ["experts.safetensors", "dense.safetensors", "config.json", "tokenizer.json"] {
+        assert!(std::fs::read(path("one").join(file)).unwrap() == std::fs::read(path("two").join(file)).unwrap(), "{file} differs");
+    }
+    assert!(!path("one.gguf-import").exists(), "the staging directory is removed");
+    let engine = Engine::load(&path("one")).unwrap();
+    assert!(engine.logits_all(&[1, 2, 3]).unwrap().iter().all(|x| x.is_finite()));
 }
 
 #[test]

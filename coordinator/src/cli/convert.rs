@@ -46,26 +46,42 @@ fn progress_bar(quiet: bool) -> Result<indicatif::ProgressBar> {
     Ok(bar)
 }
 
+/// A GGUF file into a checkpoint directory; with `--quant`/`--dense-quant`, into a container in
+/// one step: imported into a staging directory beside the target, converted, and the staging
+/// directory removed.
 fn import_gguf(a: ConvertArgs) -> Result<ExitCode> {
     use shimmer_store::gguf_import::{import, ImportDtype};
-    if a.quant.is_some() || a.dense_quant.is_some() {
-        anyhow::bail!(
-            "--quant and --dense-quant apply to a checkpoint: import the GGUF first (`shimmer convert --from {} --to DIR`), then convert DIR",
-            a.from.display()
-        );
-    }
     let dtype = ImportDtype::parse(a.dtype.as_deref().unwrap_or("exact")).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    let container = match (&a.quant, &a.dense_quant) {
+        (None, None) => None,
+        (q, d) => Some(formats(q.as_deref(), d.as_deref())?),
+    };
+    let checkpoint = match &container {
+        None => a.to.clone(),
+        Some(_) => {
+            // Checked before the import, which may take long: the conversion needs it empty.
+            if std::fs::read_dir(&a.to).is_ok_and(|mut entries| entries.next().is_some()) {
+                anyhow::bail!("{} is not empty: a GGUF is converted into a new or empty directory", a.to.display());
+            }
+            let name = a.to.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "container".into());
+            let staging = a.to.with_file_name(format!("{name}.gguf-import"));
+            if staging.exists() {
+                anyhow::bail!("{} exists (left by an interrupted import of a GGUF into {}): delete it and run again", staging.display(), a.to.display());
+            }
+            staging
+        }
+    };
     let bar = progress_bar(a.quiet)?;
     bar.set_message("import");
-    let report = import(&a.from, &a.to, dtype, &mut |done, total| {
+    let report = import(&a.from, &checkpoint, dtype, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })
-    .with_context(|| format!("cannot import {} into {}", a.from.display(), a.to.display()))?;
+    .with_context(|| format!("cannot import {} into {}", a.from.display(), checkpoint.display()))?;
     bar.finish_and_clear();
     eprintln!(
         "shimmer: wrote {} ({} checkpoint, from llama.cpp's `{}`: {} tensors, {:.1} MB in {} file{})",
-        a.to.display(),
+        checkpoint.display(),
         report.family,
         report.architecture,
         report.tensors,
@@ -73,21 +89,42 @@ fn import_gguf(a: ConvertArgs) -> Result<ExitCode> {
         report.shards,
         if report.shards == 1 { "" } else { "s" }
     );
+    if let Some((expert_quant, dense_quant)) = container {
+        convert_checkpoint(&checkpoint, &a.to, expert_quant, dense_quant, a.quiet)?;
+        std::fs::remove_dir_all(&checkpoint).with_context(|| format!("cannot remove the staging directory {}", checkpoint.display()))?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--quant` and `--dense-quant` parsed (bf16 where not given).
+fn formats(quant: Option<&str>, dense_quant: Option<&str>) -> Result<(shimmer_common::quant::QuantScheme, shimmer_store::convert::DenseQuant)> {
+    let expert_quant = shimmer_common::quant::QuantScheme::parse(quant.unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
+    let dense_quant = shimmer_store::convert::DenseQuant::parse(dense_quant.unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
+    Ok((expert_quant, dense_quant))
+}
+
 pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
-    use shimmer_store::convert::{ConvertEvent, ConvertOptions, DenseQuant};
     if is_gguf(&a.from) {
         return import_gguf(a);
     }
     if a.dtype.is_some() {
         anyhow::bail!("--dtype applies to a GGUF import; {} is not a GGUF file", a.from.display());
     }
-    let expert_quant = shimmer_common::quant::QuantScheme::parse(a.quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
-    let dense_quant = DenseQuant::parse(a.dense_quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
-    let bar = progress_bar(a.quiet)?;
-    let report = shimmer_store::convert::convert(&a.from, &a.to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
+    let (expert_quant, dense_quant) = formats(a.quant.as_deref(), a.dense_quant.as_deref())?;
+    convert_checkpoint(&a.from, &a.to, expert_quant, dense_quant, a.quiet)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn convert_checkpoint(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    expert_quant: shimmer_common::quant::QuantScheme,
+    dense_quant: shimmer_store::convert::DenseQuant,
+    quiet: bool,
+) -> Result<()> {
+    use shimmer_store::convert::{ConvertEvent, ConvertOptions};
+    let bar = progress_bar(quiet)?;
+    let report = shimmer_store::convert::convert(from, to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
         ConvertEvent::Start { total_bytes, done_bytes } => {
             bar.set_length(total_bytes);
             bar.set_position(done_bytes);
@@ -96,14 +133,14 @@ pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
         ConvertEvent::Phase(p) => bar.set_message(p.to_string()),
         ConvertEvent::Advance(n) => bar.inc(n),
     })
-    .with_context(|| format!("cannot convert {} into {}", a.from.display(), a.to.display()))?;
+    .with_context(|| format!("cannot convert {} into {}", from.display(), to.display()))?;
     bar.finish_and_clear();
     if report.already_done {
-        eprintln!("shimmer: {} already holds this conversion ({} experts); nothing to do", a.to.display(), report.blobs);
+        eprintln!("shimmer: {} already holds this conversion ({} experts); nothing to do", to.display(), report.blobs);
     } else {
         eprintln!(
             "shimmer: wrote {}: {} experts as {} ({:.1} MB{}), dense weights as {} ({:.1} MB)",
-            a.to.display(),
+            to.display(),
             report.blobs,
             expert_quant.name(),
             report.experts_bytes as f64 / 1e6,
@@ -112,5 +149,5 @@ pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
             report.dense_bytes as f64 / 1e6
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
