@@ -116,41 +116,37 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
 }
 
 /// One int4 group's scale, its values' codes in [-8, 7] left in `q`: of the grids that put the
-/// largest magnitude at 7, 7.5 or 8 steps (toward −8 on the side that has it), the one whose
-/// least-squares scale for its rounded codes leaves the smallest squared error. A plain `max / 7`
-/// leaves the −8 code unused; this is llama.cpp's refit (`make_qx_quants`) on the same format.
-/// Deterministic: the same group always gets the same codes.
+/// largest magnitude at 7, 7.25, 7.5, 7.75 or 8 steps (toward −8 on the side that has it), the
+/// one whose least-squares scale for its rounded codes leaves the smallest squared error. A plain
+/// `max / 7` leaves the −8 code unused; this is llama.cpp's refit (`make_qx_quants`) on the same
+/// format. Deterministic: the same group always gets the same codes.
 fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> f32 {
     let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    q.clear();
-    if max == 0.0 || !max.is_finite() {
-        // Zero (or non-finite, which validation refuses) groups: the plain definition.
-        let s = max / 7.0;
-        q.extend(chunk.iter().map(|v| if s == 0.0 { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
-        return s;
-    }
     let mut best: Option<(f64, f32)> = None;
-    for steps in [7.0f32, 7.25, 7.5, 7.75, 8.0] {
-        let inv = steps / max;
-        let (mut wq, mut qq, mut err_base) = (0.0f64, 0.0f64, 0.0f64);
-        for v in chunk {
-            let c = (v * inv).round().clamp(-8.0, 7.0) as f64;
-            wq += *v as f64 * c;
-            qq += c * c;
-            err_base += (*v as f64) * (*v as f64);
-        }
-        if qq == 0.0 || wq <= 0.0 {
-            continue;
-        }
-        let s = (wq / qq) as f32;
-        // Squared error of the refit scale: Σw² − (Σwq)²/Σq², up to rounding of s to f32.
-        let err = err_base - wq * wq / qq;
-        if best.is_none_or(|(e, _)| err < e) {
-            best = Some((err, s));
+    // A zero group keeps scale 0; a non-finite one (which validation refuses) `max / 7`.
+    if max != 0.0 && max.is_finite() {
+        for steps in [7.0f32, 7.25, 7.5, 7.75, 8.0] {
+            let inv = steps / max;
+            let (mut wq, mut qq, mut ww) = (0.0f64, 0.0f64, 0.0f64);
+            for v in chunk {
+                let c = (v * inv).round().clamp(-8.0, 7.0) as f64;
+                wq += *v as f64 * c;
+                qq += c * c;
+                ww += (*v as f64) * (*v as f64);
+            }
+            if qq == 0.0 || wq <= 0.0 {
+                continue;
+            }
+            // Squared error of the refit scale: Σw² − (Σwq)²/Σq², up to rounding of s to f32.
+            let err = ww - wq * wq / qq;
+            if best.is_none_or(|(e, _)| err < e) {
+                best = Some((err, (wq / qq) as f32));
+            }
         }
     }
     let s = best.map_or(max / 7.0, |(_, s)| s);
-    q.extend(chunk.iter().map(|v| (v / s).round().clamp(-8.0, 7.0) as i32));
+    q.clear();
+    q.extend(chunk.iter().map(|v| if s == 0.0 { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
     s
 }
 

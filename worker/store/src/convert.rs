@@ -35,7 +35,7 @@ const MAX_AUX_BYTES: u64 = 256 << 20;
 pub enum DenseQuant {
     /// 16-bit floats: bf16/f16 tensors kept as they are, f32 and fp8 matrices stored as bf16.
     Bf16,
-    /// Matrices (except routers and embeddings' 1-D companions) as int8 per row; vectors as stored.
+    /// Weight matrices (2-D `….weight`, except routers) as int8 per row; other tensors as stored.
     Int8,
     /// The layers' matrices (attention, shared experts, dense MLPs) as int4 in groups of `group`
     /// values of a row; the embedding and the LM head as int8 (as llama.cpp's Q4_0 keeps its head
