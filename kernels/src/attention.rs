@@ -9,12 +9,18 @@
 //! canonical dot, `dot.rs`), `m' = max(m, max_j s_j)`, `c = exp(m − m')` (0 for the first block),
 //! `l = l·c + Σ_j exp(s_j − m')` and `o = o·c + Σ_j exp(s_j − m')·v_j`, summed in key order;
 //! finally, with a sink logit `z` (gpt-oss), `m' = max(m, z)`, `c = exp(m − m')`,
-//! `l = l·c + exp(z − m')`, `o = o·c`; then `o / l`. Nothing in it depends on which other vectors share the tile, so a prompt row
-//! attends exactly as the same row does in decode (batch invariance, DESIGN.md §1).
+//! `l = l·c + exp(z − m')`, `o = o·c`; then `o / l`. `exp` is `gating::exp` (multiply-adds in a
+//! fixed order, the same on every ISA and every C library); `o = o + e·v` is a multiply, then an
+//! add, per element. Nothing in it depends on which other vectors share the tile, so a prompt row
+//! attends exactly as the same row does in decode (batch invariance, DESIGN.md §1), and the
+//! vector builds of the tile give the scalar build's bits (tested).
 //!
 //! Must never: let a vector see a key past its `last`, or order a sum by anything but key index.
 
-use crate::dot::{dots, WeightRow};
+use rayon::prelude::*;
+
+use crate::dot::{self, dots, Isa, WeightRow};
+use crate::gating::exp;
 
 /// Keys per online-softmax block.
 pub const KEY_BLOCK: usize = 32;
@@ -48,7 +54,67 @@ fn scores_of(key: &[f32], qs: &[&[f32]], out: &mut [f32; TILE]) {
 /// `s[v] = scaled score of key j` for every vector of the tile, `value(j)` is value row `j`; each
 /// vector's result lands in `out[v·d..(v+1)·d]`. `sinks[v]`, if given, is vector `v`'s sink logit:
 /// it joins the softmax's denominator and contributes no value.
+///
+/// Compiled once per ISA from the same body: every step is an IEEE operation in a fixed order
+/// (the exponential is `gating::exp`, built from multiply-adds, not libm's), so the vector builds
+/// give the scalar build's bits.
 fn online_tile<'a>(
+    last: &[usize],
+    score: impl FnMut(usize, &mut [f32; TILE]),
+    value: impl Fn(usize) -> &'a [f32],
+    sinks: Option<&[f32; TILE]>,
+    out: &mut [f32],
+) {
+    online_tile_on(dot::isa(), last, score, value, sinks, out)
+}
+
+fn online_tile_on<'a>(
+    isa: Isa,
+    last: &[usize],
+    score: impl FnMut(usize, &mut [f32; TILE]),
+    value: impl Fn(usize) -> &'a [f32],
+    sinks: Option<&[f32; TILE]>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    match isa {
+        // SAFETY: `isa` values other than Scalar come from `dot::isa()` or a caller that checked
+        // `available()`, so the CPU has AVX-512F (and AVX2+FMA).
+        Isa::Avx512 => return unsafe { online_tile_avx512(last, score, value, sinks, out) },
+        // SAFETY: as above, AVX2 and FMA.
+        Isa::Avx2 => return unsafe { online_tile_avx2(last, score, value, sinks, out) },
+        _ => {}
+    }
+    let _ = isa;
+    online_tile_body(last, score, value, sinks, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn online_tile_avx512<'a>(
+    last: &[usize],
+    score: impl FnMut(usize, &mut [f32; TILE]),
+    value: impl Fn(usize) -> &'a [f32],
+    sinks: Option<&[f32; TILE]>,
+    out: &mut [f32],
+) {
+    online_tile_body(last, score, value, sinks, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn online_tile_avx2<'a>(
+    last: &[usize],
+    score: impl FnMut(usize, &mut [f32; TILE]),
+    value: impl Fn(usize) -> &'a [f32],
+    sinks: Option<&[f32; TILE]>,
+    out: &mut [f32],
+) {
+    online_tile_body(last, score, value, sinks, out)
+}
+
+#[inline(always)]
+fn online_tile_body<'a>(
     last: &[usize],
     mut score: impl FnMut(usize, &mut [f32; TILE]),
     value: impl Fn(usize) -> &'a [f32],
@@ -61,48 +127,99 @@ fn online_tile<'a>(
     let mut l = [0.0f32; TILE];
     out.iter_mut().for_each(|x| *x = 0.0);
     let Some(&max_last) = last.iter().max() else { return };
-    let mut p = [[0.0f32; TILE]; KEY_BLOCK];
+    // One vector's block of scores, then of weights, contiguous (so the exponentials vectorise).
+    let mut p = [[0.0f32; KEY_BLOCK]; TILE];
+    let mut s = [0.0f32; TILE];
     let mut b0 = 0;
     while b0 <= max_last {
         let b1 = (b0 + KEY_BLOCK).min(max_last + 1);
         for j in b0..b1 {
-            score(j, &mut p[j - b0]);
+            score(j, &mut s);
+            for v in 0..count {
+                p[v][j - b0] = s[v];
+            }
         }
+        let mut len = [0usize; TILE];
+        let mut c = [0.0f32; TILE];
         for v in 0..count {
             if b0 > last[v] {
                 continue;
             }
-            let end = b1.min(last[v] + 1);
-            let block_max = (b0..end).fold(f32::NEG_INFINITY, |a, j| a.max(p[j - b0][v]));
-            let m_new = m[v].max(block_max);
-            let c = if m[v] == f32::NEG_INFINITY { 0.0 } else { (m[v] - m_new).exp() };
-            l[v] *= c;
-            out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x *= c);
-            for j in b0..end {
-                let e = (p[j - b0][v] - m_new).exp();
-                l[v] += e;
-                p[j - b0][v] = e;
-            }
+            len[v] = b1.min(last[v] + 1) - b0;
+            let pv = &mut p[v][..len[v]];
+            let m_new = m[v].max(block_max(pv));
+            c[v] = if m[v] == f32::NEG_INFINITY { 0.0 } else { exp(m[v] - m_new) };
+            pv.iter_mut().for_each(|x| *x = exp(*x - m_new));
             m[v] = m_new;
+            l[v] *= c[v];
         }
-        for (v, o) in out.chunks_exact_mut(d).enumerate() {
-            let end = b1.min(last[v] + 1);
-            for j in b0..end {
-                let e = p[j - b0][v];
-                o.iter_mut().zip(value(j)).for_each(|(o, x)| *o += e * x);
+        // The denominators' sums in key order, the tile's vectors interleaved (independent
+        // chains of adds instead of one after another).
+        #[allow(clippy::needless_range_loop)]
+        for j in 0..KEY_BLOCK.min(b1 - b0) {
+            for v in 0..count {
+                if j < len[v] {
+                    l[v] += p[v][j];
+                }
+            }
+        }
+        for (v, o) in out.chunks_exact_mut(d).enumerate().take(count) {
+            if len[v] > 0 {
+                let cv = c[v];
+                o.iter_mut().for_each(|x| *x *= cv);
+                accumulate_values(o, &p[v][..len[v]], |j| value(b0 + j));
             }
         }
         b0 = b1;
     }
-    for v in 0..count {
+    for (v, o) in out.chunks_exact_mut(d).enumerate().take(count) {
         if let Some(z) = sinks.map(|s| s[v]) {
             let m_new = m[v].max(z);
-            let c = if m[v] == f32::NEG_INFINITY { 0.0 } else { (m[v] - m_new).exp() };
-            l[v] = l[v] * c + (z - m_new).exp();
-            out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x *= c);
+            let c = if m[v] == f32::NEG_INFINITY { 0.0 } else { exp(m[v] - m_new) };
+            l[v] = l[v] * c + exp(z - m_new);
+            o.iter_mut().for_each(|x| *x *= c);
         }
         let lv = l[v];
-        out[v * d..(v + 1) * d].iter_mut().for_each(|x| *x /= lv);
+        o.iter_mut().for_each(|x| *x /= lv);
+    }
+}
+
+/// The largest of the scores, NaNs ignored (as `f32::max` does). The maximum of a set does not
+/// depend on the order it is taken in, so sixteen lanes at a time give the sequential fold's value
+/// (a zero's sign aside, which no later step can see: `x − (±0)` and `exp(±0)` agree).
+#[inline(always)]
+fn block_max(p: &[f32]) -> f32 {
+    const W: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; W];
+    let whole = p.len() / W * W;
+    for chunk in p[..whole].chunks_exact(W) {
+        for i in 0..W {
+            lanes[i] = lanes[i].max(chunk[i]);
+        }
+    }
+    p[whole..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, x| a.max(*x))
+}
+
+/// `o[i] = o[i] + e_j · value(j)[i]` for the weights `e` in key order. Sixteen elements at a
+/// time stay in registers across the block's keys (a vector build loads and stores `o` once a
+/// block, not once a key); each element sees the same multiplies and adds in the same order.
+#[inline(always)]
+fn accumulate_values<'a>(o: &mut [f32], e: &[f32], value: impl Fn(usize) -> &'a [f32]) {
+    const W: usize = 16;
+    let whole = o.len() / W * W;
+    for (c, acc) in o[..whole].chunks_exact_mut(W).enumerate() {
+        let mut a: [f32; W] = [0.0; W];
+        a.copy_from_slice(acc);
+        for (j, e) in e.iter().enumerate() {
+            let x = &value(j)[c * W..(c + 1) * W];
+            for i in 0..W {
+                a[i] += e * x[i];
+            }
+        }
+        acc.copy_from_slice(&a);
+    }
+    for (j, e) in e.iter().enumerate() {
+        o[whole..].iter_mut().zip(&value(j)[whole..]).for_each(|(o, x)| *o += e * x);
     }
 }
 
@@ -111,6 +228,10 @@ fn online_tile<'a>(
 /// row at position p sees keys `max(0, p + 1 − window)..=p` (transformers' sliding-window mask).
 /// Query head h reads kv head h / (heads / kv_heads); with `sinks` (one logit per query head),
 /// head h's softmax also holds the sink `sinks[h]`. `out`: n × heads·head_dim.
+///
+/// Large enough calls are split over threads — one row's kv heads over the decode step's team
+/// (or rayon's pool), a prompt's rows over the pool — which changes no bit: each vector's result
+/// depends only on its own query and keys.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_rows(
     shape: &AttentionShape,
@@ -123,14 +244,61 @@ pub fn attend_rows(
     out: &mut [f32],
 ) {
     let d = shape.head_dim;
+    let qd = shape.num_heads * d;
+    let n = qs.len() / qd.max(1);
+    let kv = shape.num_kv_heads;
+    // Multiply-adds of the call (scores and values), an upper bound with a window.
+    let work = 2 * n * qd * (first + n);
+    let serial = |groups: std::ops::Range<usize>, out: &mut [f32]| attend_rows_serial(shape, qs, first, keys, values, window, sinks, groups, out);
+    if n == 1 && kv > 1 {
+        let per_group = qd / kv;
+        if let Some(team) = crate::team::active().filter(|_| work >= TEAM_MIN_WORK) {
+            return crate::team::for_each_chunk_mut(team, out, per_group, |g, o| serial(g..g + 1, o));
+        }
+        if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+            return out.par_chunks_mut(per_group).enumerate().for_each(|(g, o)| serial(g..g + 1, o));
+        }
+    } else if n > 1 && work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+        // Later rows see more keys: small chunks keep the threads' shares even.
+        let rows = (n / (4 * rayon::current_num_threads())).max(1);
+        return out.par_chunks_mut(rows * qd).enumerate().for_each(|(c, o)| {
+            let (r0, r1) = (c * rows, c * rows + o.len() / qd);
+            attend_rows_serial(shape, &qs[r0 * qd..r1 * qd], first + r0, keys, values, window, sinks, 0..kv, o);
+        });
+    }
+    serial(0..kv, out)
+}
+
+/// Below this many multiply-adds a call stays on its thread: a rayon fork and join costs ~10 µs,
+/// a claim among a step's team about a microsecond.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+const TEAM_MIN_WORK: usize = 1 << 14;
+
+/// `attend_rows` on this thread for the kv heads `groups`; `out` holds the rows' outputs for the
+/// query heads of those groups only (so a single group of one row is its own contiguous slice).
+#[allow(clippy::too_many_arguments)]
+fn attend_rows_serial(
+    shape: &AttentionShape,
+    qs: &[f32],
+    first: usize,
+    keys: &[f32],
+    values: &[f32],
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let d = shape.head_dim;
     let (stride, qd) = (shape.num_kv_heads * d, shape.num_heads * d);
     let n = qs.len() / qd.max(1);
     let group = shape.num_heads / shape.num_kv_heads;
+    // Output row width and the first head held: all heads, or (one row) the groups' heads.
+    let (od, h_base) = if groups.len() == shape.num_kv_heads { (qd, 0) } else { (groups.len() * group * d, groups.start * group) };
     let lo_of = |i: usize| window.map_or(0, |w| (first + i + 1).saturating_sub(w));
     // A tile of one row's heads writes straight into `out` (decode allocates nothing); a tile
     // spanning rows (prefill) gathers its results here first.
     let mut gather: Vec<f32> = Vec::new();
-    for g in 0..shape.num_kv_heads {
+    for g in groups {
         // Vectors (row, head) of this kv head, row-major; a tile holds vectors that share a key
         // range start (all of them without a window; one row's heads with one).
         let vectors = (0..n).flat_map(|i| (g * group..(g + 1) * group).map(move |h| (i, h)));
@@ -152,18 +320,21 @@ pub fn attend_rows(
             let score = |j: usize, s: &mut [f32; TILE]| {
                 let at = (lo + j) * stride + g * d;
                 scores_of(&keys[at..at + d], &q[..k], s);
-                s[..k].iter_mut().for_each(|x| *x *= shape.scale);
+                // The whole tile (lanes past `k` are unused): a fixed-size multiply, no masks.
+                s.iter_mut().for_each(|x| *x *= shape.scale);
             };
             let value = |j: usize| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d];
             let tile_sinks = sinks.map(|_| &tile_sinks);
             if one_row {
                 // Heads h0.. of one row are contiguous in `out`.
-                online_tile(&lasts[..k], score, value, tile_sinks, &mut out[i0 * qd + h0 * d..i0 * qd + (h0 + k) * d]);
+                let at = i0 * od + (h0 - h_base) * d;
+                online_tile(&lasts[..k], score, value, tile_sinks, &mut out[at..at + k * d]);
             } else {
                 gather.resize(TILE * d, 0.0);
                 online_tile(&lasts[..k], score, value, tile_sinks, &mut gather[..k * d]);
                 for (v, (i, h)) in tile.iter().enumerate() {
-                    out[i * qd + h * d..i * qd + (h + 1) * d].copy_from_slice(&gather[v * d..(v + 1) * d]);
+                    let at = i * od + (h - h_base) * d;
+                    out[at..at + d].copy_from_slice(&gather[v * d..(v + 1) * d]);
                 }
             }
         };
@@ -216,7 +387,7 @@ pub fn attend_latent_rows(
                 let mut r = [0.0f32; TILE];
                 scores_of(&latents[j * rank..(j + 1) * rank], &ql[..k], s);
                 scores_of(&rots[j * rope..(j + 1) * rope], &qr[..k], &mut r);
-                for t in 0..k {
+                for t in 0..TILE {
                     s[t] = (s[t] + r[t]) * scale;
                 }
             },
@@ -264,7 +435,7 @@ pub fn attend_latent_selected(
                     let mut r = [0.0f32; TILE];
                     scores_of(&latents[p * rank..(p + 1) * rank], &ql[..k], s);
                     scores_of(&rots[p * rope..(p + 1) * rope], &qr[..k], &mut r);
-                    for t in 0..k {
+                    for t in 0..TILE {
                         s[t] = (s[t] + r[t]) * scale;
                     }
                 },
@@ -300,7 +471,7 @@ pub fn attend_gathered(q: &[f32], keys: &[&[f32]], d: usize, scale: f32, sinks: 
             &[last; TILE][..k],
             |j, s| {
                 scores_of(keys[j], &qs[..k], s);
-                s[..k].iter_mut().for_each(|x| *x *= scale);
+                s.iter_mut().for_each(|x| *x *= scale);
             },
             |j| keys[j],
             sinks.map(|_| &tile_sinks),
@@ -321,6 +492,60 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn every_isa_gives_the_scalar_tiles_bits() {
+        // Head sizes around the vector widths, key counts around a block, vectors that stop at
+        // different keys, with and without sinks, and scores far apart (exponentials near 0).
+        for d in [1, 7, 16, 64, 129] {
+            for lasts in [vec![0], vec![31, 31, 31, 31], vec![40, 5, 77, 32], vec![100, 99]] {
+                let keys = lasts.iter().max().map_or(0, |m| m + 1);
+                let values: Vec<f32> = (0..keys * d).map(|i| f(i + 31)).collect();
+                let scores: Vec<f32> = (0..keys * TILE).map(|i| f(i + 7) * if i % 13 == 0 { 30.0 } else { 2.0 }).collect();
+                let score = |j: usize, s: &mut [f32; TILE]| s.copy_from_slice(&scores[j * TILE..(j + 1) * TILE]);
+                let value = |j: usize| &values[j * d..(j + 1) * d];
+                let sinks = [0.5f32, -3.0, 9.0, f32::NEG_INFINITY];
+                for sink in [None, Some(&sinks)] {
+                    let mut want = vec![0.0; lasts.len() * d];
+                    online_tile_on(Isa::Scalar, &lasts, score, value, sink, &mut want);
+                    for isa in Isa::all_available() {
+                        let mut got = vec![1.0; lasts.len() * d];
+                        online_tile_on(isa, &lasts, score, value, sink, &mut got);
+                        assert_eq!(bits(&got), bits(&want), "{} d {d} lasts {lasts:?} sinks {}", isa.name(), sink.is_some());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_over_threads_gives_the_one_thread_bits() {
+        // Big enough to split: one decode row (kv heads over the pool, then over a team) and a
+        // prompt (rows over the pool), with a window and sinks.
+        let shape = AttentionShape { num_heads: 8, num_kv_heads: 4, head_dim: 64, scale: 0.125 };
+        let (qd, stride) = (8 * 64, 4 * 64);
+        let total = 300;
+        let q: Vec<f32> = (0..total * qd).map(|i| f(i + 1)).collect();
+        let keys: Vec<f32> = (0..total * stride).map(|i| f(i + 2)).collect();
+        let values: Vec<f32> = (0..total * stride).map(|i| f(i + 3)).collect();
+        let sinks: Vec<f32> = (0..8).map(|h| f(h + 9)).collect();
+        for (window, sinks) in [(None, None), (Some(100), Some(sinks.as_slice()))] {
+            for n in [1, 120] {
+                let first = total - n;
+                assert!(2 * n * qd * total >= PARALLEL_MIN_WORK, "the test must reach the split");
+                let qs = &q[first * qd..];
+                let mut one = vec![0.0; n * qd];
+                attend_rows_serial(&shape, qs, first, &keys, &values, window, sinks, 0..4, &mut one);
+                let mut split = vec![1.0; n * qd];
+                attend_rows(&shape, qs, first, &keys, &values, window, sinks, &mut split);
+                assert_eq!(bits(&split), bits(&one), "pool, {n} rows, window {window:?}");
+                let _turn = crate::team::test_turn();
+                let mut teamed = vec![1.0; n * qd];
+                crate::team::with_team(2, || attend_rows(&shape, qs, first, &keys, &values, window, sinks, &mut teamed));
+                assert_eq!(bits(&teamed), bits(&one), "team, {n} rows, window {window:?}");
+            }
+        }
     }
 
     #[test]
