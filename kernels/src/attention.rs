@@ -269,6 +269,29 @@ pub fn attend_rows(
     serial(0..kv, out)
 }
 
+/// One `attend_rows` call of `attend_many`: a sequence's query rows at positions
+/// `first..first + n` over its own cache.
+pub struct RowsCall<'a> {
+    pub qs: &'a [f32],
+    pub first: usize,
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub out: &'a mut [f32],
+}
+
+/// `attend_rows` for each call (a batch's sequences, each over its own cache), over the pool
+/// when there is enough work in all of them together: the same bits as one after another.
+pub fn attend_many(shape: &AttentionShape, window: Option<usize>, sinks: Option<&[f32]>, calls: &mut [RowsCall<'_>]) {
+    let qd = shape.num_heads * shape.head_dim;
+    let work: usize = calls.iter().map(|c| 2 * c.qs.len() * (c.first + c.qs.len() / qd.max(1))).sum();
+    let one = |c: &mut RowsCall<'_>| attend_rows(shape, c.qs, c.first, c.keys, c.values, window, sinks, c.out);
+    if calls.len() > 1 && work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+        calls.par_iter_mut().for_each(one);
+    } else {
+        calls.iter_mut().for_each(one);
+    }
+}
+
 /// Below this many multiply-adds a call stays on its thread: a rayon fork and join costs ~10 µs,
 /// a claim among a step's team about a microsecond.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
@@ -545,6 +568,34 @@ mod tests {
                 crate::team::with_team(2, || attend_rows(&shape, qs, first, &keys, &values, window, sinks, &mut teamed));
                 assert_eq!(bits(&teamed), bits(&one), "team, {n} rows, window {window:?}");
             }
+        }
+    }
+
+    #[test]
+    fn many_sequences_over_the_pool_give_each_ones_own_bits() {
+        // Sixteen decode rows and a prompt, each over its own cache: together past the split.
+        let shape = AttentionShape { num_heads: 8, num_kv_heads: 2, head_dim: 64, scale: 0.125 };
+        let (qd, stride) = (8 * 64, 2 * 64);
+        let seqs: Vec<(usize, usize)> = (0..16).map(|i| (40 + 7 * i, 1)).chain([(30, 9)]).collect();
+        let data: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = seqs
+            .iter()
+            .enumerate()
+            .map(|(s, (first, n))| {
+                let total = first + n;
+                let g = |o: usize, len: usize| (0..len).map(|i| f(i * 3 + o + 101 * s)).collect::<Vec<f32>>();
+                (g(1, n * qd), g(2, total * stride), g(3, total * stride))
+            })
+            .collect();
+        let work: usize = seqs.iter().map(|(first, n)| 2 * n * qd * (first + n)).sum();
+        assert!(work >= PARALLEL_MIN_WORK, "the test must reach the split");
+        let mut outs: Vec<Vec<f32>> = seqs.iter().map(|(_, n)| vec![1.0; n * qd]).collect();
+        let mut calls: Vec<RowsCall<'_>> =
+            seqs.iter().zip(&data).zip(outs.iter_mut()).map(|((&(first, _), (q, k, v)), out)| RowsCall { qs: q, first, keys: k, values: v, out }).collect();
+        attend_many(&shape, Some(50), None, &mut calls);
+        for ((&(first, n), (q, k, v)), got) in seqs.iter().zip(&data).zip(&outs) {
+            let mut want = vec![0.0; n * qd];
+            attend_rows_serial(&shape, q, first, k, v, Some(50), None, 0..2, &mut want);
+            assert_eq!(bits(got), bits(&want), "sequence at {first}");
         }
     }
 

@@ -12,7 +12,7 @@
 use shimmer_common::spec::{AttentionKind, DenseMlpLayout, DenseNames, ExpertActivation, ExpertLayout, LayerMlp, Mixer, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
-use shimmer_kernels::attention::{attend_rows, AttentionShape};
+use shimmer_kernels::attention::{attend_many, AttentionShape, RowsCall};
 use shimmer_kernels::{fixed, ops, Matrix};
 
 use super::compressed::Compressed;
@@ -882,10 +882,21 @@ impl Decoder {
                 }
             }
             seg.cache.append(l, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
-            // A query sees keys j with pos - j < window (itself included), as transformers' mask.
-            let (keys, values) = seg.cache.layer(l, 0..start + r.len());
-            attend_rows(&shape, &q[r.start * qd..r.end * qd], start, keys, values, g.window, g.sinks.as_deref(), &mut attn[r.start * qd..r.end * qd]);
         }
+        // Every segment's rows over its own cache (a query sees keys j with pos − j < window,
+        // itself included, as transformers' mask); the segments' rows are consecutive in `attn`.
+        let mut calls = Vec::with_capacity(segments.len());
+        let total = attn.len();
+        let mut rest = &mut attn[..];
+        for seg in segments.iter() {
+            let (r, start) = (seg.rows.clone(), seg.start);
+            debug_assert_eq!(total - rest.len(), r.start * qd, "segments' rows are consecutive");
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * qd);
+            rest = tail;
+            let (keys, values) = seg.cache.layer(l, 0..start + r.len());
+            calls.push(RowsCall { qs: &q[r.start * qd..r.end * qd], first: start, keys, values, out });
+        }
+        attend_many(&shape, g.window, g.sinks.as_deref(), &mut calls);
         if g.output_gate {
             attn.iter_mut().zip(&gate).for_each(|(o, gt)| *o *= ops::sigmoid(*gt));
         }
