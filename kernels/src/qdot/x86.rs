@@ -274,6 +274,34 @@ unsafe fn two_blocks(a: f32, b: f32) -> __m256 {
     _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a))
 }
 
+/// Four block factors as the 256-bit 4-bit step takes them: `[f0 ×4, f1 ×4]`, `[f2 ×4, f3 ×4]`.
+#[inline(always)]
+unsafe fn spread4_256(f: __m128) -> [__m256; 2] {
+    let v = _mm256_castps128_ps256(f);
+    [_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))]
+}
+
+/// The four weight factors of 4-bit chunk `c` laid out by `spread4_256`, without scalar code
+/// for the common int4 groups (`factors_512`'s 256-bit counterpart).
+#[inline(always)]
+unsafe fn factors_256(fmt: Fmt, row: &RawRow, c: usize) -> [__m256; 2] {
+    match fmt {
+        Fmt::Int4 { group: 32 } => spread4_256(_mm_loadu_ps((row.scales as *const f32).add(4 * c))),
+        Fmt::Int4 { group: 64 } => {
+            let s = (row.scales as *const f32).add(2 * c);
+            [_mm256_set1_ps(*s), _mm256_set1_ps(*s.add(1))]
+        }
+        Fmt::Int4 { group: 128 } => {
+            let s = _mm256_set1_ps(*(row.scales as *const f32).add(c));
+            [s, s]
+        }
+        _ => {
+            let b = 4 * c;
+            [two_blocks(row.factor(fmt, b), row.factor(fmt, b + 1)), two_blocks(row.factor(fmt, b + 2), row.factor(fmt, b + 3))]
+        }
+    }
+}
+
 /// Both 256-bit paths; `VNNI` picks `vpdpbusd` over `pmaddubsw` + `pmaddwd` (inlined into each
 /// caller, which gives it its target features).
 #[inline(always)]
@@ -345,9 +373,8 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             // Chunk `c` of row `m` (64 packed bytes at `base`, factors `wf`): bytes 0–31 hold
             // lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
             macro_rules! step {
-                ($m:expr, $c:expr, $base:expr, $wf:expr) => {{
-                    let (m, c, base, wf): (usize, usize, *const u8, [f32; 4]) = ($m, $c, $base, $wf);
-                    let wsv = [two_blocks(wf[0], wf[1]), two_blocks(wf[2], wf[3])];
+                ($m:expr, $c:expr, $base:expr, $wsv:expr) => {{
+                    let (m, c, base, wsv): (usize, usize, *const u8, [__m256; 2]) = ($m, $c, $base, $wsv);
                     let mut w = [zero; 4];
                     for v in 0..2 {
                         let x = _mm256_loadu_si256(base.add(32 * v) as *const __m256i);
@@ -374,15 +401,13 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
-                    let b = 4 * c;
-                    let r = &rows[m];
-                    step!(m, c, base, [r.factor(fmt, b), r.factor(fmt, b + 1), r.factor(fmt, b + 2), r.factor(fmt, b + 3)]);
+                    step!(m, c, base, factors_256(fmt, &rows[m], c));
                 }
             }
             if full * CHUNK < n {
                 for m in 0..M {
                     let (t, wf) = rows[m].tail(fmt, n, full * CHUNK);
-                    step!(m, full, t.as_ptr(), wf);
+                    step!(m, full, t.as_ptr(), [two_blocks(wf[0], wf[1]), two_blocks(wf[2], wf[3])]);
                 }
             }
         }
