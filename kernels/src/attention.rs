@@ -65,13 +65,30 @@ fn online_tile<'a>(
     sinks: Option<&[f32; TILE]>,
     out: &mut [f32],
 ) {
-    online_tile_on(dot::isa(), last, score, value, sinks, out)
+    online_tile_on(dot::isa(), last, per_key(score), value, sinks, out)
 }
+
+/// A block scorer (`score(b0, b1, p)` fills `p[v][j − b0]` for keys `b0..b1`) from a per-key one.
+#[inline(always)]
+fn per_key(mut score: impl FnMut(usize, &mut [f32; TILE])) -> impl FnMut(usize, usize, &mut Scores) {
+    let mut s = [0.0f32; TILE];
+    move |b0, b1, p| {
+        for j in b0..b1 {
+            score(j, &mut s);
+            for v in 0..TILE {
+                p[v][j - b0] = s[v];
+            }
+        }
+    }
+}
+
+/// One block's scaled scores, then weights, per vector of the tile.
+type Scores = [[f32; KEY_BLOCK]; TILE];
 
 fn online_tile_on<'a>(
     isa: Isa,
     last: &[usize],
-    score: impl FnMut(usize, &mut [f32; TILE]),
+    score: impl FnMut(usize, usize, &mut Scores),
     value: impl Fn(usize) -> &'a [f32],
     sinks: Option<&[f32; TILE]>,
     out: &mut [f32],
@@ -93,7 +110,7 @@ fn online_tile_on<'a>(
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn online_tile_avx512<'a>(
     last: &[usize],
-    score: impl FnMut(usize, &mut [f32; TILE]),
+    score: impl FnMut(usize, usize, &mut Scores),
     value: impl Fn(usize) -> &'a [f32],
     sinks: Option<&[f32; TILE]>,
     out: &mut [f32],
@@ -105,7 +122,7 @@ unsafe fn online_tile_avx512<'a>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn online_tile_avx2<'a>(
     last: &[usize],
-    score: impl FnMut(usize, &mut [f32; TILE]),
+    score: impl FnMut(usize, usize, &mut Scores),
     value: impl Fn(usize) -> &'a [f32],
     sinks: Option<&[f32; TILE]>,
     out: &mut [f32],
@@ -116,7 +133,7 @@ unsafe fn online_tile_avx2<'a>(
 #[inline(always)]
 fn online_tile_body<'a>(
     last: &[usize],
-    mut score: impl FnMut(usize, &mut [f32; TILE]),
+    mut score: impl FnMut(usize, usize, &mut Scores),
     value: impl Fn(usize) -> &'a [f32],
     sinks: Option<&[f32; TILE]>,
     out: &mut [f32],
@@ -128,17 +145,11 @@ fn online_tile_body<'a>(
     out.iter_mut().for_each(|x| *x = 0.0);
     let Some(&max_last) = last.iter().max() else { return };
     // One vector's block of scores, then of weights, contiguous (so the exponentials vectorise).
-    let mut p = [[0.0f32; KEY_BLOCK]; TILE];
-    let mut s = [0.0f32; TILE];
+    let mut p: Scores = [[0.0f32; KEY_BLOCK]; TILE];
     let mut b0 = 0;
     while b0 <= max_last {
         let b1 = (b0 + KEY_BLOCK).min(max_last + 1);
-        for j in b0..b1 {
-            score(j, &mut s);
-            for v in 0..count {
-                p[v][j - b0] = s[v];
-            }
-        }
+        score(b0, b1, &mut p);
         let mut len = [0usize; TILE];
         let mut c = [0.0f32; TILE];
         for v in 0..count {
@@ -321,6 +332,7 @@ fn attend_rows_serial(
     // A tile of one row's heads writes straight into `out` (decode allocates nothing); a tile
     // spanning rows (prefill) gathers its results here first.
     let mut gather: Vec<f32> = Vec::new();
+    let isa = dot::isa();
     for g in groups {
         // Vectors (row, head) of this kv head, row-major; a tile holds vectors that share a key
         // range start (all of them without a window; one row's heads with one).
@@ -340,21 +352,45 @@ fn attend_rows_serial(
             let k = tile.len();
             let (i0, h0) = tile[0];
             let one_row = tile.iter().all(|(i, _)| *i == i0);
-            let score = |j: usize, s: &mut [f32; TILE]| {
+            let mut per_key_score = per_key(|j: usize, s: &mut [f32; TILE]| {
                 let at = (lo + j) * stride + g * d;
                 scores_of(&keys[at..at + d], &q[..k], s);
                 // The whole tile (lanes past `k` are unused): a fixed-size multiply, no masks.
                 s.iter_mut().for_each(|x| *x *= shape.scale);
+            });
+            let score = |b0: usize, b1: usize, p: &mut Scores| {
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 {
+                    // Keys b0..b1 must lie inside `keys` before any vector load reads them.
+                    assert!((lo + b1 - 1) * stride + (g + 1) * d <= keys.len(), "a key block past the cache");
+                    let mut t = [0.0f32; 16];
+                    let mut j0 = b0;
+                    while j0 < b1 {
+                        let count = (b1 - j0).min(16);
+                        let base = keys[(lo + j0) * stride + g * d..].as_ptr();
+                        for v in 0..k {
+                            // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each d
+                            // long at `stride`, are inside `keys` (asserted above).
+                            unsafe { x86::dots16_avx512(base, stride, count, q[v], &mut t) };
+                            for (x, y) in p[v][j0 - b0..j0 - b0 + count].iter_mut().zip(&t) {
+                                *x = y * shape.scale;
+                            }
+                        }
+                        j0 += count;
+                    }
+                    return;
+                }
+                per_key_score(b0, b1, p)
             };
             let value = |j: usize| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d];
             let tile_sinks = sinks.map(|_| &tile_sinks);
             if one_row {
                 // Heads h0.. of one row are contiguous in `out`.
                 let at = i0 * od + (h0 - h_base) * d;
-                online_tile(&lasts[..k], score, value, tile_sinks, &mut out[at..at + k * d]);
+                online_tile_on(isa, &lasts[..k], score, value, tile_sinks, &mut out[at..at + k * d]);
             } else {
                 gather.resize(TILE * d, 0.0);
-                online_tile(&lasts[..k], score, value, tile_sinks, &mut gather[..k * d]);
+                online_tile_on(isa, &lasts[..k], score, value, tile_sinks, &mut gather[..k * d]);
                 for (v, (i, h)) in tile.iter().enumerate() {
                     let at = i * od + (h - h_base) * d;
                     out[at..at + d].copy_from_slice(&gather[v * d..(v + 1) * d]);
@@ -504,6 +540,69 @@ pub fn attend_gathered(q: &[f32], keys: &[&[f32]], d: usize, scale: f32, sinks: 
     }
 }
 
+/// Scores sixteen keys at a time: each key's 64 lanes as `dot.rs` accumulates them, then the
+/// canonical tree (lane l + lane l + s for s = 32, 16, 8, 4, 2, 1) taken for sixteen keys at once by
+/// shuffles that pair lane l with lane l + s — the same additions, in the same operand order, as
+/// sixteen separate reductions, for a quarter of the instructions.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// `out[j] = dot(key_j, q)` (bit for bit `dots` of `WeightRow::F32(key_j)` and `q`) for the
+    /// `count ≤ 16` keys `keys + j·stride`, each `q.len()` long; `out[count..]` is unspecified.
+    ///
+    /// # Safety
+    /// AVX-512F must be available and every key readable for `q.len()` values.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn dots16_avx512(keys: *const f32, stride: usize, count: usize, q: &[f32], out: &mut [f32; 16]) {
+        let d = q.len();
+        let (full, rest) = (d / 64, d % 64);
+        let mut c = [_mm512_setzero_ps(); 16];
+        for (j, cj) in c.iter_mut().enumerate().take(count.min(16)) {
+            let k = keys.add(j * stride);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for ch in 0..full {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let o = ch * 64 + r * 16;
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(o)), _mm512_loadu_ps(q.as_ptr().add(o)), *a);
+                }
+            }
+            // The zero-padded last chunk: lanes past the row add fma(0, 0, acc) = acc (an
+            // accumulator that starts at +0 is never −0).
+            for (r, a) in acc.iter_mut().enumerate() {
+                let first = 16 * r;
+                if first >= rest {
+                    break;
+                }
+                let m: __mmask16 = if rest - first >= 16 { 0xffff } else { (1u16 << (rest - first)) - 1 };
+                let o = full * 64 + first;
+                *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, k.add(o)), _mm512_maskz_loadu_ps(m, q.as_ptr().add(o)), *a);
+            }
+            // s = 32 (lanes 0–15 with 32–47, 16–31 with 48–63), then s = 16.
+            *cj = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+        }
+        // s = 8: keys 2p and 2p + 1 → lanes 0–7 and 8–15 of d[p].
+        let mut d8 = [_mm512_setzero_ps(); 8];
+        for (p, x) in d8.iter_mut().enumerate() {
+            let (a, b) = (c[2 * p], c[2 * p + 1]);
+            *x = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b));
+        }
+        // s = 4: keys 4q..4q + 4 → 128-bit block i of e[q] is key 4q + i.
+        let mut e4 = [_mm512_setzero_ps(); 4];
+        for (qi, x) in e4.iter_mut().enumerate() {
+            let (a, b) = (d8[2 * qi], d8[2 * qi + 1]);
+            *x = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
+        }
+        // s = 2: block i of f[0] holds keys i and 4 + i (two lanes each), of f[1] keys 8 + i, 12 + i.
+        let f0 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(e4[0], e4[1]), _mm512_shuffle_ps::<0xEE>(e4[0], e4[1]));
+        let f1 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(e4[2], e4[3]), _mm512_shuffle_ps::<0xEE>(e4[2], e4[3]));
+        // s = 1: lane 4i + t holds key i + 4t.
+        let g = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(f0, f1), _mm512_shuffle_ps::<0xDD>(f0, f1));
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, g));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -531,10 +630,10 @@ mod tests {
                 let sinks = [0.5f32, -3.0, 9.0, f32::NEG_INFINITY];
                 for sink in [None, Some(&sinks)] {
                     let mut want = vec![0.0; lasts.len() * d];
-                    online_tile_on(Isa::Scalar, &lasts, score, value, sink, &mut want);
+                    online_tile_on(Isa::Scalar, &lasts, per_key(score), value, sink, &mut want);
                     for isa in Isa::all_available() {
                         let mut got = vec![1.0; lasts.len() * d];
-                        online_tile_on(isa, &lasts, score, value, sink, &mut got);
+                        online_tile_on(isa, &lasts, per_key(score), value, sink, &mut got);
                         assert_eq!(bits(&got), bits(&want), "{} d {d} lasts {lasts:?} sinks {}", isa.name(), sink.is_some());
                     }
                 }
@@ -596,6 +695,29 @@ mod tests {
             let mut want = vec![0.0; n * qd];
             attend_rows_serial(&shape, q, first, k, v, Some(50), None, 0..2, &mut want);
             assert_eq!(bits(got), bits(&want), "sequence at {first}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sixteen_keys_at_a_time_give_each_keys_canonical_dot() {
+        if !Isa::Avx512.available() {
+            return;
+        }
+        for d in [1, 5, 16, 17, 63, 64, 65, 100, 128, 192, 576] {
+            let stride = d + 3;
+            // Values spanning magnitudes, so a different order of additions would show.
+            let keys: Vec<f32> = (0..16 * stride).map(|i| f(i + 5) * if i % 7 == 0 { 1e4 } else { 1.0 }).collect();
+            let q: Vec<f32> = (0..d).map(|i| f(i + 900) * if i % 5 == 0 { 1e-3 } else { 1.0 }).collect();
+            for count in [1, 2, 7, 15, 16] {
+                let mut got = [0.0f32; 16];
+                // SAFETY: AVX-512F checked above; every key lies inside `keys`.
+                unsafe { x86::dots16_avx512(keys.as_ptr(), stride, count, &q, &mut got) };
+                for (j, g) in got.iter().enumerate().take(count) {
+                    let want = crate::dot::dots_with::<1>(Isa::Scalar, &WeightRow::F32(&keys[j * stride..j * stride + d]), [&q])[0];
+                    assert_eq!(g.to_bits(), want.to_bits(), "d {d} count {count} key {j}: {g} vs {want}");
+                }
+            }
         }
     }
 
