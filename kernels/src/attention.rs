@@ -164,14 +164,18 @@ fn online_tile_body<'a>(
             m[v] = m_new;
             l[v] *= c[v];
         }
-        // The denominators' sums in key order, the tile's vectors interleaved (independent
-        // chains of adds instead of one after another).
-        #[allow(clippy::needless_range_loop)]
-        for j in 0..KEY_BLOCK.min(b1 - b0) {
-            for v in 0..count {
-                if j < len[v] {
-                    l[v] += p[v][j];
-                }
+        // The denominators' sums in key order, all of the tile's lanes together over the keys
+        // every vector sees (lanes past `count` sum unused values), then each vector's own rest.
+        let common = len[..count].iter().copied().min().unwrap_or(0);
+        #[allow(clippy::needless_range_loop)] // j indexes every vector's row
+        for j in 0..common {
+            for v in 0..TILE {
+                l[v] += p[v][j];
+            }
+        }
+        for v in 0..count {
+            for e in &p[v][common..len[v]] {
+                l[v] += e;
             }
         }
         for (v, o) in out.chunks_exact_mut(d).enumerate().take(count) {
@@ -211,26 +215,31 @@ fn block_max(p: &[f32]) -> f32 {
     p[whole..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, x| a.max(*x))
 }
 
-/// `o[i] = o[i] + e_j · value(j)[i]` for the weights `e` in key order. Sixteen elements at a
+/// `o[i] = o[i] + e_j · value(j)[i]` for the weights `e` in key order. Sixty-four elements at a
 /// time stay in registers across the block's keys (a vector build loads and stores `o` once a
-/// block, not once a key); each element sees the same multiplies and adds in the same order.
+/// block, not once a key, and runs four independent chains of adds); each element sees the same
+/// multiplies and adds in the same order.
 #[inline(always)]
 fn accumulate_values<'a>(o: &mut [f32], e: &[f32], value: impl Fn(usize) -> &'a [f32]) {
-    const W: usize = 16;
-    let whole = o.len() / W * W;
+    const W: usize = 64;
+    let d = o.len();
+    let whole = d / W * W;
     for (c, acc) in o[..whole].chunks_exact_mut(W).enumerate() {
         let mut a: [f32; W] = [0.0; W];
         a.copy_from_slice(acc);
         for (j, e) in e.iter().enumerate() {
-            let x = &value(j)[c * W..(c + 1) * W];
+            // A value row is `d` long (the caller's layout): the slice is exactly W long.
+            let Ok(x): Result<&[f32; W], _> = value(j)[c * W..(c + 1) * W].try_into() else { unreachable!("a {W}-element slice") };
             for i in 0..W {
                 a[i] += e * x[i];
             }
         }
         acc.copy_from_slice(&a);
     }
-    for (j, e) in e.iter().enumerate() {
-        o[whole..].iter_mut().zip(&value(j)[whole..]).for_each(|(o, x)| *o += e * x);
+    if whole < d {
+        for (j, e) in e.iter().enumerate() {
+            o[whole..].iter_mut().zip(&value(j)[whole..]).for_each(|(o, x)| *o += e * x);
+        }
     }
 }
 
