@@ -2,12 +2,16 @@
 //! one thread, µs a call and GB/s of keys and values read. A measuring tool, not a test.
 //!
 //!     cargo run --release -p shimmer-kernels --example attention_speed [heads] [kv_heads] [head_dim] [positions]
+//!     cargo run --release -p shimmer-kernels --example attention_speed mla [heads] [rank] [rope] [positions]
 use std::time::Instant;
 
-use shimmer_kernels::attention::{attend_rows, AttentionShape};
+use shimmer_kernels::attention::{attend_latent_rows, attend_rows, AttentionShape};
 
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    if std::env::args().nth(1).as_deref() == Some("mla") {
+        return mla(&args);
+    }
     let arg = |i: usize, d: usize| args.get(i).copied().unwrap_or(d);
     let (heads, kv, d, positions) = (arg(0, 16), arg(1, 4), arg(2, 64), arg(3, 512));
     let value = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0;
@@ -29,5 +33,30 @@ fn main() {
         dt * 1e6,
         dt * 1e9 / positions as f64,
         bytes / dt / 1e9
+    );
+}
+
+/// Absorbed MLA decode: one row's heads over `positions` latents (DeepSeek-V3: 128 heads, rank
+/// 512, rope 64).
+fn mla(args: &[usize]) {
+    let arg = |i: usize, d: usize| args.get(i).copied().unwrap_or(d);
+    let (heads, rank, rope, positions) = (arg(0, 128), arg(1, 512), arg(2, 64), arg(3, 512));
+    let value = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0;
+    let q_lat: Vec<f32> = (0..heads * rank).map(value).collect();
+    let q_rot: Vec<f32> = (0..heads * rope).map(|i| value(i + 3)).collect();
+    let lat: Vec<f32> = (0..positions * rank).map(|i| value(i + 11)).collect();
+    let rot: Vec<f32> = (0..positions * rope).map(|i| value(i + 997)).collect();
+    let mut out = vec![0.0f32; heads * rank];
+    let reps = (2_000_000_000 / (positions * heads * (rank + rope))).max(5);
+    attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, positions - 1, &lat, &rot, 0.05, &mut out);
+    let t = Instant::now();
+    for _ in 0..reps {
+        attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, positions - 1, &lat, &rot, 0.05, &mut out);
+    }
+    let dt = t.elapsed().as_secs_f64() / reps as f64;
+    println!(
+        "MLA {heads} heads, rank {rank} + rope {rope}, {positions} positions: {:.1} µs a call, {:.1} ns a position",
+        dt * 1e6,
+        dt * 1e9 / positions as f64
     );
 }

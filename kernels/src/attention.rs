@@ -289,6 +289,44 @@ pub fn attend_rows(
     serial(0..kv, out)
 }
 
+/// Unscaled scores of keys `b0..b1` against the tile's queries `qs` into `p[v][j − b0]`: key `j`
+/// is `keys[j·stride..j·stride + len]` (`len` = the queries' length). Canonical dots either way;
+/// on AVX-512 sixteen keys share a reduction tree (`x86::dots16_avx512`).
+#[inline(always)]
+fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize), qs: &[&[f32]], p: &mut Scores) {
+    let len = qs.first().map_or(0, |q| q.len());
+    if b1 <= b0 || len == 0 {
+        return;
+    }
+    // Every key of the block lies inside `keys` before any vector load reads it.
+    assert!((b1 - 1) * stride + len <= keys.len(), "a key block past the cache");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let mut t = [0.0f32; 16];
+        let mut j0 = b0;
+        while j0 < b1 {
+            let count = (b1 - j0).min(16);
+            let base = keys[j0 * stride..].as_ptr();
+            for (v, q) in qs.iter().enumerate() {
+                // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each `len` long
+                // at `stride`, are inside `keys` (asserted above).
+                unsafe { x86::dots16_avx512(base, stride, count, q, &mut t) };
+                p[v][j0 - b0..j0 - b0 + count].copy_from_slice(&t[..count]);
+            }
+            j0 += count;
+        }
+        return;
+    }
+    let _ = isa;
+    let mut s = [0.0f32; TILE];
+    for j in b0..b1 {
+        scores_of(&keys[j * stride..j * stride + len], qs, &mut s);
+        for v in 0..qs.len() {
+            p[v][j - b0] = s[v];
+        }
+    }
+}
+
 /// One `attend_rows` call of `attend_many`: a sequence's query rows at positions
 /// `first..first + n` over its own cache.
 pub struct RowsCall<'a> {
@@ -361,35 +399,11 @@ fn attend_rows_serial(
             let k = tile.len();
             let (i0, h0) = tile[0];
             let one_row = tile.iter().all(|(i, _)| *i == i0);
-            let mut per_key_score = per_key(|j: usize, s: &mut [f32; TILE]| {
-                let at = (lo + j) * stride + g * d;
-                scores_of(&keys[at..at + d], &q[..k], s);
-                // The whole tile (lanes past `k` are unused): a fixed-size multiply, no masks.
-                s.iter_mut().for_each(|x| *x *= shape.scale);
-            });
             let score = |b0: usize, b1: usize, p: &mut Scores| {
-                #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx512 {
-                    // Keys b0..b1 must lie inside `keys` before any vector load reads them.
-                    assert!((lo + b1 - 1) * stride + (g + 1) * d <= keys.len(), "a key block past the cache");
-                    let mut t = [0.0f32; 16];
-                    let mut j0 = b0;
-                    while j0 < b1 {
-                        let count = (b1 - j0).min(16);
-                        let base = keys[(lo + j0) * stride + g * d..].as_ptr();
-                        for v in 0..k {
-                            // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each d
-                            // long at `stride`, are inside `keys` (asserted above).
-                            unsafe { x86::dots16_avx512(base, stride, count, q[v], &mut t) };
-                            for (x, y) in p[v][j0 - b0..j0 - b0 + count].iter_mut().zip(&t) {
-                                *x = y * shape.scale;
-                            }
-                        }
-                        j0 += count;
-                    }
-                    return;
+                key_block_dots(isa, &keys[lo * stride + g * d..], stride, (b0, b1), &q[..k], p);
+                for row in p.iter_mut().take(k) {
+                    row[..b1 - b0].iter_mut().for_each(|x| *x *= shape.scale);
                 }
-                per_key_score(b0, b1, p)
             };
             let value = |j: usize| &values[(lo + j) * stride + g * d..(lo + j) * stride + (g + 1) * d];
             let tile_sinks = sinks.map(|_| &tile_sinks);
@@ -438,9 +452,10 @@ pub fn attend_latent_rows(
     out: &mut [f32],
 ) {
     let vectors = q_lat.len() / rank.max(1);
-    let mut v0 = 0;
-    while v0 < vectors {
-        let k = TILE.min(vectors - v0);
+    let isa = dot::isa();
+    // One tile: vectors v0..v0 + k (k = o.len() / rank), written to `o`.
+    let tile = |v0: usize, o: &mut [f32]| {
+        let k = o.len() / rank.max(1);
         let mut lasts = [0usize; TILE];
         let (mut ql, mut qr): ([&[f32]; TILE], [&[f32]; TILE]) = ([&[]; TILE], [&[]; TILE]);
         for t in 0..k {
@@ -449,22 +464,38 @@ pub fn attend_latent_rows(
             ql[t] = &q_lat[v * rank..(v + 1) * rank];
             qr[t] = &q_rot[v * rope..(v + 1) * rope];
         }
-        online_tile(
+        let mut r: Scores = [[0.0f32; KEY_BLOCK]; TILE];
+        online_tile_on(
+            isa,
             &lasts[..k],
-            |j, s| {
-                let mut r = [0.0f32; TILE];
-                scores_of(&latents[j * rank..(j + 1) * rank], &ql[..k], s);
-                scores_of(&rots[j * rope..(j + 1) * rope], &qr[..k], &mut r);
-                for t in 0..TILE {
-                    s[t] = (s[t] + r[t]) * scale;
+            |b0, b1, p: &mut Scores| {
+                key_block_dots(isa, latents, rank, (b0, b1), &ql[..k], p);
+                key_block_dots(isa, rots, rope, (b0, b1), &qr[..k], &mut r);
+                for (pv, rv) in p.iter_mut().zip(&r).take(k) {
+                    for (x, y) in pv[..b1 - b0].iter_mut().zip(rv) {
+                        *x = (*x + y) * scale;
+                    }
                 }
             },
             |j| &latents[j * rank..(j + 1) * rank],
             None,
-            &mut out[v0 * rank..(v0 + k) * rank],
+            o,
         );
-        v0 += k;
+    };
+    // Tiles are independent (each vector's result depends on its own query and keys only), so
+    // they go over the step's team or the pool when there is enough work: the same bits.
+    let out = &mut out[..vectors * rank];
+    let work = 2 * vectors * (rank + rope) * (first + vectors / heads.max(1));
+    let chunk = TILE * rank.max(1);
+    if vectors > TILE {
+        if let Some(team) = crate::team::active().filter(|_| work >= TEAM_MIN_WORK) {
+            return crate::team::for_each_chunk_mut(team, out, chunk, |c, o| tile(c * TILE, o));
+        }
+        if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+            return out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| tile(c * TILE, o));
+        }
     }
+    out.chunks_mut(chunk).enumerate().for_each(|(c, o)| tile(c * TILE, o));
 }
 
 /// `attend_latent_rows` where row `r` (vectors `r·heads..(r+1)·heads`) sees only the positions
@@ -825,6 +856,31 @@ mod tests {
         attend_rows(&shape, &q, first, &keys, &values, None, None, &mut plain);
         attend_rows(&shape, &q, first, &keys, &values, None, Some(&[f32::NEG_INFINITY; 4]), &mut neg);
         assert_eq!(bits(&plain), bits(&neg));
+    }
+
+    #[test]
+    fn latent_attention_split_over_threads_gives_the_per_key_bits() {
+        // Past the split: one decode row of 16 heads and a 20-row prompt chunk over 300 positions;
+        // the reference is the selected-keys path with every key, which scores one key at a time.
+        let (rank, rope, heads, total) = (64, 16, 16, 300);
+        let lat: Vec<f32> = (0..total * rank).map(|i| f(i + 300)).collect();
+        let rot: Vec<f32> = (0..total * rope).map(|i| f(i + 900)).collect();
+        for n in [1, 20] {
+            let first = total - n;
+            assert!(2 * n * heads * (rank + rope) * total >= PARALLEL_MIN_WORK, "the test must reach the split");
+            let q_lat: Vec<f32> = (0..n * heads * rank).map(|i| f(i + 7)).collect();
+            let q_rot: Vec<f32> = (0..n * heads * rope).map(|i| f(i + 40_000)).collect();
+            let all: Vec<Vec<usize>> = (0..n).map(|r| (0..=first + r).collect()).collect();
+            let mut want = vec![0.0; n * heads * rank];
+            attend_latent_selected(&q_lat, &q_rot, (rank, rope), heads, &all, &lat, &rot, 0.3, &mut want);
+            let mut pooled = vec![1.0; n * heads * rank];
+            attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, first, &lat, &rot, 0.3, &mut pooled);
+            assert_eq!(bits(&pooled), bits(&want), "pool, {n} rows");
+            let _turn = crate::team::test_turn();
+            let mut teamed = vec![1.0; n * heads * rank];
+            crate::team::with_team(2, || attend_latent_rows(&q_lat, &q_rot, (rank, rope), heads, first, &lat, &rot, 0.3, &mut teamed));
+            assert_eq!(bits(&teamed), bits(&want), "team, {n} rows");
+        }
     }
 
     #[test]
