@@ -102,7 +102,7 @@ fn online_tile_on<'a>(
         Isa::Avx2 => return unsafe { online_tile_avx2(last, score, value, sinks, out) },
         _ => {}
     }
-    let _ = isa;
+    let _ = isa; // read only by the x86 dispatch above
     online_tile_body(last, score, value, sinks, out)
 }
 
@@ -317,7 +317,7 @@ fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize
         }
         return;
     }
-    let _ = isa;
+    let _ = isa; // read only by the x86 dispatch above
     let mut s = [0.0f32; TILE];
     for j in b0..b1 {
         scores_of(&keys[j * stride..j * stride + len], qs, &mut s);
