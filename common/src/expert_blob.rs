@@ -6,7 +6,7 @@
 //! for experts with biases (gpt-oss), three more: the gate, up and down biases as f32
 //! (`intermediate`, `intermediate`, `hidden` values; absent — zero bytes — otherwise). Data is
 //! bf16 words, int8 values or packed int4/e2m1 nibbles as `quant.rs` defines them; scales are f32
-//! (empty for bf16), or e8m0 bytes for MXFP4. Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
+//! for int8, f16 for int4, e8m0 bytes for MXFP4 (empty for bf16). Each section starts at a multiple of 64 bytes, and the blob is zero-padded to a
 //! multiple of 4 KiB so that consecutive blobs stay O_DIRECT-aligned. Everything is little-endian.
 //! The blob's checksum is XXH3-64 of its identity — layer, expert and format — followed by all
 //! its bytes, padding included: a blob moved to another expert's slot, or read as another
@@ -58,7 +58,7 @@ fn sizes(scheme: QuantScheme, rows: usize, cols: usize) -> (usize, usize) {
     match scheme {
         QuantScheme::Bf16 => (rows * cols * 2, 0),
         QuantScheme::Int8PerRow => (rows * cols, rows * 4),
-        QuantScheme::Int4 { group } => (rows * QuantMatrix::bytes_per_row_int4(cols), rows * QuantMatrix::groups_per_row(cols, group) * 4),
+        QuantScheme::Int4 { group } => (rows * QuantMatrix::bytes_per_row_int4(cols), rows * QuantMatrix::groups_per_row(cols, group) * 2),
         QuantScheme::Mxfp4 => (rows * QuantMatrix::bytes_per_row_int4(cols), rows * QuantMatrix::groups_per_row(cols, quant::MXFP4_GROUP)),
     }
 }
@@ -182,7 +182,8 @@ pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_check
                 StoredMatrix::Quant(QuantMatrix::Int8 { rows: *rows, cols: *cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) })
             }
             QuantScheme::Int4 { group } => {
-                StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales: f32s(scales) })
+                let scales = scales.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales })
             }
             QuantScheme::Mxfp4 => StoredMatrix::Quant(QuantMatrix::Mxfp4 { rows: *rows, cols: *cols, packed: data.to_vec(), scales: scales.to_vec() }),
         };
@@ -285,5 +286,12 @@ mod tests {
         let mut blob = encode(QuantScheme::Int8PerRow, shape, [&values(i * h, 1), &values(i * h, 2), &values(h * i, 3)], None);
         blob[sections[1].0..sections[1].0 + 4].copy_from_slice(&(-1.0f32).to_le_bytes());
         assert!(decode(&blob, QuantScheme::Int8PerRow, shape, None, "x").is_err());
+        // int4's scales are f16: a negative or infinite one is refused too.
+        let (sections, _) = layout(scheme, shape);
+        for bits in [0xbc00u16, 0x7c00] {
+            let mut blob = encode(scheme, shape, [&values(i * h, 1), &values(i * h, 2), &values(h * i, 3)], None);
+            blob[sections[3].0..sections[3].0 + 2].copy_from_slice(&bits.to_le_bytes());
+            assert!(decode(&blob, scheme, shape, None, "x").is_err(), "{bits:#x}");
+        }
     }
 }

@@ -3,8 +3,10 @@
 //! - `Int8PerRow`: each row r stores `q[r][c] = round(w / s_r)` in i8 with `s_r = max|w_r| / 127`
 //!   (an all-zero row has `s_r = 0`); `w ≈ q · s_r`.
 //! - `Int4 { group }`: each run of `group` consecutive values in a row (32, 64 or 128; the last run
-//!   of a row may be shorter) stores `q = clamp(round(w / s), -8, 7)` with `s = max|w| / 7`, as a
-//!   nibble `q + 8`, two per byte (low nibble first), rows padded to a whole byte; `w ≈ q · s`.
+//!   of a row may be shorter) stores `q = clamp(round(w / s), -8, 7)` as a nibble `q + 8`, two per
+//!   byte (low nibble first), rows padded to a whole byte, and `s` as an IEEE half (f16, as Q4_0
+//!   stores its scales: 4.5 bits a weight at 32 a group); `w ≈ q · s`. `s` is the best of a few
+//!   grids (`int4_group_scale`), rounded to f16 before the codes are chosen against it.
 //!
 //! - `Mxfp4` (OCP Microscaling, as gpt-oss ships its experts): each run of 32 values in a row
 //!   shares a power-of-two scale `2^(e−127)` stored as one e8m0 byte `e` (255 is NaN and refused);
@@ -13,7 +15,10 @@
 //!   Quantising picks `e = ⌊log2 max|w|⌋ − 2 + 127` (the OCP rule; an all-zero group gets e = 0)
 //!   and each value's nearest e2m1 code (ties to the even code), saturating at ±6.
 //!
-//! Only groups of 32, 64 and 128 are valid for int4. Scales are f32. Rounding is half away from zero (`f32::round`). Dequantisation is exact given
+//! Only groups of 32, 64 and 128 are valid for int4. int8 scales are f32, int4 scales f16 (finite,
+//! not negative: a group whose scale would not fit in f16 — a weight of magnitude above ~4.6e5 —
+//! fails `validate`, and a converter reports it; one whose scale is below f16's range, all its
+//! weights under ~4e-7, quantises to zeros). Rounding is half away from zero (`f32::round`). Dequantisation is exact given
 //! q and s, so every kernel that consumes these formats is held to `dequantize` here.
 
 use crate::error::LoadError;
@@ -58,12 +63,13 @@ pub enum QuantMatrix {
         q: Vec<i8>,
         scales: Vec<f32>,
     },
+    /// `scales` are f16 bit patterns, one per `group` values of a row.
     Int4 {
         rows: usize,
         cols: usize,
         group: usize,
         packed: Vec<u8>,
-        scales: Vec<f32>,
+        scales: Vec<u16>,
     },
     /// `scales` are e8m0 bytes, one per 32 values of a row.
     Mxfp4 {
@@ -115,39 +121,78 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
     QuantMatrix::Int4 { rows, cols, group, packed, scales }
 }
 
-/// One int4 group's scale, its values' codes in [-8, 7] left in `q`: of the grids that put the
-/// largest magnitude at 7, 7.25, 7.5, 7.75 or 8 steps (toward −8 on the side that has it), the
-/// one whose least-squares scale for its rounded codes leaves the smallest squared error. A plain
-/// `max / 7` leaves the −8 code unused; this is llama.cpp's refit (`make_qx_quants`) on the same
-/// format. Deterministic: the same group always gets the same codes.
-fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> f32 {
+/// One int4 group's scale as f16 bits, its values' codes in [-8, 7] left in `q`. Candidates: the
+/// plain `max / 7`, and for each grid that puts the largest magnitude at 7, 7.25, 7.5, 7.75 or 8
+/// steps (toward −8 on the side that has it) the least-squares scale of its rounded codes — each
+/// rounded to f16 and judged by the squared error of its own nearest codes, so the stored scale is
+/// the one measured and never worse than `max / 7`. A plain `max / 7` leaves the −8 code unused;
+/// the grids are llama.cpp's refit (`make_qx_quants`) on the same format. Deterministic: the same
+/// group always gets the same codes.
+fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> u16 {
     let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let mut best: Option<(f64, f32)> = None;
+    let plain = f32_to_f16(max / 7.0);
+    let mut best: Option<(f64, u16)> = None;
     // A zero group keeps scale 0; a non-finite one (which validation refuses) `max / 7`.
     if max != 0.0 && max.is_finite() {
-        for steps in [7.0f32, 7.25, 7.5, 7.75, 8.0] {
+        let mut candidates = [plain; 6];
+        for (slot, steps) in candidates[1..].iter_mut().zip([7.0f32, 7.25, 7.5, 7.75, 8.0]) {
             let inv = steps / max;
-            let (mut wq, mut qq, mut ww) = (0.0f64, 0.0f64, 0.0f64);
+            let (mut wq, mut qq) = (0.0f64, 0.0f64);
             for v in chunk {
                 let c = (v * inv).round().clamp(-8.0, 7.0) as f64;
                 wq += *v as f64 * c;
                 qq += c * c;
-                ww += (*v as f64) * (*v as f64);
             }
-            if qq == 0.0 || wq <= 0.0 {
+            if qq > 0.0 && wq > 0.0 {
+                *slot = f32_to_f16((wq / qq) as f32);
+            }
+        }
+        for bits in candidates {
+            let s = f16_to_f32(bits);
+            if !(s.is_finite() && s > 0.0) {
                 continue;
             }
-            // Squared error of the refit scale: Σw² − (Σwq)²/Σq², up to rounding of s to f32.
-            let err = ww - wq * wq / qq;
+            let err: f64 = chunk.iter().map(|v| (*v as f64 - ((v / s).round().clamp(-8.0, 7.0) * s) as f64).powi(2)).sum();
             if best.is_none_or(|(e, _)| err < e) {
-                best = Some((err, (wq / qq) as f32));
+                best = Some((err, bits));
             }
         }
     }
-    let s = best.map_or(max / 7.0, |(_, s)| s);
+    let bits = best.map_or(plain, |(_, b)| b);
+    let s = f16_to_f32(bits);
     q.clear();
-    q.extend(chunk.iter().map(|v| if s == 0.0 { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
-    s
+    q.extend(chunk.iter().map(|v| if s == 0.0 || !s.is_finite() { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
+    bits
+}
+
+/// An f16 bit pattern's value (exact: every f16 is an f32).
+#[inline]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
+/// `v` rounded to the nearest f16 (ties to even), as bits; beyond f16's range, infinity.
+#[inline]
+pub fn f32_to_f16(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+
+/// An int4 scale's value from its f16 bits, as every kernel decodes it: the bits moved into an
+/// f32's place and scaled by 2¹¹², which is exact for every finite non-negative f16, subnormals
+/// included (what `validate` lets through; other bits give garbage, never a panic). Kernels
+/// take the same two steps in vector registers.
+#[inline(always)]
+pub fn int4_scale(bits: u16) -> f32 {
+    f32::from_bits(((bits & 0x7fff) as u32) << 13) * F16_REBIAS
+}
+
+/// 2¹¹²: f32's exponent bias less f16's.
+pub const F16_REBIAS: f32 = f32::from_bits(0x7780_0000);
+
+/// Whether an int4 scale's bits are a finite, non-negative f16.
+#[inline]
+pub fn int4_scale_ok(bits: u16) -> bool {
+    bits & 0x8000 == 0 && bits & 0x7c00 != 0x7c00
 }
 
 /// Values per MXFP4 scale.
@@ -215,7 +260,7 @@ pub fn dequantize(m: &QuantMatrix) -> Vec<f32> {
                 for c in 0..*cols {
                     let byte = packed[r * bpr + c / 2];
                     let nib = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-                    out.push((nib as i32 - 8) as f32 * scales[r * gpr + c / group]);
+                    out.push((nib as i32 - 8) as f32 * int4_scale(scales[r * gpr + c / group]));
                 }
             }
             out
@@ -249,7 +294,8 @@ pub fn validate(m: &QuantMatrix, what: &str) -> Result<(), LoadError> {
         }
     };
     let scales_ok = match m {
-        QuantMatrix::Int8 { scales, .. } | QuantMatrix::Int4 { scales, .. } => scales.iter().all(|s| s.is_finite() && *s >= 0.0),
+        QuantMatrix::Int8 { scales, .. } => scales.iter().all(|s| s.is_finite() && *s >= 0.0),
+        QuantMatrix::Int4 { scales, .. } => scales.iter().all(|s| int4_scale_ok(*s)),
         QuantMatrix::Mxfp4 { scales, .. } => !scales.contains(&255),
     };
     if ok && scales_ok {
@@ -355,10 +401,10 @@ mod tests {
                 let back = dequantize(&m);
                 for (r, row) in w.chunks(cols).enumerate() {
                     for (g, chunk) in row.chunks(group).enumerate() {
-                        let s = scales[r * gpr + g];
+                        let s = f16_to_f32(scales[r * gpr + g]);
                         let start = r * cols + g * group;
                         let (mut err, mut plain_err) = (0.0f64, 0.0f64);
-                        let plain = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 7.0;
+                        let plain = f16_to_f32(f32_to_f16(chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 7.0));
                         for (i, &a) in chunk.iter().enumerate() {
                             let b = back[start + i];
                             assert_eq!(b, (a / s).round().clamp(-8.0, 7.0) * s, "g{group} {rows}x{cols} row {r} #{i}: nearest code");
@@ -366,13 +412,22 @@ mod tests {
                             let p = if plain == 0.0 { 0.0 } else { (a / plain).round().clamp(-8.0, 7.0) * plain };
                             plain_err += ((a - p) as f64).powi(2);
                         }
-                        assert!(err <= plain_err * (1.0 + 1e-6) + 1e-12, "g{group} {rows}x{cols} row {r} group {g}: {err} > {plain_err}");
+                        assert!(err <= plain_err, "g{group} {rows}x{cols} row {r} group {g}: {err} > {plain_err}");
                         improved += usize::from(err < plain_err * 0.999);
                     }
                 }
             }
         }
         assert!(improved > 10, "the refit improved only {improved} groups");
+    }
+
+    #[test]
+    fn int4_scales_decode_as_the_f16_they_are() {
+        for bits in (0..=0x7fffu16).filter(|b| int4_scale_ok(*b)) {
+            assert_eq!(int4_scale(bits).to_bits(), f16_to_f32(bits).to_bits(), "{bits:#06x}");
+        }
+        assert_eq!(int4_scale(0x0001), 2f32.powi(-24));
+        assert_eq!(int4_scale(0x7bff), 65504.0);
     }
 
     #[test]
@@ -431,6 +486,15 @@ mod tests {
         let back = dequantize(&quantize_int8(&w, 1, 4));
         assert!((back[0] / 1e30 - 1.0).abs() < 1e-6 && (back[1] / -1e30 - 1.0).abs() < 1e-6);
         assert_eq!(QuantScheme::parse("int4-g64"), Ok(QuantScheme::Int4 { group: 64 }));
+        // int4 scales are f16: a group whose scale is past f16's range is refused by validation,
+        // one below it quantises to zeros, and stored scales are exactly what the codes used.
+        assert!(validate(&quantize_int4(&[1e6, 1.0], 1, 2, 32), "t").is_err());
+        assert_eq!(dequantize(&quantize_int4(&[1e-9, -1e-9], 1, 2, 32)), vec![0.0, 0.0]);
+        let m = quantize_int4(&[448.0, -1.0, 0.1], 1, 3, 32);
+        validate(&m, "t").unwrap();
+        assert_eq!(dequantize(&m)[0], 448.0);
+        let bad = QuantMatrix::Int4 { rows: 1, cols: 2, group: 32, packed: vec![0], scales: vec![0x8001] };
+        assert!(validate(&bad, "t").is_err(), "a negative f16 scale");
         assert!(QuantScheme::parse("int3").unwrap_err().contains("int3"));
     }
 }

@@ -40,10 +40,11 @@ pub enum WeightRow<'a> {
         q: &'a [i8],
         scale: f32,
     },
-    /// `packed` holds `ceil(n/2)` bytes (low nibble first); `scales` one per `group` values.
+    /// `packed` holds `ceil(n/2)` bytes (low nibble first); `scales` one f16 (bits) per `group`
+    /// values.
     Int4 {
         packed: &'a [u8],
-        scales: &'a [f32],
+        scales: &'a [u16],
         group: usize,
         n: usize,
     },
@@ -106,7 +107,7 @@ impl WeightRow<'_> {
             WeightRow::Int4 { packed, scales, group, .. } => {
                 let byte = packed[i / 2];
                 let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
-                (nib as i32 - 8) as f32 * scales[i / group]
+                (nib as i32 - 8) as f32 * quant::int4_scale(scales[i / group])
             }
             WeightRow::Fp8 { q, scales, group } => quant::fp8_e4m3_to_f32(q[i]) * scales[i / group],
             WeightRow::Mxfp4 { packed, scales, .. } => {
@@ -524,7 +525,7 @@ pub(crate) mod x86 {
                     let parts = nibbles64(p[m].add(c * LANES / 2));
                     quad!(|j| _mm512_mul_ps(
                         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), lut),
-                        _mm512_set1_ps(*s[m].get_unchecked(grp.of(c * LANES + j * 16)))
+                        _mm512_set1_ps(shimmer_common::quant::int4_scale(*s[m].get_unchecked(grp.of(c * LANES + j * 16))))
                     ))
                 })
             }
@@ -639,7 +640,7 @@ pub(crate) mod x86 {
                 let eight = _mm256_set1_epi32(8);
                 run!(|m, i| _mm256_mul_ps(
                     _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles8(p[m].add(i / 2)), eight)),
-                    _mm256_set1_ps(*s[m].get_unchecked(grp.of(i)))
+                    _mm256_set1_ps(shimmer_common::quant::int4_scale(*s[m].get_unchecked(grp.of(i))))
                 ))
             }
             WeightRow::Fp8 { group, .. } => {
@@ -799,11 +800,12 @@ mod tests {
             let QuantMatrix::Int4 { packed, scales, .. } = &q else { unreachable!() };
             let row = WeightRow::Int4 { packed, scales, group: 32, n };
             assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} extreme int4");
-            // Scales near the top of f32's range.
-            let huge: Vec<f32> = scales.iter().map(|_| f32::MAX / 7.0).collect();
-            let row = WeightRow::Int4 { packed, scales: &huge, group: 32, n };
-            let small_x: Vec<f32> = x.iter().map(|v| v * 1e-30).collect();
-            assert_eq!(dots_with::<1>(isa, &row, [&small_x])[0].to_bits(), dot_scalar(&row, &small_x).to_bits(), "{isa:?} near-max int4 scale");
+            // f16 scales at the top of their range, subnormal, and mixed.
+            for pattern in [&[0x7bffu16][..], &[0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0x1234]] {
+                let odd: Vec<u16> = (0..scales.len()).map(|g| pattern[g % pattern.len()]).collect();
+                let row = WeightRow::Int4 { packed, scales: &odd, group: 32, n };
+                assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} int4 scales {pattern:?}");
+            }
             // fp8: NaN codes give NaN, subnormal codes their exact values, on every ISA.
             let codes: Vec<u8> = (0..n).map(|i| [0x7f, 0x01, 0x87, 0x00, 0x80, 0xff, 0x07, 0x08][i % 8]).collect();
             let ones = vec![1.0f32; 1];
@@ -819,7 +821,7 @@ mod tests {
                 let row = WeightRow::Mxfp4 { packed: &nibbles, scales: &sc, n };
                 assert_eq!(dots_with::<1>(isa, &row, [&x])[0].to_bits(), dot_scalar(&row, &x).to_bits(), "{isa:?} mxfp4 scale {e}");
             }
-            let zero_scales = vec![0.0f32; scales.len()];
+            let zero_scales = vec![0u16; scales.len()];
             let row = WeightRow::Int4 { packed, scales: &zero_scales, group: 32, n };
             assert_eq!(dots_with::<1>(isa, &row, [&x])[0], 0.0);
         }

@@ -81,10 +81,10 @@ pub enum WeightData {
         q: Vec<i8>,
         scales: Vec<f32>,
     },
-    /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes.
+    /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes; f16 scales.
     Int4 {
         packed: Vec<u8>,
-        scales: Vec<f32>,
+        scales: Vec<u16>,
         group: usize,
     },
     /// fp8-e4m3 with one scale per tile of `row_block × block` values: `w[r][c] = fp8(q) ·
@@ -200,7 +200,7 @@ impl Matrix {
             WeightData::F32(v) => v.len() * 4,
             WeightData::Bf16(v) | WeightData::F16(v) => v.len() * 2,
             WeightData::Int8 { q, scales } => q.len() + scales.len() * 4,
-            WeightData::Int4 { packed, scales, .. } => packed.len() + scales.len() * 4,
+            WeightData::Int4 { packed, scales, .. } => packed.len() + scales.len() * 2,
             WeightData::Fp8 { q, scales, .. } => q.len() + scales.len() * 4,
             WeightData::Mxfp4 { packed, scales } => packed.len() + scales.len(),
         }

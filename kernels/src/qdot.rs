@@ -46,7 +46,7 @@
 
 use std::sync::OnceLock;
 
-use shimmer_common::quant::MXFP4_GROUP;
+use shimmer_common::quant::{int4_scale, MXFP4_GROUP};
 
 use crate::dot::WeightRow;
 
@@ -317,7 +317,7 @@ pub(crate) enum Fmt {
 }
 
 /// One weight row as the ISA code reads it: `data` its bytes (int8 values, or packed nibbles),
-/// `scales` its group scales (int4: f32 a group; MXFP4: e8m0 a block), `scale` int8's row scale.
+/// `scales` its group scales (int4: f16 a group; MXFP4: e8m0 a block), `scale` int8's row scale.
 #[derive(Clone, Copy)]
 pub(crate) struct RawRow {
     pub data: *const u8,
@@ -331,7 +331,7 @@ impl RawRow {
     pub(crate) unsafe fn factor(&self, fmt: Fmt, b: usize) -> f32 {
         match fmt {
             Fmt::Int8 => 1.0,
-            Fmt::Int4 { group } => *(self.scales as *const f32).add(b * QBLOCK / group),
+            Fmt::Int4 { group } => int4_scale((self.scales as *const u16).add(b * QBLOCK / group).read_unaligned()),
             Fmt::Mxfp4 => half_e8m0(*self.scales.add(b * QBLOCK / MXFP4_GROUP)),
         }
     }
@@ -392,7 +392,7 @@ impl<'a> QMatrix<'a> {
     }
 
     /// int4 rows (`ceil(cols / 2)` packed bytes and `ceil(cols / group)` scales a row).
-    pub fn int4(packed: &'a [u8], scales: &'a [f32], group: usize, rows: usize, cols: usize) -> Self {
+    pub fn int4(packed: &'a [u8], scales: &'a [u16], group: usize, rows: usize, cols: usize) -> Self {
         assert!(group > 0 && group.is_multiple_of(QBLOCK), "int4 groups of the integer path are whole blocks");
         let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(group));
         assert!(packed.len() >= rows * bpr && scales.len() >= rows * gpr, "int4 matrix parts are shorter than its shape");
@@ -404,7 +404,7 @@ impl<'a> QMatrix<'a> {
             data: packed.as_ptr(),
             row_bytes: bpr,
             scales: sc,
-            row_scale_bytes: 4 * gpr,
+            row_scale_bytes: 2 * gpr,
             int8_scales: std::ptr::null(),
             _borrows: Default::default(),
         }
@@ -459,7 +459,7 @@ impl<'a> QMatrix<'a> {
             match self.fmt {
                 Fmt::Int8 => WeightRow::Int8 { q: std::slice::from_raw_parts(data.as_ptr() as *const i8, n), scale: *self.int8_scales.add(r) },
                 Fmt::Int4 { group } => {
-                    let scales = std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes) as *const f32, self.row_scale_bytes / 4);
+                    let scales = std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes) as *const u16, self.row_scale_bytes / 2);
                     WeightRow::Int4 { packed: data, scales, group, n }
                 }
                 Fmt::Mxfp4 => {
@@ -617,7 +617,7 @@ fn weight_int(w: &WeightRow<'_>, i: usize) -> i32 {
 fn weight_factor(w: &WeightRow<'_>, b: usize) -> f32 {
     match w {
         WeightRow::Int8 { .. } => 1.0,
-        WeightRow::Int4 { scales, group, .. } => scales[b * QBLOCK / group],
+        WeightRow::Int4 { scales, group, .. } => int4_scale(scales[b * QBLOCK / group]),
         // 2^(e − 128): e8m0 halved (e = 0 gives 2⁻¹²⁸, a subnormal, exactly).
         WeightRow::Mxfp4 { scales, .. } => half_e8m0(scales[b * QBLOCK / MXFP4_GROUP]),
         _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),

@@ -201,6 +201,9 @@ fn damaged_containers_and_foreign_files_are_refused_with_the_reason() {
     };
     edit(&|v| v["version"] = 99.into());
     assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "version 99"]);
+    // Version 2 differs only in int4's scales (f32 then): its bf16 containers still serve.
+    edit(&|v| v["version"] = 2.into());
+    assert!(score(c.path(), &[]).status.success());
     edit(&|v| v["version"] = 1.into());
     assert_clean_failure(&score(c.path(), &[]), &[MANIFEST_FILE, "version 1", "re-run `shimmer convert`"]);
     edit(&|v| v["expert_quant"] = "int3".into());
@@ -317,7 +320,7 @@ fn a_damaged_dense_int4_matrix_is_refused_by_name() {
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let at = 8 + n + header[&scale]["data_offsets"][0].as_u64().unwrap() as usize;
-    bytes[at + 3] |= 0x80;
+    bytes[at + 1] |= 0x80; // the f16 scale's sign bit
     std::fs::write(&path, bytes).unwrap();
     assert_clean_failure(&score(negative.path(), &[]), &["dense.safetensors", "checksum mismatch"]);
     // The loader: a negative scale.
@@ -333,6 +336,40 @@ fn a_damaged_dense_int4_matrix_is_refused_by_name() {
     });
     let e = load_matrix(&dense(wrong_shape.path()), q, rows, cols, 128).unwrap_err().to_string();
     assert!(e.contains(&scale), "{e}");
+
+    // A container written when int4 scales were f32 (version 2): the loader and the manifest
+    // both say to convert again, and a conversion into it refuses to take it for finished.
+    let old_scales = tempfile::tempdir().unwrap();
+    copy_dir(out.path(), old_scales.path());
+    shimmer_tests::edit_safetensors_header(&old_scales.path().join("dense.safetensors"), |h| {
+        let shape = h[&scale]["shape"].as_array().unwrap().clone();
+        let rows = shape[0].as_u64().unwrap();
+        assert_eq!(rows % 2, 0, "the fixture's matrix has an even number of rows");
+        h.get_mut(&scale).unwrap()["dtype"] = "F32".into();
+        h.get_mut(&scale).unwrap()["shape"] = serde_json::json!([rows / 2, shape[1]]);
+    });
+    let e = load_matrix(&dense(old_scales.path()), q, rows, cols, 128).unwrap_err().to_string();
+    assert!(e.contains(&scale) && e.contains("f32") && e.contains("re-run `shimmer convert`"), "{e}");
+    let old_manifest = tempfile::tempdir().unwrap();
+    copy_dir(out.path(), old_manifest.path());
+    let path = old_manifest.path().join(MANIFEST_FILE);
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["version"] = 2.into();
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    assert_clean_failure(&score(old_manifest.path(), &[]), &[MANIFEST_FILE, "version 2", "int4-g32 dense", "re-run `shimmer convert`"]);
+    let o = shimmer(&[
+        "convert",
+        "--from",
+        fixture("olmoe").to_str().unwrap(),
+        "--to",
+        old_manifest.path().to_str().unwrap(),
+        "--quant",
+        "int8",
+        "--dense-quant",
+        "int4-g32",
+        "--quiet",
+    ]);
+    assert_clean_failure(&o, &["cannot read", "version 2"]);
 
     let unknown = tempfile::tempdir().unwrap();
     copy_dir(out.path(), unknown.path());

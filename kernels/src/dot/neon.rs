@@ -118,7 +118,7 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
                         for (t, u) in widen16(bytes).into_iter().enumerate() {
                             let r = half_chunk * 8 + b * 4 + t;
                             let q = vsubq_s32(vreinterpretq_s32_u32(u), vdupq_n_s32(8));
-                            let scale = *s[m].get_unchecked(grp.of(c * LANES + r * 4));
+                            let scale = shimmer_common::quant::int4_scale(*s[m].get_unchecked(grp.of(c * LANES + r * 4)));
                             out[r] = vmulq_f32(vcvtq_f32_s32(q), vdupq_n_f32(scale));
                         }
                     }
@@ -134,7 +134,7 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
                 for sub in 0..4 {
                     for (t, u) in widen16(vld1q_u8(q[m].add(c * LANES + sub * 16))).into_iter().enumerate() {
                         let r = sub * 4 + t;
-                        let scale = *s[m].get_unchecked(grp.of(c * LANES + r * 4));
+                        let scale = shimmer_common::quant::int4_scale(*s[m].get_unchecked(grp.of(c * LANES + r * 4)));
                         out[r] = vmulq_f32(fp8x4(u), vdupq_n_f32(scale));
                     }
                 }

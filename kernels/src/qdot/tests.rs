@@ -126,9 +126,13 @@ fn extreme_scales_zero_rows_and_the_most_negative_int8_agree_across_isas() {
     every_isa_agrees("int8 -128", &WeightRow::Int8 { q: &q8, scale: 0.01 }, &acts);
     every_isa_agrees("int8 zero row", &WeightRow::Int8 { q: &vec![0; n], scale: 1.0 }, &acts);
     let packed: Vec<u8> = (0..n / 2).map(|i| (i * 29 % 256) as u8).collect();
-    let big_scales = vec![f32::MAX / 9.0; n.div_ceil(32)];
-    every_isa_agrees("int4 near-max scales", &WeightRow::Int4 { packed: &packed, scales: &big_scales, group: 32, n }, &acts);
-    let zero_scales = vec![0.0; n.div_ceil(64)];
+    let big_scales = vec![0x7bffu16; n.div_ceil(32)];
+    every_isa_agrees("int4 largest f16 scales", &WeightRow::Int4 { packed: &packed, scales: &big_scales, group: 32, n }, &acts);
+    for group in [32, 64, 128] {
+        let odd: Vec<u16> = (0..n.div_ceil(group)).map(|g| [0x0001u16, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0x1234, 0x2e66][g % 7]).collect();
+        every_isa_agrees(&format!("int4-g{group} subnormal and mixed f16 scales"), &WeightRow::Int4 { packed: &packed, scales: &odd, group, n }, &acts);
+    }
+    let zero_scales = vec![0u16; n.div_ceil(64)];
     every_isa_agrees("int4 zero scales", &WeightRow::Int4 { packed: &packed, scales: &zero_scales, group: 64, n }, &acts);
     for e in [0u8, 1, 2, 127, 200, 254] {
         let sc = vec![e; n.div_ceil(32)];
@@ -158,7 +162,7 @@ fn the_integer_tables_are_the_formats() {
     assert!(half_e8m0(255).is_nan());
     // Only whole-block int4 groups take the integer path.
     let packed = [0u8; 24];
-    let scales = [1.0f32; 1];
+    let scales = [0x3c00u16; 1];
     assert!(is_integer(&WeightRow::Int4 { packed: &packed, scales: &scales, group: 64, n: 48 }));
     assert!(!is_integer(&WeightRow::Int4 { packed: &packed, scales: &scales, group: 48, n: 48 }));
     assert!(!is_integer(&WeightRow::F32(&[1.0])));

@@ -11,6 +11,7 @@
 
 use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12};
 use crate::dot::x86::{reduce256, reduce512};
+use shimmer_common::quant::{int4_scale, F16_REBIAS};
 use std::arch::x86_64::*;
 
 /// The first `len` of 64 bytes (all of them from 64 on).
@@ -35,17 +36,24 @@ unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
     spread4(_mm_setr_ps(f[0], f[1], f[2], f[3]))
 }
 
+/// Four int4 scales (f16 bits) as f32, exactly as `quant::int4_scale` decodes each.
+#[inline(always)]
+unsafe fn int4_scales4(p: *const u16) -> __m128 {
+    let bits = _mm_cvtepu16_epi32(_mm_loadl_epi64(p as *const __m128i));
+    _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32::<13>(bits)), _mm_set1_ps(F16_REBIAS))
+}
+
 /// The four weight factors of chunk `c` as `per_block_512` lays them out, without scalar code
 /// for the common int4 groups.
 #[inline(always)]
 unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
     match fmt {
-        Fmt::Int4 { group: 32 } => spread4(_mm_loadu_ps((row.scales as *const f32).add(4 * c))),
+        Fmt::Int4 { group: 32 } => spread4(int4_scales4((row.scales as *const u16).add(4 * c))),
         Fmt::Int4 { group: 64 } => {
-            let s = (row.scales as *const f32).add(2 * c);
-            _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*s), _mm512_set1_ps(*s.add(1)))
+            let s = (row.scales as *const u16).add(2 * c);
+            _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(int4_scale(s.read_unaligned())), _mm512_set1_ps(int4_scale(s.add(1).read_unaligned())))
         }
-        Fmt::Int4 { group: 128 } => _mm512_set1_ps(*(row.scales as *const f32).add(c)),
+        Fmt::Int4 { group: 128 } => _mm512_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned())),
         Fmt::Mxfp4 => {
             // `half_e8m0` of the chunk's four e8m0 bytes at once: (e − 1) << 23, the subnormal
             // 1 << (21 + e) for e ≤ 1, NaN for 255.
@@ -286,13 +294,13 @@ unsafe fn spread4_256(f: __m128) -> [__m256; 2] {
 #[inline(always)]
 unsafe fn factors_256(fmt: Fmt, row: &RawRow, c: usize) -> [__m256; 2] {
     match fmt {
-        Fmt::Int4 { group: 32 } => spread4_256(_mm_loadu_ps((row.scales as *const f32).add(4 * c))),
+        Fmt::Int4 { group: 32 } => spread4_256(int4_scales4((row.scales as *const u16).add(4 * c))),
         Fmt::Int4 { group: 64 } => {
-            let s = (row.scales as *const f32).add(2 * c);
-            [_mm256_set1_ps(*s), _mm256_set1_ps(*s.add(1))]
+            let s = (row.scales as *const u16).add(2 * c);
+            [_mm256_set1_ps(int4_scale(s.read_unaligned())), _mm256_set1_ps(int4_scale(s.add(1).read_unaligned()))]
         }
         Fmt::Int4 { group: 128 } => {
-            let s = _mm256_set1_ps(*(row.scales as *const f32).add(c));
+            let s = _mm256_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned()));
             [s, s]
         }
         _ => {

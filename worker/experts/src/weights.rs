@@ -29,7 +29,7 @@ pub const INT8_SCALE_SUFFIX: &str = "_shimmer_int8_scale";
 /// The groups an int4 dense matrix may have (`shimmer convert --dense-quant int4-gN`).
 pub const DENSE_INT4_GROUPS: [usize; 3] = [32, 64, 128];
 
-/// The name of the per-group f32 scales (`rows × ⌈cols/group⌉`) stored beside an int4 dense
+/// The name of the per-group f16 scales (`rows × ⌈cols/group⌉`) stored beside an int4 dense
 /// matrix, which name its group: packed nibbles alone cannot say it.
 pub fn int4_scale_name(name: &str, group: usize) -> String {
     format!("{name}_shimmer_int4_g{group}_scale")
@@ -45,7 +45,16 @@ pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_
         if raw.dtype != StDtype::U8 || raw.shape != [rows, bpr] {
             return Err(bad(format!("int4 dense weight must be U8 {:?} (two values a byte), found {:?} {:?}", [rows, bpr], raw.dtype, raw.shape)));
         }
-        let scales = ckpt.get(&int4_scale_name(name, group), &[rows, quant::QuantMatrix::groups_per_row(cols, group)])?.to_f32();
+        let scale_name = int4_scale_name(name, group);
+        let sraw = ckpt.raw(&scale_name)?;
+        let gpr = quant::QuantMatrix::groups_per_row(cols, group);
+        if sraw.dtype == StDtype::F32 {
+            return Err(bad(format!("`{scale_name}` holds f32 scales, as shimmer wrote int4 before it stored them as f16: re-run `shimmer convert`")));
+        }
+        if sraw.dtype != StDtype::F16 || sraw.shape != [rows, gpr] {
+            return Err(bad(format!("int4 scales `{scale_name}` must be F16 {:?}, found {:?} {:?}", [rows, gpr], sraw.dtype, sraw.shape)));
+        }
+        let scales = sraw.bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
         let m = quant::QuantMatrix::Int4 { rows, cols, group, packed: raw.bytes.to_vec(), scales };
         quant::validate(&m, name).map_err(|e| bad(e.to_string()))?;
         return Ok(Matrix::from_quant(m));

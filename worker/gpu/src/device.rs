@@ -67,7 +67,8 @@ pub enum WeightFormat {
     },
     /// int8 per row (`q`, one f32 row scale), integer products with int8 activations.
     Int8,
-    /// int4 with one f32 scale per `group` values (a multiple of 32), integer products.
+    /// int4 with one scale per `group` values (a multiple of 32; stored as f16, widened exactly to f32
+    /// in the image), integer products.
     Int4 {
         group: u32,
     },
@@ -191,7 +192,8 @@ impl ExpertImage {
                     bytes.extend_from_slice(packed);
                     align(&mut bytes);
                     scales_offset = bytes.len();
-                    scales.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+                    // The f16 scales widened (exactly) to the f32 the kernels read.
+                    scales.iter().for_each(|x| bytes.extend_from_slice(&shimmer_common::quant::int4_scale(*x).to_le_bytes()));
                     WeightFormat::Int4 { group: *group as u32 }
                 }
                 (WeightData::Mxfp4 { packed, scales }, Activations::Int8) if scales.len() == m.rows * m.cols.div_ceil(32) => {
@@ -359,12 +361,13 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
     let flushy = Expert::new(f32m(inter, hidden, &mut { subnormal }), f32m(inter, hidden, &mut tiny(1.0)), f32m(hidden, inter, &mut tiny(1.0)));
     let flushy_rows: Vec<f32> = (0..hidden).map(|i| (((i * 3) % 7) as f32 - 3.0) * 1e20).collect();
     // Integer products: MXFP4 weights so small that their block scales are subnormal (e8m0 ≤ 1)
-    // and int4 ones with tiny group scales, against activations with zero and outlier blocks.
+    // and int4 ones whose f16 group scales are subnormal (weights ~1e-6), against activations with
+    // zero and outlier blocks.
     let mut w = value;
     let tiny_w: Vec<f32> = (0..inter * hidden).map(|i| w(i) * 1e-38).collect();
     let quantised = Expert::new(
         Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&tiny_w, inter, hidden)),
-        Matrix::from_quant(shimmer_common::quant::quantize_int4(&tiny_w.iter().map(|v| v * 1e8).collect::<Vec<_>>(), inter, hidden, 32)),
+        Matrix::from_quant(shimmer_common::quant::quantize_int4(&tiny_w.iter().map(|v| v * 1e32).collect::<Vec<_>>(), inter, hidden, 32)),
         Matrix::from_quant(shimmer_common::quant::quantize_int8(&(0..hidden * inter).map(&mut w).collect::<Vec<_>>(), hidden, inter)),
     );
     let quantised_rows: Vec<f32> = (0..2 * hidden)
@@ -458,6 +461,10 @@ mod tests {
         assert!(forward(&(flushed, x)).iter().all(|v| *v == 0.0));
         match &quantised.0.gate.data {
             WeightData::Mxfp4 { scales, .. } => assert!(scales.iter().filter(|e| **e <= 1).count() > 100, "{scales:?}"),
+            other => panic!("{other:?}"),
+        }
+        match &quantised.0.up.data {
+            WeightData::Int4 { scales, .. } => assert!(scales.iter().filter(|s| **s != 0 && **s < 0x0400).count() > 100, "{scales:?}"),
             other => panic!("{other:?}"),
         }
         assert!(forward(&quantised).iter().filter(|v| **v != 0.0).count() > 100);

@@ -87,7 +87,9 @@ pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
             WeightFormat::Int8 => WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?) },
             WeightFormat::Int4 { group } => {
                 let n = m.rows * m.cols.div_ceil(group as usize);
-                WeightData::Int4 { packed: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), group: group as usize }
+                // The image's f32 scales are widened f16s: narrowing gives back the exact bits.
+                let scales = f32s(part(m.scales_offset, Some(4 * n))?).into_iter().map(shimmer_common::quant::f32_to_f16).collect();
+                WeightData::Int4 { packed: values.to_vec(), scales, group: group as usize }
             }
             WeightFormat::Mxfp4 => WeightData::Mxfp4 { packed: values.to_vec(), scales: part(m.scales_offset, Some(m.rows * m.cols.div_ceil(32)))?.to_vec() },
         };

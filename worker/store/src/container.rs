@@ -31,7 +31,11 @@ pub const EXPERTS_FILE: &str = "experts.safetensors";
 pub const DENSE_FILE: &str = "dense.safetensors";
 pub const FORMAT_NAME: &str = "shimmer-expert-container";
 /// 2: blob checksums bind the blob's identity (layer, expert, format); the dense file is sealed.
-pub const FORMAT_VERSION: u64 = 2;
+pub const FORMAT_VERSION: u64 = 3;
+
+/// The version before int4 scales were f16: its int8, bf16 and MXFP4 containers are the same
+/// bytes as today's and still read; its int4 ones (f32 scales) are refused with a way out.
+const INT4_F32_SCALES_VERSION: u64 = 2;
 const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -52,6 +56,20 @@ pub struct Manifest {
     /// The dense weights file's length and checksum, verified before they are used.
     pub dense: FileSeal,
     pub blobs: Vec<BlobEntry>,
+}
+
+impl Manifest {
+    /// Why this build cannot serve the container as it is, if it cannot: a version-2 container
+    /// with int4 experts or dense weights holds their scales as f32, which this build reads as f16.
+    pub fn outdated(&self) -> Option<String> {
+        let int4 = |q: &str| q.starts_with("int4");
+        (self.version == INT4_F32_SCALES_VERSION && (int4(&self.expert_quant) || int4(&self.dense_quant))).then(|| {
+            format!(
+                "container format version 2 with {} experts and {} dense weights stores int4 scales as f32; this build stores them as f16 (4.5 bits a weight at int4-g32): re-run `shimmer convert` into a new directory",
+                self.expert_quant, self.dense_quant
+            )
+        })
+    }
 }
 
 /// A whole file's length and XXH3-64.
@@ -173,11 +191,14 @@ impl Container {
             return Err(bad(format!("not a shimmer expert container manifest (`format` is not \"{FORMAT_NAME}\")")));
         }
         match value.get("version").and_then(|v| v.as_u64()) {
-            Some(FORMAT_VERSION) => {}
+            Some(FORMAT_VERSION | INT4_F32_SCALES_VERSION) => {}
             Some(v) => return Err(bad(format!("container format version {v}; this build reads version {FORMAT_VERSION} (re-run `shimmer convert`)"))),
             None => return Err(bad("no `version` number".into())),
         }
         let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(format!("invalid manifest: {e}")))?;
+        if let Some(problem) = manifest.outdated() {
+            return Err(bad(problem));
+        }
         let scheme = QuantScheme::parse(&manifest.expert_quant).map_err(|e| bad(format!("`expert_quant`: {e}")))?;
         if let Err(e) = crate::convert::DenseQuant::parse(&manifest.dense_quant) {
             return Err(bad(format!("`dense_quant`: {e}")));

@@ -24,6 +24,9 @@ use shimmer_common::{Checkpoint, LoadError, ModelSpec, StDtype};
 
 use crate::container::{self, BlobEntry, Container, FileSeal, Manifest, DENSE_FILE, EXPERTS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 
+/// Why an int4 matrix could not be written.
+const INT4_RANGE: &str = "a weight is too large for int4's f16 group scales (|w| above ~4.6e5); convert it as int8 or bf16";
+
 /// Present while a conversion is unfinished (removed after the manifest is in place).
 pub const JOURNAL_FILE: &str = ".shimmer-convert.json";
 /// Blobs between fsync + journal updates: bounds the work a crash can lose.
@@ -252,9 +255,9 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
             });
             plans.push(DensePlan {
                 name: int4_scale_name(name, group),
-                dtype: "F32",
+                dtype: "F16",
                 shape: vec![rows, gpr],
-                bytes: (rows * gpr * 4) as u64,
+                bytes: (rows * gpr * 2) as u64,
                 kind: DenseKind::Scales,
             });
         } else if quantisable && float && dense_quant != DenseQuant::Bf16 {
@@ -304,7 +307,8 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
     let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
     let entries: Vec<_> = plans.iter().map(|p| (p.name.clone(), p.dtype, p.shape.clone(), p.bytes)).collect();
     out.write_all(&safetensors_header(&entries, "shimmer-dense")).map_err(io(&tmp))?;
-    let mut pending_scales: Option<Vec<f32>> = None;
+    // The scales of the quantised matrix just written, as their little-endian bytes.
+    let mut pending_scales: Option<Vec<u8>> = None;
     for p in plans {
         let bytes: Vec<u8> = match p.kind {
             DenseKind::Copy => ckpt.raw(&p.name)?.bytes.to_vec(),
@@ -315,7 +319,7 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
                 let w = tensor_f32(ckpt, &p.name, &p.shape, fp8_block)?;
                 match quant::quantize_int8(&w, p.shape[0], p.shape[1]) {
                     quant::QuantMatrix::Int8 { q, scales, .. } => {
-                        pending_scales = Some(scales);
+                        pending_scales = Some(scales.iter().flat_map(|s| s.to_le_bytes()).collect());
                         q.iter().map(|v| *v as u8).collect()
                     }
                     _ => unreachable!("int8 quantisation returns int8"),
@@ -326,13 +330,16 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
                 let w = tensor_f32(ckpt, &p.name, &[rows, cols], fp8_block)?;
                 match quant::quantize_int4(&w, rows, cols, group) {
                     quant::QuantMatrix::Int4 { packed, scales, .. } => {
-                        pending_scales = Some(scales);
+                        if !scales.iter().all(|s| quant::int4_scale_ok(*s)) {
+                            return Err(LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: p.name.clone(), problem: INT4_RANGE.into() });
+                        }
+                        pending_scales = Some(scales.iter().flat_map(|s| s.to_le_bytes()).collect());
                         packed
                     }
                     _ => unreachable!("int4 quantisation returns int4"),
                 }
             }
-            DenseKind::Scales => pending_scales.take().unwrap_or_default().iter().flat_map(|s| s.to_le_bytes()).collect(),
+            DenseKind::Scales => pending_scales.take().unwrap_or_default(),
         };
         if bytes.len() as u64 != p.bytes {
             return Err(LoadError::Tensor {
@@ -368,6 +375,12 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
 
     if Container::is_container(to) {
         let done = container::read_manifest(to)?;
+        if let Some(problem) = done.outdated() {
+            return Err(LoadError::malformed(
+                to,
+                format!("already holds a finished conversion that this build cannot read ({problem}); remove it or choose another --to"),
+            ));
+        }
         if done.source_fingerprint == source_fingerprint && done.expert_quant == expert_quant && done.dense_quant == dense_quant {
             // A run stopped between the manifest and removing its journal: finish tidying.
             let stale = to.join(JOURNAL_FILE);
@@ -482,7 +495,14 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
                 };
                 let (g, u, d) = (widen(&expert.gate), widen(&expert.up), widen(&expert.down));
                 let bias = expert.bias.as_ref().map(|b| [b.gate.as_slice(), b.up.as_slice(), b.down.as_slice()]);
-                Ok(expert_blob::encode(opts.expert_quant, shape, [&g, &u, &d], bias))
+                let blob = expert_blob::encode(opts.expert_quant, shape, [&g, &u, &d], bias);
+                // What the loader would refuse is never written: int4's f16 scales have a range.
+                let what = format!("layer {l} expert {e}");
+                expert_blob::decode(&blob, opts.expert_quant, shape, None, &what).map_err(|err| match opts.expert_quant {
+                    QuantScheme::Int4 { .. } => LoadError::malformed(&what, INT4_RANGE),
+                    _ => err,
+                })?;
+                Ok(blob)
             })
             .collect::<Result<_, LoadError>>()?;
         for (blob, &(layer, expert)) in blobs.iter().zip(batch) {
