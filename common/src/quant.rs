@@ -179,15 +179,15 @@ pub fn f32_to_f16(v: f32) -> u16 {
 
 /// An int4 scale's value from its f16 bits, as every kernel decodes it: the bits moved into an
 /// f32's place and scaled by 2¹¹², which is exact for every finite non-negative f16, subnormals
-/// included (what `validate` lets through; other bits give garbage, never a panic). Kernels
-/// take the same two steps in vector registers.
+/// included (what `validate` lets through; other bits give garbage, never a panic). Vector
+/// kernels may use the hardware's conversion (`vcvtph2ps`), exact too.
 #[inline(always)]
 pub fn int4_scale(bits: u16) -> f32 {
     f32::from_bits(((bits & 0x7fff) as u32) << 13) * F16_REBIAS
 }
 
 /// 2¹¹²: f32's exponent bias less f16's.
-pub const F16_REBIAS: f32 = f32::from_bits(0x7780_0000);
+const F16_REBIAS: f32 = f32::from_bits(0x7780_0000);
 
 /// Whether an int4 scale's bits are a finite, non-negative f16.
 #[inline]

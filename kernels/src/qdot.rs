@@ -724,7 +724,7 @@ impl IntIsa {
         match self {
             IntIsa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            IntIsa::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+            IntIsa::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c"),
             #[cfg(target_arch = "x86_64")]
             IntIsa::AvxVnni => IntIsa::Avx2.available() && std::is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]

@@ -11,7 +11,7 @@
 
 use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12};
 use crate::dot::x86::{reduce256, reduce512};
-use shimmer_common::quant::{int4_scale, F16_REBIAS};
+use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
 
 /// The first `len` of 64 bytes (all of them from 64 on).
@@ -36,11 +36,11 @@ unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
     spread4(_mm_setr_ps(f[0], f[1], f[2], f[3]))
 }
 
-/// Four int4 scales (f16 bits) as f32, exactly as `quant::int4_scale` decodes each.
+/// Four int4 scales (f16 bits) as f32, exactly as `quant::int4_scale` decodes each (`vcvtph2ps`
+/// is exact for every f16, subnormals included, whatever MXCSR says).
 #[inline(always)]
 unsafe fn int4_scales4(p: *const u16) -> __m128 {
-    let bits = _mm_cvtepu16_epi32(_mm_loadl_epi64(p as *const __m128i));
-    _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32::<13>(bits)), _mm_set1_ps(F16_REBIAS))
+    _mm_cvtph_ps(_mm_loadl_epi64(p as *const __m128i))
 }
 
 /// The four weight factors of chunk `c` as `per_block_512` lays them out, without scalar code
@@ -224,14 +224,14 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     out
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     core512::<M, N>(fmt, rows, n, xs)
 }
 
 /// `out[i] = row(first + i) · x`, four rows a step with the loop inside the ISA's code: what a
 /// call costs besides its chunks is paid once per block of rows.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatvec_avx512vnni(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
     let (fmt, n) = (w.fmt, w.cols);
     let mut chunks = out.chunks_exact_mut(4);
@@ -249,7 +249,7 @@ pub(super) unsafe fn qmatvec_avx512vnni(w: &QMatrix<'_>, x: &QRow<'_>, first: us
 
 /// Two matrices' rows `first + i` against one activation row (gate and up): rows `r` and
 /// `r + 1` of both in one pass.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatvec_pair_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
     let (fmt, n) = (a.fmt, a.cols);
     let rows = a_out.len();
@@ -266,12 +266,12 @@ pub(super) unsafe fn qmatvec_pair_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>, x
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn qdots_avx2<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     core256::<M, N, false>(fmt, rows, n, xs)
 }
 
-#[target_feature(enable = "avx2,fma,avxvnni")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 pub(super) unsafe fn qdots_avxvnni<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     core256::<M, N, true>(fmt, rows, n, xs)
 }
@@ -468,7 +468,7 @@ unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut
 }
 
 /// `out[(r − first)·n + i] = W[r] · xs[i]` (weight-row major), two weight rows a pass.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatmul_t_avx512vnni(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
     let (fmt, cols, n) = (w.fmt, w.cols, xs.len());
     let rows = out.len() / n;
@@ -493,7 +493,7 @@ pub(super) unsafe fn qmatmul_t_avx512vnni(w: &QMatrix<'_>, xs: &[QRow<'_>], firs
 
 /// Rows `first + r` of two matrices (gate and up) against every activation row: `out` holds,
 /// per row, A's `n` results then B's.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
     let (fmt, cols, n) = (a.fmt, a.cols, xs.len());
     for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
