@@ -291,7 +291,8 @@ pub fn attend_rows(
 
 /// Unscaled scores of keys `b0..b1` against the tile's queries `qs` into `p[v][j − b0]`: key `j`
 /// is `keys[j·stride..j·stride + len]` (`len` = the queries' length). Canonical dots either way;
-/// on AVX-512 sixteen keys share a reduction tree (`x86::dots16_avx512`).
+/// on AVX-512 sixteen keys share a reduction tree (`x86::dots16_avx512`), on AVX2 eight
+/// (`x86::dots8_avx2`).
 #[inline(always)]
 fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize), qs: &[&[f32]], p: &mut Scores) {
     let len = qs.first().map_or(0, |q| q.len());
@@ -301,16 +302,23 @@ fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize
     // Every key of the block lies inside `keys` before any vector load reads it.
     assert!((b1 - 1) * stride + len <= keys.len(), "a key block past the cache");
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    if matches!(isa, Isa::Avx512 | Isa::Avx2) {
+        let width = if isa == Isa::Avx512 { 16 } else { 8 };
         let mut t = [0.0f32; 16];
         let mut j0 = b0;
         while j0 < b1 {
-            let count = (b1 - j0).min(16);
+            let count = (b1 - j0).min(width);
             let base = keys[j0 * stride..].as_ptr();
             for (v, q) in qs.iter().enumerate() {
-                // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each `len` long
-                // at `stride`, are inside `keys` (asserted above).
-                unsafe { x86::dots16_avx512(base, stride, count, q, &mut t) };
+                // SAFETY: the ISA is available (`isa`); keys j0..j0 + count, each `len` long at
+                // `stride`, are inside `keys` (asserted above).
+                unsafe {
+                    if isa == Isa::Avx512 {
+                        x86::dots16_avx512(base, stride, count, q, &mut t)
+                    } else {
+                        x86::dots8_avx2(base, stride, count, q, (&mut t[..8]).try_into().expect("eight scores"))
+                    }
+                };
                 p[v][j0 - b0..j0 - b0 + count].copy_from_slice(&t[..count]);
             }
             j0 += count;
@@ -641,6 +649,56 @@ mod x86 {
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, g));
     }
+
+    /// `dots16_avx512` for 256-bit registers and `count ≤ 8` keys: each key's 64 lanes in eight
+    /// registers as `dot.rs`'s AVX2 path holds them, the tree's s = 32, 16, 8 per key, then 4, 2, 1
+    /// for eight keys at once.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available and every key readable for `q.len()` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dots8_avx2(keys: *const f32, stride: usize, count: usize, q: &[f32], out: &mut [f32; 8]) {
+        let d = q.len();
+        let (full, rest) = (d / 64, d % 64);
+        let mut c = [_mm256_setzero_ps(); 8];
+        for (j, cj) in c.iter_mut().enumerate().take(count.min(8)) {
+            let k = keys.add(j * stride);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for ch in 0..full {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let o = ch * 64 + r * 8;
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(k.add(o)), _mm256_loadu_ps(q.as_ptr().add(o)), *a);
+                }
+            }
+            // The zero-padded last chunk, as in `dots16_avx512` (masked lanes load as 0).
+            for (r, a) in acc.iter_mut().enumerate() {
+                let first = 8 * r;
+                if first >= rest {
+                    break;
+                }
+                let live = (rest - first).min(8) as i32;
+                let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                let o = full * 64 + first;
+                *a = _mm256_fmadd_ps(_mm256_maskload_ps(k.add(o), m), _mm256_maskload_ps(q.as_ptr().add(o), m), *a);
+            }
+            // s = 32 (register r with r + 4), s = 16 (r with r + 2), s = 8.
+            let b = [_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[2], acc[6]), _mm256_add_ps(acc[3], acc[7])];
+            *cj = _mm256_add_ps(_mm256_add_ps(b[0], b[2]), _mm256_add_ps(b[1], b[3]));
+        }
+        // s = 4: keys 2p and 2p + 1 → the low and high 128 bits of e[p].
+        let mut e = [_mm256_setzero_ps(); 4];
+        for (p, x) in e.iter_mut().enumerate() {
+            let (a, b) = (c[2 * p], c[2 * p + 1]);
+            *x = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
+        }
+        // s = 2: the low 128 bits of f0 hold keys 0 and 2 (two lanes each), the high ones 1 and 3;
+        // f1 the same for keys 4–7.
+        let f0 = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(e[0], e[1]), _mm256_shuffle_ps::<0xEE>(e[0], e[1]));
+        let f1 = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(e[2], e[3]), _mm256_shuffle_ps::<0xEE>(e[2], e[3]));
+        // s = 1: lanes hold keys 0, 2, 4, 6, 1, 3, 5, 7.
+        let g = _mm256_add_ps(_mm256_shuffle_ps::<0x88>(f0, f1), _mm256_shuffle_ps::<0xDD>(f0, f1));
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_permutevar8x32_ps(g, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
 }
 
 #[cfg(test)]
@@ -741,21 +799,59 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn sixteen_keys_at_a_time_give_each_keys_canonical_dot() {
-        if !Isa::Avx512.available() {
-            return;
-        }
-        for d in [1, 5, 16, 17, 63, 64, 65, 100, 128, 192, 576] {
+        for d in [1, 5, 8, 9, 16, 17, 63, 64, 65, 100, 128, 192, 576] {
             let stride = d + 3;
             // Values spanning magnitudes, so a different order of additions would show.
             let keys: Vec<f32> = (0..16 * stride).map(|i| f(i + 5) * if i % 7 == 0 { 1e4 } else { 1.0 }).collect();
             let q: Vec<f32> = (0..d).map(|i| f(i + 900) * if i % 5 == 0 { 1e-3 } else { 1.0 }).collect();
-            for count in [1, 2, 7, 15, 16] {
-                let mut got = [0.0f32; 16];
-                // SAFETY: AVX-512F checked above; every key lies inside `keys`.
-                unsafe { x86::dots16_avx512(keys.as_ptr(), stride, count, &q, &mut got) };
-                for (j, g) in got.iter().enumerate().take(count) {
-                    let want = crate::dot::dots_with::<1>(Isa::Scalar, &WeightRow::F32(&keys[j * stride..j * stride + d]), [&q])[0];
-                    assert_eq!(g.to_bits(), want.to_bits(), "d {d} count {count} key {j}: {g} vs {want}");
+            let want = |j: usize| crate::dot::dots_with::<1>(Isa::Scalar, &WeightRow::F32(&keys[j * stride..j * stride + d]), [&q])[0];
+            for count in [1, 2, 7, 8, 15, 16] {
+                if Isa::Avx512.available() {
+                    let mut got = [0.0f32; 16];
+                    // SAFETY: AVX-512F checked above; every key lies inside `keys`.
+                    unsafe { x86::dots16_avx512(keys.as_ptr(), stride, count, &q, &mut got) };
+                    for (j, g) in got.iter().enumerate().take(count) {
+                        assert_eq!(g.to_bits(), want(j).to_bits(), "avx512 d {d} count {count} key {j}: {g} vs {}", want(j));
+                    }
+                }
+                if Isa::Avx2.available() && count <= 8 {
+                    let mut got = [0.0f32; 8];
+                    // SAFETY: AVX2 and FMA checked above; every key lies inside `keys`.
+                    unsafe { x86::dots8_avx2(keys.as_ptr(), stride, count, &q, &mut got) };
+                    for (j, g) in got.iter().enumerate().take(count) {
+                        assert_eq!(g.to_bits(), want(j).to_bits(), "avx2 d {d} count {count} key {j}: {g} vs {}", want(j));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The block scorer on every ISA (sixteen or eight keys a tree, or one) gives each key's
+    /// scalar dot, for blocks that start anywhere and end short of a whole group.
+    #[test]
+    fn key_blocks_on_every_isa_give_the_scalar_scores() {
+        for d in [3, 64, 80] {
+            let stride = 2 * d + 1;
+            let keys: Vec<f32> = (0..(KEY_BLOCK + 40) * stride).map(|i| f(i + 11) * if i % 9 == 0 { 3e3 } else { 1.0 }).collect();
+            let qv: Vec<Vec<f32>> = (0..TILE).map(|v| (0..d).map(|i| f(i * 7 + v * 131 + 3)).collect()).collect();
+            for tile in 1..=TILE {
+                let qs: Vec<&[f32]> = qv[..tile].iter().map(|q| q.as_slice()).collect();
+                for (b0, b1) in [(0, KEY_BLOCK), (5, 5 + KEY_BLOCK), (17, 30), (3, 4), (0, 9)] {
+                    let mut want: Scores = [[0.0; KEY_BLOCK]; TILE];
+                    key_block_dots(Isa::Scalar, &keys, stride, (b0, b1), &qs, &mut want);
+                    for (v, q) in qs.iter().enumerate() {
+                        for j in b0..b1 {
+                            let one = crate::dot::dots_with::<1>(Isa::Scalar, &WeightRow::F32(&keys[j * stride..j * stride + d]), [q])[0];
+                            assert_eq!(want[v][j - b0].to_bits(), one.to_bits(), "scalar d {d} key {j}");
+                        }
+                    }
+                    for isa in Isa::all_available() {
+                        let mut got: Scores = [[f32::NAN; KEY_BLOCK]; TILE];
+                        key_block_dots(isa, &keys, stride, (b0, b1), &qs, &mut got);
+                        for v in 0..tile {
+                            assert_eq!(bits(&got[v][..b1 - b0]), bits(&want[v][..b1 - b0]), "{} d {d} tile {tile} keys {b0}..{b1}", isa.name());
+                        }
+                    }
                 }
             }
         }

@@ -134,7 +134,7 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
                 for sub in 0..4 {
                     for (t, u) in widen16(vld1q_u8(q[m].add(c * LANES + sub * 16))).into_iter().enumerate() {
                         let r = sub * 4 + t;
-                        let scale = shimmer_common::quant::int4_scale(*s[m].get_unchecked(grp.of(c * LANES + r * 4)));
+                        let scale = *s[m].get_unchecked(grp.of(c * LANES + r * 4));
                         out[r] = vmulq_f32(fp8x4(u), vdupq_n_f32(scale));
                     }
                 }
