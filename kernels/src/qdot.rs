@@ -167,21 +167,13 @@ impl QuantRows {
         self.split.resize(rows * padded, 0);
         self.neg8.resize(rows * padded / 4, 0);
         self.neg12.resize(rows * padded / 4, 0);
-        for ((chunk, split), (n8, n12)) in self
-            .biased
-            .chunks_exact(CHUNK)
-            .zip(self.split.chunks_exact_mut(CHUNK))
-            .zip(self.neg8.chunks_exact_mut(QLANES).zip(self.neg12.chunks_exact_mut(QLANES)))
-        {
-            for (k, pair) in chunk.chunks_exact(2).enumerate() {
-                split[k] = (pair[0] ^ 0x80) as i8;
-                split[CHUNK / 2 + k] = (pair[1] ^ 0x80) as i8;
-            }
-            for (l, four) in split.chunks_exact(4).enumerate() {
-                let sum: i32 = four.iter().map(|q| *q as i32).sum();
-                (n8[l], n12[l]) = (-8 * sum, -12 * sum);
-            }
+        #[cfg(target_arch = "x86_64")]
+        if int_isa() == IntIsa::Avx512Vnni {
+            // SAFETY: the ISA is available (`int_isa`); the buffers were just sized to whole chunks.
+            unsafe { x86::nibble_layout_avx512vnni(&self.biased, &mut self.split, &mut self.neg8, &mut self.neg12) };
+            return;
         }
+        nibble_layout_scalar(&self.biased, &mut self.split, &mut self.neg8, &mut self.neg12);
     }
 
     pub fn rows(&self) -> usize {
@@ -202,6 +194,24 @@ impl QuantRows {
             scales: &self.scales[r * b..(r + 1) * b],
             scales8: &self.scales8[r * q..(r + 1) * q],
             scales4: &self.scales4[part(e)],
+        }
+    }
+}
+
+/// The 4-bit layout of whole chunks of `q + 128` bytes (`QuantRows`): per chunk the 64 even
+/// elements' `q`, then the 64 odd ones', and per lane of four the sum of its `q` times −8 and
+/// −12. The definition the vector builds are held to (integers: exact either way).
+pub(crate) fn nibble_layout_scalar(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
+    for ((chunk, split), (n8, n12)) in
+        biased.chunks_exact(CHUNK).zip(split.chunks_exact_mut(CHUNK)).zip(neg8.chunks_exact_mut(QLANES).zip(neg12.chunks_exact_mut(QLANES)))
+    {
+        for (k, pair) in chunk.chunks_exact(2).enumerate() {
+            split[k] = (pair[0] ^ 0x80) as i8;
+            split[CHUNK / 2 + k] = (pair[1] ^ 0x80) as i8;
+        }
+        for (l, four) in split.chunks_exact(4).enumerate() {
+            let sum: i32 = four.iter().map(|q| *q as i32).sum();
+            (n8[l], n12[l]) = (-8 * sum, -12 * sum);
         }
     }
 }

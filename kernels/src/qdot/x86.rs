@@ -9,7 +9,7 @@
 //! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
 //! the FMA (both would change the bits).
 
-use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12};
+use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QLANES};
 use crate::dot::x86::{reduce256, reduce512};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
@@ -68,6 +68,29 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
             let b = 4 * c;
             per_block_512([row.factor(fmt, b), row.factor(fmt, b + 1), row.factor(fmt, b + 2), row.factor(fmt, b + 3)])
         }
+    }
+}
+
+/// The four weight factors of the row's last, partial chunk from `start`, as `factors_512` lays
+/// them out. int4's come from one masked load of the f16 scales the row still has (a block past
+/// the row takes its group's scale, or 0 past the last group: either way finite, and its
+/// integer sum is 0 — its weights and activations are padding — so it adds exactly nothing,
+/// as `RawRow::tail_factors`' 0 does); the other formats take `tail_factors`.
+#[inline(always)]
+unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m512 {
+    match fmt {
+        Fmt::Int4 { group } if matches!(group, 32 | 64 | 128) => {
+            let first = start / group;
+            let live = (n.div_ceil(group) - first).min(CHUNK / group);
+            let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const i16).add(first));
+            let f = _mm_cvtph_ps(_mm512_castsi512_si128(bits));
+            match group {
+                32 => spread4(f),
+                64 => _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(f)),
+                _ => _mm512_broadcastss_ps(f),
+            }
+        }
+        _ => per_block_512(row.tail_factors(fmt, n, start)),
     }
 }
 
@@ -208,7 +231,7 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 let k = byte_mask(n.div_ceil(2) - start / 2);
                 for m in 0..M {
                     let x = _mm512_maskz_loadu_epi8(k, rows[m].data.add(start / 2) as *const i8);
-                    step!(m, full, x, per_block_512(rows[m].tail_factors(fmt, n, start)));
+                    step!(m, full, x, tail_factors_512(fmt, &rows[m], n, start));
                 }
             }
         }
@@ -508,6 +531,36 @@ pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>,
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW.
+/// `nibble_layout_scalar` with 512-bit registers: each half chunk's bytes flipped to `q`, even
+/// and odd bytes of every 128-bit lane gathered by one shuffle, the halves' even (odd) quadwords
+/// joined, and each lane's sum of four from `vpdpbusd` against ones.
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI must be available; `split` holds `biased.len()` bytes and `neg8`/`neg12`
+/// a quarter as many lanes, `biased` being whole chunks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn nibble_layout_avx512vnni(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+    let flip = _mm512_set1_epi8(-128i8);
+    let lanes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    let (evens, odds) = (_mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15));
+    let (ones, zero) = (_mm512_set1_epi8(1), _mm512_setzero_si512());
+    let (m8, m12) = (_mm512_set1_epi32(-8), _mm512_set1_epi32(-12));
+    for c in 0..biased.len() / CHUNK {
+        let src = biased.as_ptr().add(c * CHUNK);
+        let a = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(src as *const __m512i), flip), lanes);
+        let b = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(src.add(64) as *const __m512i), flip), lanes);
+        let halves = [_mm512_permutex2var_epi64(a, evens, b), _mm512_permutex2var_epi64(a, odds, b)];
+        for (h, q) in halves.into_iter().enumerate() {
+            _mm512_storeu_si512(split.as_mut_ptr().add(c * CHUNK + 64 * h) as *mut __m512i, q);
+            let sums = _mm512_dpbusd_epi32(zero, ones, q);
+            let at = c * QLANES + 16 * h;
+            _mm512_storeu_si512(neg8.as_mut_ptr().add(at) as *mut __m512i, _mm512_mullo_epi32(sums, m8));
+            _mm512_storeu_si512(neg12.as_mut_ptr().add(at) as *mut __m512i, _mm512_mullo_epi32(sums, m12));
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn quantize_row_avx512(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
     let abs_mask = _mm512_set1_epi32(0x7FFF_FFFF);
