@@ -53,8 +53,8 @@ fn main() {
         let xs: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1).collect();
         let mut outs = vec![0.0f32; n * rows];
         m.matmul_on(&xs, &mut outs, false);
+        let reps = (1_000_000_000 / (rows * cols * n)).max(4);
         let t = Instant::now();
-        let reps = 4;
         for _ in 0..reps {
             m.matmul_on(&xs, &mut outs, false);
         }

@@ -153,8 +153,12 @@ impl QuantRows {
         for (r, x) in xs.chunks_exact(n.max(1)).enumerate().take(rows) {
             quantize_row(x, &mut self.biased[r * padded..(r + 1) * padded], &mut self.scales[r * padded / QBLOCK..(r + 1) * padded / QBLOCK]);
         }
+        // Filled in place: `extend` over a `flat_map` took ~7 % of a small product's time.
         self.scales8.clear();
-        self.scales8.extend(self.scales.iter().flat_map(|d| [*d; 8]));
+        self.scales8.resize(self.scales.len() * 8, 0.0);
+        for (d, o) in self.scales.iter().zip(self.scales8.chunks_exact_mut(8)) {
+            o.fill(*d);
+        }
         self.scales4.clear();
         self.split.clear();
         self.neg8.clear();
@@ -162,7 +166,10 @@ impl QuantRows {
         if !nibbles {
             return;
         }
-        self.scales4.extend(self.scales.iter().flat_map(|d| [*d; 4]));
+        self.scales4.resize(self.scales.len() * 4, 0.0);
+        for (d, o) in self.scales.iter().zip(self.scales4.chunks_exact_mut(4)) {
+            o.fill(*d);
+        }
         // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
         self.split.resize(rows * padded, 0);
         self.neg8.resize(rows * padded / 4, 0);
