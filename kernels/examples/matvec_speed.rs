@@ -49,7 +49,8 @@ fn main() {
             println!("{name:10} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
         }
         // Prefill-like: 16 activation rows per product, one thread; multiply-adds per second.
-        let n = 16;
+        // `MATMUL_ROWS=4` (say) for another batch; the activations' footprint grows with it.
+        let n = std::env::var("MATMUL_ROWS").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(16);
         let xs: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1).collect();
         let mut outs = vec![0.0f32; n * rows];
         m.matmul_on(&xs, &mut outs, false);
