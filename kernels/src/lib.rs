@@ -15,6 +15,7 @@
 //! Must never: know a model family or a tensor name, read files, allocate on a per-row basis in
 //! the hot loops beyond the output buffers the caller hands in.
 
+pub mod aligned;
 pub mod attention;
 pub mod dot;
 pub mod fixed;

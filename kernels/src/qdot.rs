@@ -48,6 +48,7 @@ use std::sync::OnceLock;
 
 use shimmer_common::quant::{int4_scale, MXFP4_GROUP};
 
+use crate::aligned::AlignedVec;
 use crate::dot::WeightRow;
 
 /// Values per activation block (one scale each).
@@ -71,63 +72,13 @@ pub struct QuantRows {
     n: usize,
     padded: usize,
     rows: usize,
-    biased: Aligned<u8>,
-    split: Aligned<i8>,
-    neg8: Aligned<i32>,
-    neg12: Aligned<i32>,
+    biased: AlignedVec<u8>,
+    split: AlignedVec<i8>,
+    neg8: AlignedVec<i32>,
+    neg12: AlignedVec<i32>,
     scales: Vec<f32>,
-    scales8: Aligned<f32>,
-    scales4: Aligned<f32>,
-}
-
-/// A buffer whose contents start on a 64-byte boundary, so that each 64-byte vector load of a
-/// chunk's activations touches one cache line (a `Vec`'s 16-byte alignment put most of them
-/// across two).
-#[derive(Debug, Default, Clone)]
-struct Aligned<T> {
-    buf: Vec<T>,
-    at: usize,
-    len: usize,
-}
-
-impl<T: Copy> Aligned<T> {
-    const SLACK: usize = 64 / std::mem::size_of::<T>();
-
-    fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// `len` elements, each `value` (as `Vec::clear` then `Vec::resize`).
-    fn fill(&mut self, len: usize, value: T) {
-        if self.buf.len() < len + Self::SLACK {
-            self.buf.resize(len + Self::SLACK, value);
-        }
-        let misalign = self.buf.as_ptr() as usize % 64;
-        self.at = if misalign == 0 { 0 } else { (64 - misalign) / std::mem::size_of::<T>() };
-        self.len = len;
-        self.as_mut_slice().fill(value);
-    }
-
-    fn as_slice(&self) -> &[T] {
-        &self.buf[self.at..self.at + self.len]
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [T] {
-        &mut self.buf[self.at..self.at + self.len]
-    }
-}
-
-impl<T: Copy> std::ops::Deref for Aligned<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        self.as_slice()
-    }
-}
-
-impl<T: Copy> std::ops::DerefMut for Aligned<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        self.as_mut_slice()
-    }
+    scales8: AlignedVec<f32>,
+    scales4: AlignedVec<f32>,
 }
 
 /// One quantised activation row.
@@ -196,14 +147,16 @@ impl QuantRows {
         self.n = n;
         self.padded = padded;
         self.rows = rows;
-        self.biased.fill(rows * padded, 0x80);
+        self.biased.clear();
+        self.biased.resize(rows * padded, 0x80);
         self.scales.clear();
         self.scales.resize(rows * padded / QBLOCK, 0.0);
         for (r, x) in xs.chunks_exact(n.max(1)).enumerate().take(rows) {
             quantize_row(x, &mut self.biased[r * padded..(r + 1) * padded], &mut self.scales[r * padded / QBLOCK..(r + 1) * padded / QBLOCK]);
         }
         // Filled in place: `extend` over a `flat_map` took ~7 % of a small product's time.
-        self.scales8.fill(self.scales.len() * 8, 0.0);
+        self.scales8.clear();
+        self.scales8.resize(self.scales.len() * 8, 0.0);
         for (d, o) in self.scales.iter().zip(self.scales8.chunks_exact_mut(8)) {
             o.fill(*d);
         }
@@ -214,14 +167,18 @@ impl QuantRows {
         if !nibbles {
             return;
         }
-        self.scales4.fill(self.scales.len() * 4, 0.0);
+        self.scales4.clear();
+        self.scales4.resize(self.scales.len() * 4, 0.0);
         for (d, o) in self.scales.iter().zip(self.scales4.chunks_exact_mut(4)) {
             o.fill(*d);
         }
         // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
-        self.split.fill(rows * padded, 0);
-        self.neg8.fill(rows * padded / 4, 0);
-        self.neg12.fill(rows * padded / 4, 0);
+        self.split.clear();
+        self.split.resize(rows * padded, 0);
+        self.neg8.clear();
+        self.neg8.resize(rows * padded / 4, 0);
+        self.neg12.clear();
+        self.neg12.resize(rows * padded / 4, 0);
         #[cfg(target_arch = "x86_64")]
         if int_isa() == IntIsa::Avx512Vnni {
             // SAFETY: the ISA is available (`int_isa`); the buffers were just sized to whole chunks.

@@ -15,6 +15,8 @@
 //! it counts (written state becomes the state only at `commit`), or keep a position whose
 //! recurrent state it cannot restore.
 
+use shimmer_kernels::aligned::AlignedVec;
+
 /// Checkpoints kept per sequence (the newest).
 pub const MAX_CHECKPOINTS: usize = 4;
 
@@ -24,11 +26,13 @@ pub struct KvCache {
     v_width: usize,
     capacity: usize,
     len: usize,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    /// Per layer, on 64-byte boundaries (`AlignedVec`): attention's vector loads of a key or
+    /// value slot then each touch one cache line.
+    keys: Vec<AlignedVec<f32>>,
+    values: Vec<AlignedVec<f32>>,
     /// Per layer: values per position of its auxiliary slot (0: none), and the slot.
     aux_width: Vec<usize>,
-    aux: Vec<Vec<f32>>,
+    aux: Vec<AlignedVec<f32>>,
     /// Per layer: the recurrent state (empty for attention layers).
     states: Vec<Vec<f32>>,
     /// Per layer: the state a forward pass wrote (when `advanced`), which `commit` swaps in; the
@@ -53,10 +57,10 @@ impl KvCache {
             v_width,
             capacity,
             len: 0,
-            keys: vec![Vec::new(); layers],
-            values: vec![Vec::new(); layers],
+            keys: vec![AlignedVec::new(); layers],
+            values: vec![AlignedVec::new(); layers],
             aux_width: vec![0; layers],
-            aux: vec![Vec::new(); layers],
+            aux: vec![AlignedVec::new(); layers],
             states: state_floats.iter().map(|n| vec![0.0; *n]).collect(),
             written: vec![Vec::new(); layers],
             advanced: vec![false; layers],
