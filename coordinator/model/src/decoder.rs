@@ -12,6 +12,7 @@
 use shimmer_common::spec::{AttentionKind, DenseMlpLayout, DenseNames, ExpertActivation, ExpertLayout, LayerMlp, Mixer, QkNorm};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
 use shimmer_experts::{DispatchError, ExpertDispatch, MoeBatch};
+use shimmer_kernels::aligned::AlignedVec;
 use shimmer_kernels::attention::{attend_many, AttentionShape, RowsCall};
 use shimmer_kernels::{fixed, ops, Matrix};
 
@@ -842,7 +843,10 @@ impl Decoder {
         let (hd, d) = (s.hidden_size, s.head_dim);
         let n = x.len() / hd;
         let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
-        let (mut q, mut k, mut v) = (vec![0.0f32; n * qd], vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
+        // The queries on 64-byte boundaries: attention loads each once per key.
+        let mut q = AlignedVec::new();
+        q.resize(n * qd, 0.0f32);
+        let (mut k, mut v) = (vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
         let mut gate = Vec::new();
         if g.output_gate {
             // Per head: its query, then its gate.

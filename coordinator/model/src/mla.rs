@@ -13,6 +13,7 @@
 
 use shimmer_common::spec::{IndexerSpec, MlaSpec, ModelSpec};
 use shimmer_common::{Checkpoint, LoadError};
+use shimmer_kernels::aligned::AlignedVec;
 use shimmer_kernels::attention::{attend_latent_rows, attend_latent_selected};
 use shimmer_kernels::{ops, Matrix};
 
@@ -194,7 +195,10 @@ impl Mla {
         // Every (row, head) query in the latent space, then all of them through the latent cache
         // together (the heads share it), then each head's W_UV.
         let vectors = n * self.heads;
-        let (mut q_lat, mut q_rot) = (vec![0.0f32; vectors * rank], vec![0.0f32; vectors * rot]);
+        // On 64-byte boundaries: attention loads each query once per key.
+        let (mut q_lat, mut q_rot) = (AlignedVec::new(), AlignedVec::new());
+        q_lat.resize(vectors * rank, 0.0f32);
+        q_rot.resize(vectors * rot, 0.0f32);
         for v in 0..vectors {
             let qh = &q[v * qk..(v + 1) * qk];
             self.uk_t[v % self.heads].matvec(&qh[..nope], &mut q_lat[v * rank..(v + 1) * rank]);
