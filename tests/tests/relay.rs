@@ -3,17 +3,52 @@
 //! the delay late, held while the partition file exists and delivered once it is gone; loss is
 //! refused for TCP.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-struct Relay(std::process::Child);
+/// A running relay, killed when dropped, and everything it has said on stderr.
+struct Relay {
+    child: std::process::Child,
+    listen: String,
+    said: Arc<Mutex<String>>,
+}
+
+impl Relay {
+    /// Starts the relay listening on a port the kernel picks (`--listen 127.0.0.1:0`), read back
+    /// from its first line: a port picked here and freed before the relay binds it could be
+    /// taken by another process in between.
+    fn start(args: &[&str]) -> Relay {
+        let mut child = relay(&[&["--listen", "127.0.0.1:0"], args].concat()).spawn().unwrap();
+        let said = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stderr, log) = (child.stderr.take().unwrap(), said.clone());
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line.clone());
+                log.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let first = rx.recv_timeout(Duration::from_secs(10)).expect("the relay said nothing within 10 s");
+        let listen = first
+            .strip_prefix("shimmer-udp-relay: ")
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("the relay's first line names no address: {first}"))
+            .to_string();
+        Relay { child, listen, said }
+    }
+
+    fn said(&self) -> String {
+        self.said.lock().unwrap().clone()
+    }
+}
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -69,15 +104,9 @@ fn line_server() -> String {
     })
 }
 
+/// A connection to the relay, which listens from the moment it names its address.
 fn connect(addr: &str) -> TcpStream {
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        match TcpStream::connect(addr) {
-            Ok(s) => return s,
-            Err(e) => assert!(Instant::now() < until, "the relay never listened on {addr}: {e}"),
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    TcpStream::connect(addr).unwrap_or_else(|e| panic!("cannot connect to the relay on {addr}: {e}"))
 }
 
 #[test]
@@ -85,11 +114,8 @@ fn tcp_through_the_relay_arrives_whole_in_order_late_by_the_delay_and_waits_out_
     let tmp = tempfile::tempdir().unwrap();
     let partition = tmp.path().join("partition");
     let upstream = echo_server();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{port}");
-    let _relay =
-        Relay(relay(&["--tcp", "--listen", &listen, "--to", &upstream, "--delay-ms", "40", "--partition-file", partition.to_str().unwrap()]).spawn().unwrap());
-    let mut s = connect(&listen);
+    let relay = Relay::start(&["--tcp", "--to", &upstream, "--delay-ms", "40", "--partition-file", partition.to_str().unwrap()]);
+    let mut s = connect(&relay.listen);
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     // 1 MiB of a counting pattern, written by one thread while this one reads the echo.
     let sent: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
@@ -131,21 +157,21 @@ fn the_count_file_holds_the_round_trips_of_every_connection() {
     let tmp = tempfile::tempdir().unwrap();
     let count_file = tmp.path().join("round-trips");
     let upstream = line_server();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{port}");
-    let _relay = Relay(relay(&["--tcp", "--listen", &listen, "--to", &upstream, "--count-file", count_file.to_str().unwrap()]).spawn().unwrap());
+    let relay = Relay::start(&["--tcp", "--to", &upstream, "--count-file", count_file.to_str().unwrap()]);
+    let listen = relay.listen.clone();
     // 5 exchanges on one connection and 3 on another; a request sent as two writes, and a reply
     // written in two, are still one.
     for (exchanges, conn) in [(5, connect(&listen)), (3, connect(&listen))] {
         let mut conn = conn;
         conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         for i in 0..exchanges {
-            conn.write_all(format!("request {i} ").as_bytes()).unwrap();
+            let said = || relay.said();
+            conn.write_all(format!("request {i} ").as_bytes()).unwrap_or_else(|e| panic!("{e}; the relay said:\n{}", said()));
             std::thread::sleep(Duration::from_millis(5));
-            conn.write_all(b"second half\n").unwrap();
+            conn.write_all(b"second half\n").unwrap_or_else(|e| panic!("{e}; the relay said:\n{}", said()));
             let want = format!("length {}\n", format!("request {i} second half\n").len());
             let mut got = vec![0u8; want.len()];
-            conn.read_exact(&mut got).unwrap();
+            conn.read_exact(&mut got).unwrap_or_else(|e| panic!("{e}; the relay said:\n{}", said()));
             assert_eq!(got, want.as_bytes());
         }
     }

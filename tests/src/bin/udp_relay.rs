@@ -13,6 +13,8 @@
 //! turn of the conversation, the far side answering after the near side spoke, which is how often
 //! a request/reply peer waits out the path's delay (a reply sent in several reads is one).
 //!
+//! Its first line on stderr names the address it listens on, so `--listen 127.0.0.1:0` works.
+//!
 //! `shimmer-udp-relay --listen ADDR --to ADDR [--tcp] [--count-file PATH] [--delay-ms D] [--loss P] [--seed S] [--partition-file PATH]`
 //!
 //! Must never: reorder datagrams of one direction, or bytes of a connection (the delay is
@@ -166,7 +168,8 @@ fn main() {
     let path = Arc::new(Path { loss: o.loss, delay: o.delay, rng: AtomicU64::new(o.seed.max(1)), partitioned });
     let to_clients = Delayed::start(front.try_clone().expect("clone the listening socket"));
     let mut upstreams: HashMap<SocketAddr, Arc<Delayed>> = HashMap::new();
-    eprintln!("shimmer-udp-relay: {} -> {} (delay {:?} each way, loss {})", o.listen, o.to, o.delay, o.loss);
+    let bound = front.local_addr().map_or_else(|_| o.listen.to_string(), |a| a.to_string());
+    eprintln!("shimmer-udp-relay: {bound} -> {} (delay {:?} each way, loss {})", o.to, o.delay, o.loss);
     let mut buf = vec![0u8; 65536];
     loop {
         let Ok((n, client)) = front.recv_from(&mut buf) else { continue };
@@ -245,14 +248,23 @@ fn relay_tcp(o: &Options, partitioned: Arc<AtomicBool>) -> ! {
             std::process::exit(1);
         }
     };
-    eprintln!("shimmer-udp-relay: {} -> {} over TCP (delay {:?} each way)", o.listen, o.to, o.delay);
+    // The address bound, not the one asked for: `--listen 127.0.0.1:0` lets the caller read the
+    // port from this line instead of picking a free one that another process may take first.
+    let bound = listener.local_addr().map_or_else(|_| o.listen.to_string(), |a| a.to_string());
+    eprintln!("shimmer-udp-relay: {bound} -> {} over TCP (delay {:?} each way)", o.to, o.delay);
     let (to, delay) = (o.to, o.delay);
     let counter = TurnCounter::start(o.count_file.clone());
     for client in listener.incoming() {
         let Ok(client) = client else { continue };
         let (partitioned, counter) = (partitioned.clone(), counter.clone());
         std::thread::spawn(move || {
-            let Ok(server) = std::net::TcpStream::connect(to) else { return };
+            let server = match std::net::TcpStream::connect(to) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("shimmer-udp-relay: cannot reach {to} for a client; dropping it: {e}");
+                    return;
+                }
+            };
             for s in [&client, &server] {
                 let _ = s.set_nodelay(true);
             }

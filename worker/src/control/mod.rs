@@ -489,7 +489,11 @@ async fn join(seeds: &[String], me: &Member, trust: &ControlTrust, alone_after: 
     loop {
         let (found, problems) = {
             let parsed = parsed.clone();
-            tokio::task::spawn_blocking(move || discovery::resolve(&parsed)).await.unwrap_or_default()
+            // A resolver that died says so in the reason given up with, not as an empty list.
+            match tokio::task::spawn_blocking(move || discovery::resolve(&parsed)).await {
+                Ok(resolved) => resolved,
+                Err(e) => (Vec::new(), vec![format!("resolving the seeds failed: {e}")]),
+            }
         };
         for p in problems {
             errors.insert("discovery".into(), p);
