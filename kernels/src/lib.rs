@@ -16,6 +16,7 @@
 //! the hot loops beyond the output buffers the caller hands in.
 
 pub mod aligned;
+pub mod amx;
 pub mod attention;
 pub mod dot;
 pub mod fixed;

@@ -93,12 +93,15 @@ pub(crate) struct CpuReport {
     pub amx: AmxReport,
 }
 
-/// AMX needs three things: the CPU reporting it, the OS saving its tile state, and the kernel
-/// granting this process the tile data. A virtual machine often hides the first.
+/// AMX needs four things: the CPU reporting it, the OS saving its tile state, the kernel granting
+/// this process the tile data, and a tile product that gives the right answer
+/// (`shimmer_kernels::amx`). A virtual machine often hides the first.
 #[derive(Debug, Serialize)]
 pub(crate) struct AmxReport {
     pub cpu_reports: bool,
+    pub os_enables: bool,
     pub kernel_grants: bool,
+    pub self_test_passes: bool,
     pub note: String,
 }
 
@@ -271,14 +274,11 @@ fn cpu_model_of(info: &[Vec<(String, String)>]) -> String {
 
 fn cpu() -> CpuReport {
     let info = cpuinfo();
-    let field = |key: &str| info.iter().flat_map(|b| b.iter()).find(|(k, _)| k == key).map(|(_, v)| v.clone());
     let model = cpu_model_of(&info);
     let mut cores: Vec<(String, String)> =
         info.iter().filter_map(|b| Some((b.iter().find(|(k, _)| k == "physical id")?.1.clone(), b.iter().find(|(k, _)| k == "core id")?.1.clone()))).collect();
     cores.sort();
     cores.dedup();
-    let flags = field("flags").unwrap_or_default();
-    let has_flag = |f: &str| flags.split_whitespace().any(|x| x == f);
     CpuReport {
         model,
         arch: std::env::consts::ARCH,
@@ -287,7 +287,7 @@ fn cpu() -> CpuReport {
         features: features().into_iter().collect(),
         float_kernels: shimmer_kernels::dot::isa().name(),
         integer_kernels: shimmer_kernels::qdot::int_isa().name(),
-        amx: amx(has_flag("amx_tile") && has_flag("amx_int8")),
+        amx: amx(),
     }
 }
 
@@ -320,23 +320,15 @@ fn features() -> Vec<(&'static str, bool)> {
     }
 }
 
-fn amx(cpu_reports: bool) -> AmxReport {
-    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the kernel's grant of the tile data.
-    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
-    let kernel_grants = cpu_reports && {
-        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-        const XFEATURE_XTILEDATA: libc::c_long = 18;
-        // SAFETY: a request about this process's own permissions; no memory is passed.
-        unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
-    };
-    #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
-    let kernel_grants = false;
-    let note = match (cpu_reports, kernel_grants) {
-        (false, _) => "not reported by the CPU (a virtual machine may hide it)".to_string(),
-        (true, false) => "reported by the CPU but not granted by the OS; tile instructions would fault".to_string(),
-        (true, true) => "available; shimmer has no AMX kernel yet, so it is unused".to_string(),
-    };
-    AmxReport { cpu_reports, kernel_grants, note }
+fn amx() -> AmxReport {
+    let s = shimmer_kernels::amx::status();
+    AmxReport {
+        cpu_reports: s.cpu_reports,
+        os_enables: s.os_enables,
+        kernel_grants: s.kernel_grants,
+        self_test_passes: s.self_test_passes,
+        note: s.describe().to_string(),
+    }
 }
 
 #[cfg(target_os = "macos")]
