@@ -935,10 +935,9 @@ impl Decoder {
         let n = x.len() / hd;
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
-        let (mut scores, mut gammas) = (Vec::new(), Vec::new());
-        for (xr, &token) in x.chunks_exact(hd).zip(tokens) {
-            router.route_row(xr, token, &mut scores, &mut ids, &mut weights, &mut gammas);
-        }
+        let mut gammas = Vec::new();
+        let routed = n.min(tokens.len());
+        router.route_rows(&x[..routed * hd], &tokens[..routed], &mut ids, &mut weights, &mut gammas);
         observer.moe_layer(layer, x, &ids, &weights);
         // One-layer-ahead prediction: the next MoE layer's router on this layer's rows. It goes
         // to the dispatcher before this layer's dispatch, so its reads overlap this layer's work.
@@ -990,10 +989,9 @@ impl Decoder {
         let Mlp::Moe { router, .. } = &self.layers.get(layer)?.mlp else {
             return None;
         };
-        let (mut scores, mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (xr, &token) in x.chunks_exact(self.spec.hidden_size).zip(tokens) {
-            router.route_row(xr, token, &mut scores, &mut ids, &mut weights, &mut shared);
-        }
+        let (mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+        let n = (x.len() / self.spec.hidden_size).min(tokens.len());
+        router.route_rows(&x[..n * self.spec.hidden_size], &tokens[..n], &mut ids, &mut weights, &mut shared);
         Some(ids)
     }
 }

@@ -25,9 +25,27 @@ impl Router {
     /// the vocabulary and the experts when loaded, and the decoder checks tokens before a pass).
     /// Shared experts the router weighs (Inkling) get their weights appended to `shared`.
     pub fn route_row(&self, x: &[f32], token: u32, scores: &mut Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>, shared: &mut Vec<f32>) {
-        let e = self.weight.rows;
-        scores.resize(e, 0.0);
+        scores.resize(self.weight.rows, 0.0);
         self.weight.matvec(x, scores);
+        self.select(scores, token, ids, weights, shared);
+    }
+
+    /// `route_row` for every row of `x` (whole rows of the hidden size), one token each: the
+    /// scores of all rows in one product — a prompt's rows share each loaded router row, and
+    /// the kernels give every row the bits it gets alone — then each row's choice.
+    pub fn route_rows(&self, x: &[f32], tokens: &[u32], ids: &mut Vec<u32>, weights: &mut Vec<f32>, shared: &mut Vec<f32>) {
+        let (e, n) = (self.weight.rows, tokens.len());
+        debug_assert_eq!(x.len(), n * self.weight.cols);
+        let mut scores = vec![0.0f32; n * e];
+        self.weight.matmul(x, &mut scores);
+        for (row, &token) in scores.chunks_exact_mut(e).zip(tokens) {
+            self.select(row, token, ids, weights, shared);
+        }
+    }
+
+    /// The choice from one row's raw scores (`scores`, of `num_experts`, used as scratch).
+    fn select(&self, scores: &mut [f32], token: u32, ids: &mut Vec<u32>, weights: &mut Vec<f32>, shared: &mut Vec<f32>) {
+        let e = scores.len();
         if let Some(b) = &self.logit_bias {
             scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
         }
@@ -45,7 +63,7 @@ impl Router {
                 scores.iter_mut().for_each(|s| *s = ops::sigmoid(*s));
                 let choice: Vec<f32> = match &self.bias {
                     Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-                    None => scores.clone(),
+                    None => scores.to_vec(),
                 };
                 // Each group is scored by the sum of its two best biased scores; only the best
                 // `topk_group` groups may contribute experts.
@@ -121,11 +139,19 @@ fn log_sigmoid(x: f32) -> f32 {
 }
 
 /// Indices of the `k` largest values, largest first; equal values keep index order.
+/// (A selection, not a sort: routers take 2–8 of 32–512 every row and layer.)
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|a, b| values[*b].total_cmp(&values[*a]).then(a.cmp(b)));
-    idx.truncate(k);
-    idx
+    let k = k.min(values.len());
+    let mut top: Vec<usize> = Vec::with_capacity(k + 1);
+    for (i, v) in values.iter().enumerate() {
+        // Every index already kept is smaller than `i`, so it stays ahead of an equal value.
+        let at = top.partition_point(|&j| values[j].total_cmp(v).is_ge());
+        if at < k {
+            top.insert(at, i);
+            top.truncate(k);
+        }
+    }
+    top
 }
 
 #[cfg(test)]
@@ -262,5 +288,56 @@ mod tests {
             assert!((g - w).abs() < 1e-6, "{got:?} vs {want:?}");
         }
         assert!((log_sigmoid(-100.0) + 100.0).abs() < 1e-3 && log_sigmoid(100.0).abs() < 1e-30 && log_sigmoid(100.0) <= 0.0);
+    }
+
+    /// The selection is the stable sort it replaced, truncated: ties (and −0 against +0, and
+    /// NaNs, by `total_cmp`) keep index order.
+    #[test]
+    fn top_k_is_the_first_k_of_a_stable_descending_sort() {
+        let mut seed = 0x9e37_79b9u32;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for case in 0..500 {
+            let n = 1 + (next() % 70) as usize;
+            let values: Vec<f32> = (0..n)
+                .map(|_| match next() % 10 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    3 => f32::NEG_INFINITY,
+                    _ => (next() % 9) as f32 - 4.0,
+                })
+                .collect();
+            let mut sorted: Vec<usize> = (0..n).collect();
+            sorted.sort_by(|a, b| values[*b].total_cmp(&values[*a]).then(a.cmp(b)));
+            for k in [0, 1, 2, 4, 8, n, n + 3] {
+                assert_eq!(top_k(&values, k), sorted[..k.min(n)].to_vec(), "case {case}, k {k}, values {values:?}");
+            }
+        }
+    }
+
+    /// A prompt's rows routed together choose and weigh exactly as each routed alone.
+    #[test]
+    fn rows_routed_together_match_each_routed_alone() {
+        let (experts, hidden, rows) = (12, 40, 9);
+        let w: Vec<f32> = (0..experts * hidden).map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 0.3).collect();
+        let x: Vec<f32> = (0..rows * hidden).map(|i| ((i * 104_729 % 2003) as f32 / 2003.0 - 0.5) * 2.0).collect();
+        let tokens: Vec<u32> = (0..rows as u32).collect();
+        for scoring in [RouterScoring::SoftmaxTopK { norm_topk_prob: true }, RouterScoring::TopKSoftmax] {
+            let r =
+                Router { weight: Matrix::from_f32(experts, hidden, w.clone()), bias: None, logit_bias: None, scoring, top_k: 3, hash: None, global_scale: 1.0 };
+            let (mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+            r.route_rows(&x, &tokens, &mut ids, &mut weights, &mut shared);
+            let (mut one_ids, mut one_weights) = (Vec::new(), Vec::new());
+            for (row, &t) in x.chunks_exact(hidden).zip(&tokens) {
+                r.route_row(row, t, &mut Vec::new(), &mut one_ids, &mut one_weights, &mut Vec::new());
+            }
+            assert_eq!(ids, one_ids);
+            assert_eq!(weights.iter().map(|w| w.to_bits()).collect::<Vec<_>>(), one_weights.iter().map(|w| w.to_bits()).collect::<Vec<_>>());
+        }
     }
 }
