@@ -173,7 +173,15 @@ fn the_integer_tables_are_the_formats() {
 /// activation rows (the 2 × 4 tiles and what is left over).
 #[test]
 fn the_row_loops_give_each_row_the_scalar_bits() {
-    let (rows, cols) = (7usize, 300usize);
+    // 300: whole chunks and a partial one; 64 and below: rows of one partial chunk, which the
+    // AVX-512 4-bit tiles take two weight rows to a vector (`short_pair512`).
+    for cols in [300usize, 64, 63, 33, 32, 31, 1] {
+        row_loops_match_the_scalar_bits(cols);
+    }
+}
+
+fn row_loops_match_the_scalar_bits(cols: usize) {
+    let rows = 7usize;
     let (wa, wb) = (values(rows * cols, 11, 1.0), values(rows * cols, 12, 1.0));
     let xs: Vec<Vec<f32>> = (0..6).map(|k| values(cols, 20 + k, 2.0)).collect();
     let qs: Vec<QuantRows> = xs.iter().map(|x| quantized(x)).collect();
@@ -199,7 +207,7 @@ fn the_row_loops_give_each_row_the_scalar_bits() {
             let len = rows - first;
             let mut out = vec![0.0; len];
             qmatvec(&a, &acts[0], first, &mut out);
-            assert!(out.iter().enumerate().all(|(i, v)| v.to_bits() == want(&a, first + i, &acts[0])), "qmatvec {qa:?} from {first}");
+            assert!(out.iter().enumerate().all(|(i, v)| v.to_bits() == want(&a, first + i, &acts[0])), "qmatvec {qa:?} from {first}, {cols} columns");
             let (mut oa, mut ob) = (vec![0.0; len], vec![0.0; len]);
             qmatvec_pair(&a, &b, &acts[1], first, &mut oa, &mut ob);
             for i in 0..len {
@@ -213,9 +221,9 @@ fn the_row_loops_give_each_row_the_scalar_bits() {
                 qmatmul_pair_t(&a, &b, xs, first, &mut p);
                 for r in 0..len {
                     for (i, x) in xs.iter().enumerate() {
-                        assert_eq!(t[r * n + i].to_bits(), want(&a, first + r, x), "qmatmul_t n={n} row {r} act {i}");
-                        assert_eq!(p[r * 2 * n + i].to_bits(), want(&a, first + r, x), "qmatmul_pair_t A n={n} row {r} act {i}");
-                        assert_eq!(p[r * 2 * n + n + i].to_bits(), want(&b, first + r, x), "qmatmul_pair_t B n={n} row {r} act {i}");
+                        assert_eq!(t[r * n + i].to_bits(), want(&a, first + r, x), "qmatmul_t {cols} columns n={n} row {r} act {i}");
+                        assert_eq!(p[r * 2 * n + i].to_bits(), want(&a, first + r, x), "qmatmul_pair_t A {cols} columns n={n} row {r} act {i}");
+                        assert_eq!(p[r * 2 * n + n + i].to_bits(), want(&b, first + r, x), "qmatmul_pair_t B {cols} columns n={n} row {r} act {i}");
                     }
                 }
             }

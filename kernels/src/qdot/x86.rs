@@ -247,6 +247,50 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     out
 }
 
+/// `core512::<2, N>` for 4-bit rows of at most 64 values (the demo's expert down projection):
+/// such a row is one partial chunk whose upper half is padding, so the two rows share each
+/// vector — row A's 32 bytes low, row B's high, the activations' live half broadcast to both —
+/// and both rows' live lanes are reduced at once. Each live lane takes the same operations as in
+/// `core512`; the padding lanes there are exactly +0 (factor × 0, then `fma` into +0), so their
+/// s = 8 step is kept as `+ 0.0` (it turns a −0 sum into +0 as the scalar tree does).
+#[inline(always)]
+unsafe fn short_pair512<const N: usize>(fmt: Fmt, rows: [RawRow; 2], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; 2] {
+    debug_assert!(fmt != Fmt::Int8 && n <= CHUNK / 2);
+    let mask = _mm512_set1_epi8(0x0f);
+    let mx = fmt == Fmt::Mxfp4;
+    let live = byte_mask(n.div_ceil(2));
+    let a = _mm512_maskz_loadu_epi8(live, rows[0].data as *const i8);
+    let b = _mm512_maskz_loadu_epi8(live, rows[1].data as *const i8);
+    let x = _mm512_inserti64x4::<1>(a, _mm512_castsi512_si256(b));
+    let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
+    if mx {
+        let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
+        (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
+    }
+    // Lanes 0–7 of each row's factors: A's in the low half, B's in the high.
+    let wsv = _mm512_shuffle_f32x4::<0x44>(tail_factors_512(fmt, &rows[0], n, 0), tail_factors_512(fmt, &rows[1], n, 0));
+    let twice = |p: *const u8| _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+    let mut out = [[0.0f32; N]; 2];
+    for k in 0..N {
+        let q = xs[k].split.as_ptr();
+        let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() };
+        let d = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs[k].scales4.as_ptr()))));
+        let pe = _mm512_dpbusd_epi32(twice(neg as *const u8), lo, twice(q as *const u8));
+        let po = _mm512_dpbusd_epi32(twice(neg.add(16) as *const u8), hi, twice(q.add(64) as *const u8));
+        let f = _mm512_mul_ps(wsv, d);
+        let zero = _mm512_setzero_ps();
+        let even = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(pe), zero);
+        let odd = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(po), zero);
+        let t8 = _mm512_add_ps(_mm512_add_ps(even, odd), zero); // s = 16, then s = 8 against padding
+        let t4 = _mm512_add_ps(t8, _mm512_shuffle_f32x4::<0xF5>(t8, t8)); // lanes l + 4 of each row
+        let t2 = _mm512_add_ps(t4, _mm512_permute_ps::<0xEE>(t4));
+        let t1 = _mm512_add_ps(t2, _mm512_permute_ps::<0x01>(t2));
+        out[0][k] = _mm512_cvtss_f32(t1);
+        out[1][k] = _mm_cvtss_f32(_mm512_extractf32x4_ps::<2>(t1));
+    }
+    out
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     core512::<M, N>(fmt, rows, n, xs)
@@ -461,6 +505,9 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
 /// activation rows).
 #[inline(always)]
 unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
+    if fmt != Fmt::Int8 && cols <= CHUNK / 2 {
+        return tile2_short(fmt, ws, cols, xs, o);
+    }
     let n = xs.len();
     let mut i = 0;
     while i + 4 <= n {
@@ -487,6 +534,23 @@ unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut
             (o[i], o[n + i]) = (a[0], b[0]);
         }
         _ => {}
+    }
+}
+
+/// `tile2` for 4-bit rows of at most 64 values, by `short_pair512`.
+#[inline(always)]
+unsafe fn tile2_short(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
+    let n = xs.len();
+    let mut i = 0;
+    while i + 4 <= n {
+        let [a, b] = short_pair512::<4>(fmt, ws, cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]]);
+        o[i..i + 4].copy_from_slice(&a);
+        o[n + i..n + i + 4].copy_from_slice(&b);
+        i += 4;
+    }
+    for j in i..n {
+        let [a, b] = short_pair512::<1>(fmt, ws, cols, [&xs[j]]);
+        (o[j], o[n + j]) = (a[0], b[0]);
     }
 }
 
