@@ -301,6 +301,20 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(fmt: Fmt, 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatvec_avx512vnni(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
     let (fmt, n) = (w.fmt, w.cols);
+    if fmt != Fmt::Int8 && n <= CHUNK / 2 {
+        // Rows of one half-empty chunk: two to a vector (`short_pair512`).
+        let mut pairs = out.chunks_exact_mut(2);
+        let mut r = first;
+        for o in &mut pairs {
+            let [a, b] = short_pair512::<1>(fmt, [w.raw(r), w.raw(r + 1)], n, [x]);
+            (o[0], o[1]) = (a[0], b[0]);
+            r += 2;
+        }
+        if let [o] = pairs.into_remainder() {
+            *o = core512::<1, 1>(fmt, [w.raw(r)], n, [x])[0][0];
+        }
+        return;
+    }
     let mut chunks = out.chunks_exact_mut(4);
     let mut r = first;
     for o in &mut chunks {
