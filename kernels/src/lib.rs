@@ -5,7 +5,8 @@
 //! MXFP4 weights, `qdot`), RMSNorm, softmax,
 //! SiLU, rotary embedding application, attention over a KV slice, and the fixed-point row
 //! accumulator that makes expert sums independent of where and in what order they were formed;
-//! and the team of threads a forward step's small products are split over (`team`).
+//! and the team of threads a forward step's small products are split over (`team`); and whether
+//! this process can use AMX tiles (`amx`: detected and self-tested, used by no product).
 //!
 //! Invariants:
 //! - Every kernel has a plain scalar reference (`reference` module) and a test against it.
