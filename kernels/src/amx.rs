@@ -32,11 +32,6 @@ pub struct AmxStatus {
 }
 
 impl AmxStatus {
-    /// All four checks passed.
-    pub fn usable(&self) -> bool {
-        self.self_test_passes
-    }
-
     /// One line for `shimmer doctor`: what was found, and the first check that failed.
     pub fn describe(&self) -> &'static str {
         match (self.cpu_reports, self.os_enables, self.kernel_grants, self.self_test_passes) {

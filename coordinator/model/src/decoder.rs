@@ -936,8 +936,7 @@ impl Decoder {
         let mut ids = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
         let mut gammas = Vec::new();
-        let routed = n.min(tokens.len());
-        router.route_rows(&x[..routed * hd], &tokens[..routed], &mut ids, &mut weights, &mut gammas);
+        router.route_rows(x, tokens, &mut ids, &mut weights, &mut gammas);
         observer.moe_layer(layer, x, &ids, &weights);
         // One-layer-ahead prediction: the next MoE layer's router on this layer's rows. It goes
         // to the dispatcher before this layer's dispatch, so its reads overlap this layer's work.
@@ -990,8 +989,7 @@ impl Decoder {
             return None;
         };
         let (mut ids, mut weights, mut shared) = (Vec::new(), Vec::new(), Vec::new());
-        let n = (x.len() / self.spec.hidden_size).min(tokens.len());
-        router.route_rows(&x[..n * self.spec.hidden_size], &tokens[..n], &mut ids, &mut weights, &mut shared);
+        router.route_rows(x, tokens, &mut ids, &mut weights, &mut shared);
         Some(ids)
     }
 }

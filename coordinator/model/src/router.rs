@@ -30,14 +30,15 @@ impl Router {
         self.select(scores, token, ids, weights, shared);
     }
 
-    /// `route_row` for every row of `x` (whole rows of the hidden size), one token each: the
-    /// scores of all rows in one product — a prompt's rows share each loaded router row, and
-    /// the kernels give every row the bits it gets alone — then each row's choice.
+    /// `route_row` for the rows of `x` (whole rows of the hidden size) paired with `tokens`, as
+    /// many as both have: the scores of all rows in one product — a prompt's rows share each
+    /// loaded router row, and the kernels give every row the bits it gets alone — then each
+    /// row's choice.
     pub fn route_rows(&self, x: &[f32], tokens: &[u32], ids: &mut Vec<u32>, weights: &mut Vec<f32>, shared: &mut Vec<f32>) {
-        let (e, n) = (self.weight.rows, tokens.len());
-        debug_assert_eq!(x.len(), n * self.weight.cols);
+        let (e, cols) = (self.weight.rows, self.weight.cols);
+        let n = (x.len() / cols.max(1)).min(tokens.len());
         let mut scores = vec![0.0f32; n * e];
-        self.weight.matmul(x, &mut scores);
+        self.weight.matmul(&x[..n * cols], &mut scores);
         for (row, &token) in scores.chunks_exact_mut(e).zip(tokens) {
             self.select(row, token, ids, weights, shared);
         }
