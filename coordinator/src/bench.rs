@@ -154,27 +154,29 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     if bench.preload {
         engine.preload_experts()?;
     }
-    for _ in 0..bench.warmup {
-        // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves them;
-        // the store's counters and the routing trace start after.
-        let mut warm = engine.new_session();
-        engine.step(&mut warm, ids)?;
-        for next in continuation {
-            engine.step(&mut warm, &[*next])?;
+    // Steps run on a compute thread, as `generate` and the server's batcher run them.
+    engine.on_compute_thread(|| {
+        for _ in 0..bench.warmup {
+            // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves
+            // them; the store's counters and the routing trace start after.
+            let mut warm = engine.new_session();
+            engine.step(&mut warm, ids)?;
+            for next in continuation {
+                engine.step(&mut warm, &[*next])?;
+            }
         }
-    }
+        anyhow::Ok(())
+    })?;
     let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
     engine.record_trace(&trace_path)?;
 
     let mut session = engine.new_session();
     let t0 = Instant::now();
-    engine.step(&mut session, ids)?;
+    engine.on_compute_thread(|| engine.step(&mut session, ids))?;
     let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     let before = engine.store_telemetry();
     let t1 = Instant::now();
-    for next in continuation {
-        engine.step(&mut session, &[*next])?;
-    }
+    engine.on_compute_thread(|| continuation.iter().try_for_each(|next| engine.step(&mut session, &[*next]).map(drop)))?;
     let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
     let after = engine.store_telemetry();
     // Before the bandwidth probes below allocate their buffers.
@@ -184,7 +186,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let trace = shimmer_common::trace::Trace::read(&trace_path);
     let _ = std::fs::remove_file(&trace_path);
     let trace = trace?;
-    let batched = if bench.parallel > 0 { Some(batched(&engine, &text_ids, ids.len(), bench.parallel)?) } else { None };
+    let batched = if bench.parallel > 0 { Some(engine.on_compute_thread(|| batched(&engine, &text_ids, ids.len(), bench.parallel))?) } else { None };
 
     let gen = bench.gen_tokens.max(1) as f64;
     let (mut read_per_token, mut io_wait_fraction, mut hit_rate) = (0.0, 0.0, 1.0);

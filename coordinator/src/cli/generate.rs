@@ -65,7 +65,8 @@ pub(super) fn generate(a: GenerateArgs) -> Result<ExitCode> {
         let reused = session.tokens.iter().zip(&prompt_ids).take_while(|(x, y)| x == y).count();
         eprintln!("shimmer: session {}: {reused} cached positions reused, {} to prefill", path.display(), prompt_ids.len().saturating_sub(reused));
     }
-    let mut stdout = std::io::stdout().lock();
+    // Generation runs on a compute thread: the handle (not a lock, which cannot move there).
+    let mut stdout = std::io::stdout();
     let json_mode = a.json;
     let gen = engine.generate(&mut session, &prompt_ids, &opts, |piece| {
         if !json_mode {

@@ -251,49 +251,74 @@ struct Loop {
 
 impl Loop {
     fn run(mut self) {
+        let engine = self.engine.clone();
         loop {
-            // Wait when idle; otherwise take whatever has arrived and step.
-            let first = if self.active.is_empty() && self.waiting.is_empty() {
+            // Wait when idle, off the compute threads.
+            if self.active.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv() {
-                    Ok(m) => Some(m),
+                    Ok(m) => {
+                        if self.take(m) {
+                            return self.shut_down();
+                        }
+                    }
                     Err(_) => break,
                 }
-            } else {
-                None
-            };
+            }
+            // While there is work the loop runs on a compute thread: each step's pass then
+            // starts there instead of waking the pool from outside and waiting on it.
+            if engine.on_compute_thread(|| self.serve_until_idle()) {
+                return self.shut_down();
+            }
+        }
+    }
+
+    /// Queues a message; true for a shutdown.
+    fn take(&mut self, msg: Msg) -> bool {
+        match msg {
+            Msg::Job(j) => {
+                self.waiting.push_back(*j);
+                false
+            }
+            Msg::Shutdown => true,
+        }
+    }
+
+    /// Takes whatever has arrived and steps until nothing runs or waits; true when told to shut
+    /// down.
+    fn serve_until_idle(&mut self) -> bool {
+        loop {
             let mut shutdown = false;
-            for msg in first.into_iter().chain(std::iter::from_fn(|| self.rx.try_recv().ok())) {
-                match msg {
-                    Msg::Job(j) => self.waiting.push_back(*j),
-                    Msg::Shutdown => shutdown = true,
-                }
+            while let Ok(msg) = self.rx.try_recv() {
+                shutdown |= self.take(msg);
             }
             if shutdown {
-                for seq in self.active.drain(..) {
-                    let _ = seq.job.events.send(Event::Done {
-                        finish: FinishReason::Cancelled,
-                        prompt_tokens: seq.job.prompt.len(),
-                        completion_tokens: seq.output.len(),
-                        stop_sequence: None,
-                    });
-                }
-                for job in self.waiting.drain(..) {
-                    let _ = job.events.send(Event::Done {
-                        finish: FinishReason::Cancelled,
-                        prompt_tokens: job.prompt.len(),
-                        completion_tokens: 0,
-                        stop_sequence: None,
-                    });
-                }
-                self.engine.end_turn();
-                break;
+                return true;
             }
             self.admit();
             if !self.active.is_empty() {
                 self.step();
             }
             self.publish();
+            if self.active.is_empty() && self.waiting.is_empty() {
+                return false;
+            }
         }
+    }
+
+    fn shut_down(&mut self) {
+        for seq in self.active.drain(..) {
+            let _ = seq.job.events.send(Event::Done {
+                finish: FinishReason::Cancelled,
+                prompt_tokens: seq.job.prompt.len(),
+                completion_tokens: seq.output.len(),
+                stop_sequence: None,
+            });
+        }
+        for job in self.waiting.drain(..) {
+            let _ =
+                job.events.send(Event::Done { finish: FinishReason::Cancelled, prompt_tokens: job.prompt.len(), completion_tokens: 0, stop_sequence: None });
+        }
+        self.engine.end_turn();
     }
 
     fn admit(&mut self) {
