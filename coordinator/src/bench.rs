@@ -158,7 +158,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     engine.on_compute_thread(|| {
         for _ in 0..bench.warmup {
             // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves
-            // them; the store's counters and the routing trace start after.
+            // them; the store's counters start after.
             let mut warm = engine.new_session();
             engine.step(&mut warm, ids)?;
             for next in continuation {
@@ -167,9 +167,6 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         }
         anyhow::Ok(())
     })?;
-    let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
-    engine.record_trace(&trace_path)?;
-
     let mut session = engine.new_session();
     let t0 = Instant::now();
     engine.on_compute_thread(|| engine.step(&mut session, ids))?;
@@ -181,8 +178,19 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let after = engine.store_telemetry();
     // Before the bandwidth probes below allocate their buffers.
     let peak_rss_bytes = peak_rss();
+    // The routing trace the policies are replayed on comes from a second, untimed pass over the
+    // same tokens (teacher-forced, so routed the same): recording it predicts every layer's
+    // next choice, work a plain decode does not do.
+    let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
+    engine.record_trace(&trace_path)?;
+    let recorded = engine.on_compute_thread(|| {
+        let mut again = engine.new_session();
+        engine.step(&mut again, ids)?;
+        continuation.iter().try_for_each(|next| engine.step(&mut again, &[*next]).map(drop))
+    });
     engine.end_turn();
     engine.finish_trace()?;
+    recorded?;
     let trace = shimmer_common::trace::Trace::read(&trace_path);
     let _ = std::fs::remove_file(&trace_path);
     let trace = trace?;

@@ -318,3 +318,36 @@ fn released_experts_leave_ram_and_are_read_again_when_asked_for() {
     }
     assert_eq!(store.load(&share).unwrap(), old_only.len(), "released experts are read again");
 }
+
+/// The next layer's choice is predicted only while there is something to read ahead: a store
+/// whose budget holds the whole model stops asking for it once every expert is in RAM, and asks
+/// again when one leaves; a store that cannot hold the model always asks.
+#[test]
+fn lookahead_is_wanted_until_every_expert_is_in_ram() {
+    use shimmer_experts::dispatch::ExpertDispatch;
+    let model = shimmer_coordinator::model_dir::ModelDir::open(&demo()).unwrap();
+    let moe: Vec<usize> = (0..model.spec.num_layers).filter(|l| model.spec.layers[*l] == shimmer_common::spec::LayerMlp::Moe).collect();
+    let all: Vec<(usize, usize)> = moe.iter().flat_map(|&l| (0..model.spec.moe.num_experts).map(move |e| (l, e))).collect();
+    let whole = model.expert_store(&opts(1.0), 0).unwrap();
+    assert!(whole.wants_lookahead(), "nothing is in RAM yet");
+    let (first, rest) = all.split_at(all.len() / 2);
+    whole.load(first).unwrap();
+    assert!(whole.wants_lookahead(), "half the experts are in RAM");
+    whole.load(rest).unwrap();
+    assert_eq!(whole.telemetry().resident_experts, all.len());
+    assert!(!whole.wants_lookahead(), "every expert is in RAM");
+    assert_eq!(whole.release(&all[..1]), 1);
+    assert!(whole.wants_lookahead(), "an expert left RAM");
+    whole.load(&all[..1]).unwrap();
+    assert!(!whole.wants_lookahead());
+
+    // Room for a third of the experts: whatever was read, some are always left to predict.
+    let expert_bytes = whole.telemetry().expert_bytes as f64;
+    let third = model.expert_store(&opts(expert_bytes * (all.len() / 3) as f64 / 1e9), 0).unwrap();
+    third.load(&all).unwrap();
+    assert!(third.telemetry().resident_experts < all.len());
+    assert!(third.wants_lookahead());
+    let no_prefetch = ExpertOptions { prefetch: false, ..opts(1.0) };
+    let off = model.expert_store(&no_prefetch, 0).unwrap();
+    assert!(!off.wants_lookahead(), "prefetch is off");
+}

@@ -211,6 +211,21 @@ struct State {
     policy: LayerLru,
     slots: HashMap<Key, Slot>,
     prefetched_unused: HashSet<Key>,
+    /// How many slots are `Ready`.
+    ready: usize,
+}
+
+impl State {
+    fn remove_slot(&mut self, key: &Key) -> Option<Slot> {
+        let slot = self.slots.remove(key);
+        self.ready -= usize::from(matches!(slot, Some(Slot::Ready(_))));
+        slot
+    }
+
+    fn insert_ready(&mut self, key: Key, expert: Arc<Expert>) {
+        let before = self.slots.insert(key, Slot::Ready(expert));
+        self.ready += usize::from(!matches!(before, Some(Slot::Ready(_))));
+    }
 }
 
 #[derive(Default)]
@@ -238,6 +253,8 @@ struct Inner {
     /// Model layer → position among MoE layers (the policy's layer index).
     moe_position: Vec<Option<u16>>,
     num_experts: usize,
+    /// Experts of every MoE layer together.
+    all_experts: usize,
     io_depth: usize,
     prefetch: bool,
     state: Mutex<State>,
@@ -328,7 +345,8 @@ impl ExpertStore {
             num_experts: spec.moe.num_experts,
             io_depth,
             prefetch: opts.prefetch,
-            state: Mutex::new(State { policy, slots: HashMap::new(), prefetched_unused: HashSet::new() }),
+            state: Mutex::new(State { policy, slots: HashMap::new(), prefetched_unused: HashSet::new(), ready: 0 }),
+            all_experts: moe_layers * spec.moe.num_experts,
             queues: Mutex::new(Queues::default()),
             work: Condvar::new(),
             busy: Mutex::new(Busy::default()),
@@ -411,7 +429,7 @@ impl ExpertStore {
                 }
                 let d = st.policy.decide(key);
                 if let Some(ev) = d.evicted {
-                    st.slots.remove(&ev);
+                    st.remove_slot(&ev);
                 }
                 if d.kept {
                     let pending = Pending::new();
@@ -447,7 +465,7 @@ impl ExpertStore {
         for &(layer, e) in pairs {
             let Some(pos) = inner.moe_position.get(layer).copied().flatten() else { continue };
             let key = (pos, e.min(u16::MAX as usize) as u16);
-            if let Some(slot) = st.slots.remove(&key) {
+            if let Some(slot) = st.remove_slot(&key) {
                 st.policy.forget(key);
                 st.prefetched_unused.remove(&key);
                 dropped += usize::from(matches!(slot, Slot::Ready(_)));
@@ -505,10 +523,10 @@ impl Inner {
                 if ours {
                     match &result {
                         Ok(e) => {
-                            st.slots.insert(job.key, Slot::Ready(e.clone()));
+                            st.insert_ready(job.key, e.clone());
                         }
                         Err(_) => {
-                            st.slots.remove(&job.key);
+                            st.remove_slot(&job.key);
                             st.policy.forget(job.key);
                             st.prefetched_unused.remove(&job.key);
                         }
@@ -554,7 +572,7 @@ impl Inner {
     /// Carries out a prefetch decision: the slot becomes Loading and a job is returned to queue.
     fn admit_prefetch(&self, st: &mut State, key: Key, d: Decision) -> Option<Job> {
         if let Some(ev) = d.evicted {
-            st.slots.remove(&ev);
+            st.remove_slot(&ev);
             st.prefetched_unused.remove(&ev);
         }
         if st.slots.contains_key(&key) {
@@ -576,7 +594,7 @@ impl Inner {
         let bytes_read = c.bytes_read.load(Ordering::Relaxed);
         let read_busy_s = busy.as_secs_f64();
         StoreTelemetry {
-            resident_experts: lock(&self.state).slots.values().filter(|s| matches!(s, Slot::Ready(_))).count(),
+            resident_experts: lock(&self.state).ready,
             ram_hits: c.ram_hits.load(Ordering::Relaxed),
             in_flight_hits: c.in_flight_hits.load(Ordering::Relaxed),
             disk_misses: c.disk_misses.load(Ordering::Relaxed),
@@ -611,7 +629,7 @@ impl ExpertStore {
                 let e = key.1 as usize;
                 let d = st.policy.decide(key);
                 if let Some(ev) = d.evicted {
-                    st.slots.remove(&ev);
+                    st.remove_slot(&ev);
                     st.prefetched_unused.remove(&ev);
                 }
                 if st.prefetched_unused.remove(&key) {
@@ -717,8 +735,11 @@ impl ExpertDispatch for ExpertStore {
         }
     }
 
+    /// Not once every expert is in RAM (a budget that holds the whole model, after the first
+    /// touches or a preload): predicting the next layer's choice then costs a router product
+    /// and a sort a layer for nothing (~5 % of the demo model's decode).
     fn wants_lookahead(&self) -> bool {
-        self.inner.prefetch
+        self.inner.prefetch && lock(&self.inner.state).ready < self.inner.all_experts
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
