@@ -57,12 +57,14 @@ fn with_quantized<R>(xs: &[f32], n: usize, nibbles: bool, f: impl FnOnce(&QuantR
 /// Work below this many multiply-adds stays on the calling thread: rayon's fan-out costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
 /// The same for one activation row on the integer path, which streams a weight byte in well
-/// under a nanosecond: below a quarter of a megabyte of weights, waking the other threads (~10 µs
-/// a fork and join here) costs about what they save. (In a profile of the demo model's decode,
-/// rayon waking and parking threads took a quarter of the samples; with this bound its 256 × 256
-/// products stay on one thread — decode medians 2,546 / 2,487 tok/s int4 / int8 against 2,428 /
-/// 2,368 with the float path's bound, within the runs' spread.)
-const QPARALLEL_MIN_WORK: usize = 1 << 18;
+/// under a nanosecond: below 2 M multiply-adds — the demo model's 6,144 × 256 head included —
+/// waking another thread (a futex wake, ~10 µs on these virtual machines, and the woken thread
+/// arrives when the caller has done most of the chunks) costs more than it saves. Demo int4
+/// decode medians 3,526 → 3,698 tok/s with its head on one thread, once decode steps start on
+/// a compute thread (`Engine::on_compute_thread`; while every step woke the pool from outside,
+/// the other thread was often awake anyway and the split paid). Larger models decode as a team
+/// (`team.rs`), which splits their products without waking anyone.
+const QPARALLEL_MIN_WORK: usize = 1 << 21;
 
 /// Weights from which a one-row product is split over an active team (`team.rs`): its threads
 /// are awake and take a chunk in well under a microsecond, so products below rayon's bound
@@ -641,11 +643,12 @@ mod tests {
     }
 
     /// A product split over a forward step's team gives the bits it gives on one thread (and
-    /// through rayon), in every format, at sizes around the team's bound.
+    /// through rayon), in every format, at sizes around the team's bound and past rayon's.
     #[test]
     fn products_over_a_team_are_the_same_bits() {
         use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
-        for &(rows, cols) in &[(128, 256), (300, 160), (1030, 64), (2049, 48)] {
+        const { assert!(4100 * 520 > QPARALLEL_MIN_WORK) };
+        for &(rows, cols) in &[(128, 256), (300, 160), (1030, 64), (2049, 48), (4100, 520)] {
             let (w, x) = random(rows, cols, (rows + 3 * cols) as u64);
             let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone()))];
             for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
