@@ -4,7 +4,8 @@
 //! float and fp8 weights; int8-quantised activations and integer dot products for int8, int4 and
 //! MXFP4 weights, `qdot`), RMSNorm, softmax,
 //! SiLU, rotary embedding application, attention over a KV slice, and the fixed-point row
-//! accumulator that makes expert sums independent of where and in what order they were formed;
+//! accumulator that makes expert sums independent of where and in what order they were formed,
+//! and the transposes of batched products' results (`transpose`);
 //! and the team of threads a forward step's small products are split over (`team`); and whether
 //! this process can use AMX tiles (`amx`: detected and self-tested, used by no product).
 //!
@@ -27,6 +28,7 @@ pub mod ops;
 pub mod qdot;
 pub mod reference;
 pub mod team;
+pub mod transpose;
 
 pub use fixed::{FixedPointOverflow, FIXED_SCALE};
 pub use matrix::{Activations, Matrix, WeightData};

@@ -15,6 +15,7 @@ use shimmer_common::{DType, TensorView};
 
 use crate::dot::{self, WeightRow};
 use crate::qdot::{self, QuantRows};
+use crate::transpose::transpose_into;
 
 /// How a matrix's products treat their activation rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -436,24 +437,6 @@ impl Matrix {
             qdot::qmatmul_t(&w, &acts, 0, &mut t);
         }
         transpose_into(&t, self.rows, n, n, out);
-    }
-}
-
-/// `out[i * rows + r] = t[r * stride + i]` for `i < n`, in tiles: one weight row's results at a
-/// time scattered over a prompt's rows touched a new cache line per value (a visible share of
-/// prefill).
-fn transpose_into(t: &[f32], rows: usize, n: usize, stride: usize, out: &mut [f32]) {
-    const TILE: usize = 16;
-    for r0 in (0..rows).step_by(TILE) {
-        let r1 = (r0 + TILE).min(rows);
-        for i0 in (0..n).step_by(TILE) {
-            let i1 = (i0 + TILE).min(n);
-            for i in i0..i1 {
-                for r in r0..r1 {
-                    out[i * rows + r] = t[r * stride + i];
-                }
-            }
-        }
     }
 }
 
