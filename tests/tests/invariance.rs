@@ -164,3 +164,42 @@ fn a_reused_prefix_answers_as_a_fresh_session_even_where_a_state_must_go_back() 
         assert_eq!(reused.reused_tokens, want, "{name}: positions reused");
     }
 }
+
+/// A batch of decode steps wants each sequence's last row, and the head runs once over all of
+/// them: with integer products (the demo model as an int4-g32 container with int8 head and
+/// layers, as `shimmer convert` makes it) every sequence still gets the logits it gets alone.
+#[test]
+fn a_batch_of_last_rows_through_an_integer_head_gets_each_sequences_own_logits() {
+    use shimmer_model::{Logits, Segment};
+    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
+    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
+    let out = tempfile::tempdir().unwrap();
+    let container = out.path().join("c");
+    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 };
+    convert(&demo, &container, opts, &mut |_| {}).unwrap();
+    let engine = Engine::load(&container).unwrap();
+    let vocab = engine.spec.vocab_size;
+    let seqs: Vec<Vec<u32>> = (0..5u32).map(|s| (0..12u32).map(|i| (i * 131 + s * 977 + 5) % vocab as u32).collect()).collect();
+    let alone: Vec<Vec<f32>> = seqs.iter().map(|s| engine.logits_all(s).unwrap()).collect();
+    let mut sessions: Vec<_> = seqs.iter().map(|_| engine.new_session()).collect();
+    // A prompt chunk of a different length per sequence, then one token a step for all.
+    let mut at: Vec<usize> = (0..seqs.len()).map(|i| 2 + i).collect();
+    let mut segments: Vec<Segment<'_>> =
+        sessions.iter_mut().zip(&seqs).zip(&at).map(|((s, q), a)| Segment { tokens: &q[..*a], cache: &mut s.cache, want: Logits::Last }).collect();
+    let first = engine.forward_batch(&mut segments).unwrap();
+    drop(segments);
+    for (i, logits) in first.iter().enumerate() {
+        assert_eq!(bits(logits), bits(&alone[i][(at[i] - 1) * vocab..at[i] * vocab]), "sequence {i}'s prompt");
+    }
+    while at.iter().all(|a| *a < 12) {
+        let mut segments: Vec<Segment<'_>> =
+            sessions.iter_mut().zip(&seqs).zip(&at).map(|((s, q), a)| Segment { tokens: &q[*a..*a + 1], cache: &mut s.cache, want: Logits::Last }).collect();
+        let out = engine.forward_batch(&mut segments).unwrap();
+        drop(segments);
+        for (i, logits) in out.iter().enumerate() {
+            assert_eq!(logits.len(), vocab);
+            assert_eq!(bits(logits), bits(&alone[i][at[i] * vocab..(at[i] + 1) * vocab]), "sequence {i}, position {}", at[i]);
+            at[i] += 1;
+        }
+    }
+}
