@@ -506,6 +506,50 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     transpose_into(&t[n..], rows, n, 2 * n, b_out);
 }
 
+/// `outs[j][i] = mats[j] · xs[i]` for several matrices over the same rows (attention's q, k and
+/// v): with integer products the rows are quantised once and every matrix's blocks of weight
+/// rows go to one parallel region (one fork and join instead of one per matrix). Every result
+/// is exactly each matrix's own `matmul`'s.
+pub fn matmul_many(mats: &[&Matrix], xs: &[f32], outs: &mut [&mut [f32]]) {
+    assert_eq!(mats.len(), outs.len(), "one output per matrix");
+    let cols = mats.first().map_or(0, |m| m.cols);
+    let n = xs.len() / cols.max(1);
+    let shared = n > 1 && mats.iter().all(|m| m.cols == cols && m.integer_products());
+    if !shared {
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            m.matmul(xs, out);
+        }
+        return;
+    }
+    assert_eq!(xs.len(), n * cols, "matmul input is not whole rows");
+    for (m, out) in mats.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), n * m.rows, "matmul output length");
+    }
+    let nibbles = mats.iter().any(|m| m.nibbles());
+    with_quantized(xs, cols, nibbles, |q| {
+        let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
+        let views: Vec<qdot::QMatrix<'_>> = mats.iter().map(|m| m.qmatrix().expect("integer products are taken for integer formats only")).collect();
+        let mut ts: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows * n]).collect();
+        let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
+        if work >= PARALLEL_MIN_WORK {
+            // Blocks as `qmatmul` cuts them, of every matrix, in one region.
+            let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
+            for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
+                let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
+                pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
+            }
+            pieces.into_par_iter().for_each(|(j, first, o)| qdot::qmatmul_t(&views[j], &acts, first, o));
+        } else {
+            for (w, t) in views.iter().zip(ts.iter_mut()) {
+                qdot::qmatmul_t(w, &acts, 0, t);
+            }
+        }
+        for ((m, t), out) in mats.iter().zip(&ts).zip(outs.iter_mut()) {
+            transpose_into(t, m.rows, n, n, out);
+        }
+    });
+}
+
 /// `matmul_pair` for integer products.
 fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out: &mut [f32], parallel: bool) {
     let (rows, n) = (a.rows, q.rows());
@@ -771,6 +815,48 @@ mod tests {
         assert!(e.contains("NaN"), "{e}");
         assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![1.0, 2.0], 128).unwrap_err().contains("block scales"));
         assert!(Matrix::from_fp8_blocks(2, 2, vec![0; 4], vec![f32::INFINITY], 128).is_err());
+    }
+
+    /// Several matrices over the same rows give each matrix's own bits, in every format and
+    /// mix of formats, below and above the parallel bound.
+    #[test]
+    fn products_of_several_matrices_equal_each_alone() {
+        use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+        for &(n, cols) in &[(1usize, 64usize), (3, 64), (9, 256), (64, 256)] {
+            let shapes = [128usize, 64, 64];
+            let (_, xs) = random(n, cols, 5 + n as u64);
+            let xs: Vec<f32> = (0..n).flat_map(|_| xs.iter().copied()).enumerate().map(|(i, v)| v * (1.0 + i as f32 * 1e-3)).collect();
+            let build = |k: usize, rows: usize| {
+                let (w, _) = random(rows, cols, 40 + k as u64);
+                match k % 4 {
+                    0 => Matrix::from_quant(quantize_int8(&w, rows, cols)),
+                    1 => Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
+                    2 => Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
+                    _ => Matrix::new(rows, cols, WeightData::F32(w)),
+                }
+            };
+            for mix in [[0, 0, 0], [0, 1, 2], [1, 1, 1], [0, 3, 1]] {
+                let mats: Vec<Matrix> = mix.iter().zip(shapes).map(|(k, rows)| build(*k, rows)).collect();
+                let want: Vec<Vec<f32>> = mats
+                    .iter()
+                    .map(|m| {
+                        let mut o = vec![0.0f32; n * m.rows];
+                        m.matmul(&xs, &mut o);
+                        o
+                    })
+                    .collect();
+                let mut got: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; n * m.rows]).collect();
+                let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| v.as_mut_slice()).collect();
+                matmul_many(&mats.iter().collect::<Vec<_>>(), &xs, &mut outs);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(
+                        g.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        w.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{n} rows, {cols} columns, {mix:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -37,10 +37,25 @@ impl Linear {
 
     pub fn forward(&self, xs: &[f32], out: &mut [f32]) {
         self.weight.matmul(xs, out);
+        self.add_bias(out);
+    }
+
+    fn add_bias(&self, out: &mut [f32]) {
         if let Some(b) = &self.bias {
             for row in out.chunks_exact_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
             }
+        }
+    }
+
+    /// `forward` of several layers over the same rows (attention's q, k and v): the rows are
+    /// quantised once and the products share one parallel region (`matmul_many`); each output
+    /// is its layer's own `forward`'s.
+    pub fn forward_many(layers: &[&Linear], xs: &[f32], outs: &mut [&mut [f32]]) {
+        let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
+        shimmer_kernels::matrix::matmul_many(&mats, xs, outs);
+        for (l, out) in layers.iter().zip(outs.iter_mut()) {
+            l.add_bias(out);
         }
     }
 }
@@ -873,17 +888,15 @@ impl Decoder {
         if g.output_gate {
             // Per head: its query, then its gate.
             let mut both = vec![0.0f32; n * 2 * qd];
-            g.q.forward(x, &mut both);
+            Linear::forward_many(&[&g.q, &g.k, &g.v], x, &mut [&mut both, &mut k, &mut v]);
             gate = vec![0.0f32; n * qd];
             for ((pair, qh), gh) in both.chunks_exact(2 * d).zip(q.chunks_exact_mut(d)).zip(gate.chunks_exact_mut(d)) {
                 qh.copy_from_slice(&pair[..d]);
                 gh.copy_from_slice(&pair[d..]);
             }
         } else {
-            g.q.forward(x, &mut q);
+            Linear::forward_many(&[&g.q, &g.k, &g.v], x, &mut [&mut q, &mut k, &mut v]);
         }
-        g.k.forward(x, &mut k);
-        g.v.forward(x, &mut v);
         // Per-head norms have head_dim-long weights; full-projection norms span the whole row, so
         // the same chunked kernel covers both.
         if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
