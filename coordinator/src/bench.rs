@@ -154,19 +154,20 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     if bench.preload {
         engine.preload_experts()?;
     }
-    // Steps run on a compute thread, as `generate` and the server's batcher run them.
-    engine.on_compute_thread(|| {
-        for _ in 0..bench.warmup {
-            // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves
-            // them; the store's counters start after.
-            let mut warm = engine.new_session();
-            engine.step(&mut warm, ids)?;
-            for next in continuation {
-                engine.step(&mut warm, &[*next])?;
-            }
-        }
-        anyhow::Ok(())
-    })?;
+    // The prompt, then the continuation a token a step, in a fresh session. Steps run on a
+    // compute thread, as `generate` and the server's batcher run them.
+    let whole_pass = || {
+        engine.on_compute_thread(|| {
+            let mut session = engine.new_session();
+            engine.step(&mut session, ids)?;
+            continuation.iter().try_for_each(|next| engine.step(&mut session, &[*next]).map(drop))
+        })
+    };
+    for _ in 0..bench.warmup {
+        // Caches, page tables and the thread pool warm, as llama-bench's warm-up run leaves them;
+        // the store's counters start after.
+        whole_pass()?;
+    }
     let mut session = engine.new_session();
     let t0 = Instant::now();
     engine.on_compute_thread(|| engine.step(&mut session, ids))?;
@@ -183,11 +184,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     // next choice, work a plain decode does not do.
     let trace_path = std::env::temp_dir().join(format!("shimmer-bench-{}.trace", std::process::id()));
     engine.record_trace(&trace_path)?;
-    let recorded = engine.on_compute_thread(|| {
-        let mut again = engine.new_session();
-        engine.step(&mut again, ids)?;
-        continuation.iter().try_for_each(|next| engine.step(&mut again, &[*next]).map(drop))
-    });
+    let recorded = whole_pass();
     engine.end_turn();
     engine.finish_trace()?;
     recorded?;

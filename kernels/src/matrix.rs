@@ -425,18 +425,7 @@ impl Matrix {
 
     /// `matmul_on` for integer products: pairs of weight rows against groups of quantised rows.
     fn qmatmul(&self, q: &QuantRows, out: &mut [f32], parallel: bool) {
-        let n = q.rows();
-        let Some(w) = self.qmatrix() else { unreachable!("integer products are taken for integer formats only") };
-        let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
-        // Transposed result (weight row major), in blocks of weight rows.
-        let mut t = vec![0.0f32; self.rows * n];
-        if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
-            let block = ((self.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
-            t.par_chunks_mut(block * n).enumerate().for_each(|(c, o)| qdot::qmatmul_t(&w, &acts, c * block, o));
-        } else {
-            qdot::qmatmul_t(&w, &acts, 0, &mut t);
-        }
-        transpose_into(&t, self.rows, n, n, out);
+        qmatmul_all(&[self], q, &mut [out], parallel);
     }
 }
 
@@ -526,28 +515,33 @@ pub fn matmul_many(mats: &[&Matrix], xs: &[f32], outs: &mut [&mut [f32]]) {
         assert_eq!(out.len(), n * m.rows, "matmul output length");
     }
     let nibbles = mats.iter().any(|m| m.nibbles());
-    with_quantized(xs, cols, nibbles, |q| {
-        let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
-        let views: Vec<qdot::QMatrix<'_>> = mats.iter().map(|m| m.qmatrix().expect("integer products are taken for integer formats only")).collect();
-        let mut ts: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows * n]).collect();
-        let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
-        if work >= PARALLEL_MIN_WORK {
-            // Blocks as `qmatmul` cuts them, of every matrix, in one region.
-            let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
-            for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
-                let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
-                pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
-            }
-            pieces.into_par_iter().for_each(|(j, first, o)| qdot::qmatmul_t(&views[j], &acts, first, o));
-        } else {
-            for (w, t) in views.iter().zip(ts.iter_mut()) {
-                qdot::qmatmul_t(w, &acts, 0, t);
-            }
+    with_quantized(xs, cols, nibbles, |q| qmatmul_all(mats, q, outs, true));
+}
+
+/// Integer products of matrices over the same quantised rows (`qmatmul` is one of them): blocks
+/// of every matrix's weight rows in one parallel region when there is enough work, then each
+/// weight-row-major result transposed into its output.
+fn qmatmul_all(mats: &[&Matrix], q: &QuantRows, outs: &mut [&mut [f32]], parallel: bool) {
+    let n = q.rows();
+    let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
+    let views: Vec<qdot::QMatrix<'_>> = mats.iter().map(|m| m.qmatrix().expect("integer products are taken for integer formats only")).collect();
+    let mut ts: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows * n]).collect();
+    let work: usize = mats.iter().map(|m| m.rows * m.cols * n).sum();
+    if parallel && work >= PARALLEL_MIN_WORK {
+        let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
+            let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
+            pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
         }
-        for ((m, t), out) in mats.iter().zip(&ts).zip(outs.iter_mut()) {
-            transpose_into(t, m.rows, n, n, out);
+        pieces.into_par_iter().for_each(|(j, first, o)| qdot::qmatmul_t(&views[j], &acts, first, o));
+    } else {
+        for (w, t) in views.iter().zip(ts.iter_mut()) {
+            qdot::qmatmul_t(w, &acts, 0, t);
         }
-    });
+    }
+    for ((m, t), out) in mats.iter().zip(&ts).zip(outs.iter_mut()) {
+        transpose_into(t, m.rows, n, n, out);
+    }
 }
 
 /// `matmul_pair` for integer products.
