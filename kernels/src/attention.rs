@@ -17,8 +17,6 @@
 //!
 //! Must never: let a vector see a key past its `last`, or order a sum by anything but key index.
 
-use rayon::prelude::*;
-
 use crate::dot::{self, dots, Isa, WeightRow};
 use crate::gating::exp;
 
@@ -276,15 +274,23 @@ pub fn attend_rows(
             return crate::team::for_each_chunk_mut(team, out, per_group, |g, o| serial(g..g + 1, o));
         }
         if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
-            return out.par_chunks_mut(per_group).enumerate().for_each(|(g, o)| serial(g..g + 1, o));
+            return crate::team::chunks_mut(out, per_group, true, |g, o| serial(g..g + 1, o));
         }
-    } else if n > 1 && work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+    } else if n > 1 {
         // Later rows see more keys: small chunks keep the threads' shares even.
-        let rows = (n / (4 * rayon::current_num_threads())).max(1);
-        return out.par_chunks_mut(rows * qd).enumerate().for_each(|(c, o)| {
+        let chunk = |threads: usize| (n / (4 * threads)).max(1);
+        let rows_of = |rows: usize, c: usize, o: &mut [f32]| {
             let (r0, r1) = (c * rows, c * rows + o.len() / qd);
             attend_rows_serial(shape, &qs[r0 * qd..r1 * qd], first + r0, keys, values, window, sinks, 0..kv, o);
-        });
+        };
+        if let Some(team) = crate::team::active().filter(|_| work >= TEAM_MIN_WORK) {
+            let rows = chunk(team.threads());
+            return crate::team::for_each_chunk_mut(team, out, rows * qd, |c, o| rows_of(rows, c, o));
+        }
+        if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
+            let rows = chunk(rayon::current_num_threads());
+            return crate::team::chunks_mut(out, rows * qd, true, |c, o| rows_of(rows, c, o));
+        }
     }
     serial(0..kv, out)
 }
@@ -351,8 +357,9 @@ pub fn attend_many(shape: &AttentionShape, window: Option<usize>, sinks: Option<
     let qd = shape.num_heads * shape.head_dim;
     let work: usize = calls.iter().map(|c| 2 * c.qs.len() * (c.first + c.qs.len() / qd.max(1))).sum();
     let one = |c: &mut RowsCall<'_>| attend_rows(shape, c.qs, c.first, c.keys, c.values, window, sinks, c.out);
-    if calls.len() > 1 && work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
-        calls.par_iter_mut().for_each(one);
+    let team = crate::team::active().is_some() && work >= TEAM_MIN_WORK;
+    if calls.len() > 1 && (team || (work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1)) {
+        crate::team::each_mut(calls, true, one);
     } else {
         calls.iter_mut().for_each(one);
     }
@@ -500,7 +507,7 @@ pub fn attend_latent_rows(
             return crate::team::for_each_chunk_mut(team, out, chunk, |c, o| tile(c * TILE, o));
         }
         if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
-            return out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| tile(c * TILE, o));
+            return crate::team::chunks_mut(out, chunk, true, |c, o| tile(c * TILE, o));
         }
     }
     out.chunks_mut(chunk).enumerate().for_each(|(c, o)| tile(c * TILE, o));
@@ -742,7 +749,7 @@ mod tests {
     #[test]
     fn split_over_threads_gives_the_one_thread_bits() {
         // Big enough to split: one decode row (kv heads over the pool, then over a team) and a
-        // prompt (rows over the pool), with a window and sinks.
+        // prompt (rows over the pool, then over a team), with a window and sinks.
         let shape = AttentionShape { num_heads: 8, num_kv_heads: 4, head_dim: 64, scale: 0.125 };
         let (qd, stride) = (8 * 64, 4 * 64);
         let total = 300;

@@ -10,7 +10,6 @@
 
 use std::cell::Cell;
 
-use rayon::prelude::*;
 use shimmer_common::{DType, TensorView};
 
 use crate::dot::{self, WeightRow};
@@ -66,6 +65,12 @@ const PARALLEL_MIN_WORK: usize = 1 << 16;
 /// the other thread was often awake anyway and the split paid). Larger models decode as a team
 /// (`team.rs`), which splits their products without waking anyone.
 const QPARALLEL_MIN_WORK: usize = 1 << 21;
+
+/// Whether a product of `work` multiply-adds is split: over the pool from `pool_min`, over an
+/// active team (awake, cheap to share with) from `TEAM_MIN_WORK`; never when the caller said not.
+fn spread(parallel: bool, work: usize, pool_min: usize) -> bool {
+    parallel && (work >= pool_min || (work >= TEAM_MIN_WORK && crate::team::active().is_some()))
+}
 
 /// Weights from which a one-row product is split over an active team (`team.rs`): its threads
 /// are awake and take a chunk in well under a microsecond, so products below rayon's bound
@@ -316,7 +321,7 @@ impl Matrix {
             });
         } else if parallel && self.rows * self.cols >= PARALLEL_MIN_WORK {
             let chunk = (self.rows / (4 * rayon::current_num_threads()).max(1)).max(16);
-            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+            crate::team::chunks_mut(out, chunk, true, |c, o| {
                 for (i, slot) in o.iter_mut().enumerate() {
                     *slot = self.dot_row(c * chunk + i, x);
                 }
@@ -354,7 +359,7 @@ impl Matrix {
             crate::team::for_each_chunk_mut(team, out, chunk, |c, o| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else if parallel && out.len() * self.cols >= QPARALLEL_MIN_WORK {
             let chunk = ((out.len() / (4 * rayon::current_num_threads()).max(1)).max(16) + 3) & !3;
-            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| qdot::qmatvec(&w, x, first + c * chunk, o));
+            crate::team::chunks_mut(out, chunk, true, |c, o| qdot::qmatvec(&w, x, first + c * chunk, o));
         } else {
             qdot::qmatvec(&w, x, first, out);
         }
@@ -415,8 +420,8 @@ impl Matrix {
                 i += 1;
             }
         };
-        if parallel && self.rows * self.cols * n >= PARALLEL_MIN_WORK {
-            t.par_chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
+        if spread(parallel, self.rows * self.cols * n, PARALLEL_MIN_WORK) {
+            crate::team::chunks_mut(&mut t, n, true, per_row);
         } else {
             t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
         }
@@ -442,7 +447,7 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
         return;
     }
     let min_work = if n == 1 && a.integer_products() && b.integer_products() { QPARALLEL_MIN_WORK } else { PARALLEL_MIN_WORK };
-    let go_parallel = parallel && 2 * rows * cols * n >= min_work;
+    let go_parallel = spread(parallel, 2 * rows * cols * n, min_work);
     match (a.integer_products(), b.integer_products()) {
         (true, true) => return with_quantized(xs, cols, a.nibbles() || b.nibbles(), |q| qmatmul_pair(a, b, q, a_out, b_out, go_parallel)),
         (false, false) => {}
@@ -461,7 +466,11 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
             (*oa, *ob) = (ra[0], rb[0]);
         };
         if go_parallel {
-            a_out.par_iter_mut().zip(b_out.par_iter_mut()).enumerate().with_min_len(16).for_each(one);
+            let mut pieces: Vec<(&mut [f32], &mut [f32])> = a_out.chunks_mut(16).zip(b_out.chunks_mut(16)).collect();
+            crate::team::chunks_mut(&mut pieces, 1, true, |c, p| {
+                let (oa, ob) = &mut p[0];
+                oa.iter_mut().zip(ob.iter_mut()).enumerate().for_each(|(i, slots)| one((16 * c + i, slots)));
+            });
         } else {
             a_out.iter_mut().zip(b_out.iter_mut()).enumerate().for_each(one);
         }
@@ -487,7 +496,7 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
     };
     let mut t = vec![0.0f32; rows * 2 * n];
     if go_parallel {
-        t.par_chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+        crate::team::chunks_mut(&mut t, 2 * n, true, per_row);
     } else {
         t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
     }
@@ -527,13 +536,13 @@ fn qmatmul_all(mats: &[&Matrix], q: &QuantRows, outs: &mut [&mut [f32]], paralle
     let views: Vec<qdot::QMatrix<'_>> = mats.iter().map(|m| m.qmatrix().expect("integer products are taken for integer formats only")).collect();
     let mut ts: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows * n]).collect();
     let work: usize = mats.iter().map(|m| m.rows * m.cols * n).sum();
-    if parallel && work >= PARALLEL_MIN_WORK {
+    if spread(parallel, work, PARALLEL_MIN_WORK) {
         let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
         for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
             let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
             pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
         }
-        pieces.into_par_iter().for_each(|(j, first, o)| qdot::qmatmul_t(&views[j], &acts, first, o));
+        crate::team::each_mut(&mut pieces, true, |(j, first, o)| qdot::qmatmul_t(&views[*j], &acts, *first, o));
     } else {
         for (w, t) in views.iter().zip(ts.iter_mut()) {
             qdot::qmatmul_t(w, &acts, 0, t);
@@ -563,7 +572,11 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     if n == 1 {
         let x = q.row(0);
         if parallel {
-            a_out.par_chunks_mut(16).zip(b_out.par_chunks_mut(16)).enumerate().for_each(|(c, (oa, ob))| qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob));
+            let mut pieces: Vec<(&mut [f32], &mut [f32])> = a_out.chunks_mut(16).zip(b_out.chunks_mut(16)).collect();
+            crate::team::chunks_mut(&mut pieces, 1, true, |c, p| {
+                let (oa, ob) = &mut p[0];
+                qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob)
+            });
         } else {
             qdot::qmatvec_pair(&qa, &qb, &x, 0, a_out, b_out);
         }
@@ -574,7 +587,7 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     let mut t = vec![0.0f32; rows * 2 * n];
     if parallel {
         let block = (rows / (4 * rayon::current_num_threads()).max(1)).max(4);
-        t.par_chunks_mut(block * 2 * n).enumerate().for_each(|(c, o)| qdot::qmatmul_pair_t(&qa, &qb, &acts, c * block, o));
+        crate::team::chunks_mut(&mut t, block * 2 * n, true, |c, o| qdot::qmatmul_pair_t(&qa, &qb, &acts, c * block, o));
     } else {
         qdot::qmatmul_pair_t(&qa, &qb, &acts, 0, &mut t);
     }
@@ -689,6 +702,54 @@ mod tests {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&teamed), bits(&alone), "{rows}x{cols} {}", m.integer_products());
                 assert_eq!(bits(&pooled), bits(&alone));
+            }
+        }
+    }
+
+    /// A prompt's products over a team (its step is one: `Decoder::forward_segments`) — several
+    /// rows through one matrix, q/k/v together, gate and up together, one row or many — give the
+    /// bits they give on one thread, in every format.
+    #[test]
+    fn multi_row_products_over_a_team_are_the_same_bits() {
+        use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for &(rows, cols, n) in &[(256, 256, 64), (64, 256, 7), (300, 160, 1), (96, 64, 9)] {
+            let (w, _) = random(rows, cols, (rows + cols + n) as u64);
+            let (xs, _) = random(n, cols, (7 * rows + cols) as u64);
+            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone()))];
+            for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
+                mats.push(Matrix::from_quant(q));
+            }
+            let squared: Vec<f32> = w.iter().map(|x| x * x).collect();
+            let shifted: Vec<f32> = w.iter().map(|x| 0.25 - x).collect();
+            for m in &mats {
+                // Gate and up share a format; q, k and v may not.
+                let (second, other) = if m.integer_products() {
+                    (Matrix::from_quant(quantize_int4(&squared, rows, cols, 32)), Matrix::from_quant(quantize_int8(&shifted, rows, cols)))
+                } else {
+                    (Matrix::new(rows, cols, WeightData::F32(squared.clone())), Matrix::new(rows, cols, WeightData::F32(shifted.clone())))
+                };
+                let run = |teamed: bool| {
+                    let go = || {
+                        let mut one = vec![0.0f32; n * rows];
+                        m.matmul(&xs, &mut one);
+                        let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+                        matmul_pair(m, &second, &xs, &mut a, &mut b, true);
+                        let (mut c, mut d) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+                        matmul_many(&[m, &other], &xs, &mut [&mut c, &mut d]);
+                        [one, a, b, c, d].map(|v| bits(&v))
+                    };
+                    if teamed {
+                        crate::team::with_team(2, || {
+                            assert!(crate::team::active().is_some(), "a team while no other is active");
+                            go()
+                        })
+                    } else {
+                        go()
+                    }
+                };
+                let _turn = crate::team::test_turn();
+                assert_eq!(run(true), run(false), "{rows}x{cols}, {n} rows, integer {}", m.integer_products());
             }
         }
     }

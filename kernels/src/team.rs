@@ -1,25 +1,31 @@
-//! A team of threads that stays awake through one forward step, so that a decode step's products
-//! are split without rayon's fork and join (a wake-up costs ~10 µs, as much as one of m1b's
-//! products takes). Inside `with_team`, the caller and `threads - 1` helper threads share each
-//! product's chunks through one atomic claim and the helpers spin between products; the kernels
-//! ask `active()` and split work through `run` instead of rayon. The decoder forms a team only
-//! for steps that read enough weights: for the demo model's ~1 µs products the claims cost what
-//! splitting saves (`docs/benchmarks.md`, issue 18, third pass).
+//! A team of threads that stays awake through one forward step, so that a step's products are
+//! split without rayon's fork and join (a wake-up costs ~10 µs or more, as much as one of m1b's
+//! products takes, and a prompt's step alternates tens of products with serial work that let
+//! rayon's threads fall asleep). Inside `with_team`, the caller and `threads - 1` helper threads
+//! share each product's chunks through one atomic claim and the helpers spin between products;
+//! the kernels split work through `chunks_mut` (the team when one is active, else rayon). The
+//! decoder forms a team for every multi-row step and for one-row steps that read enough weights:
+//! for the demo model's ~1 µs one-row products the claims cost what splitting saves
+//! (`docs/benchmarks.md`, issue 18, third pass).
 //!
 //! Owns: the helper threads (started on first use, parked between steps), the claim protocol.
 //! Must never: run a task after the `run` that posted it returned (a claim names its job's epoch,
 //! a job's epoch ends only when all its tasks are done, and a new epoch opens with nothing
 //! claimable before its job is written); let a helper spin outside a step
-//! (after `SPIN_ROUNDS` without work it parks); change what a task computes — each chunk is
+//! (after `SPIN_IDLE` without work it parks); change what a task computes — each chunk is
 //! computed exactly as on one thread, so results are the same bits with or without a team.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-/// Spins without new work before a helper parks (`pause` takes ~10–140 cycles by CPU: about
-/// 20–200 µs): longer than the gaps between one step's products, shorter than a disk read.
-const SPIN_ROUNDS: u32 = 1 << 12;
+/// How long a helper spins without new work before it parks: longer than the serial stretches
+/// between one step's products (a prompt's routing and fixed-point sum take ~50–100 µs a layer
+/// on the demo model; a count of `pause`s, 10–140 cycles each by CPU, parked inside them),
+/// shorter than a disk read.
+const SPIN_IDLE: std::time::Duration = std::time::Duration::from_micros(400);
+/// `pause`s between looks at the clock.
+const SPINS_PER_LOOK: u32 = 64;
 
 type TaskFn<'a> = dyn Fn(usize) + Sync + 'a;
 
@@ -49,6 +55,9 @@ pub struct Team {
 
 thread_local! {
     static ACTIVE: Cell<Option<*const Team>> = const { Cell::new(None) };
+    /// Set while this thread runs a team task: a product inside it stays on this thread (the
+    /// pool's threads are asleep or busy, and the team's are already taken).
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
 }
 
 /// The helper threads: started on first use, each waiting for a team to join.
@@ -233,7 +242,10 @@ impl Team {
         let f: &TaskFn<'_> = unsafe { *(job as *const &TaskFn<'_>) };
         // A panicking task still counts as finished (its `run` must not return while others
         // run tasks of the same job); `run` raises it once every task is done.
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).is_err() {
+        let outer = IN_TASK.with(|t| t.replace(true));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i)));
+        IN_TASK.with(|t| t.set(outer));
+        if result.is_err() {
             self.panicked.store(true, Ordering::Relaxed);
         }
         self.finished.fetch_add(1, Ordering::Release);
@@ -242,13 +254,17 @@ impl Team {
 
     fn help(&self) {
         let mut idle = 0u32;
+        let mut idle_since = std::time::Instant::now();
         while !self.closed.load(Ordering::Acquire) {
             if self.work_once() {
                 idle = 0;
                 continue;
             }
+            if idle == 0 {
+                idle_since = std::time::Instant::now();
+            }
             idle += 1;
-            if idle < SPIN_ROUNDS {
+            if !idle.is_multiple_of(SPINS_PER_LOOK) || idle_since.elapsed() < SPIN_IDLE {
                 std::hint::spin_loop();
                 continue;
             }
@@ -278,6 +294,29 @@ pub fn for_each_chunk_mut<T: Send>(team: &Team, out: &mut [T], chunk: usize, f: 
         let piece = unsafe { std::slice::from_raw_parts_mut((base as *mut T).add(start), n) };
         f(c, piece);
     });
+}
+
+/// Whether this thread is running a team's task.
+pub fn in_task() -> bool {
+    IN_TASK.with(|t| t.get())
+}
+
+/// `f(chunk index, chunk)` for each `chunk`-long piece of `out`: over the active team, else over
+/// the rayon pool when `pool` (the caller found enough work to wake it), else on this thread —
+/// always on this thread inside a team's task. Each piece is computed alike every way.
+pub fn chunks_mut<T: Send>(out: &mut [T], chunk: usize, pool: bool, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    use rayon::prelude::*;
+    let chunk = chunk.max(1);
+    match active() {
+        Some(team) => for_each_chunk_mut(team, out, chunk, f),
+        None if pool && !in_task() => out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| f(c, o)),
+        None => out.chunks_mut(chunk).enumerate().for_each(|(c, o)| f(c, o)),
+    }
+}
+
+/// `f(item)` for each item, spread as `chunks_mut` spreads chunks.
+pub fn each_mut<T: Send>(items: &mut [T], pool: bool, f: impl Fn(&mut T) + Sync + Send) {
+    chunks_mut(items, 1, pool, |_, one| one.iter_mut().for_each(&f))
 }
 
 /// One team at a time per process: tests that need a team take turns (a second concurrent
@@ -348,6 +387,37 @@ mod tests {
         }));
         assert!(r.is_err());
         assert_eq!(done.load(Ordering::Relaxed), 63, "every other task ran before run returned");
+    }
+
+    /// `chunks_mut` spreads over the active team, and inside a team's task stays on the task's
+    /// thread (the pool is not woken under a team); every chunk is visited once either way.
+    #[test]
+    fn chunks_mut_uses_the_team_and_stays_on_a_tasks_thread() {
+        let _turn = test_turn();
+        let mut out = vec![0usize; 64];
+        let (threads, nested) = with_team(2, || {
+            assert!(active().is_some() && !in_task());
+            let seen = Mutex::new(std::collections::HashSet::new());
+            let nested_elsewhere = AtomicUsize::new(0);
+            chunks_mut(&mut out, 4, true, |c, o| {
+                lock(&seen).insert(std::thread::current().id());
+                assert!(in_task() && active().is_none(), "a task sees no team");
+                let me = std::thread::current().id();
+                let mut inner = vec![0u8; 32];
+                chunks_mut(&mut inner, 1, true, |_, _| {
+                    if std::thread::current().id() != me {
+                        nested_elsewhere.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                o.iter_mut().enumerate().for_each(|(i, v)| *v += 4 * c + i + 1);
+            });
+            let n = lock(&seen).len();
+            (n, nested_elsewhere.load(Ordering::Relaxed))
+        });
+        assert!(!in_task());
+        assert_eq!(out, (1..=64).collect::<Vec<_>>(), "each chunk once, at its place");
+        assert!((1..=2).contains(&threads));
+        assert_eq!(nested, 0, "a product inside a task ran on another thread");
     }
 
     /// Many tiny jobs back to back, so that helpers often read a job's claim while the next one

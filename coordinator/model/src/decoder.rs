@@ -656,12 +656,15 @@ impl Decoder {
         experts: &dyn ExpertDispatch,
         observer: &mut dyn MoeObserver,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
-        // One row (a single sequence's decode step) of a model whose step reads enough weights:
-        // the pool's threads stay awake through the step as a team (`shimmer_kernels::team`)
-        // instead of being woken per product. Same bits either way. Below the bound the
-        // team's claims cost what splitting saves (the demo model decoded slower with it:
-        // `docs/benchmarks.md`, issue 18, third pass).
-        if segments.iter().map(|seg| seg.tokens.len()).sum::<usize>() == 1 && self.dense_bytes_per_token() >= TEAM_MIN_STEP_BYTES {
+        // Several rows (a prompt, a batch's decode step), or one row of a model whose step reads
+        // enough weights: the threads stay awake through the step as a team
+        // (`shimmer_kernels::team`) instead of being woken per product — a prompt's step
+        // alternates tens of products with serial work (norms, routing, the fixed-point sum), and
+        // each wake-up cost as much as a product's split saved. Same bits either way. Below the
+        // bound a one-row step's claims cost what splitting saves (the demo model decoded slower
+        // with it: `docs/benchmarks.md`, issue 18, third pass).
+        let rows: usize = segments.iter().map(|seg| seg.tokens.len()).sum();
+        if rows > 1 || self.dense_bytes_per_token() >= TEAM_MIN_STEP_BYTES {
             return shimmer_kernels::team::with_pool_team(|| self.forward_rows(segments, experts, observer));
         }
         self.forward_rows(segments, experts, observer)
