@@ -457,15 +457,21 @@ fn schedule(seed: u64, n: usize, max_voters: usize) -> (u64, u64) {
                 }
                 sim.wire.clear();
                 // A minority of the voters (with learners it may hold more nodes) may commit
-                // nothing new: the commit index each had stays where it was.
-                let voters = sim.nodes.iter().flatten().map(|x| x.state.voters.clone()).max_by_key(|v| v.len()).unwrap_or_default();
-                let inside = minority.iter().filter(|&&i| voters.contains(&sim.ids[i])).count();
-                if inside < voters.len() / 2 + 1 {
+                // nothing new: the commit index each had stays where it was. While a membership
+                // change is under way the nodes know different voter sets (a lagging one the
+                // old, the leader the new), so the cut nodes count as a minority only if they
+                // are one in every set a node holds — a set where they are a majority may be the
+                // committed one, under which their commits are legitimate.
+                let mut sets: Vec<BTreeSet<u64>> = sim.nodes.iter().flatten().map(|x| x.state.voters.clone()).collect();
+                sets.sort();
+                sets.dedup();
+                let is_minority = |voters: &BTreeSet<u64>| minority.iter().filter(|&&i| voters.contains(&sim.ids[i])).count() < voters.len() / 2 + 1;
+                if !sets.is_empty() && sets.iter().all(is_minority) {
                     // What a majority of the voters held when cut off (the minority's leader may
                     // still count acks it had for it, and tell the others), and nothing beyond.
                     let live = sim.nodes.iter().flatten().map(|x| x.status().commit);
                     let persisted = sim.logs.iter().map(|l| l.hard_state().commit);
-                    let held = sim.held_by_majority(&voters, &minority);
+                    let held = sets.iter().map(|voters| sim.held_by_majority(voters, &minority)).max().unwrap_or(0);
                     let committed = live.chain(persisted).max().unwrap_or(0).max(held);
                     let commits = vec![committed; minority.len()];
                     sim.minority_commit = Some((minority, commits));
