@@ -277,19 +277,15 @@ pub fn attend_rows(
             return crate::team::chunks_mut(out, per_group, true, |g, o| serial(g..g + 1, o));
         }
     } else if n > 1 {
-        // Later rows see more keys: small chunks keep the threads' shares even.
-        let chunk = |threads: usize| (n / (4 * threads)).max(1);
-        let rows_of = |rows: usize, c: usize, o: &mut [f32]| {
-            let (r0, r1) = (c * rows, c * rows + o.len() / qd);
-            attend_rows_serial(shape, &qs[r0 * qd..r1 * qd], first + r0, keys, values, window, sinks, 0..kv, o);
-        };
-        if let Some(team) = crate::team::active().filter(|_| work >= TEAM_MIN_WORK) {
-            let rows = chunk(team.threads());
-            return crate::team::for_each_chunk_mut(team, out, rows * qd, |c, o| rows_of(rows, c, o));
-        }
-        if work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1 {
-            let rows = chunk(rayon::current_num_threads());
-            return crate::team::chunks_mut(out, rows * qd, true, |c, o| rows_of(rows, c, o));
+        let team = crate::team::active().filter(|_| work >= TEAM_MIN_WORK);
+        if team.is_some() || (work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1) {
+            // Later rows see more keys: small chunks keep the threads' shares even.
+            let threads = team.map_or_else(rayon::current_num_threads, |t| t.threads());
+            let rows = (n / (4 * threads)).max(1);
+            return crate::team::chunks_mut(out, rows * qd, true, |c, o| {
+                let (r0, r1) = (c * rows, c * rows + o.len() / qd);
+                attend_rows_serial(shape, &qs[r0 * qd..r1 * qd], first + r0, keys, values, window, sinks, 0..kv, o);
+            });
         }
     }
     serial(0..kv, out)

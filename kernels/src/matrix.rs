@@ -466,9 +466,7 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
             (*oa, *ob) = (ra[0], rb[0]);
         };
         if go_parallel {
-            let mut pieces: Vec<(&mut [f32], &mut [f32])> = a_out.chunks_mut(16).zip(b_out.chunks_mut(16)).collect();
-            crate::team::chunks_mut(&mut pieces, 1, true, |c, p| {
-                let (oa, ob) = &mut p[0];
+            crate::team::chunk_pairs_mut(a_out, b_out, 16, true, |c, oa, ob| {
                 oa.iter_mut().zip(ob.iter_mut()).enumerate().for_each(|(i, slots)| one((16 * c + i, slots)));
             });
         } else {
@@ -572,11 +570,7 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     if n == 1 {
         let x = q.row(0);
         if parallel {
-            let mut pieces: Vec<(&mut [f32], &mut [f32])> = a_out.chunks_mut(16).zip(b_out.chunks_mut(16)).collect();
-            crate::team::chunks_mut(&mut pieces, 1, true, |c, p| {
-                let (oa, ob) = &mut p[0];
-                qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob)
-            });
+            crate::team::chunk_pairs_mut(a_out, b_out, 16, true, |c, oa, ob| qdot::qmatvec_pair(&qa, &qb, &x, 16 * c, oa, ob));
         } else {
             qdot::qmatvec_pair(&qa, &qb, &x, 0, a_out, b_out);
         }

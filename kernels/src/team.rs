@@ -314,6 +314,18 @@ pub fn chunks_mut<T: Send>(out: &mut [T], chunk: usize, pool: bool, f: impl Fn(u
     }
 }
 
+/// `f(chunk index, a's chunk, b's chunk)` for matching `chunk`-long pieces of two outputs of one
+/// length (a gate's and an up's rows), spread as `chunks_mut` spreads chunks.
+pub fn chunk_pairs_mut<T: Send>(a: &mut [T], b: &mut [T], chunk: usize, pool: bool, f: impl Fn(usize, &mut [T], &mut [T]) + Sync + Send) {
+    assert_eq!(a.len(), b.len(), "paired outputs differ in length");
+    let chunk = chunk.max(1);
+    let mut pieces: Vec<(&mut [T], &mut [T])> = a.chunks_mut(chunk).zip(b.chunks_mut(chunk)).collect();
+    chunks_mut(&mut pieces, 1, pool, |c, p| {
+        let (pa, pb) = &mut p[0];
+        f(c, pa, pb)
+    })
+}
+
 /// `f(item)` for each item, spread as `chunks_mut` spreads chunks.
 pub fn each_mut<T: Send>(items: &mut [T], pool: bool, f: impl Fn(&mut T) + Sync + Send) {
     chunks_mut(items, 1, pool, |_, one| one.iter_mut().for_each(&f))
