@@ -494,23 +494,33 @@ impl<'a> QMatrix<'a> {
 
 /// `out[i] = W[first + i] · x` for every `i`; each result is exactly `qdot_scalar`'s.
 pub fn qmatvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
+    qmatvec_with(int_isa(), w, x, first, out)
+}
+
+/// `qmatvec` on `isa` (available: the tests run every ISA the machine has).
+pub(crate) fn qmatvec_with(isa: IntIsa, w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
     assert!(first + out.len() <= w.rows, "rows {first}..{} of {}", first + out.len(), w.rows);
     w.check_activations(std::slice::from_ref(x));
-    match int_isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int_isa` returns only what `available` confirmed; the rows are in the matrix.
         IntIsa::Avx512Vnni => unsafe { x86::qmatvec_avx512vnni(w, x, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::AvxVnni => unsafe { x86::qmatvec_avxvnni(w, x, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx2 => unsafe { x86::qmatvec_avx2(w, x, first, out) },
         _ => {
             let mut r = first;
             let mut rest = out;
             while rest.len() >= 2 {
                 let (head, tail) = rest.split_at_mut(2);
-                let [a, b] = qdots_rows::<2, 1>([&w.row(r), &w.row(r + 1)], [x]);
+                let [a, b] = qdots_checked::<2, 1>(isa, [&w.row(r), &w.row(r + 1)], [x]);
                 head.copy_from_slice(&[a[0], b[0]]);
                 (rest, r) = (tail, r + 2);
             }
             if let [last] = rest {
-                *last = qdots_rows::<1, 1>([&w.row(r)], [x])[0][0];
+                *last = qdots_checked::<1, 1>(isa, [&w.row(r)], [x])[0][0];
             }
         }
     }
@@ -518,17 +528,27 @@ pub fn qmatvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
 
 /// `qmatvec` of two matrices of one shape and format (gate and up) against one row.
 pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
+    qmatvec_pair_with(int_isa(), a, b, x, first, a_out, b_out)
+}
+
+/// `qmatvec_pair` on `isa` (available).
+pub(crate) fn qmatvec_pair_with(isa: IntIsa, a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
     assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
     assert_eq!(a_out.len(), b_out.len(), "paired outputs differ in length");
     assert!(first + a_out.len() <= a.rows, "rows {first}..{} of {}", first + a_out.len(), a.rows);
     a.check_activations(std::slice::from_ref(x));
-    match int_isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
         IntIsa::Avx512Vnni => unsafe { x86::qmatvec_pair_avx512vnni(a, b, x, first, a_out, b_out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::AvxVnni => unsafe { x86::qmatvec_pair_avxvnni(a, b, x, first, a_out, b_out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx2 => unsafe { x86::qmatvec_pair_avx2(a, b, x, first, a_out, b_out) },
         _ => {
             for (i, (sa, sb)) in a_out.iter_mut().zip(b_out.iter_mut()).enumerate() {
-                let [ra, rb] = qdots_rows::<2, 1>([&a.row(first + i), &b.row(first + i)], [x]);
+                let [ra, rb] = qdots_checked::<2, 1>(isa, [&a.row(first + i), &b.row(first + i)], [x]);
                 (*sa, *sb) = (ra[0], rb[0]);
             }
         }
@@ -539,19 +559,29 @@ pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize
 /// `n = xs.len()`) covers: the transposed product, weight-row major. Every result is exactly
 /// `qdot_scalar`'s.
 pub fn qmatmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    qmatmul_t_with(int_isa(), w, xs, first, out)
+}
+
+/// `qmatmul_t` on `isa` (available).
+pub(crate) fn qmatmul_t_with(isa: IntIsa, w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
     let n = xs.len();
     if n == 0 {
         return;
     }
     assert!(out.len().is_multiple_of(n) && first + out.len() / n <= w.rows, "rows {first}.. of {} for {} results", w.rows, out.len());
     w.check_activations(xs);
-    match int_isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
         IntIsa::Avx512Vnni => unsafe { x86::qmatmul_t_avx512vnni(w, xs, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::AvxVnni => unsafe { x86::qmatmul_t_avxvnni(w, xs, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx2 => unsafe { x86::qmatmul_t_avx2(w, xs, first, out) },
         _ => {
             for (r, o) in out.chunks_exact_mut(n).enumerate() {
-                tile_generic(&w.row(first + r), xs, o);
+                tile_generic(isa, &w.row(first + r), xs, o);
             }
         }
     }
@@ -560,6 +590,12 @@ pub fn qmatmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]
 /// Rows `first ..` of two matrices of one shape and format (gate and up) against every
 /// activation row: `out` holds, per row, A's `n` results then B's.
 pub fn qmatmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    qmatmul_pair_t_with(int_isa(), a, b, xs, first, out)
+}
+
+/// `qmatmul_pair_t` on `isa` (available).
+pub(crate) fn qmatmul_pair_t_with(isa: IntIsa, a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+    assert!(isa.available(), "{} is not available on this machine", isa.name());
     let n = xs.len();
     if n == 0 {
         return;
@@ -567,34 +603,34 @@ pub fn qmatmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: 
     assert!(a.fmt == b.fmt && a.rows == b.rows && a.cols == b.cols, "paired matrices differ in format or shape");
     assert!(out.len().is_multiple_of(2 * n) && first + out.len() / (2 * n) <= a.rows, "rows {first}.. of {} for {} results", a.rows, out.len());
     a.check_activations(xs);
-    match int_isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `qmatvec`.
         IntIsa::Avx512Vnni => unsafe { x86::qmatmul_pair_t_avx512vnni(a, b, xs, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::AvxVnni => unsafe { x86::qmatmul_pair_t_avxvnni(a, b, xs, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx2 => unsafe { x86::qmatmul_pair_t_avx2(a, b, xs, first, out) },
         _ => {
             for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
                 let (oa, ob) = o.split_at_mut(n);
-                tile_generic(&a.row(first + r), xs, oa);
-                tile_generic(&b.row(first + r), xs, ob);
+                tile_generic(isa, &a.row(first + r), xs, oa);
+                tile_generic(isa, &b.row(first + r), xs, ob);
             }
         }
     }
 }
 
 /// One weight row against every activation row, as many a pass as the ISA's registers allow.
-fn tile_generic(w: &WeightRow<'_>, xs: &[QRow<'_>], o: &mut [f32]) {
-    let (n, width) = (xs.len(), batch_width());
+fn tile_generic(isa: IntIsa, w: &WeightRow<'_>, xs: &[QRow<'_>], o: &mut [f32]) {
+    let n = xs.len();
     let mut i = 0;
-    while width >= 4 && i + 4 <= n {
-        o[i..i + 4].copy_from_slice(&qdots_rows::<1, 4>([w], [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]])[0]);
-        i += 4;
-    }
-    while width >= 2 && i + 2 <= n {
-        o[i..i + 2].copy_from_slice(&qdots_rows::<1, 2>([w], [&xs[i], &xs[i + 1]])[0]);
+    while isa != IntIsa::Scalar && i + 2 <= n {
+        o[i..i + 2].copy_from_slice(&qdots_checked::<1, 2>(isa, [w], [&xs[i], &xs[i + 1]])[0]);
         i += 2;
     }
     while i < n {
-        o[i] = qdots_rows::<1, 1>([w], [&xs[i]])[0][0];
+        o[i] = qdots_checked::<1, 1>(isa, [w], [&xs[i]])[0][0];
         i += 1;
     }
 }

@@ -170,7 +170,7 @@ fn the_integer_tables_are_the_formats() {
 
 /// The loops over rows (`qmatvec`, `qmatvec_pair`, `qmatmul_t`, `qmatmul_pair_t`) give every
 /// row exactly `qdot_scalar`'s result, from any first row, for odd row counts and any number of
-/// activation rows (the 2 × 4 tiles and what is left over).
+/// activation rows (the 2 × 4 tiles and what is left over), on every ISA the machine has.
 #[test]
 fn the_row_loops_give_each_row_the_scalar_bits() {
     // 300: whole chunks and a partial one; 64 and below: rows of one partial chunk, which the
@@ -200,30 +200,39 @@ fn row_loops_match_the_scalar_bits(cols: usize) {
             QuantMatrix::Mxfp4 { packed, scales, .. } => QMatrix::mxfp4(packed, scales, rows, cols),
         }
     }
-    for (qa, qb) in &pairs {
-        let (a, b) = (view(qa, rows, cols), view(qb, rows, cols));
-        let want = |m: &QMatrix<'_>, r: usize, x: &QRow<'_>| qdot_scalar(&m.row(r), x).to_bits();
-        for first in [0, 1, 2] {
-            let len = rows - first;
-            let mut out = vec![0.0; len];
-            qmatvec(&a, &acts[0], first, &mut out);
-            assert!(out.iter().enumerate().all(|(i, v)| v.to_bits() == want(&a, first + i, &acts[0])), "qmatvec {qa:?} from {first}, {cols} columns");
-            let (mut oa, mut ob) = (vec![0.0; len], vec![0.0; len]);
-            qmatvec_pair(&a, &b, &acts[1], first, &mut oa, &mut ob);
-            for i in 0..len {
-                assert_eq!((oa[i].to_bits(), ob[i].to_bits()), (want(&a, first + i, &acts[1]), want(&b, first + i, &acts[1])), "qmatvec_pair row {i}");
-            }
-            for n in 1..=acts.len() {
-                let xs = &acts[..n];
-                let mut t = vec![0.0; len * n];
-                qmatmul_t(&a, xs, first, &mut t);
-                let mut p = vec![0.0; len * 2 * n];
-                qmatmul_pair_t(&a, &b, xs, first, &mut p);
-                for r in 0..len {
-                    for (i, x) in xs.iter().enumerate() {
-                        assert_eq!(t[r * n + i].to_bits(), want(&a, first + r, x), "qmatmul_t {cols} columns n={n} row {r} act {i}");
-                        assert_eq!(p[r * 2 * n + i].to_bits(), want(&a, first + r, x), "qmatmul_pair_t A {cols} columns n={n} row {r} act {i}");
-                        assert_eq!(p[r * 2 * n + n + i].to_bits(), want(&b, first + r, x), "qmatmul_pair_t B {cols} columns n={n} row {r} act {i}");
+    for isa in IntIsa::all_available() {
+        for (qa, qb) in &pairs {
+            let (a, b) = (view(qa, rows, cols), view(qb, rows, cols));
+            let want = |m: &QMatrix<'_>, r: usize, x: &QRow<'_>| qdot_scalar(&m.row(r), x).to_bits();
+            for first in [0, 1, 2] {
+                let len = rows - first;
+                let mut out = vec![0.0; len];
+                qmatvec_with(isa, &a, &acts[0], first, &mut out);
+                assert!(
+                    out.iter().enumerate().all(|(i, v)| v.to_bits() == want(&a, first + i, &acts[0])),
+                    "{isa:?} qmatvec {qa:?} from {first}, {cols} columns"
+                );
+                let (mut oa, mut ob) = (vec![0.0; len], vec![0.0; len]);
+                qmatvec_pair_with(isa, &a, &b, &acts[1], first, &mut oa, &mut ob);
+                for i in 0..len {
+                    assert_eq!(
+                        (oa[i].to_bits(), ob[i].to_bits()),
+                        (want(&a, first + i, &acts[1]), want(&b, first + i, &acts[1])),
+                        "{isa:?} qmatvec_pair row {i}"
+                    );
+                }
+                for n in 1..=acts.len() {
+                    let xs = &acts[..n];
+                    let mut t = vec![0.0; len * n];
+                    qmatmul_t_with(isa, &a, xs, first, &mut t);
+                    let mut p = vec![0.0; len * 2 * n];
+                    qmatmul_pair_t_with(isa, &a, &b, xs, first, &mut p);
+                    for r in 0..len {
+                        for (i, x) in xs.iter().enumerate() {
+                            assert_eq!(t[r * n + i].to_bits(), want(&a, first + r, x), "{isa:?} qmatmul_t {cols} columns n={n} row {r} act {i}");
+                            assert_eq!(p[r * 2 * n + i].to_bits(), want(&a, first + r, x), "{isa:?} qmatmul_pair_t A {cols} columns n={n} row {r} act {i}");
+                            assert_eq!(p[r * 2 * n + n + i].to_bits(), want(&b, first + r, x), "{isa:?} qmatmul_pair_t B {cols} columns n={n} row {r} act {i}");
+                        }
                     }
                 }
             }

@@ -9,7 +9,7 @@
 //! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
 //! the FMA (both would change the bits).
 
-use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QLANES};
+use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QBLOCK, QLANES};
 use crate::dot::x86::{reduce256, reduce512};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
@@ -357,6 +357,77 @@ pub(super) unsafe fn qdots_avxvnni<const M: usize, const N: usize>(fmt: Fmt, row
     core256::<M, N, true>(fmt, rows, n, xs)
 }
 
+/// The row loops (`qmatvec`, `qmatvec_pair`, `qmatmul_t`, `qmatmul_pair_t`) on 256-bit
+/// registers, the loop inside the ISA's code as on AVX-512: a call per pair of rows cost as much
+/// as a short row's chunks (`qdots_rows`' checks and dispatch each time). Sixteen registers hold
+/// eight accumulators (two rows, or one row against two activation rows) and what a step needs;
+/// a 2 × 4 tile as on AVX-512 would spill. Every result is `core256`'s, so `qdot_scalar`'s.
+macro_rules! rows256 {
+    ($isa:literal, $vnni:literal, $matvec:ident, $matvec_pair:ident, $matmul_t:ident, $matmul_pair_t:ident) => {
+        /// `out[i] = row(first + i) · x`, two rows a pass.
+        #[target_feature(enable = $isa)]
+        pub(super) unsafe fn $matvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
+            let (fmt, n) = (w.fmt, w.cols);
+            let mut pairs = out.chunks_exact_mut(2);
+            let mut r = first;
+            for o in &mut pairs {
+                let [a, b] = core256::<2, 1, $vnni>(fmt, [w.raw(r), w.raw(r + 1)], n, [x]);
+                (o[0], o[1]) = (a[0], b[0]);
+                r += 2;
+            }
+            if let [o] = pairs.into_remainder() {
+                *o = core256::<1, 1, $vnni>(fmt, [w.raw(r)], n, [x])[0][0];
+            }
+        }
+
+        /// Two matrices' rows `first + i` (gate and up) against one activation row.
+        #[target_feature(enable = $isa)]
+        pub(super) unsafe fn $matvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
+            let (fmt, n) = (a.fmt, a.cols);
+            for (i, (oa, ob)) in a_out.iter_mut().zip(b_out.iter_mut()).enumerate() {
+                let [g, u] = core256::<2, 1, $vnni>(fmt, [a.raw(first + i), b.raw(first + i)], n, [x]);
+                (*oa, *ob) = (g[0], u[0]);
+            }
+        }
+
+        /// `out[(r − first)·n + i] = W[r] · xs[i]` (weight-row major): each weight row against
+        /// two activation rows a pass.
+        #[target_feature(enable = $isa)]
+        pub(super) unsafe fn $matmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+            let (fmt, cols, n) = (w.fmt, w.cols, xs.len());
+            for (r, o) in out.chunks_exact_mut(n).enumerate() {
+                let row = w.raw(first + r);
+                let mut i = 0;
+                while i + 2 <= n {
+                    let [ab] = core256::<1, 2, $vnni>(fmt, [row], cols, [&xs[i], &xs[i + 1]]);
+                    o[i..i + 2].copy_from_slice(&ab);
+                    i += 2;
+                }
+                if i < n {
+                    o[i] = core256::<1, 1, $vnni>(fmt, [row], cols, [&xs[i]])[0][0];
+                }
+            }
+        }
+
+        /// Rows `first + r` of two matrices (gate and up) against every activation row: `out`
+        /// holds, per row, A's `n` results then B's; both rows against one activation row a pass.
+        #[target_feature(enable = $isa)]
+        pub(super) unsafe fn $matmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
+            let (fmt, cols, n) = (a.fmt, a.cols, xs.len());
+            for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
+                let rows = [a.raw(first + r), b.raw(first + r)];
+                for (i, x) in xs.iter().enumerate() {
+                    let [g, u] = core256::<2, 1, $vnni>(fmt, rows, cols, [x]);
+                    (o[i], o[n + i]) = (g[0], u[0]);
+                }
+            }
+        }
+    };
+}
+
+rows256!("avx2,fma,f16c", false, qmatvec_avx2, qmatvec_pair_avx2, qmatmul_t_avx2, qmatmul_pair_t_avx2);
+rows256!("avx2,fma,f16c,avxvnni", true, qmatvec_avxvnni, qmatvec_pair_avxvnni, qmatmul_t_avxvnni, qmatmul_pair_t_avxvnni);
+
 /// `[a ×4, b ×4]`.
 #[inline(always)]
 unsafe fn two_blocks(a: f32, b: f32) -> __m256 {
@@ -459,15 +530,17 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             let mask = _mm256_set1_epi8(0x0f);
             let mx = fmt == Fmt::Mxfp4;
             let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-            // Chunk `c` of row `m` (64 packed bytes at `base`, factors `wf`): bytes 0–31 hold
-            // lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
+            // Chunk `c` of row `m` (64 packed bytes as two vectors `x`, factors `wsv`): bytes 0–31
+            // hold lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
+            // With `HALVES` 1 only bytes 0–31 take part: a row's last chunk of at most 64 values,
+            // whose other lanes would add `fma(0 · 0, 0, acc) = acc` (`RawRow::tail`), so leaving
+            // them out gives the same bits without the copy into a whole padded chunk.
             macro_rules! step {
-                ($m:expr, $c:expr, $base:expr, $wsv:expr) => {{
-                    let (m, c, base, wsv): (usize, usize, *const u8, [__m256; 2]) = ($m, $c, $base, $wsv);
+                ($m:expr, $c:expr, $x:expr, $wsv:expr, $halves:expr) => {{
+                    let (m, c, x, wsv, halves): (usize, usize, [__m256i; 2], [__m256; 2], usize) = ($m, $c, $x, $wsv, $halves);
                     let mut w = [zero; 4];
-                    for v in 0..2 {
-                        let x = _mm256_loadu_si256(base.add(32 * v) as *const __m256i);
-                        (w[v], w[2 + v]) = (_mm256_and_si256(x, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(x), mask));
+                    for v in 0..halves {
+                        (w[v], w[2 + v]) = (_mm256_and_si256(x[v], mask), _mm256_and_si256(_mm256_srli_epi16::<4>(x[v]), mask));
                     }
                     if mx {
                         for v in &mut w {
@@ -478,25 +551,54 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                         let q = xs[k].split.as_ptr().add(c * CHUNK);
                         let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() }.add(c * 32);
                         let d = xs[k].scales4.as_ptr().add(c * 16);
-                        let f = [_mm256_mul_ps(wsv[0], _mm256_loadu_ps(d)), _mm256_mul_ps(wsv[1], _mm256_loadu_ps(d.add(8)))];
+                        let f = [
+                            _mm256_mul_ps(wsv[0], _mm256_loadu_ps(d)),
+                            if halves == 2 { _mm256_mul_ps(wsv[1], _mm256_loadu_ps(d.add(8))) } else { _mm256_setzero_ps() },
+                        ];
                         for a in 0..4 {
+                            if a % 2 >= halves {
+                                continue;
+                            }
                             let p = dot!(_mm256_loadu_si256(neg.add(8 * a) as *const __m256i), w[a], _mm256_loadu_si256(q.add(32 * a) as *const __m256i));
                             acc[m][k][a] = _mm256_fmadd_ps(f[a % 2], _mm256_cvtepi32_ps(p), acc[m][k][a]);
                         }
                     }
                 }};
             }
+            // (A macro, not a closure: a closure would not inherit the callers' target features.)
+            macro_rules! load2 {
+                ($base:expr) => {{
+                    let base: *const u8 = $base;
+                    [_mm256_loadu_si256(base as *const __m256i), _mm256_loadu_si256(base.add(32) as *const __m256i)]
+                }};
+            }
             for c in 0..full {
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
-                    step!(m, c, base, factors_256(fmt, &rows[m], c));
+                    step!(m, c, load2!(base), factors_256(fmt, &rows[m], c), 2);
                 }
             }
-            if full * CHUNK < n {
+            let start = full * CHUNK;
+            // Packed bytes the row has from `start`.
+            let live = n.div_ceil(2).saturating_sub(start / 2);
+            if start < n && live <= 32 {
                 for m in 0..M {
-                    let (t, wf) = rows[m].tail(fmt, n, full * CHUNK);
-                    step!(m, full, t.as_ptr(), [two_blocks(wf[0], wf[1]), two_blocks(wf[2], wf[3])]);
+                    let src = rows[m].data.add(start / 2);
+                    let x = if live == 32 {
+                        _mm256_loadu_si256(src as *const __m256i)
+                    } else {
+                        let mut bytes = [0u8; 32];
+                        std::ptr::copy_nonoverlapping(src, bytes.as_mut_ptr(), live);
+                        _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
+                    };
+                    let factor = |k: usize| if start + QBLOCK * k < n { rows[m].factor(fmt, start / QBLOCK + k) } else { 0.0 };
+                    step!(m, full, [x, zero], [two_blocks(factor(0), factor(1)), _mm256_setzero_ps()], 1);
+                }
+            } else if start < n {
+                for m in 0..M {
+                    let (t, wf) = rows[m].tail(fmt, n, start);
+                    step!(m, full, load2!(t.as_ptr()), [two_blocks(wf[0], wf[1]), two_blocks(wf[2], wf[3])], 2);
                 }
             }
         }

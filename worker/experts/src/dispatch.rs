@@ -250,6 +250,53 @@ pub fn apply_experts(batch: &MoeBatch<'_>, work: &[Work<'_>], accelerator: Optio
     Ok(())
 }
 
+/// Adds every expert's outputs into `acc` over a team, each task one block of rows and within a
+/// row the experts in `work`'s order (integer sums: any order gives the same bits). A prompt's
+/// step has tens of rows; adding them on one thread was a serial stretch of every MoE layer.
+/// An expert's rows must be in ascending order (as `expert_users` lists them); a `work` whose
+/// are not is added on this thread.
+fn add_by_row_blocks(
+    team: &shimmer_kernels::team::Team,
+    batch: &MoeBatch<'_>,
+    work: &[Work<'_>],
+    outputs: &[Vec<f32>],
+    acc: &mut [i64],
+) -> Result<(), DispatchError> {
+    let h = batch.hidden;
+    let n = acc.len() / h.max(1);
+    let ascending = work.iter().all(|(_, _, rows)| rows.windows(2).all(|p| p[0].0 <= p[1].0));
+    if n < 2 || !ascending {
+        for ((_, _, rows), ys) in work.iter().zip(outputs) {
+            add_weighted(batch, rows, ys, acc)?;
+        }
+        return Ok(());
+    }
+    // A few blocks a thread, so that one slow thread does not hold up the rest.
+    let block = n.div_ceil(4 * team.threads()).max(1);
+    let first_error: std::sync::Mutex<Option<(usize, DispatchError)>> = std::sync::Mutex::new(None);
+    shimmer_kernels::team::for_each_chunk_mut(team, acc, block * h, |c, piece| {
+        let (first, end) = (c * block, c * block + piece.len() / h);
+        for ((_, _, rows), ys) in work.iter().zip(outputs) {
+            let (lo, hi) = (rows.partition_point(|r| r.0 < first), rows.partition_point(|r| r.0 < end));
+            for (j, &(row, w)) in rows[lo..hi].iter().enumerate() {
+                let y = &ys[(lo + j) * h..(lo + j + 1) * h];
+                if let Err(overflow) = fixed::accumulate_weighted(&mut piece[(row - first) * h..(row - first + 1) * h], y, w) {
+                    let mut slot = first_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    // The lowest block's error, whichever thread found it first.
+                    if slot.as_ref().is_none_or(|(at, _)| c < *at) {
+                        *slot = Some((c, DispatchError::Overflow { layer: batch.layer, overflow }));
+                    }
+                    return;
+                }
+            }
+        }
+    });
+    match first_error.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// `apply_experts` on this CPU.
 fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Result<(), DispatchError> {
     let h = batch.hidden;
@@ -273,10 +320,9 @@ fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Res
         team.run(work.len(), &|i| {
             let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
         });
-        for (w, ys) in work.iter().zip(outputs) {
-            // `run` returns only after every task finished (and raises a task's panic).
-            add(acc, w.2, &ys.into_inner().expect("every expert's output is set"))?;
-        }
+        // `run` returns only after every task finished (and raises a task's panic).
+        let outputs: Vec<Vec<f32>> = outputs.into_iter().map(|ys| ys.into_inner().expect("every expert's output is set")).collect();
+        add_by_row_blocks(team, batch, work, &outputs, acc)?;
     } else if macs < SERIAL_MACS {
         // The sum is fixed-point, so adding each expert as it is done gives the same bits.
         let mut scratch = FfnScratch::default();
@@ -298,9 +344,16 @@ mod tests {
     use super::*;
     use shimmer_kernels::matrix::WeightData;
 
+    /// One team at a time: a `with_team` while another test's is active runs without one.
+    fn team_turn() -> std::sync::MutexGuard<'static, ()> {
+        static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        TURN.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Experts spread over a forward step's team add up to the bits they give on one thread.
     #[test]
     fn experts_over_a_team_are_the_same_bits() {
+        let _turn = team_turn();
         let (h, inter, n_experts) = (64usize, 96usize, 8usize);
         let mut s = 5u64;
         let mut next = || {
@@ -325,6 +378,53 @@ mod tests {
             acc
         });
         assert_eq!(teamed, alone);
+    }
+
+    /// A prompt's rows: the experts' outputs are added over the team a block of rows at a time,
+    /// to the bits of one thread adding them expert after expert; an overflow is reported either
+    /// way.
+    #[test]
+    fn many_rows_added_over_a_team_are_the_same_bits() {
+        let _turn = team_turn();
+        let (h, inter, n_experts, n_rows, top_k) = (32usize, 48usize, 6usize, 37usize, 3usize);
+        let mut s = 17u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        };
+        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
+        let x: Vec<f32> = (0..n_rows * h).map(|i| (i as f32 * 0.29).sin()).collect();
+        let ids: Vec<u32> = (0..n_rows * top_k).map(|i| ((i / top_k * 5 + (i % top_k) * 2) % n_experts) as u32).collect();
+        let run = |weights: &[f32]| {
+            let batch = MoeBatch { layer: 2, hidden: h, rows: &x, top_k, experts: &ids, weights };
+            let users = expert_users(&batch, n_experts).unwrap();
+            let work: Vec<Work<'_>> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, u)| (e as u32, &experts[e], u.as_slice())).collect();
+            assert!(work.len() > 1 && 3 * h * inter * n_rows * top_k >= TEAM_MIN_MACS, "the team path is taken");
+            let mut alone = vec![0i64; n_rows * h];
+            let alone_result = apply_experts(&batch, &work, None, &mut alone).map(|_| alone);
+            let teamed = shimmer_kernels::team::with_team(2, || {
+                assert!(shimmer_kernels::team::active().is_some());
+                let mut acc = vec![0i64; n_rows * h];
+                apply_experts(&batch, &work, None, &mut acc).map(|_| acc)
+            });
+            (alone_result, teamed)
+        };
+        let weights: Vec<f32> = (0..n_rows * top_k).map(|i| 0.1 + (i % 7) as f32 * 0.05).collect();
+        let (alone, teamed) = run(&weights);
+        let alone = alone.unwrap();
+        assert!(alone.iter().any(|v| *v != 0));
+        assert_eq!(teamed.unwrap(), alone);
+        // One weight so large that its row's sum leaves the fixed-point range.
+        let mut huge = weights.clone();
+        huge[30 * top_k + 1] = 1e12;
+        let (alone, teamed) = run(&huge);
+        for result in [alone, teamed] {
+            match result {
+                Err(DispatchError::Overflow { layer: 2, .. }) => {}
+                other => panic!("expected an overflow in layer 2, got {other:?}"),
+            }
+        }
     }
 
     /// Computes the even-numbered experts (on this CPU, as a device with the CPU's bits would)
