@@ -892,15 +892,6 @@ fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_
     }
 }
 
-/// Activation rows per pass over a weight row that keep the accumulators in registers.
-pub fn batch_width() -> usize {
-    match int_isa() {
-        IntIsa::Avx512Vnni => 4,
-        IntIsa::Scalar => 1,
-        _ => 2,
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[path = "qdot/x86.rs"]
 mod x86;

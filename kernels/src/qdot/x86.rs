@@ -532,7 +532,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
             // Chunk `c` of row `m` (64 packed bytes as two vectors `x`, factors `wsv`): bytes 0–31
             // hold lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
-            // With `HALVES` 1 only bytes 0–31 take part: a row's last chunk of at most 64 values,
+            // With `halves` 1 only bytes 0–31 take part: a row's last chunk of at most 64 values,
             // whose other lanes would add `fma(0 · 0, 0, acc) = acc` (`RawRow::tail`), so leaving
             // them out gives the same bits without the copy into a whole padded chunk.
             macro_rules! step {
