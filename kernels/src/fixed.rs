@@ -8,6 +8,9 @@
 /// Units per 1.0.
 pub const FIXED_SCALE: f64 = 4294967296.0; // 2^32
 const LIMIT: f64 = 2147483648.0; // 2^31: |acc| stays < 2^63 even after adding many terms
+/// `LIMIT`'s bit pattern as an f32 (exact: a power of two).
+#[cfg(target_arch = "x86_64")]
+const LIMIT_F32_BITS: i32 = 0x4F00_0000;
 
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
 #[error("expert output {value} is outside the fixed-point accumulator's range (|x| < 2^31)")]
@@ -31,12 +34,22 @@ pub fn accumulate(acc: &mut [i64], y: &[f32]) -> Result<(), FixedPointOverflow> 
 /// `accumulate(acc, y · w)`: the product formed in f32 element by element, as the caller of
 /// `accumulate` would, without a buffer for it.
 pub fn accumulate_weighted(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
-    #[cfg(target_arch = "x86_64")]
-    if crate::dot::isa() == crate::dot::Isa::Avx512 && std::is_x86_feature_detected!("avx512dq") {
-        // SAFETY: AVX-512 F, BW (`isa`) and DQ (checked) are present.
-        return unsafe { accumulate_weighted_avx512(acc, y, w) };
+    accumulate_weighted_with(crate::dot::isa(), acc, y, w)
+}
+
+/// `accumulate_weighted` with `isa`'s instructions where it has a version (the scalar loop
+/// otherwise; AVX-512 without DQ takes the AVX2 one).
+fn accumulate_weighted_with(isa: crate::dot::Isa, acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
+    assert!(isa.available(), "{} is not available here", isa.name());
+    match isa {
+        // SAFETY: AVX-512 F and BW (available, asserted) and DQ (checked) are present.
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx512 if std::is_x86_feature_detected!("avx512dq") => unsafe { accumulate_weighted_avx512(acc, y, w) },
+        // SAFETY: AVX2 is available (asserted; every AVX-512 machine has it too).
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx2 | crate::dot::Isa::Avx512 => unsafe { accumulate_weighted_avx2(acc, y, w) },
+        _ => accumulate_weighted_scalar(acc, y, w),
     }
-    accumulate_weighted_scalar(acc, y, w)
 }
 
 /// `accumulate_weighted`'s definition; the vector version gives its bits and its errors.
@@ -84,6 +97,58 @@ unsafe fn accumulate_weighted_avx512(acc: &mut [i64], y: &[f32], w: f32) -> Resu
         let r = _mm512_mask_sub_epi64(_mm512_mask_add_epi64(t, up, t, one), down, t, one);
         let a = acc.as_mut_ptr().add(i).cast::<__m512i>();
         _mm512_storeu_si512(a, _mm512_add_epi64(_mm512_loadu_si512(a), r));
+        i += 8;
+    }
+    accumulate_weighted_scalar(&mut acc[i..n], &y[i..n], w)
+}
+
+/// `accumulate_weighted_scalar` with 256-bit registers, which have no conversion between f64
+/// and i64: the same f32 product, taken apart into its integer mantissa `m` (24 bits at most)
+/// and exponent, so that `y · w · 2³²` is `m · 2^e` exactly and its ties-away rounding is
+/// `m << e` for `e ≥ 0` and `(m + 2^(−e−1)) >> −e` otherwise (a shift of 64 or more gives 0,
+/// as does any `−e ≥ 25`). The range check is on the bit pattern (`|f| < 2³¹` and not NaN is
+/// `abs bits < bits(2³¹)`). A group of eight with a value out of range is left to the scalar
+/// loop, as in the AVX-512 version.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn accumulate_weighted_avx2(acc: &mut [i64], y: &[f32], w: f32) -> Result<(), FixedPointOverflow> {
+    use std::arch::x86_64::*;
+    let n = acc.len().min(y.len());
+    let wv = _mm256_set1_ps(w);
+    let (abs_mask, limit_bits) = (_mm256_set1_epi32(0x7FFF_FFFF), _mm256_set1_epi32(LIMIT_F32_BITS));
+    let (mantissa_mask, implicit, exp_mask) = (_mm256_set1_epi32(0x007F_FFFF), _mm256_set1_epi32(0x0080_0000), _mm256_set1_epi32(0xFF));
+    // An f32 with biased exponent `b` (`b ≥ 1`) is `m · 2^(b − 150)`; times 2³² that is
+    // `m · 2^(b − 118)`.
+    let (bias, one, zero) = (_mm256_set1_epi32(118), _mm256_set1_epi64x(1), _mm256_setzero_si256());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, within both slices.
+        let bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(y.as_ptr().add(i)), wv));
+        let abs = _mm256_and_si256(bits, abs_mask);
+        if _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(limit_bits, abs))) != 0xFF {
+            return accumulate_weighted_scalar(&mut acc[i..n], &y[i..n], w);
+        }
+        let biased_exp = _mm256_and_si256(_mm256_srli_epi32::<23>(abs), exp_mask);
+        // Subnormals (biased exponent 0) have no implicit bit and the exponent of 1.
+        let normal = _mm256_cmpgt_epi32(biased_exp, zero);
+        let m = _mm256_or_si256(_mm256_and_si256(abs, mantissa_mask), _mm256_and_si256(normal, implicit));
+        let e = _mm256_sub_epi32(_mm256_max_epi32(biased_exp, _mm256_set1_epi32(1)), bias);
+        let (left, right) = (_mm256_max_epi32(e, zero), _mm256_max_epi32(_mm256_sub_epi32(zero, e), zero));
+        let negative = _mm256_srai_epi32::<31>(bits);
+        let a = acc.as_mut_ptr().add(i);
+        for half in 0..2 {
+            let wide = |v: __m256i| _mm256_cvtepi32_epi64(if half == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256::<1>(v) });
+            let (m, left, right, sign) = (wide(m), wide(left), wide(right), wide(negative));
+            // `1 << (right − 1)` as `(1 << right) >> 1`: 0 when `right` is 0, and past 63.
+            let half_unit = _mm256_srli_epi64::<1>(_mm256_sllv_epi64(one, right));
+            let magnitude = _mm256_sllv_epi64(_mm256_srlv_epi64(_mm256_add_epi64(m, half_unit), right), left);
+            let value = _mm256_sub_epi64(_mm256_xor_si256(magnitude, sign), sign);
+            let at = a.add(4 * half).cast::<__m256i>();
+            _mm256_storeu_si256(at, _mm256_add_epi64(_mm256_loadu_si256(at), value));
+        }
         i += 8;
     }
     accumulate_weighted_scalar(&mut acc[i..n], &y[i..n], w)
@@ -140,27 +205,43 @@ mod tests {
                 let y: Vec<f32> = (0..len).map(|_| ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale).collect();
                 let start: Vec<i64> = (0..len).map(|_| (next() >> 8) as i64 - (1 << 55)).collect();
                 for w in [0.25f32, -0.731, 1.0] {
-                    let (mut a, mut b) = (start.clone(), start.clone());
-                    let ra = accumulate_weighted(&mut a, &y, w);
-                    let rb = accumulate_weighted_scalar(&mut b, &y, w);
-                    assert_eq!(ra, rb, "len {len} scale {scale}");
-                    assert_eq!(a, b, "len {len} scale {scale} w {w}");
+                    same_on_every_isa(&start, &y, w, &format!("len {len} scale {scale} w {w}"));
                 }
             }
         }
         // Exact ties after scaling (k + 0.5 units), both signs.
         let y: Vec<f32> = (0..64).map(|k| (k as f32 - 32.0 + 0.5) / FIXED_SCALE as f32).collect();
-        let (mut a, mut b) = (vec![0i64; 64], vec![0i64; 64]);
-        assert_eq!(accumulate_weighted(&mut a, &y, 1.0), accumulate_weighted_scalar(&mut b, &y, 1.0));
-        assert_eq!(a, b);
-        for bad in [f32::NAN, f32::INFINITY, 3e9] {
+        same_on_every_isa(&[0i64; 64], &y, 1.0, "ties");
+        // Every exponent in range (subnormals, zeros and values just under 2^31 included): any
+        // sign and mantissa, the biased exponent folded below 158 (2^31's).
+        let y: Vec<f32> = (0..4096)
+            .map(|_| {
+                let bits = (next() >> 32) as u32;
+                f32::from_bits((bits & 0x807F_FFFF) | (((bits >> 23) & 0xFF) % 158) << 23)
+            })
+            .collect();
+        for chunk in y.chunks(64) {
+            same_on_every_isa(&[7i64; 64], chunk, 1.0, "bit patterns");
+            same_on_every_isa(&[7i64; 64], chunk, -0.5, "bit patterns, w −0.5");
+        }
+        for bad in [f32::NAN, f32::INFINITY, 3e9, 2147483648.0, -2147483648.0] {
             let mut y: Vec<f32> = (0..40).map(|k| k as f32 * 0.1).collect();
             y[21] = bad;
-            let (mut a, mut b) = (vec![5i64; 40], vec![5i64; 40]);
-            let (ra, rb) = (accumulate_weighted(&mut a, &y, 1.0), accumulate_weighted_scalar(&mut b, &y, 1.0));
-            assert!(ra.is_err());
-            assert_eq!(format!("{ra:?}"), format!("{rb:?}"));
-            assert_eq!(a, b, "partial sums before {bad}");
+            let mut a = vec![5i64; 40];
+            assert!(accumulate_weighted(&mut a, &y, 1.0).is_err(), "{bad}");
+            same_on_every_isa(&[5i64; 40], &y, 1.0, &format!("partial sums before {bad}"));
+        }
+    }
+
+    /// Every ISA's result, error and partial sums are the scalar loop's.
+    fn same_on_every_isa(start: &[i64], y: &[f32], w: f32, what: &str) {
+        let mut want = start.to_vec();
+        let want_result = accumulate_weighted_scalar(&mut want, y, w);
+        for isa in crate::dot::Isa::all_available() {
+            let mut got = start.to_vec();
+            let result = accumulate_weighted_with(isa, &mut got, y, w);
+            assert_eq!(format!("{result:?}"), format!("{want_result:?}"), "{} {what}", isa.name());
+            assert_eq!(got, want, "{} {what}", isa.name());
         }
     }
 

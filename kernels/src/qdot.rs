@@ -179,13 +179,7 @@ impl QuantRows {
         self.neg8.resize(rows * padded / 4, 0);
         self.neg12.clear();
         self.neg12.resize(rows * padded / 4, 0);
-        #[cfg(target_arch = "x86_64")]
-        if int_isa() == IntIsa::Avx512Vnni {
-            // SAFETY: the ISA is available (`int_isa`); the buffers were just sized to whole chunks.
-            unsafe { x86::nibble_layout_avx512vnni(&self.biased, &mut self.split, &mut self.neg8, &mut self.neg12) };
-            return;
-        }
-        nibble_layout_scalar(&self.biased, &mut self.split, &mut self.neg8, &mut self.neg12);
+        nibble_layout_with(int_isa(), &self.biased, &mut self.split, &mut self.neg8, &mut self.neg12);
     }
 
     pub fn rows(&self) -> usize {
@@ -207,6 +201,21 @@ impl QuantRows {
             scales8: &self.scales8[r * q..(r + 1) * q],
             scales4: &self.scales4[part(e)],
         }
+    }
+}
+
+/// `nibble_layout_scalar`'s layout built with `isa`'s instructions where it has a version (the
+/// scalar one otherwise).
+pub(crate) fn nibble_layout_with(isa: IntIsa, biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
+    assert!(isa.available(), "{} is not available here", isa.name());
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+    match isa {
+        // SAFETY (both): the ISA is available (asserted); the buffers are whole chunks (asserted).
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx512Vnni => unsafe { x86::nibble_layout_avx512vnni(biased, split, neg8, neg12) },
+        #[cfg(target_arch = "x86_64")]
+        IntIsa::Avx2 | IntIsa::AvxVnni => unsafe { x86::nibble_layout_avx2(biased, split, neg8, neg12) },
+        _ => nibble_layout_scalar(biased, split, neg8, neg12),
     }
 }
 
@@ -253,13 +262,22 @@ pub fn quantize_plain(xs: &[f32], n: usize, q: &mut Vec<i8>, scales: &mut Vec<f3
 /// One row quantised into `biased` (`q + 128`, at least `x.len()` rounded up to 32 bytes,
 /// already holding 128 in its padding) and `scales` (one per block).
 fn quantize_row(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::dot::isa() == crate::dot::Isa::Avx512 {
-        // SAFETY: `isa` returns AVX-512 (F and BW) only where the machine has it; the slices
-        // are as `quantize_row_scalar` takes them.
-        return unsafe { x86::quantize_row_avx512(x, biased, scales) };
+    quantize_row_with(crate::dot::isa(), x, biased, scales)
+}
+
+/// `quantize_row` with `isa`'s instructions where it has a version (the scalar one otherwise).
+pub(crate) fn quantize_row_with(isa: crate::dot::Isa, x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
+    assert!(isa.available(), "{} is not available here", isa.name());
+    assert!(biased.len() >= x.len() && scales.len() >= x.len().div_ceil(QBLOCK), "quantize_row: output too short");
+    match isa {
+        // SAFETY (both): the ISA is available (asserted; AVX-512 means F and BW, AVX2 means AVX2
+        // and FMA); the slices are as `quantize_row_scalar` takes them (asserted).
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx512 => unsafe { x86::quantize_row_avx512(x, biased, scales) },
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx2 => unsafe { x86::quantize_row_avx2(x, biased, scales) },
+        _ => quantize_row_scalar(x, biased, scales),
     }
-    quantize_row_scalar(x, biased, scales)
 }
 
 /// The quantiser's definition: per block of `QBLOCK`, `d = amax / 127` and `q = round(x · 127 /

@@ -1,21 +1,31 @@
 //! Transposing a product's weight-row-major results into activation-row-major outputs.
 //!
-//! Owns: `transpose_into` — the scalar definition and an AVX-512 path (blocks of up to 16 × 16
-//! in registers, partial ones under masks) that moves the same values. Must never: change a value (it only moves floats), or
-//! read past `n` columns of a source row (the rest of a strided row belongs to another output).
+//! Owns: `transpose_into` — the scalar definition, an AVX-512 path (blocks of up to 16 × 16
+//! in registers, partial ones under masks) and an AVX one (blocks of 8 × 8), which move the same
+//! values. Must never: change a value (it only moves floats), or read past `n` columns of a
+//! source row (the rest of a strided row belongs to another output).
 
 /// `out[i * rows + r] = t[r * stride + i]` for `r < rows`, `i < n`: the batched products give
 /// each weight row's results over a prompt's rows; the caller wants them row by row. (Once a
 /// scalar loop over 16 × 16 tiles: ~7 % of the demo model's prefill.)
 pub fn transpose_into(t: &[f32], rows: usize, n: usize, stride: usize, out: &mut [f32]) {
+    transpose_with(crate::dot::isa(), t, rows, n, stride, out)
+}
+
+/// `transpose_into` with `isa`'s instructions where it has a version (the scalar loop otherwise).
+pub(crate) fn transpose_with(isa: crate::dot::Isa, t: &[f32], rows: usize, n: usize, stride: usize, out: &mut [f32]) {
+    assert!(isa.available(), "{} is not available here", isa.name());
     assert!(stride >= n && out.len() >= rows * n, "transpose: output too short or stride below the width");
     assert!(rows == 0 || n == 0 || t.len() >= (rows - 1) * stride + n, "transpose: source too short");
-    #[cfg(target_arch = "x86_64")]
-    if crate::dot::isa() == crate::dot::Isa::Avx512 {
-        // SAFETY: `isa` reports AVX-512F only when the CPU has it; the bounds were checked above.
-        return unsafe { transpose_avx512(t, rows, n, stride, out) };
+    match isa {
+        // SAFETY (both): the ISA is available (asserted: AVX-512 includes F, AVX2 includes AVX);
+        // the bounds were checked above.
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx512 => unsafe { transpose_avx512(t, rows, n, stride, out) },
+        #[cfg(target_arch = "x86_64")]
+        crate::dot::Isa::Avx2 => unsafe { transpose_avx(t, rows, n, stride, out) },
+        _ => transpose_scalar(t, rows, n, stride, out),
     }
-    transpose_scalar(t, rows, n, stride, out);
 }
 
 /// The definition, in tiles so that the strided reads stay within a few cache lines.
@@ -104,6 +114,60 @@ unsafe fn block16(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride:
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn transpose_avx(t: &[f32], rows: usize, n: usize, stride: usize, out: &mut [f32]) {
+    for r0 in (0..rows).step_by(8) {
+        for i0 in (0..n).step_by(8) {
+            let (h, w) = ((rows - r0).min(8), (n - i0).min(8));
+            // SAFETY: as in `transpose_avx512`, with blocks of 8.
+            unsafe { block8(t.as_ptr().add(r0 * stride + i0), stride, out.as_mut_ptr().add(i0 * rows + r0), rows, h, w) };
+        }
+    }
+}
+
+/// One block of up to 8 × 8 with 256-bit registers: floats of row pairs interleaved, float pairs
+/// of row quads, then 128-bit lanes of the two quads. A partial block loads and stores under
+/// masks, as `block16`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn block8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize, h: usize, w: usize) {
+    use std::arch::x86_64::*;
+    let lanes = |k: usize| _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), _mm256_set1_ps(k as f32)));
+    let (load_mask, store_mask) = (lanes(w), lanes(h));
+    // SAFETY (the whole body): the caller guarantees `w` readable floats at each of the `h`
+    // source rows and `h` writable floats at each of the `w` destination rows; masked-off lanes
+    // are neither read nor written.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|k| if k < h { _mm256_maskload_ps(src.add(k * src_stride), load_mask) } else { _mm256_setzero_ps() });
+        let a: [__m256; 8] = std::array::from_fn(|k| {
+            let (x, y) = (r[k & !1], r[k | 1]);
+            if k & 1 == 0 {
+                _mm256_unpacklo_ps(x, y)
+            } else {
+                _mm256_unpackhi_ps(x, y)
+            }
+        });
+        // b[4q + c] holds, per 128-bit lane L, column 4L + c of rows 4q..4q+4.
+        let mut b = [_mm256_setzero_ps(); 8];
+        for q in 0..2 {
+            let (x0, x1, x2, x3) = (a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
+            b[4 * q] = _mm256_shuffle_ps::<0x44>(x0, x2);
+            b[4 * q + 1] = _mm256_shuffle_ps::<0xEE>(x0, x2);
+            b[4 * q + 2] = _mm256_shuffle_ps::<0x44>(x1, x3);
+            b[4 * q + 3] = _mm256_shuffle_ps::<0xEE>(x1, x3);
+        }
+        for col in 0..4 {
+            if col < w {
+                _mm256_maskstore_ps(dst.add(col * dst_stride), store_mask, _mm256_permute2f128_ps::<0x20>(b[col], b[4 + col]));
+            }
+            if col + 4 < w {
+                _mm256_maskstore_ps(dst.add((col + 4) * dst_stride), store_mask, _mm256_permute2f128_ps::<0x31>(b[col], b[4 + col]));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,12 +192,10 @@ mod tests {
             let mut got = vec![-1.0f32; rows * n + 7];
             transpose_into(&t, rows, n, stride, &mut got);
             assert_eq!(got, want, "{rows} x {n}, stride {stride}");
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512f") {
+            for isa in crate::dot::Isa::all_available() {
                 let mut simd = vec![-1.0f32; rows * n + 7];
-                // SAFETY: the CPU has AVX-512F; the buffers are as `transpose_into` checks.
-                unsafe { transpose_avx512(&t, rows, n, stride, &mut simd) };
-                assert_eq!(simd, want, "avx512 {rows} x {n}, stride {stride}");
+                transpose_with(isa, &t, rows, n, stride, &mut simd);
+                assert_eq!(simd, want, "{} {rows} x {n}, stride {stride}", isa.name());
             }
         }
     }

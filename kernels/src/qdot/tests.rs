@@ -362,18 +362,18 @@ fn the_vector_quantiser_gives_the_scalar_bits() {
         let blocks = x.len().div_ceil(QBLOCK);
         let (mut want_q, mut want_d) = (vec![0x80u8; blocks * QBLOCK], vec![0.0f32; blocks]);
         quantize_row_scalar(x, &mut want_q, &mut want_d);
-        let (mut q, mut d) = (vec![0x80u8; blocks * QBLOCK], vec![0.0f32; blocks]);
-        #[cfg(target_arch = "x86_64")]
-        if crate::dot::Isa::Avx512.available() {
-            // SAFETY: the machine has AVX-512 F and BW (checked just above).
-            unsafe { super::x86::quantize_row_avx512(x, &mut q, &mut d) };
-        } else {
-            quantize_row(x, &mut q, &mut d);
+        for isa in crate::dot::Isa::all_available() {
+            let (mut q, mut d) = (vec![0x80u8; blocks * QBLOCK], vec![0.0f32; blocks]);
+            quantize_row_with(isa, x, &mut q, &mut d);
+            let name = isa.name();
+            assert_eq!(q, want_q, "{name}: bytes, row of {}", x.len());
+            assert_eq!(
+                d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{name}: scales, row of {}",
+                x.len()
+            );
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        quantize_row(x, &mut q, &mut d);
-        assert_eq!(q, want_q, "bytes, row of {}", x.len());
-        assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "scales, row of {}", x.len());
     }
 }
 
@@ -412,11 +412,9 @@ fn the_nibble_layout_on_every_isa_is_the_scalar_layout() {
     nibble_layout_scalar(&biased, &mut split, &mut neg8, &mut neg12);
     assert_eq!(split[CHUNK / 2 + 1], (biased[3] ^ 0x80) as i8, "the odd half starts at element 1");
     assert!(neg8.iter().any(|v| *v != 0) && neg8.iter().zip(&neg12).all(|(a, b)| 3 * a == 2 * b));
-    #[cfg(target_arch = "x86_64")]
-    if IntIsa::Avx512Vnni.available() {
+    for isa in IntIsa::all_available() {
         let (mut s2, mut n8, mut n12) = (vec![1i8; biased.len()], vec![1i32; biased.len() / 4], vec![1i32; biased.len() / 4]);
-        // SAFETY: the ISA is available; the buffers are whole chunks.
-        unsafe { x86::nibble_layout_avx512vnni(&biased, &mut s2, &mut n8, &mut n12) };
-        assert_eq!((s2, n8, n12), (split, neg8, neg12));
+        nibble_layout_with(isa, &biased, &mut s2, &mut n8, &mut n12);
+        assert_eq!((&s2, &n8, &n12), (&split, &neg8, &neg12), "{}", isa.name());
     }
 }

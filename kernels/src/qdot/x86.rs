@@ -741,6 +741,106 @@ pub(super) unsafe fn nibble_layout_avx512vnni(biased: &[u8], split: &mut [i8], n
     }
 }
 
+/// `nibble_layout_scalar` with 256-bit registers: each quarter chunk's bytes flipped to `q` and
+/// its even and odd bytes gathered per 128-bit lane, quadwords reordered to 16 even then 16 odd,
+/// two quarters' evens (odds) joined by a lane permute, and each lane's sum of four from
+/// `pmaddubsw` against ones (two values, at most ±256: no saturation) then `pmaddwd`.
+///
+/// # Safety
+/// AVX2 must be available; `split` holds `biased.len()` bytes and `neg8`/`neg12` a quarter as
+/// many lanes, `biased` being whole chunks.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn nibble_layout_avx2(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+    let flip = _mm256_set1_epi8(-128i8);
+    let lanes = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+    let (m8, m12) = (_mm256_set1_epi32(-8), _mm256_set1_epi32(-12));
+    for c in 0..biased.len() / CHUNK {
+        let src = biased.as_ptr().add(c * CHUNK);
+        // Quarter k: [16 even q, 16 odd q] of elements 32k..32k+32.
+        let quarter = |k: usize| {
+            let v = _mm256_xor_si256(_mm256_loadu_si256(src.add(32 * k) as *const __m256i), flip);
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, lanes))
+        };
+        let (q0, q1, q2, q3) = (quarter(0), quarter(1), quarter(2), quarter(3));
+        let parts = [
+            _mm256_permute2x128_si256::<0x20>(q0, q1),
+            _mm256_permute2x128_si256::<0x20>(q2, q3),
+            _mm256_permute2x128_si256::<0x31>(q0, q1),
+            _mm256_permute2x128_si256::<0x31>(q2, q3),
+        ];
+        for (j, q) in parts.into_iter().enumerate() {
+            _mm256_storeu_si256(split.as_mut_ptr().add(c * CHUNK + 32 * j) as *mut __m256i, q);
+            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+            let at = c * QLANES + 8 * j;
+            _mm256_storeu_si256(neg8.as_mut_ptr().add(at) as *mut __m256i, _mm256_mullo_epi32(sums, m8));
+            _mm256_storeu_si256(neg12.as_mut_ptr().add(at) as *mut __m256i, _mm256_mullo_epi32(sums, m12));
+        }
+    }
+}
+
+/// `quantize_row_scalar`'s bits with 256-bit registers, as `quantize_row_avx512` takes them
+/// (finite check and maximum on bit patterns, the same IEEE multiply, magic rounding and clamp).
+/// AVX2 has no truncating narrow, and its saturating packs would turn the NaN of `0 · ∞` into
+/// −128 where the scalar's `NaN as i8` is 0: NaN lanes are zeroed before the clamp instead. A
+/// block shorter than 32 is read from a zero-padded copy (zeros change neither the maximum nor
+/// the finite check).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_row_avx2(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
+    let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
+    let finite_max = _mm256_set1_epi32(0x7F7F_FFFF);
+    let magic = _mm256_set1_ps(super::ROUND_MAGIC);
+    let (lo_q, hi_q) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let flip = _mm256_set1_epi8(-128i8);
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, block) in x.chunks(super::QBLOCK).enumerate() {
+        let len = block.len();
+        let mut padded = [0.0f32; super::QBLOCK];
+        let p = if len == super::QBLOCK {
+            block.as_ptr()
+        } else {
+            padded[..len].copy_from_slice(block);
+            padded.as_ptr()
+        };
+        // SAFETY: `p` points at 32 readable floats (the block, or its padded copy).
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(p.add(8 * k)));
+        let a: [__m256i; 4] = std::array::from_fn(|k| _mm256_and_si256(_mm256_castps_si256(v[k]), abs_mask));
+        let out = &mut biased[b * super::QBLOCK..b * super::QBLOCK + len];
+        let big = _mm256_or_si256(
+            _mm256_or_si256(_mm256_cmpgt_epi32(a[0], finite_max), _mm256_cmpgt_epi32(a[1], finite_max)),
+            _mm256_or_si256(_mm256_cmpgt_epi32(a[2], finite_max), _mm256_cmpgt_epi32(a[3], finite_max)),
+        );
+        if _mm256_testz_si256(big, big) == 0 {
+            scales[b] = f32::NAN;
+            out.fill(0x80);
+            continue;
+        }
+        let m = _mm256_max_epu32(_mm256_max_epu32(a[0], a[1]), _mm256_max_epu32(a[2], a[3]));
+        let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
+        let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+        let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+        let amax = f32::from_bits(_mm_cvtsi128_si32(m) as u32);
+        scales[b] = amax / 127.0;
+        let inv = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+        let q = |v: __m256| {
+            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, inv), magic), magic);
+            let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+            _mm256_cvtps_epi32(_mm256_max_ps(lo_q, _mm256_min_ps(hi_q, r)))
+        };
+        // packs work per 128-bit lane: the dwords come out as a0 b0 c0 d0 a1 b1 c1 d1 (4 values
+        // each), put back in order by one permute.
+        let words = [_mm256_packs_epi32(q(v[0]), q(v[1])), _mm256_packs_epi32(q(v[2]), q(v[3]))];
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words[0], words[1]), order);
+        let mut all = [0u8; super::QBLOCK];
+        _mm256_storeu_si256(all.as_mut_ptr().cast(), _mm256_xor_si256(bytes, flip));
+        out.copy_from_slice(&all[..len]);
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn quantize_row_avx512(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
     let abs_mask = _mm512_set1_epi32(0x7FFF_FFFF);
