@@ -517,11 +517,24 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                     }
                 }
             }
-            if full * CHUNK < n {
+            // The last, partial chunk: only its live blocks, whole ones read in place and a
+            // partial one from a zero-padded copy. A block past the row would add
+            // `fma(0 · d, 0, acc) = acc` (`RawRow::tail`; `acc` is never −0), so leaving it out
+            // gives the same bits — a model's 64-wide down projection is all tail.
+            let start = full * CHUNK;
+            if start < n {
+                let live = n - start;
                 for m in 0..M {
-                    let (t, wf) = rows[m].tail(fmt, n, full * CHUNK);
-                    for kb in 0..4 {
-                        step!(m, full, kb, _mm256_loadu_si256(t.as_ptr().add(32 * kb) as *const __m256i), wf[kb]);
+                    let src = rows[m].data.add(start);
+                    for kb in 0..live.div_ceil(32) {
+                        let wv = if 32 * (kb + 1) <= live {
+                            _mm256_loadu_si256(src.add(32 * kb) as *const __m256i)
+                        } else {
+                            let mut bytes = [0u8; 32];
+                            std::ptr::copy_nonoverlapping(src.add(32 * kb), bytes.as_mut_ptr(), live - 32 * kb);
+                            _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
+                        };
+                        step!(m, full, kb, wv, 1.0);
                     }
                 }
             }
