@@ -85,7 +85,13 @@ fn an_fp8_checkpoint_served_as_it_is_gives_exactly_the_dequantised_models_logits
 fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("c");
-    convert(&fixture("deepseek_v3_fp8"), &dir, ConvertOptions { expert_quant: quant::QuantScheme::Bf16, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap();
+    convert(
+        &fixture("deepseek_v3_fp8"),
+        &dir,
+        ConvertOptions { expert_quant: quant::QuantScheme::Bf16, dense_quant: DenseQuant::Bf16, head_quant: None },
+        &mut |_| {},
+    )
+    .unwrap();
     let want = reference();
     // Dense projections: bf16 of the dequantised values; routers untouched.
     let dense = Checkpoint::open_files(&dir, &["dense.safetensors"]).unwrap();
@@ -116,7 +122,7 @@ fn an_fp8_checkpoint_converts_to_exactly_its_dequantised_values_and_runs() {
     convert(
         &fixture("deepseek_v3_fp8"),
         out4.path(),
-        ConvertOptions { expert_quant: quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 },
+        ConvertOptions { expert_quant: quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None },
         &mut |_| {},
     )
     .unwrap();

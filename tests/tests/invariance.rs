@@ -175,7 +175,7 @@ fn a_batch_of_last_rows_through_an_integer_head_gets_each_sequences_own_logits()
     let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
     let out = tempfile::tempdir().unwrap();
     let container = out.path().join("c");
-    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8 };
+    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None };
     convert(&demo, &container, opts, &mut |_| {}).unwrap();
     let engine = Engine::load(&container).unwrap();
     let vocab = engine.spec.vocab_size;

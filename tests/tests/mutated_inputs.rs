@@ -379,6 +379,7 @@ fn mutated_container_manifests_and_usage_files_fail_or_answer_identically() {
     let opts = shimmer_store::convert::ConvertOptions {
         expert_quant: shimmer_common::quant::QuantScheme::Int8PerRow,
         dense_quant: shimmer_store::convert::DenseQuant::Bf16,
+        head_quant: None,
     };
     shimmer_store::convert::convert(&fixture("glm4_moe"), &dir, opts, &mut |_| {}).unwrap();
     let ids = [1u32, 5, 9, 13, 17];

@@ -17,7 +17,8 @@ fn demo() -> PathBuf {
 }
 
 fn convert_to(src: &Path, to: &Path, scheme: QuantScheme) {
-    convert(src, to, ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    convert(src, to, ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16, head_quant: None }, &mut |_| {})
+        .unwrap_or_else(|e| panic!("{}: {e}", src.display()));
 }
 
 /// Everything observable about the model's answers: all logits of a teacher-forced pass (as
@@ -192,7 +193,7 @@ fn a_dense_int4_container_stores_the_format_and_answers_under_every_placement() 
     use shimmer_common::{quant, Checkpoint, ModelSpec, StDtype};
     let out = tempfile::tempdir().unwrap();
     let container = out.path().join("c");
-    let options = ConvertOptions { expert_quant: QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int4 { group: 64 } };
+    let options = ConvertOptions { expert_quant: QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int4 { group: 64 }, head_quant: None };
     convert(&demo(), &container, options, &mut |_| {}).unwrap();
     let spec = ModelSpec::from_dir(&demo()).unwrap();
     let (source, dense) = (Checkpoint::open(&demo()).unwrap(), Checkpoint::open_files(&container, &["dense.safetensors"]).unwrap());
@@ -229,6 +230,56 @@ fn a_dense_int4_container_stores_the_format_and_answers_under_every_placement() 
     assert!(kl < 0.2, "mean KL {kl}");
 }
 
+/// `--head-quant int4-g32` under int8 dense weights: the head (the demo ties it to the
+/// embedding, so that tensor) is stored as the int4 format defines it and every other matrix as
+/// int8; the manifest names both formats, so a conversion asked again with another head is
+/// refused rather than mixed; the model answers close to the checkpoint and differently from the
+/// int8 head's container (the head it computes with is the stored one).
+#[test]
+fn a_head_format_chosen_apart_is_stored_named_and_used() {
+    use shimmer_common::{quant, Checkpoint, ModelSpec, StDtype};
+    let out = tempfile::tempdir().unwrap();
+    let (int4_head, int8_head) = (out.path().join("h4"), out.path().join("h8"));
+    let expert_quant = QuantScheme::Int4 { group: 32 };
+    let options = ConvertOptions { expert_quant, dense_quant: DenseQuant::Int8, head_quant: Some(DenseQuant::Int4 { group: 32 }) };
+    convert(&demo(), &int4_head, options, &mut |_| {}).unwrap();
+    convert(&demo(), &int8_head, ConvertOptions { head_quant: None, ..options }, &mut |_| {}).unwrap();
+    let spec = ModelSpec::from_dir(&demo()).unwrap();
+    assert!(spec.tie_word_embeddings, "the demo ties its head to the embedding");
+    let head = spec.dense_names.embed;
+    let (source, dense) = (Checkpoint::open(&demo()).unwrap(), Checkpoint::open_files(&int4_head, &["dense.safetensors"]).unwrap());
+    let (mut int8, mut heads) = (0, 0);
+    for name in dense.tensor_names() {
+        let Ok(raw) = source.raw(name) else { continue };
+        let stored = dense.raw(name).unwrap();
+        if name == head {
+            let (rows, cols) = (raw.shape[0], raw.shape[1]);
+            assert_eq!((stored.dtype, stored.shape.to_vec()), (StDtype::U8, vec![rows, cols.div_ceil(2)]), "{name}");
+            let want = quant::quantize_int4(&source.get(name, &[rows, cols]).unwrap().to_f32(), rows, cols, 32);
+            let got = shimmer_experts::weights::load_matrix(&dense, name, rows, cols, 128).unwrap();
+            assert!(got == shimmer_kernels::Matrix::from_quant(want), "{name}: not the int4-g32 quantisation of the source");
+            heads += 1;
+        } else if stored.dtype == StDtype::I8 {
+            int8 += 1;
+        }
+    }
+    assert!(heads == 1 && int8 >= 4 * spec.layers.len(), "{heads} heads, {int8} int8 matrices");
+    let manifest = shimmer_store::container::read_manifest(&int4_head).unwrap();
+    assert_eq!(manifest.dense_quant, "int8+head-int4-g32");
+    assert_eq!(shimmer_store::container::read_manifest(&int8_head).unwrap().dense_quant, "int8", "a head left alone is not named");
+    let again = convert(&demo(), &int4_head, ConvertOptions { head_quant: Some(DenseQuant::Int8), ..options }, &mut |_| {}).unwrap_err().to_string();
+    assert!(again.contains("another source or format") && again.contains("int8+head-int4-g32"), "{again}");
+    assert!(convert(&demo(), &int4_head, options, &mut |_| {}).unwrap().already_done);
+
+    let (with_int4, with_int8) = (answers(&open(&int4_head, &opts(100.0))), answers(&open(&int8_head, &opts(100.0))));
+    assert_ne!(with_int4.0, with_int8.0, "the int4 head's logits are the int8 head's: the stored head is not the one used");
+    let bf16 = floats(&answers(&Engine::load(&demo()).unwrap()).0);
+    let (got, v) = (floats(&with_int4.0), spec.vocab_size);
+    let kl: f64 = bf16.chunks(v).zip(got.chunks(v)).map(|(p, q)| kl_of_logits(p, q)).sum::<f64>() / (bf16.len() / v) as f64;
+    eprintln!("demo, int4-g32 experts, int8 dense, int4-g32 head: mean KL against the checkpoint {kl:.5} nats");
+    assert!(kl < 0.2, "mean KL {kl}");
+}
+
 /// Every family's fixture converts with int8 and with int4 dense weights and runs: a family's 2-D
 /// tensors that are not weight matrices (DeepSeek-V4's position tables, Inkling's convolution
 /// taps and clip scales) stay floats, as its loader reads them.
@@ -237,7 +288,7 @@ fn every_family_runs_from_a_container_with_quantised_dense_weights() {
     for name in fixtures() {
         for dense_quant in [DenseQuant::Int8, DenseQuant::Int4 { group: 32 }] {
             let out = tempfile::tempdir().unwrap();
-            let options = ConvertOptions { expert_quant: QuantScheme::Int8PerRow, dense_quant };
+            let options = ConvertOptions { expert_quant: QuantScheme::Int8PerRow, dense_quant, head_quant: None };
             convert(&fixture(name), out.path(), options, &mut |_| {}).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
             let engine = Engine::load(out.path()).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
             let logits = engine.logits_all(&[1, 2, 3]).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));

@@ -187,7 +187,7 @@ fn the_demos_quantised_containers_give_the_cpus_bits_on_the_gpu() {
     use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
     for scheme in [QuantScheme::Int4 { group: 32 }, QuantScheme::Int8PerRow, QuantScheme::Mxfp4] {
         let dir = tempfile::tempdir().unwrap();
-        convert(&demo(), dir.path(), ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16 }, &mut |_| {}).unwrap();
+        convert(&demo(), dir.path(), ConvertOptions { expert_quant: scheme, dense_quant: DenseQuant::Bf16, head_quant: None }, &mut |_| {}).unwrap();
         let want = answers(&open(dir.path(), None, None));
         let e = expert_bytes(dir.path());
         for (what, ram, budget) in [("all in VRAM", None, 1u64 << 40), ("three in VRAM, 40 experts in RAM", Some(40.0 * e as f64 / 1e9), 3 * e)] {

@@ -20,6 +20,11 @@ pub(super) struct ConvertArgs {
     /// and LM head int8).
     #[arg(long)]
     pub(super) dense_quant: Option<String>,
+    /// The LM head's format where it should differ (the embedding's too where the model ties
+    /// them): bf16, int8, or int4-g32/g64/g128. Default: int8 with int8 or int4 dense weights,
+    /// bf16 with bf16 (as llama-quantize's `--output-tensor-type`).
+    #[arg(long)]
+    pub(super) head_quant: Option<String>,
     /// A GGUF's tensors as: exact (F32/F16/BF16 kept, quantised types as f32, so every value is
     /// ggml's), or f32, f16, bf16 (rounded).
     #[arg(long)]
@@ -46,15 +51,15 @@ fn progress_bar(quiet: bool) -> Result<indicatif::ProgressBar> {
     Ok(bar)
 }
 
-/// A GGUF file into a checkpoint directory; with `--quant`/`--dense-quant`, into a container in
+/// A GGUF file into a checkpoint directory; with `--quant`/`--dense-quant`/`--head-quant`, into a container in
 /// one step: imported into a staging directory beside the target, converted, and the staging
 /// directory removed.
 fn import_gguf(a: ConvertArgs) -> Result<ExitCode> {
     use shimmer_store::gguf_import::{import, ImportDtype};
     let dtype = ImportDtype::parse(a.dtype.as_deref().unwrap_or("exact")).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
-    let container = match (&a.quant, &a.dense_quant) {
-        (None, None) => None,
-        (q, d) => Some(formats(q.as_deref(), d.as_deref())?),
+    let container = match (&a.quant, &a.dense_quant, &a.head_quant) {
+        (None, None, None) => None,
+        _ => Some(formats(&a)?),
     };
     let checkpoint = match &container {
         None => a.to.clone(),
@@ -89,18 +94,21 @@ fn import_gguf(a: ConvertArgs) -> Result<ExitCode> {
         report.shards,
         if report.shards == 1 { "" } else { "s" }
     );
-    if let Some((expert_quant, dense_quant)) = container {
-        convert_checkpoint(&checkpoint, &a.to, expert_quant, dense_quant, a.quiet)?;
+    if let Some(formats) = container {
+        convert_checkpoint(&checkpoint, &a.to, formats, a.quiet)?;
         std::fs::remove_dir_all(&checkpoint).with_context(|| format!("cannot remove the staging directory {}", checkpoint.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--quant` and `--dense-quant` parsed (bf16 where not given).
-fn formats(quant: Option<&str>, dense_quant: Option<&str>) -> Result<(shimmer_common::quant::QuantScheme, shimmer_store::convert::DenseQuant)> {
-    let expert_quant = shimmer_common::quant::QuantScheme::parse(quant.unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
-    let dense_quant = shimmer_store::convert::DenseQuant::parse(dense_quant.unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
-    Ok((expert_quant, dense_quant))
+/// `--quant`, `--dense-quant` and `--head-quant` parsed (bf16 where not given; the head as the
+/// dense weights give it).
+fn formats(a: &ConvertArgs) -> Result<shimmer_store::convert::ConvertOptions> {
+    use shimmer_store::convert::DenseQuant;
+    let expert_quant = shimmer_common::quant::QuantScheme::parse(a.quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
+    let dense_quant = DenseQuant::parse(a.dense_quant.as_deref().unwrap_or("bf16")).map_err(|e| anyhow::anyhow!("--dense-quant: {e}"))?;
+    let head_quant = a.head_quant.as_deref().map(DenseQuant::parse).transpose().map_err(|e| anyhow::anyhow!("--head-quant: {e}"))?;
+    Ok(shimmer_store::convert::ConvertOptions { expert_quant, dense_quant, head_quant })
 }
 
 pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
@@ -110,21 +118,14 @@ pub(super) fn convert(a: ConvertArgs) -> Result<ExitCode> {
     if a.dtype.is_some() {
         anyhow::bail!("--dtype applies to a GGUF import; {} is not a GGUF file", a.from.display());
     }
-    let (expert_quant, dense_quant) = formats(a.quant.as_deref(), a.dense_quant.as_deref())?;
-    convert_checkpoint(&a.from, &a.to, expert_quant, dense_quant, a.quiet)?;
+    convert_checkpoint(&a.from, &a.to, formats(&a)?, a.quiet)?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn convert_checkpoint(
-    from: &std::path::Path,
-    to: &std::path::Path,
-    expert_quant: shimmer_common::quant::QuantScheme,
-    dense_quant: shimmer_store::convert::DenseQuant,
-    quiet: bool,
-) -> Result<()> {
-    use shimmer_store::convert::{ConvertEvent, ConvertOptions};
+fn convert_checkpoint(from: &std::path::Path, to: &std::path::Path, options: shimmer_store::convert::ConvertOptions, quiet: bool) -> Result<()> {
+    use shimmer_store::convert::ConvertEvent;
     let bar = progress_bar(quiet)?;
-    let report = shimmer_store::convert::convert(from, to, ConvertOptions { expert_quant, dense_quant }, &mut |ev| match ev {
+    let report = shimmer_store::convert::convert(from, to, options, &mut |ev| match ev {
         ConvertEvent::Start { total_bytes, done_bytes } => {
             bar.set_length(total_bytes);
             bar.set_position(done_bytes);
@@ -142,10 +143,10 @@ fn convert_checkpoint(
             "shimmer: wrote {}: {} experts as {} ({:.1} MB{}), dense weights as {} ({:.1} MB)",
             to.display(),
             report.blobs,
-            expert_quant.name(),
+            options.expert_quant.name(),
             report.experts_bytes as f64 / 1e6,
             if report.resumed_blobs > 0 { format!(", {} kept from the interrupted run", report.resumed_blobs) } else { String::new() },
-            dense_quant.name(),
+            options.dense_quant.manifest_name(options.head_quant),
             report.dense_bytes as f64 / 1e6
         );
     }

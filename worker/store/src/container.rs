@@ -200,7 +200,7 @@ impl Container {
             return Err(bad(problem));
         }
         let scheme = QuantScheme::parse(&manifest.expert_quant).map_err(|e| bad(format!("`expert_quant`: {e}")))?;
-        if let Err(e) = crate::convert::DenseQuant::parse(&manifest.dense_quant) {
+        if let Err(e) = crate::convert::DenseQuant::parse_manifest(&manifest.dense_quant) {
             return Err(bad(format!("`dense_quant`: {e}")));
         }
         let (h, i) = (spec.hidden_size, spec.moe.expert_intermediate_size);

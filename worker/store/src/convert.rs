@@ -64,7 +64,27 @@ impl DenseQuant {
             DenseQuant::Int4 { group } => format!("int4-g{group}"),
         }
     }
+
+    /// The manifest's `dense_quant`: this format's name, then `+head-` and the LM head's where it
+    /// was chosen apart (`ConvertOptions::head_quant`). In the name, the head's format reaches the
+    /// container's fingerprint and the resume journal's check, as the layers' does.
+    pub fn manifest_name(self, head: Option<DenseQuant>) -> String {
+        match head {
+            Some(h) => format!("{}{HEAD_SEPARATOR}{}", self.name(), h.name()),
+            None => self.name(),
+        }
+    }
+
+    /// `manifest_name` read back: the layers' format and the head's, if chosen apart.
+    pub fn parse_manifest(s: &str) -> Result<(Self, Option<Self>), String> {
+        match s.split_once(HEAD_SEPARATOR) {
+            Some((layers, head)) => Ok((Self::parse(layers)?, Some(Self::parse(head).map_err(|e| format!("the LM head's: {e}"))?))),
+            None => Ok((Self::parse(s)?, None)),
+        }
+    }
 }
+
+const HEAD_SEPARATOR: &str = "+head-";
 
 pub use shimmer_experts::weights::{int4_scale_name, INT8_SCALE_SUFFIX};
 
@@ -72,6 +92,11 @@ pub use shimmer_experts::weights::{int4_scale_name, INT8_SCALE_SUFFIX};
 pub struct ConvertOptions {
     pub expert_quant: QuantScheme,
     pub dense_quant: DenseQuant,
+    /// The LM head's format (the embedding's too where the model ties them), where it differs
+    /// from what `dense_quant` gives it (int8 under int8 or int4 layers, bf16 under bf16) — as
+    /// llama-quantize's `--output-tensor-type`. The head decides every logit and is read whole
+    /// every token: a large vocabulary's head is a quarter of a small MoE's bytes a token.
+    pub head_quant: Option<DenseQuant>,
 }
 
 /// What the caller hears while converting (for a progress bar).
@@ -209,7 +234,7 @@ fn dtype_name(d: StDtype) -> Option<&'static str> {
     })
 }
 
-fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> Result<Vec<DensePlan>, LoadError> {
+fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant, head_quant: Option<DenseQuant>) -> Result<Vec<DensePlan>, LoadError> {
     let mut expert_tensors = std::collections::HashSet::new();
     let mut routers = std::collections::HashSet::new();
     for (l, kind) in spec.layers.iter().enumerate() {
@@ -224,6 +249,8 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
     let scales_of_quantised: std::collections::HashSet<String> =
         ckpt.tensor_names().into_iter().filter(quantised).flat_map(quant::scale_names).filter(|n| ckpt.contains(n)).collect();
     let embedding_or_head = [spec.dense_names.embed, spec.dense_names.lm_head];
+    // The tensor the logits are computed from: the embedding itself where the two are tied.
+    let head = if spec.tie_word_embeddings { spec.dense_names.embed } else { spec.dense_names.lm_head };
     let mut plans = Vec::new();
     for name in ckpt.tensor_names() {
         if expert_tensors.contains(name) || scales_of_quantised.contains(name) {
@@ -239,8 +266,12 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
         let float = matches!(raw.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3);
         // Routers are never converted (unless fp8, which must be dequantised): a rounded router
         // could choose other experts.
-        let int4_group = match dense_quant {
-            DenseQuant::Int4 { group } if !embedding_or_head.contains(&name) => Some(group),
+        let (format, chosen_apart) = match head_quant {
+            Some(h) if name == head => (h, true),
+            _ => (dense_quant, false),
+        };
+        let int4_group = match format {
+            DenseQuant::Int4 { group } if chosen_apart || !embedding_or_head.contains(&name) => Some(group),
             _ => None,
         };
         if let (true, true, Some(group)) = (quantisable, float, int4_group) {
@@ -260,7 +291,7 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant) -> R
                 bytes: (rows * gpr * 2) as u64,
                 kind: DenseKind::Scales,
             });
-        } else if quantisable && float && dense_quant != DenseQuant::Bf16 {
+        } else if quantisable && float && format != DenseQuant::Bf16 {
             plans.push(DensePlan { name: name.to_string(), dtype: "I8", shape: shape.clone(), bytes: elems as u64, kind: DenseKind::Int8 });
             plans.push(DensePlan {
                 name: format!("{name}{INT8_SCALE_SUFFIX}"),
@@ -371,7 +402,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     let (_, blob_len) = expert_blob::layout(opts.expert_quant, shape);
     let blob_bytes = blob_len as u64;
     let expert_quant = opts.expert_quant.name();
-    let dense_quant = opts.dense_quant.name();
+    let dense_quant = opts.dense_quant.manifest_name(opts.head_quant);
 
     if Container::is_container(to) {
         let done = container::read_manifest(to)?;
@@ -433,7 +464,7 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
 
     let keys: Vec<(usize, usize)> =
         spec.layers.iter().enumerate().filter(|(_, k)| **k == LayerMlp::Moe).flat_map(|(l, _)| (0..spec.moe.num_experts).map(move |e| (l, e))).collect();
-    let plans = plan_dense(&ckpt, &spec, opts.dense_quant)?;
+    let plans = plan_dense(&ckpt, &spec, opts.dense_quant, opts.head_quant)?;
     let dense_total: u64 = plans.iter().map(|p| p.bytes).sum();
     let header = container::experts_header(&keys, blob_bytes);
     let experts_total = keys.len() as u64 * blob_bytes;
@@ -572,4 +603,26 @@ pub fn convert(from: &Path, to: &Path, opts: ConvertOptions, progress: &mut dyn 
     write_atomic(&to.join(MANIFEST_FILE), &json, &mut crash)?;
     std::fs::remove_file(&journal_path).map_err(io(&journal_path))?;
     Ok(ConvertReport { already_done: false, blobs: keys.len(), resumed_blobs: resumed, experts_bytes: experts_total, dense_bytes: dense_total })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DenseQuant;
+
+    /// Every layers' format with and without a head format reads back as written; a manifest
+    /// naming an unknown head format is refused with the head named.
+    #[test]
+    fn manifest_names_round_trip_and_bad_ones_are_named() {
+        let all = [DenseQuant::Bf16, DenseQuant::Int8, DenseQuant::Int4 { group: 32 }, DenseQuant::Int4 { group: 64 }, DenseQuant::Int4 { group: 128 }];
+        for layers in all {
+            assert_eq!(DenseQuant::parse_manifest(&layers.manifest_name(None)), Ok((layers, None)));
+            for head in all {
+                assert_eq!(DenseQuant::parse_manifest(&layers.manifest_name(Some(head))), Ok((layers, Some(head))));
+            }
+        }
+        assert_eq!(DenseQuant::Int8.manifest_name(Some(DenseQuant::Int4 { group: 32 })), "int8+head-int4-g32");
+        let bad = DenseQuant::parse_manifest("int8+head-int3").unwrap_err();
+        assert!(bad.contains("LM head") && bad.contains("int3"), "{bad}");
+        assert!(DenseQuant::parse_manifest("int5+head-int8").unwrap_err().contains("int5"));
+    }
 }
