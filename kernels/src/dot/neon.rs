@@ -170,8 +170,8 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
         for m in 0..M {
             for k in 0..N {
                 let (wt, xt) = tail_chunk(ws[m], xs[k], full * LANES, n);
-                for j in 0..REGS {
-                    acc[m][k][j] = vfmaq_f32(acc[m][k][j], vld1q_f32(wt.as_ptr().add(j * 4)), vld1q_f32(xt.as_ptr().add(j * 4)));
+                for (j, a) in acc[m][k].iter_mut().enumerate() {
+                    *a = vfmaq_f32(*a, vld1q_f32(wt.as_ptr().add(j * 4)), vld1q_f32(xt.as_ptr().add(j * 4)));
                 }
             }
         }
