@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shimmer against llama.cpp on the same weights, side by side in one run (bench/vs-llama-cpp/README.md).
 #
-#   bench/vs-llama-cpp/run.sh            # THREADS=2 RUNS=5 PROMPT=64 GEN=32 WORK=~/.cache/shimmer-vs-llama-cpp
+#   bench/vs-llama-cpp/run.sh            # THREADS=2 RUNS=5 PROMPT=64 GEN=32 REPS=1 WORK=~/.cache/shimmer-vs-llama-cpp
 #
 # Builds llama.cpp's converter, quantiser and llama-bench from the llama.cpp tree inside the PyPI
 # source package of llama-cpp-python (pinned), makes a ~1.6B-parameter random Qwen3-MoE model with a
@@ -20,6 +20,9 @@ RUNS="${RUNS:-5}"
 PROMPT="${PROMPT:-64}"
 GEN="${GEN:-32}"
 PARALLEL="${PARALLEL:-16}"
+# Timed repetitions inside each engine's run (llama-bench -r, shimmer bench --repetitions); each
+# side's speed is the median of its repetitions.
+REPS="${REPS:-1}"
 # 1-2. Tools (cmake, a compiler, a pinned Python environment) and llama.cpp (llama-cpp.sh).
 . "$HERE/llama-cpp.sh"
 llama_cpp_tools
@@ -69,8 +72,8 @@ for model in m1b demo; do
     set -- $pair
     for i in $(seq "$RUNS"); do
       say "$model $1 vs $2, run $i/$RUNS"
-      "$BIN/llama-bench" -m "$WORK/$model.$1.gguf" -p "$PROMPT" -n "$GEN" -t "$THREADS" -r 1 -o json 2>/dev/null \
-        | "$PY" -c "import sys, json; [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': r['avg_ts']})) for r in json.load(sys.stdin)]" >> "$RESULTS"
+      "$BIN/llama-bench" -m "$WORK/$model.$1.gguf" -p "$PROMPT" -n "$GEN" -t "$THREADS" -r "$REPS" -o json 2>/dev/null \
+        | "$PY" -c "import sys, json, statistics; [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'llama.cpp', 'test': 'prefill' if r['n_prompt'] else 'decode', 'tok_s': statistics.median(r.get('samples_ts') or [r['avg_ts']])})) for r in json.load(sys.stdin)]" >> "$RESULTS"
       # PARALLEL sequences of PROMPT random tokens each, prefilled in one batch, then GEN tokens
       # each, all sequences in every step (its "S_TG t/s").
       # (Once in a dozen runs here it ended without a result; that pair then has no batched row.)
@@ -83,7 +86,7 @@ for model in m1b demo; do
         say "llama-batched-bench gave no result (exit $?): $(tail -n 2 "$WORK/batched.err" | tr '\n' ' ')"
       fi
       "$SHIMMER" bench --model "$WORK/$model-$2" --ram-gb 64 --no-usage --threads "$THREADS" --prompt-tokens "$PROMPT" \
-        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --warmup 1 --parallel "$PARALLEL" --json 2>/dev/null \
+        --gen-tokens "$GEN" --disk-probe-mb 1 --preload --warmup 1 --repetitions "$REPS" --parallel "$PARALLEL" --json 2>/dev/null \
         | "$PY" -c "import sys, json; r = json.load(sys.stdin); [print(json.dumps({'model': '$model', 'format': '$1 / $2', 'engine': 'shimmer', 'test': t, 'tok_s': v, 'roofline': r['fraction_of_roofline']})) for t, v in (('prefill', r['prefill_tok_s']), ('decode', r['decode_tok_s']), ('batched', r['batched']['decode_tok_s']))]" >> "$RESULTS"
     done
   done

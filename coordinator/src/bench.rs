@@ -51,6 +51,10 @@ pub struct BenchReport {
     /// Replayed over this run's trace at the store's capacity: (policy, demand hit rate).
     pub replay: Vec<(String, f64)>,
     pub store: Option<StoreTelemetry>,
+    /// Each repetition's prefill and decode speed (`--repetitions`); `prefill_tok_s` and
+    /// `decode_tok_s` are their medians (of the times: the same run is the middle one).
+    pub prefill_tok_s_runs: Vec<f64>,
+    pub decode_tok_s_runs: Vec<f64>,
     /// Time to first token: the prompt's prefill (its last position's logits give the token).
     pub ttft_ms: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -111,6 +115,9 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// Also decode this many sequences at once (0: not measured): llama-batched-bench's `-npl`.
     pub parallel: usize,
+    /// Timed runs of the prompt and the decode steps, each on a fresh sequence (llama-bench's
+    /// `-r`); the report's speeds are their medians. At least 1.
+    pub repetitions: usize,
 }
 
 /// `parallel` sequences decoded together, each step one forward pass over all of them.
@@ -168,15 +175,31 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         // the store's counters start after.
         whole_pass()?;
     }
-    let mut session = engine.new_session();
-    let t0 = Instant::now();
-    engine.on_compute_thread(|| engine.step(&mut session, ids))?;
-    let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let before = engine.store_telemetry();
-    let t1 = Instant::now();
-    engine.on_compute_thread(|| continuation.iter().try_for_each(|next| engine.step(&mut session, &[*next]).map(drop)))?;
-    let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-    let after = engine.store_telemetry();
+    // Each repetition on a fresh sequence; the store's counters over every decode (a streaming
+    // run's later repetitions find the cache the earlier ones left, as llama-bench's do).
+    let (mut prefill_runs_ms, mut decode_runs_ms) = (Vec::new(), Vec::new());
+    // Over every repetition's decode: bytes read, accesses, hits, I/O wait (ms).
+    let mut decode_io: Option<(u64, u64, u64, f64)> = None;
+    let mut after = None;
+    for _ in 0..bench.repetitions.max(1) {
+        let mut session = engine.new_session();
+        let t0 = Instant::now();
+        engine.on_compute_thread(|| engine.step(&mut session, ids))?;
+        prefill_runs_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        let before = engine.store_telemetry();
+        let t1 = Instant::now();
+        engine.on_compute_thread(|| continuation.iter().try_for_each(|next| engine.step(&mut session, &[*next]).map(drop)))?;
+        decode_runs_ms.push(t1.elapsed().as_secs_f64() * 1e3);
+        after = engine.store_telemetry();
+        if let (Some(b), Some(a)) = (&before, &after) {
+            let (accesses, hits, wait_ms) = delta(a, b);
+            let (bytes, n, h, w) = decode_io.unwrap_or_default();
+            decode_io = Some((bytes + (a.bytes_read - b.bytes_read), n + accesses, h + hits, w + wait_ms));
+        }
+    }
+    let decode_total_ms: f64 = decode_runs_ms.iter().sum();
+    let prefill_ms = median(&prefill_runs_ms);
+    let decode_ms = median(&decode_runs_ms);
     // Before the bandwidth probes below allocate their buffers.
     let peak_rss_bytes = peak_rss();
     // The routing trace the policies are replayed on comes from a second, untimed pass over the
@@ -193,12 +216,11 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let trace = trace?;
     let batched = if bench.parallel > 0 { Some(engine.on_compute_thread(|| batched(&engine, &text_ids, ids.len(), bench.parallel))?) } else { None };
 
-    let gen = bench.gen_tokens.max(1) as f64;
+    let gen = (bench.gen_tokens.max(1) * decode_runs_ms.len()) as f64;
     let (mut read_per_token, mut io_wait_fraction, mut hit_rate) = (0.0, 0.0, 1.0);
-    if let (Some(b), Some(a)) = (&before, &after) {
-        read_per_token = (a.bytes_read - b.bytes_read) as f64 / gen;
-        let (accesses, hits, wait_ms) = delta(a, b);
-        io_wait_fraction = if decode_ms > 0.0 { wait_ms / decode_ms } else { 0.0 };
+    if let Some((bytes, accesses, hits, wait_ms)) = decode_io {
+        read_per_token = bytes as f64 / gen;
+        io_wait_fraction = if decode_total_ms > 0.0 { wait_ms / decode_total_ms } else { 0.0 };
         hit_rate = if accesses > 0 { hits as f64 / accesses as f64 } else { 1.0 };
     }
 
@@ -273,7 +295,20 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         replay,
         store: after,
         batched,
+        prefill_tok_s_runs: prefill_runs_ms.iter().map(|ms| ids.len() as f64 / (ms / 1e3).max(1e-9)).collect(),
+        decode_tok_s_runs: decode_runs_ms.iter().map(|ms| if *ms > 0.0 { bench.gen_tokens as f64 / (ms / 1e3) } else { 0.0 }).collect(),
     })
+}
+
+/// The middle value (the mean of the two middle ones for an even count); 0 for none.
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// `n` sequences, each its own text (the benchmark text from a different offset, so their routing

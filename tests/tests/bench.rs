@@ -75,6 +75,53 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--warmup must be at most 16"), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// `--repetitions N` (llama-bench's `-r`) times N runs on fresh sequences and reports each run's
+/// speeds with the medians as the speeds; the count is bounded, and a streaming run's reads per
+/// token and hit rate are over every run's decode.
+#[test]
+fn bench_repetitions_report_every_run_and_their_medians() {
+    let out = tempfile::tempdir().unwrap();
+    let c = out.path().join("c");
+    let o = shimmer(&["convert", "--from", fixture("qwen3_moe").to_str().unwrap(), "--to", c.to_str().unwrap(), "--quant", "int4-g32", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["bench", "--model", c.to_str().unwrap(), "--prompt-tokens", "6", "--gen-tokens", "5", "--disk-probe-mb", "1", "--no-usage", "--json"];
+        args.extend_from_slice(extra);
+        shimmer(&args)
+    };
+    for (reps, extra) in [(3usize, &["--preload"][..]), (4, &["--ram-gb", "0.00005", "--direct-io"][..])] {
+        let r_arg = reps.to_string();
+        let mut args = vec!["--repetitions", r_arg.as_str()];
+        args.extend_from_slice(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for (runs, speed) in [("prefill_tok_s_runs", "prefill_tok_s"), ("decode_tok_s_runs", "decode_tok_s")] {
+            let mut v: Vec<f64> = r[runs].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            assert_eq!(v.len(), reps, "{runs}: {r}");
+            assert!(v.iter().all(|x| *x > 0.0), "{runs}: {r}");
+            v.sort_by(f64::total_cmp);
+            let got = r[speed].as_f64().unwrap();
+            // The median of the times: the middle run for an odd count, between the middle two
+            // for an even one.
+            let (lo, hi) = if reps % 2 == 1 { (v[reps / 2], v[reps / 2]) } else { (v[reps / 2 - 1], v[reps / 2]) };
+            assert!(got >= lo * (1.0 - 1e-9) && got <= hi * (1.0 + 1e-9), "{speed} {got} outside {lo}..{hi}: {r}");
+        }
+        if reps == 4 {
+            let store = &r["store"];
+            assert!(store["disk_misses"].as_u64().unwrap() > 0, "a small budget reads: {r}");
+            assert!(r["decode_read_bytes_per_token"].as_f64().unwrap() > 0.0 && r["decode_hit_rate"].as_f64().unwrap() < 1.0, "{r}");
+        }
+    }
+    for bad in ["0", "65"] {
+        let o = run(&["--repetitions", bad]);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("--repetitions must be 1 to 64") && err.contains(bad), "{err}");
+    }
+}
+
 /// `shimmer tune` measures every thread count up to the cores and the container's reads at every
 /// depth, writes its choices beside the model, and the other verbs take them under their flags;
 /// a tune file that is not one is refused, naming it.

@@ -23,6 +23,11 @@ pub(super) struct BenchArgs {
     /// (llama-bench's warm-up run); 0 keeps a streaming run cold. At most 16.
     #[arg(long, default_value_t = 0)]
     pub(super) warmup: usize,
+    /// Timed runs of the prompt and decode steps, each on a fresh sequence (llama-bench's `-r`);
+    /// speeds are their medians, every run's in the JSON (`prefill_tok_s_runs`,
+    /// `decode_tok_s_runs`). 1 to 64.
+    #[arg(long, default_value_t = 1)]
+    pub(super) repetitions: usize,
     /// How much of the experts file the disk-bandwidth probe reads (MB, 10^6 bytes).
     #[arg(long, default_value_t = 1024)]
     pub(super) disk_probe_mb: u64,
@@ -44,6 +49,9 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     if a.warmup > 16 {
         bail!("--warmup must be at most 16 runs (got {})", a.warmup);
     }
+    if !(1..=64).contains(&a.repetitions) {
+        bail!("--repetitions must be 1 to 64 timed runs (got {})", a.repetitions);
+    }
     let dir = model_dir(&a.model)?;
     let store = a.store.options(&dir)?;
     let text = match &a.text {
@@ -61,6 +69,7 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
             preload: a.preload,
             warmup: a.warmup,
             parallel: a.parallel,
+            repetitions: a.repetitions,
         },
     )?;
     let mut out = std::io::stdout().lock();
@@ -75,6 +84,16 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     )?;
     writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
     writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;
+    if r.prefill_tok_s_runs.len() > 1 {
+        let spread = |v: &[f64]| v.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(" ");
+        writeln!(
+            out,
+            "runs     {} (medians above); prefill tok/s {}; decode tok/s {}",
+            r.prefill_tok_s_runs.len(),
+            spread(&r.prefill_tok_s_runs),
+            spread(&r.decode_tok_s_runs)
+        )?;
+    }
     writeln!(
         out,
         "decode   {} tokens  {:.1} ms  {:.2} tok/s  (TTFT {:.1} ms, peak RSS {:.0} MB)",

@@ -57,7 +57,16 @@ pub(super) fn tune(a: TuneArgs) -> Result<ExitCode> {
     }
     // No routing heat learned or written: tune writes nothing but its file.
     let opts = ExpertOptions { ram: ram_gb.map(RamBudget::Gb), usage: UsageFile::Off, ..ExpertOptions::default() };
-    let bench = crate::bench::BenchOptions { prompt_tokens: 16, gen_tokens: a.gen_tokens, probe_mb: 1, text: None, preload: true, warmup: 0, parallel: 0 };
+    let bench = crate::bench::BenchOptions {
+        prompt_tokens: 16,
+        gen_tokens: a.gen_tokens,
+        probe_mb: 1,
+        text: None,
+        preload: true,
+        warmup: 0,
+        parallel: 0,
+        repetitions: 1,
+    };
     let mut by_threads = Vec::new();
     for &t in &candidates {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().context("cannot set up a thread pool")?;
