@@ -462,6 +462,22 @@ unsafe fn factors_256(fmt: Fmt, row: &RawRow, c: usize) -> [__m256; 2] {
     }
 }
 
+/// The `len` (at most 32) bytes at `src` in a vector, zeros after them: a whole 32 read in
+/// place, fewer from a zero-padded copy (so nothing past them is read).
+///
+/// # Safety
+/// `src` must have `len` readable bytes; AVX must be available.
+#[inline(always)]
+unsafe fn load_up_to_32(src: *const u8, len: usize) -> __m256i {
+    if len >= 32 {
+        _mm256_loadu_si256(src as *const __m256i)
+    } else {
+        let mut bytes = [0u8; 32];
+        std::ptr::copy_nonoverlapping(src, bytes.as_mut_ptr(), len);
+        _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
+    }
+}
+
 /// Both 256-bit paths; `VNNI` picks `vpdpbusd` over `pmaddubsw` + `pmaddwd` (inlined into each
 /// caller, which gives it its target features).
 #[inline(always)]
@@ -527,14 +543,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                 for m in 0..M {
                     let src = rows[m].data.add(start);
                     for kb in 0..live.div_ceil(32) {
-                        let wv = if 32 * (kb + 1) <= live {
-                            _mm256_loadu_si256(src.add(32 * kb) as *const __m256i)
-                        } else {
-                            let mut bytes = [0u8; 32];
-                            std::ptr::copy_nonoverlapping(src.add(32 * kb), bytes.as_mut_ptr(), live - 32 * kb);
-                            _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
-                        };
-                        step!(m, full, kb, wv, 1.0);
+                        step!(m, full, kb, load_up_to_32(src.add(32 * kb), live - 32 * kb), 1.0);
                     }
                 }
             }
@@ -597,14 +606,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             let live = n.div_ceil(2).saturating_sub(start / 2);
             if start < n && live <= 32 {
                 for m in 0..M {
-                    let src = rows[m].data.add(start / 2);
-                    let x = if live == 32 {
-                        _mm256_loadu_si256(src as *const __m256i)
-                    } else {
-                        let mut bytes = [0u8; 32];
-                        std::ptr::copy_nonoverlapping(src, bytes.as_mut_ptr(), live);
-                        _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
-                    };
+                    let x = load_up_to_32(rows[m].data.add(start / 2), live);
                     let factor = |k: usize| if start + QBLOCK * k < n { rows[m].factor(fmt, start / QBLOCK + k) } else { 0.0 };
                     step!(m, full, [x, zero], [two_blocks(factor(0), factor(1)), _mm256_setzero_ps()], 1);
                 }
@@ -717,13 +719,6 @@ pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>,
     }
 }
 
-/// `quantize_row_scalar`'s bits, a block of 32 at a time: the finite check and the absolute
-/// maximum on the values' bit patterns (for finite non-negative floats the integer order is the
-/// float order, so the maximum is exact), then the same multiply, magic-number rounding and clamp
-/// as IEEE single operations.
-///
-/// # Safety
-/// The CPU must have AVX-512 F and BW.
 /// `nibble_layout_scalar` with 512-bit registers: each half chunk's bytes flipped to `q`, even
 /// and odd bytes of every 128-bit lane gathered by one shuffle, the halves' even (odd) quadwords
 /// joined, and each lane's sum of four from `vpdpbusd` against ones.
@@ -810,9 +805,10 @@ pub(super) unsafe fn quantize_row_avx2(x: &[f32], biased: &mut [u8], scales: &mu
     let (lo_q, hi_q) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
     let flip = _mm256_set1_epi8(-128i8);
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    // Only the last block can be short: one zeroed copy serves it.
+    let mut padded = [0.0f32; super::QBLOCK];
     for (b, block) in x.chunks(super::QBLOCK).enumerate() {
         let len = block.len();
-        let mut padded = [0.0f32; super::QBLOCK];
         let p = if len == super::QBLOCK {
             block.as_ptr()
         } else {
@@ -848,12 +844,25 @@ pub(super) unsafe fn quantize_row_avx2(x: &[f32], biased: &mut [u8], scales: &mu
         // each), put back in order by one permute.
         let words = [_mm256_packs_epi32(q(v[0]), q(v[1])), _mm256_packs_epi32(q(v[2]), q(v[3]))];
         let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words[0], words[1]), order);
-        let mut all = [0u8; super::QBLOCK];
-        _mm256_storeu_si256(all.as_mut_ptr().cast(), _mm256_xor_si256(bytes, flip));
-        out.copy_from_slice(&all[..len]);
+        let bytes = _mm256_xor_si256(bytes, flip);
+        if len == super::QBLOCK {
+            // A whole block: `out` is its 32 bytes.
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes);
+        } else {
+            let mut all = [0u8; super::QBLOCK];
+            _mm256_storeu_si256(all.as_mut_ptr().cast(), bytes);
+            out.copy_from_slice(&all[..len]);
+        }
     }
 }
 
+/// `quantize_row_scalar`'s bits, a block of 32 at a time: the finite check and the absolute
+/// maximum on the values' bit patterns (for finite non-negative floats the integer order is the
+/// float order, so the maximum is exact), then the same multiply, magic-number rounding and clamp
+/// as IEEE single operations.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn quantize_row_avx512(x: &[f32], biased: &mut [u8], scales: &mut [f32]) {
     let abs_mask = _mm512_set1_epi32(0x7FFF_FFFF);
