@@ -108,9 +108,9 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
             // One chunk of row `m`: its 128 weights in two vectors. `Σ (q + 128)·w − 128·Σ w` is
             // the signed sum `vpdpbusd` cannot take directly; int8's factor is 1 (`1 · d = d`).
             macro_rules! step {
-                ($m:expr, $c:expr, $wv:expr, $wsv:expr) => {{
+                ($m:expr, $c:expr, $wv:expr, $wsv:expr, $halves:expr) => {{
                     let (m, c, wv, wsv): (usize, usize, [__m512i; 2], Option<[__m512; 2]>) = ($m, $c, $wv, $wsv);
-                    for h in 0..2 {
+                    for h in 0..$halves {
                         let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
                         for k in 0..N {
                             let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
@@ -153,6 +153,10 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 // read as 0 and never touched, so the row may end where its allocation does).
                 let (start, len) = (full * CHUNK, n - full * CHUNK);
                 let (k0, k1) = (byte_mask(len), byte_mask(len.saturating_sub(64)));
+                // A chunk of at most 64 live bytes (the demo's down projection: 64 columns) has an
+                // all-padding upper half: skipped, its accumulators stay +0, which is exactly what
+                // the half would have added (weights and factors 0, `fma` into +0).
+                let halves = if len > 64 { 2 } else { 1 };
                 for m in 0..M {
                     let base = rows[m].data.add(start);
                     let wf = rows[m].tail_factors(fmt, n, start);
@@ -165,7 +169,8 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                         m,
                         full,
                         [_mm512_maskz_loadu_epi8(k0, base as *const i8), _mm512_maskz_loadu_epi8(k1, base.wrapping_add(64) as *const i8)],
-                        Some(wsv)
+                        Some(wsv),
+                        halves
                     );
                 }
             }
