@@ -14,6 +14,14 @@ use crate::dot::x86::{reduce256, reduce512};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
 
+/// How many chunks ahead of each weight row's step its bytes are prefetched (4 KiB of int8, 2 KiB
+/// of 4-bit). One core's misses to DRAM are bounded by its fill buffers, and the tiles' rows are
+/// adjacent, so a row's next chunks are mostly what the tile's other rows already read: at 8
+/// chunks the m1b model's decode ran at 57 (int8) and 85 (int4-g32) tok/s on an Intel Xeon, at 32
+/// at 74 and 108 (`docs/benchmarks.md`, issue 18, 2026-12-06). Past a matrix's end the hint reads
+/// nothing that faults; it only wastes a few lines.
+const PREFETCH_AHEAD: usize = 32;
+
 /// The first `len` of 64 bytes (all of them from 64 on).
 #[inline(always)]
 fn byte_mask(len: usize) -> u64 {
@@ -132,8 +140,8 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 let (mut wv, mut corr) = ([[zero; 2]; M], [[zero; 2]; M]);
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK + 64) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
                     wv[m] = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
                     corr[m] = [_mm512_dpbusd_epi32(zero, bias, wv[m][0]), _mm512_dpbusd_epi32(zero, bias, wv[m][1])];
                 }
@@ -207,7 +215,7 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 let (mut lo, mut hi, mut wsv) = ([zero; M], [zero; M], [_mm512_setzero_ps(); M]);
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
                     let x = _mm512_loadu_si512(base as *const __m512i);
                     (lo[m], hi[m]) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
                     if mx {
@@ -531,8 +539,8 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             for c in 0..full {
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK + 64) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
                     for kb in 0..4 {
                         step!(m, c, kb, _mm256_loadu_si256(base.add(32 * kb) as *const __m256i), 1.0);
                     }
@@ -602,7 +610,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
             for c in 0..full {
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(8 * CHUNK / 2) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
                     step!(m, c, load2!(base), factors_256(fmt, &rows[m], c), 2);
                 }
             }
