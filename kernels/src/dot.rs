@@ -471,16 +471,18 @@ pub(crate) mod x86 {
         let mut acc = [[[_mm512_setzero_ps(); 4]; N]; M];
         let streams = ws.map(stream);
         // `$decode` gives chunk `$c` of row `$m` as four vectors of 16 lanes. Each chunk asks
-        // for the line eight chunks ahead (rows are contiguous, so this runs on into the next
+        // for the line 32 chunks ahead (rows are contiguous, so this runs on into the next
         // row), which keeps small matrices — an expert is ~1 MB — streaming at DRAM speed; the
-        // nibble formats run compute-bound and skip it.
+        // nibble formats run compute-bound and skip it. Eight chunks ahead was too close for one
+        // core's fill buffers: the m1b bf16 checkpoint decoded at 37 tok/s, at 32 ahead 41 (Intel
+        // Xeon, `docs/benchmarks.md`, issue 18, 2026-12-06).
         macro_rules! run {
             (|$m:ident, $c:ident| $decode:expr) => {
                 for $c in 0..full {
                     for $m in 0..M {
                         let (base, chunk_bytes) = streams[$m];
                         if chunk_bytes >= 64 {
-                            let ahead = base.wrapping_add(($c + 8) * chunk_bytes);
+                            let ahead = base.wrapping_add(($c + 32) * chunk_bytes);
                             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                             if chunk_bytes > 64 {
                                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);
