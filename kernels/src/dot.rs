@@ -412,6 +412,15 @@ pub(crate) mod x86 {
     use shimmer_common::quant::{e8m0_to_f32, E2M1, MXFP4_GROUP};
     use std::arch::x86_64::*;
 
+    /// How many chunks ahead of each weight row's step the row loops prefetch (here and in
+    /// `qdot`'s integer loops: 4 KiB of int8, 2 KiB of 4-bit, 8 KiB of bf16). One core's misses
+    /// to DRAM are bounded by its fill buffers, and rows are contiguous, so a distance shorter
+    /// than a row mostly asks for what a tile's next row is already reading. At 8 chunks the m1b
+    /// model decoded at 57 (int8), 85 (int4-g32) and 37 (bf16) tok/s on an Intel Xeon; at 32, at
+    /// 74, 108 and 41 (`docs/benchmarks.md`, issue 18, 2026-12-06). Past a matrix's end the hint
+    /// faults on nothing; it only wastes a few lines.
+    pub(crate) const PREFETCH_AHEAD: usize = 32;
+
     #[inline(always)]
     pub(crate) unsafe fn reduce256(v8: __m256) -> f32 {
         let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
@@ -471,18 +480,16 @@ pub(crate) mod x86 {
         let mut acc = [[[_mm512_setzero_ps(); 4]; N]; M];
         let streams = ws.map(stream);
         // `$decode` gives chunk `$c` of row `$m` as four vectors of 16 lanes. Each chunk asks
-        // for the line 32 chunks ahead (rows are contiguous, so this runs on into the next
-        // row), which keeps small matrices — an expert is ~1 MB — streaming at DRAM speed; the
-        // nibble formats run compute-bound and skip it. Eight chunks ahead was too close for one
-        // core's fill buffers: the m1b bf16 checkpoint decoded at 37 tok/s, at 32 ahead 41 (Intel
-        // Xeon, `docs/benchmarks.md`, issue 18, 2026-12-06).
+        // for the line `PREFETCH_AHEAD` chunks ahead (rows are contiguous, so this runs on into
+        // the next row), which keeps small matrices — an expert is ~1 MB — streaming at DRAM
+        // speed; the nibble formats run compute-bound and skip it.
         macro_rules! run {
             (|$m:ident, $c:ident| $decode:expr) => {
                 for $c in 0..full {
                     for $m in 0..M {
                         let (base, chunk_bytes) = streams[$m];
                         if chunk_bytes >= 64 {
-                            let ahead = base.wrapping_add(($c + 32) * chunk_bytes);
+                            let ahead = base.wrapping_add(($c + PREFETCH_AHEAD) * chunk_bytes);
                             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                             if chunk_bytes > 64 {
                                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);

@@ -10,17 +10,9 @@
 //! the FMA (both would change the bits).
 
 use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QBLOCK, QLANES};
-use crate::dot::x86::{reduce256, reduce512};
+use crate::dot::x86::{reduce256, reduce512, PREFETCH_AHEAD};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
-
-/// How many chunks ahead of each weight row's step its bytes are prefetched (4 KiB of int8, 2 KiB
-/// of 4-bit). One core's misses to DRAM are bounded by its fill buffers, and the tiles' rows are
-/// adjacent, so a row's next chunks are mostly what the tile's other rows already read: at 8
-/// chunks the m1b model's decode ran at 57 (int8) and 85 (int4-g32) tok/s on an Intel Xeon, at 32
-/// at 74 and 108 (`docs/benchmarks.md`, issue 18, 2026-12-06). Past a matrix's end the hint reads
-/// nothing that faults; it only wastes a few lines.
-const PREFETCH_AHEAD: usize = 32;
 
 /// The first `len` of 64 bytes (all of them from 64 on).
 #[inline(always)]
@@ -113,21 +105,20 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     match fmt {
         Fmt::Int8 => {
             let bias = _mm512_set1_epi8(-128);
-            // One chunk of row `m`: its 128 weights in two vectors. `Σ (q + 128)·w − 128·Σ w` is
-            // the signed sum `vpdpbusd` cannot take directly; int8's factor is 1 (`1 · d = d`).
+            // One chunk of row `m`: its 128 weights in two vectors, its blocks' factors `wsv` (1
+            // for live blocks, 0 for padding; the whole chunks below take `d` itself, `1 · d = d`),
+            // its first `halves` halves. `Σ (q + 128)·w − 128·Σ w` is the signed sum `vpdpbusd`
+            // cannot take directly.
             macro_rules! step {
                 ($m:expr, $c:expr, $wv:expr, $wsv:expr, $halves:expr) => {{
-                    let (m, c, wv, wsv): (usize, usize, [__m512i; 2], Option<[__m512; 2]>) = ($m, $c, $wv, $wsv);
+                    let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
                     for h in 0..$halves {
                         let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
                         for k in 0..N {
                             let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
                             let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
                             let dv = _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h));
-                            let f = match wsv {
-                                Some(w) => _mm512_mul_ps(w[h], dv),
-                                None => dv,
-                            };
+                            let f = _mm512_mul_ps(wsv[h], dv);
                             acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
                         }
                     }
@@ -177,7 +168,7 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                         m,
                         full,
                         [_mm512_maskz_loadu_epi8(k0, base as *const i8), _mm512_maskz_loadu_epi8(k1, base.wrapping_add(64) as *const i8)],
-                        Some(wsv),
+                        wsv,
                         halves
                     );
                 }
