@@ -417,8 +417,9 @@ pub(crate) mod x86 {
     /// to DRAM are bounded by its fill buffers, and rows are contiguous, so a distance shorter
     /// than a row mostly asks for what a tile's next row is already reading. At 8 chunks the m1b
     /// model decoded at 57 (int8), 85 (int4-g32) and 37 (bf16) tok/s on an Intel Xeon; at 32, at
-    /// 74, 108 and 41 (`docs/benchmarks.md`, issue 18, 2026-12-06). Past a matrix's end the hint
-    /// faults on nothing; it only wastes a few lines.
+    /// 74, 108 and 41 (`docs/benchmarks.md`, issue 18, 2026-12-06); on an AMD Zen 3 (the AVX2
+    /// loops) 16, 32 and 64 decoded the same. Past a matrix's end the hint faults on nothing; it
+    /// only wastes a few lines.
     pub(crate) const PREFETCH_AHEAD: usize = 32;
 
     #[inline(always)]
