@@ -69,6 +69,7 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     assert_eq!(r["decode_hit_rate"], 1.0);
     assert_eq!(r["machine"]["threads"], 1);
     assert!(r["roofline_tok_s"].as_f64().unwrap() > 0.0 && r["active_bytes_per_token"].as_u64().unwrap() > 0);
+    assert!(r["machine"]["memory_gb_s"].as_f64().unwrap() > 0.0 && r["machine"]["memory_read_gb_s"].as_f64().unwrap() > 0.0, "{r}");
     // A warm-up is bounded before anything runs.
     let o = shimmer(&["bench", "--model", c.to_str().unwrap(), "--warmup", "17", "--gen-tokens", "1"]);
     assert!(!o.status.success());

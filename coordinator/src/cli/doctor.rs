@@ -112,6 +112,10 @@ pub(crate) struct MemoryReport {
     /// Copy bandwidth (reads and writes counted) of 256 MiB, one thread and all of them.
     pub copy_gb_s_one_thread: f64,
     pub copy_gb_s_all_threads: f64,
+    /// Read-only bandwidth of the same 256 MiB (bytes read per second): what a decode, which
+    /// only reads weights, can stream at most.
+    pub read_gb_s_one_thread: f64,
+    pub read_gb_s_all_threads: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -172,11 +176,13 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
     let gb = |b: Option<u64>| b.map_or("unknown".to_string(), |b| format!("{:.1} GB", b as f64 / 1e9));
     writeln!(
         out,
-        "memory   {} total, {} available; copy {:.1} GB/s (1 thread), {:.1} GB/s (all)",
+        "memory   {} total, {} available; copy {:.1} GB/s (1 thread), {:.1} GB/s (all); read {:.1} GB/s (1 thread), {:.1} GB/s (all)",
         gb(m.total_bytes),
         gb(m.available_bytes),
         m.copy_gb_s_one_thread,
-        m.copy_gb_s_all_threads
+        m.copy_gb_s_all_threads,
+        m.read_gb_s_one_thread,
+        m.read_gb_s_all_threads
     )?;
     for n in &report.numa_nodes {
         writeln!(out, "numa     node {}: cpus {}, {}", n.id, n.cpus, gb(n.memory_bytes))?;
@@ -220,11 +226,14 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
 pub(crate) fn examine(dirs: &[PathBuf], probe_bytes: u64, gpu: shimmer_gpu::GpuChoice) -> DoctorReport {
     let cpu = cpu();
     let threads = cpu.logical_cores;
+    let (one, all) = (crate::bench::memory_bandwidth(1), crate::bench::memory_bandwidth(threads));
     let memory = MemoryReport {
         total_bytes: crate::model_dir::proc_kb_field("/proc/meminfo", "MemTotal").or_else(macos_memsize),
         available_bytes: crate::model_dir::proc_kb_field("/proc/meminfo", "MemAvailable"),
-        copy_gb_s_one_thread: crate::bench::memory_bandwidth(1),
-        copy_gb_s_all_threads: crate::bench::memory_bandwidth(threads),
+        copy_gb_s_one_thread: one.0,
+        copy_gb_s_all_threads: all.0,
+        read_gb_s_one_thread: one.1,
+        read_gb_s_all_threads: all.1,
     };
     let numa_nodes = numa_nodes();
     let disks = if probe_bytes == 0 { Vec::new() } else { dirs.iter().map(|d| disk(d, probe_bytes)).collect() };
