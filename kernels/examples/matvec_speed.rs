@@ -38,14 +38,7 @@ fn main() {
     for (name, m) in formats.iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
         let mut out = vec![0.0f32; rows];
         for parallel in [false, true] {
-            m.matvec_on(&x, &mut out, parallel);
-            // About 0.2 G weights per measurement, so small (expert-sized) matrices time well too.
-            let reps = (200_000_000 / (rows * cols)).max(20);
-            let t = Instant::now();
-            for _ in 0..reps {
-                m.matvec_on(&x, &mut out, parallel);
-            }
-            let dt = t.elapsed().as_secs_f64() / reps as f64;
+            let dt = best_of_batches((rows * cols) as f64, || m.matvec_on(&x, &mut out, parallel));
             println!("{name:10} {:8} {:7.2} ms  {:6.2} GB/s", if parallel { "pool" } else { "1 thread" }, dt * 1e3, m.bytes() as f64 / dt / 1e9);
         }
         // Prefill-like: 16 activation rows per product, one thread; multiply-adds per second.

@@ -363,34 +363,31 @@ pub(super) unsafe fn qdots_avxvnni<const M: usize, const N: usize>(fmt: Fmt, row
 
 /// The row loops (`qmatvec`, `qmatvec_pair`, `qmatmul_t`, `qmatmul_pair_t`) on 256-bit
 /// registers, the loop inside the ISA's code as on AVX-512: a call per pair of rows cost as much
-/// as a short row's chunks (`qdots_rows`' checks and dispatch each time). Sixteen registers hold
-/// eight accumulators (two rows, or one row against two activation rows) and what a step needs;
-/// a 2 × 4 tile as on AVX-512 would spill. Every result is `core256`'s, so `qdot_scalar`'s.
+/// as a short row's chunks (`qdots_rows`' checks and dispatch each time). A pass takes one weight
+/// row against one or two activation rows: four or eight accumulators and what a step needs fit
+/// the sixteen registers. Two weight rows a pass (the 2 × 1 tile, what these loops did first)
+/// left LLVM keeping the accumulators in memory, and on Zen 3 it ran slower than one row at a
+/// time — whole-model decode of m1b rose 17–23 % without it (`docs/benchmarks.md`); a 2 × 4 tile
+/// as on AVX-512 would spill outright. Every result is `core256`'s, so `qdot_scalar`'s.
 macro_rules! rows256 {
     ($isa:literal, $vnni:literal, $matvec:ident, $matvec_pair:ident, $matmul_t:ident, $matmul_pair_t:ident) => {
-        /// `out[i] = row(first + i) · x`, two rows a pass.
+        /// `out[i] = row(first + i) · x`, a row a pass.
         #[target_feature(enable = $isa)]
         pub(super) unsafe fn $matvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
             let (fmt, n) = (w.fmt, w.cols);
-            let mut pairs = out.chunks_exact_mut(2);
-            let mut r = first;
-            for o in &mut pairs {
-                let [a, b] = core256::<2, 1, $vnni>(fmt, [w.raw(r), w.raw(r + 1)], n, [x]);
-                (o[0], o[1]) = (a[0], b[0]);
-                r += 2;
-            }
-            if let [o] = pairs.into_remainder() {
-                *o = core256::<1, 1, $vnni>(fmt, [w.raw(r)], n, [x])[0][0];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = core256::<1, 1, $vnni>(fmt, [w.raw(first + i)], n, [x])[0][0];
             }
         }
 
-        /// Two matrices' rows `first + i` (gate and up) against one activation row.
+        /// Two matrices' rows `first + i` (gate and up) against one activation row, a row a
+        /// pass as in `$matvec`.
         #[target_feature(enable = $isa)]
         pub(super) unsafe fn $matvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
             let (fmt, n) = (a.fmt, a.cols);
             for (i, (oa, ob)) in a_out.iter_mut().zip(b_out.iter_mut()).enumerate() {
-                let [g, u] = core256::<2, 1, $vnni>(fmt, [a.raw(first + i), b.raw(first + i)], n, [x]);
-                (*oa, *ob) = (g[0], u[0]);
+                *oa = core256::<1, 1, $vnni>(fmt, [a.raw(first + i)], n, [x])[0][0];
+                *ob = core256::<1, 1, $vnni>(fmt, [b.raw(first + i)], n, [x])[0][0];
             }
         }
 
@@ -415,9 +412,9 @@ macro_rules! rows256 {
 
         /// Rows `first + r` of two matrices (gate and up) against every activation row: `out`
         /// holds, per row, A's `n` results then B's; each row against two activation rows a
-        /// pass, as `$matmul_t` does. Both rows against one activation row (the 2 × 1 tile
-        /// `$matvec_pair` takes) ran 0.7–0.87× the multiply-adds per second of this on Zen 3
-        /// (`matvec_speed 512 1024`, int4-g32, 3 to 32 activation rows).
+        /// pass, as `$matmul_t` does. Both rows against one activation row (a 2 × 1 tile) ran
+        /// 0.7–0.87× the multiply-adds per second of this on Zen 3 (`matvec_speed 512 1024`,
+        /// int4-g32, 3 to 32 activation rows).
         #[target_feature(enable = $isa)]
         pub(super) unsafe fn $matmul_pair_t(a: &QMatrix<'_>, b: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
             let (fmt, cols, n) = (a.fmt, a.cols, xs.len());
