@@ -397,16 +397,7 @@ macro_rules! rows256 {
         pub(super) unsafe fn $matmul_t(w: &QMatrix<'_>, xs: &[QRow<'_>], first: usize, out: &mut [f32]) {
             let (fmt, cols, n) = (w.fmt, w.cols, xs.len());
             for (r, o) in out.chunks_exact_mut(n).enumerate() {
-                let row = w.raw(first + r);
-                let mut i = 0;
-                while i + 2 <= n {
-                    let [ab] = core256::<1, 2, $vnni>(fmt, [row], cols, [&xs[i], &xs[i + 1]]);
-                    o[i..i + 2].copy_from_slice(&ab);
-                    i += 2;
-                }
-                if i < n {
-                    o[i] = core256::<1, 1, $vnni>(fmt, [row], cols, [&xs[i]])[0][0];
-                }
+                row_against_rows256::<$vnni>(fmt, w.raw(first + r), cols, xs, o);
             }
         }
 
@@ -420,20 +411,27 @@ macro_rules! rows256 {
             let (fmt, cols, n) = (a.fmt, a.cols, xs.len());
             for (r, o) in out.chunks_exact_mut(2 * n).enumerate() {
                 let (oa, ob) = o.split_at_mut(n);
-                for (row, o) in [(a.raw(first + r), oa), (b.raw(first + r), ob)] {
-                    let mut i = 0;
-                    while i + 2 <= n {
-                        let [ab] = core256::<1, 2, $vnni>(fmt, [row], cols, [&xs[i], &xs[i + 1]]);
-                        o[i..i + 2].copy_from_slice(&ab);
-                        i += 2;
-                    }
-                    if i < n {
-                        o[i] = core256::<1, 1, $vnni>(fmt, [row], cols, [&xs[i]])[0][0];
-                    }
-                }
+                row_against_rows256::<$vnni>(fmt, a.raw(first + r), cols, xs, oa);
+                row_against_rows256::<$vnni>(fmt, b.raw(first + r), cols, xs, ob);
             }
         }
     };
+}
+
+/// `o[i] = row · xs[i]`, two activation rows a pass (inlined into each caller, which gives it
+/// its target features).
+#[inline(always)]
+unsafe fn row_against_rows256<const VNNI: bool>(fmt: Fmt, row: RawRow, cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
+    let mut pairs = xs.chunks_exact(2);
+    let mut i = 0;
+    for x in &mut pairs {
+        let [ab] = core256::<1, 2, VNNI>(fmt, [row], cols, [&x[0], &x[1]]);
+        o[i..i + 2].copy_from_slice(&ab);
+        i += 2;
+    }
+    if let [x] = pairs.remainder() {
+        o[i] = core256::<1, 1, VNNI>(fmt, [row], cols, [x])[0][0];
+    }
 }
 
 rows256!("avx2,fma,f16c", false, qmatvec_avx2, qmatvec_pair_avx2, qmatmul_t_avx2, qmatmul_pair_t_avx2);
