@@ -80,8 +80,10 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
 unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m512 {
     match fmt {
         Fmt::Int4 { group } if matches!(group, 32 | 64 | 128) => {
-            let first = start / group;
-            let live = (n.div_ceil(group) - first).min(CHUNK / group);
+            // Shifts, not divisions (a `div` per short row's tail; the group is a power of two).
+            let shift = group.trailing_zeros();
+            let first = start >> shift;
+            let live = (((n + group - 1) >> shift) - first).min(CHUNK >> shift);
             let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const i16).add(first));
             let f = _mm_cvtph_ps(_mm512_castsi512_si128(bits));
             match group {

@@ -47,7 +47,8 @@ pub enum Decision {
 /// newcomer is admitted only if it has been asked for more often (recently) than each of them —
 /// a scan or a one-off does not flush the experts that keep coming back. And, once the costs
 /// are measured, an upload must pay for itself: its time at most what computing the expert on
-/// the CPU would cost over the uses its frequency predicts (else the CPU computes it).
+/// the CPU would cost over the uses its frequency predicts (else the CPU computes it). A pinned
+/// expert skips both tests: its learned heat is the evidence, and it is never a victim.
 #[derive(Debug, Clone)]
 pub struct Residency {
     budget: u64,
@@ -160,8 +161,12 @@ impl Residency {
         if bytes > self.budget {
             return Decision::Cpu;
         }
-        // An upload must pay for itself over the uses this expert's frequency predicts.
-        if let (Some(up), Some(cpu)) = (self.costs.upload_s_per_byte, self.costs.cpu_s_per_byte_row) {
+        // An upload must pay for itself over the uses this expert's frequency predicts — unless
+        // the expert is pinned: its learned heat already says it keeps coming back, and this
+        // run's few requests (and how fast the CPU happens to be) must not keep a pin off the
+        // device.
+        let pinned = self.pinned.contains(&key);
+        if let (false, Some(up), Some(cpu)) = (pinned, self.costs.upload_s_per_byte, self.costs.cpu_s_per_byte_row) {
             if up * bytes as f64 > cpu * (bytes * rows.max(1) as u64) as f64 * freq as f64 {
                 return Decision::Cpu;
             }
@@ -182,7 +187,7 @@ impl Residency {
             return Decision::Cpu;
         }
         // Room made only for an expert asked for more often than each expert it displaces.
-        if evict.iter().any(|v| self.frequency(v) >= freq && !self.pinned.contains(&key)) {
+        if evict.iter().any(|v| self.frequency(v) >= freq && !pinned) {
             return Decision::Cpu;
         }
         Decision::Admit { evict }

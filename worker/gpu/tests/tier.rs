@@ -89,6 +89,19 @@ fn an_upload_must_pay_for_itself() {
     assert!(r.costs().upload_s_per_byte.is_some() && r.costs().cpu_s_per_byte_row.is_some());
 }
 
+/// A pinned expert is uploaded on its first request even where an unpinned one's upload would
+/// not pay for itself: the heat it was pinned for is the evidence (the VRAM test's pins once
+/// stayed on the CPU when the CPU kernels got faster).
+#[test]
+fn a_pinned_expert_is_uploaded_whatever_the_costs_say() {
+    let mut r = Residency::new(1 << 20);
+    r.uploaded_in(1000, 3e-3);
+    r.cpu_took(1000, 1e-3);
+    r.set_pins([key(0, 1)]);
+    assert_eq!(r.request(key(0, 2), 1000, 1, &[]), Decision::Cpu, "unpinned, asked once");
+    assert_eq!(r.request(key(0, 1), 1000, 1, &[]), Decision::Admit { evict: vec![] }, "pinned, asked once");
+}
+
 #[test]
 fn pinned_experts_are_never_evicted() {
     let mut r = Residency::new(200);
