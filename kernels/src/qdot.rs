@@ -365,23 +365,25 @@ pub(crate) struct RawRow {
     pub scale: f32,
 }
 
+/// `value / group` — by shift for the container's groups (powers of two): a `div` sat on the
+/// path of every short row's dot product, where its tail finds the group scales (the demo's
+/// 64-wide down projection is all tail).
+#[inline(always)]
+pub(crate) fn group_index(value: usize, group: usize) -> usize {
+    if group.is_power_of_two() {
+        value >> group.trailing_zeros()
+    } else {
+        value / group
+    }
+}
+
 impl RawRow {
     /// `ws_b`, as `weight_factor` defines it.
     #[inline(always)]
     pub(crate) unsafe fn factor(&self, fmt: Fmt, b: usize) -> f32 {
         match fmt {
             Fmt::Int8 => 1.0,
-            Fmt::Int4 { group } => {
-                // The container's groups without a division (a `div` in every short row's
-                // tail, where the demo's 64-wide down projection spends its time).
-                let g = match group {
-                    32 => b,
-                    64 => b >> 1,
-                    128 => b >> 2,
-                    _ => b * QBLOCK / group,
-                };
-                int4_scale((self.scales as *const u16).add(g).read_unaligned())
-            }
+            Fmt::Int4 { group } => int4_scale((self.scales as *const u16).add(group_index(b * QBLOCK, group)).read_unaligned()),
             Fmt::Mxfp4 => half_e8m0(*self.scales.add(b * QBLOCK / MXFP4_GROUP)),
         }
     }

@@ -9,7 +9,7 @@
 //! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
 //! the FMA (both would change the bits).
 
-use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QBLOCK, QLANES};
+use super::{group_index, Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QBLOCK, QLANES};
 use crate::dot::x86::{reduce256, reduce512, PREFETCH_AHEAD};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
@@ -80,10 +80,8 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
 unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m512 {
     match fmt {
         Fmt::Int4 { group } if matches!(group, 32 | 64 | 128) => {
-            // Shifts, not divisions (a `div` per short row's tail; the group is a power of two).
-            let shift = group.trailing_zeros();
-            let first = start >> shift;
-            let live = (((n + group - 1) >> shift) - first).min(CHUNK >> shift);
+            let first = group_index(start, group);
+            let live = (group_index(n + group - 1, group) - first).min(group_index(CHUNK, group));
             let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const i16).add(first));
             let f = _mm_cvtph_ps(_mm512_castsi512_si128(bits));
             match group {
