@@ -297,6 +297,16 @@ fn add_by_row_blocks(
     }
 }
 
+/// The order a team takes a batch's experts in: most rows first (ties in `work`'s order), so
+/// that the last tasks claimed are the shortest and a thread that finishes early waits on a small
+/// one, not on an expert with many rows (longest-processing-time-first scheduling). Only the
+/// order of the work changes: each output goes to its expert's place, and the sum is fixed-point.
+fn largest_first(work: &[Work<'_>]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..work.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(work[i].2.len()));
+    order
+}
+
 /// `apply_experts` on this CPU.
 fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Result<(), DispatchError> {
     let h = batch.hidden;
@@ -317,7 +327,9 @@ fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Res
     if let Some(team) = shimmer_kernels::team::active().filter(|_| work.len() > 1 && macs >= TEAM_MIN_MACS) {
         // A forward step's team is awake: its threads take an expert each.
         let outputs: Vec<std::sync::OnceLock<Vec<f32>>> = work.iter().map(|_| std::sync::OnceLock::new()).collect();
+        let order = largest_first(work);
         team.run(work.len(), &|i| {
+            let i = order[i];
             let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
         });
         // `run` returns only after every task finished (and raises a task's panic).
@@ -401,6 +413,7 @@ mod tests {
             let users = expert_users(&batch, n_experts).unwrap();
             let work: Vec<Work<'_>> = users.iter().enumerate().filter(|(_, u)| !u.is_empty()).map(|(e, u)| (e as u32, &experts[e], u.as_slice())).collect();
             assert!(work.len() > 1 && 3 * h * inter * n_rows * top_k >= TEAM_MIN_MACS, "the team path is taken");
+            assert_ne!(largest_first(&work), (0..work.len()).collect::<Vec<_>>(), "the team takes the experts out of their order");
             let mut alone = vec![0i64; n_rows * h];
             let alone_result = apply_experts(&batch, &work, None, &mut alone).map(|_| alone);
             let teamed = shimmer_kernels::team::with_team(2, || {
@@ -425,6 +438,19 @@ mod tests {
                 other => panic!("expected an overflow in layer 2, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_team_takes_the_experts_with_most_rows_first() {
+        let e = Expert::new(
+            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
+            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
+            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
+        );
+        let rows: Vec<Vec<(usize, f32)>> = [1usize, 3, 2, 3, 1].iter().map(|&n| (0..n).map(|r| (r, 1.0)).collect()).collect();
+        let work: Vec<Work<'_>> = rows.iter().enumerate().map(|(i, r)| (i as u32, &e, r.as_slice())).collect();
+        assert_eq!(largest_first(&work), vec![1, 3, 2, 0, 4]);
+        assert!(largest_first(&[]).is_empty());
     }
 
     /// Computes the even-numbered experts (on this CPU, as a device with the CPU's bits would)
