@@ -129,17 +129,24 @@ pub fn quantize_int4(w: &[f32], rows: usize, cols: usize, group: usize) -> Quant
 /// the grids are llama.cpp's refit (`make_qx_quants`) on the same format. Deterministic: the same
 /// group always gets the same codes.
 fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> u16 {
+    symmetric_group_scale(chunk, q, 7)
+}
+
+/// `int4_group_scale` for codes in [−top − 1, top]: the plain `max / top` and the grids at top,
+/// top + ¼, top + ½, top + ¾ and top + 1 steps.
+fn symmetric_group_scale(chunk: &[f32], q: &mut Vec<i32>, top: i32) -> u16 {
+    let (hi, lo) = (top as f32, -(top as f32) - 1.0);
     let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let plain = f32_to_f16(max / 7.0);
+    let plain = f32_to_f16(max / hi);
     let mut best: Option<(f64, u16)> = None;
-    // A zero group keeps scale 0; a non-finite one (which validation refuses) `max / 7`.
+    // A zero group keeps scale 0; a non-finite one (which validation refuses) `max / top`.
     if max != 0.0 && max.is_finite() {
         let mut candidates = [plain; 6];
-        for (slot, steps) in candidates[1..].iter_mut().zip([7.0f32, 7.25, 7.5, 7.75, 8.0]) {
-            let inv = steps / max;
+        for (slot, extra) in candidates[1..].iter_mut().zip([0.0f32, 0.25, 0.5, 0.75, 1.0]) {
+            let inv = (hi + extra) / max;
             let (mut wq, mut qq) = (0.0f64, 0.0f64);
             for v in chunk {
-                let c = (v * inv).round().clamp(-8.0, 7.0) as f64;
+                let c = (v * inv).round().clamp(lo, hi) as f64;
                 wq += *v as f64 * c;
                 qq += c * c;
             }
@@ -152,7 +159,7 @@ fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> u16 {
             if !(s.is_finite() && s > 0.0) {
                 continue;
             }
-            let err: f64 = chunk.iter().map(|v| (*v as f64 - ((v / s).round().clamp(-8.0, 7.0) * s) as f64).powi(2)).sum();
+            let err: f64 = chunk.iter().map(|v| (*v as f64 - ((v / s).round().clamp(lo, hi) * s) as f64).powi(2)).sum();
             if best.is_none_or(|(e, _)| err < e) {
                 best = Some((err, bits));
             }
@@ -161,7 +168,7 @@ fn int4_group_scale(chunk: &[f32], q: &mut Vec<i32>) -> u16 {
     let bits = best.map_or(plain, |(_, b)| b);
     let s = f16_to_f32(bits);
     q.clear();
-    q.extend(chunk.iter().map(|v| if s == 0.0 || !s.is_finite() { 0 } else { (v / s).round().clamp(-8.0, 7.0) as i32 }));
+    q.extend(chunk.iter().map(|v| if s == 0.0 || !s.is_finite() { 0 } else { (v / s).round().clamp(lo, hi) as i32 }));
     bits
 }
 
@@ -193,6 +200,100 @@ const F16_REBIAS: f32 = f32::from_bits(0x7780_0000);
 #[inline]
 pub fn int4_scale_ok(bits: u16) -> bool {
     bits & 0x8000 == 0 && bits & 0x7c00 != 0x7c00
+}
+
+/// A 6-bit matrix (the LM head's candidate format, llama.cpp's Q6_K's place in its Q4_0 files;
+/// defined here, not yet served: no container stores it and no product reads it). Code
+/// `q = u − 32` in [−32, 31], `w ≈ q · s` with one f16 `s` per `group` values of a row (chosen as
+/// int4's is, on the 6-bit grid). `u = lo | hi << 4` is split in two planes, laid out for the
+/// integer products' 4-bit path:
+/// - `lo`: the low four bits, exactly int4's `packed` layout (two a byte, low nibble first);
+/// - `hi`: the top two bits, 32 bytes per chunk of 128 values of a row (the last chunk padded with
+///   zeros). Within a chunk, value `e` is the even element `k = e / 2` or the odd one; with
+///   `j = k mod 32` and `half = k / 32`, its two bits sit in byte `j` at bit `2·half` (even) or
+///   `4 + 2·half` (odd). So one 32-byte load holds the top bits of the very values that a 32-byte
+///   load of `lo` holds as nibbles (int4's even/odd split): `(hi << 4) & 0x30` and `hi & 0x30`
+///   are the first 64 values' even and odd tops, already at the nibble's side, and `(hi << 2)` and
+///   `(hi >> 2)` the second 64's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Int6Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    pub lo: Vec<u8>,
+    pub hi: Vec<u8>,
+    /// f16 bit patterns, one per `group` values of a row.
+    pub scales: Vec<u16>,
+}
+
+/// Values per chunk of `Int6Matrix::hi` (32 bytes of top bits).
+pub const INT6_CHUNK: usize = 128;
+
+impl Int6Matrix {
+    pub fn hi_bytes_per_row(cols: usize) -> usize {
+        cols.div_ceil(INT6_CHUNK) * INT6_CHUNK / 4
+    }
+
+    /// Where value `c` of a row keeps its top two bits: (byte of the row's `hi`, bit shift).
+    #[inline]
+    pub fn hi_place(c: usize) -> (usize, u32) {
+        let (chunk, e) = (c / INT6_CHUNK, c % INT6_CHUNK);
+        let (k, odd) = (e / 2, e % 2);
+        let (j, half) = (k % 32, k / 32);
+        (chunk * 32 + j, (2 * half + 4 * odd) as u32)
+    }
+
+    /// The code `q` in [−32, 31] of value `c` of row `r`.
+    pub fn code(&self, r: usize, c: usize) -> i32 {
+        let byte = self.lo[r * QuantMatrix::bytes_per_row_int4(self.cols) + c / 2];
+        let low = if c.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
+        let (at, shift) = Self::hi_place(c);
+        let top = (self.hi[r * Self::hi_bytes_per_row(self.cols) + at] >> shift) & 3;
+        (low | top << 4) as i32 - 32
+    }
+
+    pub fn dequantize(&self) -> Vec<f32> {
+        let gpr = QuantMatrix::groups_per_row(self.cols, self.group);
+        (0..self.rows)
+            .flat_map(|r| (0..self.cols).map(move |c| (r, c)))
+            .map(|(r, c)| self.code(r, c) as f32 * int4_scale(self.scales[r * gpr + c / self.group]))
+            .collect()
+    }
+
+    /// Checks the buffers against the shape and every scale (for data read from a file).
+    pub fn validate(&self, what: &str) -> Result<(), LoadError> {
+        let ok = matches!(self.group, 32 | 64 | 128)
+            && self.lo.len() == self.rows * QuantMatrix::bytes_per_row_int4(self.cols)
+            && self.hi.len() == self.rows * Self::hi_bytes_per_row(self.cols)
+            && self.scales.len() == self.rows * QuantMatrix::groups_per_row(self.cols, self.group)
+            && self.scales.iter().all(|s| int4_scale_ok(*s));
+        if ok {
+            Ok(())
+        } else {
+            Err(LoadError::malformed(what, "quantised data does not match its shape, or a scale is negative or not finite"))
+        }
+    }
+}
+
+/// `w` (`rows × cols`) in 6 bits: each group's scale by `int4_group_scale`'s search on the grid
+/// [−32, 31].
+pub fn quantize_int6(w: &[f32], rows: usize, cols: usize, group: usize) -> Int6Matrix {
+    let (lpr, hpr) = (QuantMatrix::bytes_per_row_int4(cols), Int6Matrix::hi_bytes_per_row(cols));
+    let (mut lo, mut hi) = (vec![0u8; rows * lpr], vec![0u8; rows * hpr]);
+    let mut scales = Vec::with_capacity(rows * QuantMatrix::groups_per_row(cols, group));
+    let mut q = Vec::with_capacity(group);
+    for (r, row) in w.chunks_exact(cols).enumerate() {
+        for (g, chunk) in row.chunks(group).enumerate() {
+            scales.push(symmetric_group_scale(chunk, &mut q, 31));
+            for (i, &qi) in q.iter().enumerate() {
+                let (c, u) = (g * group + i, (qi + 32) as u8);
+                lo[r * lpr + c / 2] |= if c.is_multiple_of(2) { u & 0x0f } else { (u & 0x0f) << 4 };
+                let (at, shift) = Int6Matrix::hi_place(c);
+                hi[r * hpr + at] |= (u >> 4) << shift;
+            }
+        }
+    }
+    Int6Matrix { rows, cols, group, lo, hi, scales }
 }
 
 /// Values per MXFP4 scale.
@@ -419,6 +520,89 @@ mod tests {
             }
         }
         assert!(improved > 10, "the refit improved only {improved} groups");
+    }
+
+    /// Every int6 code is the nearest on its group's grid ([−32, 31]), no group is worse than the
+    /// plain `max / 31`, and the error is far below int4's on the same values.
+    #[test]
+    fn int6_codes_are_nearest_and_groups_never_worse_than_max_over_31() {
+        for group in [32, 64, 128] {
+            for &(rows, cols) in &[(1, 1), (2, 31), (3, 100), (4, 257), (2, 384)] {
+                let w = data(rows, cols, 3 + group as u64);
+                let m = quantize_int6(&w, rows, cols, group);
+                m.validate("test").unwrap();
+                let gpr = QuantMatrix::groups_per_row(cols, group);
+                let back = m.dequantize();
+                let four = dequantize(&quantize_int4(&w, rows, cols, group));
+                let (mut err6, mut err4) = (0.0f64, 0.0f64);
+                for (r, row) in w.chunks(cols).enumerate() {
+                    for (g, chunk) in row.chunks(group).enumerate() {
+                        let s = f16_to_f32(m.scales[r * gpr + g]);
+                        let plain = f16_to_f32(f32_to_f16(chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0));
+                        let (mut err, mut plain_err) = (0.0f64, 0.0f64);
+                        for (i, &a) in chunk.iter().enumerate() {
+                            let at = r * cols + g * group + i;
+                            let b = back[at];
+                            assert_eq!(b, (a / s).round().clamp(-32.0, 31.0) * s, "g{group} {rows}x{cols} row {r} #{i}: nearest code");
+                            err += ((a - b) as f64).powi(2);
+                            let p = if plain == 0.0 { 0.0 } else { (a / plain).round().clamp(-32.0, 31.0) * plain };
+                            plain_err += ((a - p) as f64).powi(2);
+                            err4 += ((a - four[at]) as f64).powi(2);
+                        }
+                        assert!(err <= plain_err, "g{group} {rows}x{cols} row {r} group {g}: {err} > {plain_err}");
+                        err6 += err;
+                    }
+                }
+                assert!(err6 * 10.0 < err4 || cols == 1, "g{group} {rows}x{cols}: int6 error {err6} against int4's {err4}");
+            }
+        }
+    }
+
+    /// The two planes hold every code bit where the layout says: each of the 64 codes an
+    /// extreme, one at a time, decodes from exactly its nibble and its two top bits, and the top
+    /// bits of a 128-value chunk's first and second 64 values are the shifts the layout names.
+    #[test]
+    fn int6_planes_place_each_bit_where_the_layout_says() {
+        let cols = 300;
+        for c in 0..cols {
+            for u in [0u8, 21, 42, 63] {
+                let mut m =
+                    Int6Matrix { rows: 1, cols, group: 32, lo: vec![0x88; 150], hi: vec![0xAA; Int6Matrix::hi_bytes_per_row(cols)], scales: vec![0x3c00; 10] };
+                // Every other value is u = 0b10_1000 = 40 (code 8); value c is set to u.
+                m.lo[c / 2] = if c % 2 == 0 { (m.lo[c / 2] & 0xf0) | (u & 0x0f) } else { (m.lo[c / 2] & 0x0f) | (u << 4) };
+                let (at, shift) = Int6Matrix::hi_place(c);
+                m.hi[at] = (m.hi[at] & !(3 << shift)) | ((u >> 4) << shift);
+                for d in 0..cols {
+                    assert_eq!(m.code(0, d), if d == c { u as i32 - 32 } else { 8 }, "value {d} with value {c} set to {u}");
+                }
+            }
+        }
+        // The chunk's first 64 values: even at bits 0–1, odd at 4–5; the second 64: 2–3 and 6–7.
+        assert_eq!(Int6Matrix::hi_place(0), (0, 0));
+        assert_eq!(Int6Matrix::hi_place(1), (0, 4));
+        assert_eq!(Int6Matrix::hi_place(62), (31, 0));
+        assert_eq!(Int6Matrix::hi_place(64), (0, 2));
+        assert_eq!(Int6Matrix::hi_place(65), (0, 6));
+        assert_eq!(Int6Matrix::hi_place(128 + 127), (32 + 31, 6));
+        assert_eq!(Int6Matrix::hi_bytes_per_row(129), 64);
+    }
+
+    #[test]
+    fn int6_extremes_and_bad_buffers() {
+        // The largest magnitude maps to ±31 or −32 steps; zeros stay zeros; a scale past f16's
+        // range, a short plane or a negative scale is refused.
+        let m = quantize_int6(&[31.0, -32.0, 0.0, 1.0], 1, 4, 32);
+        m.validate("t").unwrap();
+        assert_eq!(m.dequantize(), vec![31.0, -32.0, 0.0, 1.0]);
+        assert_eq!(quantize_int6(&[0.0; 64], 2, 32, 32).dequantize(), vec![0.0; 64]);
+        assert!(quantize_int6(&[1e7, 1.0], 1, 2, 32).validate("t").is_err());
+        let mut short = quantize_int6(&data(2, 40, 9), 2, 40, 32);
+        short.validate("t").unwrap();
+        short.hi.pop();
+        assert!(short.validate("t").is_err());
+        let mut negative = quantize_int6(&data(1, 40, 9), 1, 40, 32);
+        negative.scales[0] |= 0x8000;
+        assert!(negative.validate("t").is_err());
     }
 
     #[test]
