@@ -35,6 +35,10 @@ fn main() {
     );
     // `MATVEC_ONLY=int4-g32` (say) times one format only, for a profiler.
     let only = std::env::var("MATVEC_ONLY").ok();
+    // `HUGE_PAGES=1`: the weights moved into 2 MiB pages first, as a loaded model's large ones are.
+    if std::env::var("HUGE_PAGES").is_ok_and(|v| v == "1") {
+        formats.iter().for_each(|(_, m)| m.prefer_huge_pages());
+    }
     for (name, m) in formats.iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
         let mut out = vec![0.0f32; rows];
         for parallel in [false, true] {

@@ -23,6 +23,7 @@ pub mod attention;
 pub mod dot;
 pub mod fixed;
 pub mod gating;
+pub mod huge_pages;
 pub mod matrix;
 pub mod ops;
 pub mod qdot;

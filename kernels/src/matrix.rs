@@ -203,6 +203,19 @@ impl Matrix {
         Ok(Matrix::new(rows, cols, WeightData::Fp8 { q, scales, block, row_block }))
     }
 
+    /// Moves this matrix's weights into 2 MiB pages where the system allows it
+    /// (`huge_pages.rs`): for weights loaded once and read every token. Changes no value.
+    pub fn prefer_huge_pages(&self) {
+        use crate::huge_pages::prefer_huge_pages as advise;
+        match &self.data {
+            WeightData::F32(v) => drop(advise(v)),
+            WeightData::Bf16(v) | WeightData::F16(v) => drop(advise(v)),
+            WeightData::Int8 { q, .. } => drop(advise(q)),
+            WeightData::Int4 { packed, .. } | WeightData::Mxfp4 { packed, .. } => drop(advise(packed)),
+            WeightData::Fp8 { q, .. } => drop(advise(q)),
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         match &self.data {
             WeightData::F32(v) => v.len() * 4,

@@ -38,6 +38,13 @@ pub fn int4_scale_name(name: &str, group: usize) -> String {
 /// `name` as a `rows × cols` matrix; `fp8_block` is the model's fp8 block side
 /// (`ModelSpec::fp8_block`).
 pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<Matrix, LoadError> {
+    // Loaded once and streamed every token: large ones into huge pages.
+    let m = load_matrix_as_stored(ckpt, name, rows, cols, fp8_block)?;
+    m.prefer_huge_pages();
+    Ok(m)
+}
+
+fn load_matrix_as_stored(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<Matrix, LoadError> {
     if let Some(group) = DENSE_INT4_GROUPS.into_iter().find(|g| ckpt.contains(&int4_scale_name(name, *g))) {
         let raw = ckpt.raw(name)?;
         let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
