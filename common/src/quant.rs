@@ -213,8 +213,8 @@ pub fn int4_scale_ok(bits: u16) -> bool {
 ///   `j = k mod 32` and `half = k / 32`, its two bits sit in byte `j` at bit `2·half` (even) or
 ///   `4 + 2·half` (odd). So one 32-byte load holds the top bits of the very values that a 32-byte
 ///   load of `lo` holds as nibbles (int4's even/odd split): `(hi << 4) & 0x30` and `hi & 0x30`
-///   are the first 64 values' even and odd tops, already at the nibble's side, and `(hi << 2)` and
-///   `(hi >> 2)` the second 64's.
+///   are the first 64 values' even and odd tops, already at the nibble's side, and `(hi << 2) & 0x30`
+///   and `(hi >> 2) & 0x30` the second 64's.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Int6Matrix {
     pub rows: usize,
@@ -558,9 +558,10 @@ mod tests {
         }
     }
 
-    /// The two planes hold every code bit where the layout says: each of the 64 codes an
-    /// extreme, one at a time, decodes from exactly its nibble and its two top bits, and the top
-    /// bits of a 128-value chunk's first and second 64 values are the shifts the layout names.
+    /// The two planes hold every code bit where the layout says: each value of a 300-wide row,
+    /// set alone to one of four codes among neighbours of another, decodes from exactly its nibble
+    /// and its two top bits, and the top bits of a 128-value chunk's first and second 64 values
+    /// are at the shifts the layout names.
     #[test]
     fn int6_planes_place_each_bit_where_the_layout_says() {
         let cols = 300;

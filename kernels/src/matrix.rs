@@ -207,13 +207,14 @@ impl Matrix {
     /// (`huge_pages.rs`): for weights loaded once and read every token. Changes no value.
     pub fn prefer_huge_pages(&self) {
         use crate::huge_pages::prefer_huge_pages as advise;
-        match &self.data {
-            WeightData::F32(v) => drop(advise(v)),
-            WeightData::Bf16(v) | WeightData::F16(v) => drop(advise(v)),
-            WeightData::Int8 { q, .. } => drop(advise(q)),
-            WeightData::Int4 { packed, .. } | WeightData::Mxfp4 { packed, .. } => drop(advise(packed)),
-            WeightData::Fp8 { q, .. } => drop(advise(q)),
-        }
+        // Best effort: a matrix left on small pages computes the same, only slower.
+        let _moved = match &self.data {
+            WeightData::F32(v) => advise(v),
+            WeightData::Bf16(v) | WeightData::F16(v) => advise(v),
+            WeightData::Int8 { q, .. } => advise(q),
+            WeightData::Int4 { packed, .. } | WeightData::Mxfp4 { packed, .. } => advise(packed),
+            WeightData::Fp8 { q, .. } => advise(q),
+        };
     }
 
     pub fn bytes(&self) -> usize {
