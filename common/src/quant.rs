@@ -202,8 +202,8 @@ pub fn int4_scale_ok(bits: u16) -> bool {
     bits & 0x8000 == 0 && bits & 0x7c00 != 0x7c00
 }
 
-/// A 6-bit matrix (the LM head's candidate format, llama.cpp's Q6_K's place in its Q4_0 files;
-/// defined here, not yet served: no container stores it and no product reads it). Code
+/// A 6-bit matrix (the LM head's format at 4 bits, llama.cpp's Q6_K's place in its Q4_0 files:
+/// `shimmer convert --head-quant int6-g32`). Code
 /// `q = u − 32` in [−32, 31], `w ≈ q · s` with one f16 `s` per `group` values of a row (chosen as
 /// int4's is, on the 6-bit grid). `u = lo | hi << 4` is split in two planes, laid out for the
 /// integer products' 4-bit path:
@@ -245,11 +245,8 @@ impl Int6Matrix {
 
     /// The code `q` in [−32, 31] of value `c` of row `r`.
     pub fn code(&self, r: usize, c: usize) -> i32 {
-        let byte = self.lo[r * QuantMatrix::bytes_per_row_int4(self.cols) + c / 2];
-        let low = if c.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
-        let (at, shift) = Self::hi_place(c);
-        let top = (self.hi[r * Self::hi_bytes_per_row(self.cols) + at] >> shift) & 3;
-        (low | top << 4) as i32 - 32
+        let (lpr, hpr) = (QuantMatrix::bytes_per_row_int4(self.cols), Self::hi_bytes_per_row(self.cols));
+        int6_code(&self.lo[r * lpr..(r + 1) * lpr], &self.hi[r * hpr..(r + 1) * hpr], c)
     }
 
     pub fn dequantize(&self) -> Vec<f32> {
@@ -273,6 +270,17 @@ impl Int6Matrix {
             Err(LoadError::malformed(what, "quantised data does not match its shape, or a scale is negative or not finite"))
         }
     }
+}
+
+/// The code `q` in [−32, 31] of value `c` of one row of an `Int6Matrix`, from the row's two
+/// planes: the one decoding every reader shares.
+#[inline]
+pub fn int6_code(lo: &[u8], hi: &[u8], c: usize) -> i32 {
+    let byte = lo[c / 2];
+    let low = if c.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
+    let (at, shift) = Int6Matrix::hi_place(c);
+    let top = (hi[at] >> shift) & 3;
+    (low | top << 4) as i32 - 32
 }
 
 /// `w` (`rows × cols`) in 6 bits: each group's scale by `int4_group_scale`'s search on the grid

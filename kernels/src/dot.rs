@@ -48,6 +48,15 @@ pub enum WeightRow<'a> {
         group: usize,
         n: usize,
     },
+    /// 6-bit codes (`shimmer_common::quant::Int6Matrix`'s row): `lo` the low nibbles as int4's
+    /// `packed`, `hi` the top two bits (32 bytes per 128 values), one f16 scale per `group`.
+    Int6 {
+        lo: &'a [u8],
+        hi: &'a [u8],
+        scales: &'a [u16],
+        group: usize,
+        n: usize,
+    },
     /// fp8-e4m3 bytes with one f32 scale per `group` columns (a block-scaled checkpoint's row).
     Fp8 {
         q: &'a [u8],
@@ -68,7 +77,7 @@ impl WeightRow<'_> {
             WeightRow::F32(v) => v.len(),
             WeightRow::Bf16(v) | WeightRow::F16(v) => v.len(),
             WeightRow::Int8 { q, .. } => q.len(),
-            WeightRow::Int4 { n, .. } | WeightRow::Mxfp4 { n, .. } => *n,
+            WeightRow::Int4 { n, .. } | WeightRow::Int6 { n, .. } | WeightRow::Mxfp4 { n, .. } => *n,
             WeightRow::Fp8 { q, .. } => q.len(),
         }
     }
@@ -109,6 +118,7 @@ impl WeightRow<'_> {
                 let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
                 (nib as i32 - 8) as f32 * quant::int4_scale(scales[i / group])
             }
+            WeightRow::Int6 { lo, hi, scales, group, .. } => quant::int6_code(lo, hi, i) as f32 * quant::int4_scale(scales[i / group]),
             WeightRow::Fp8 { q, scales, group } => quant::fp8_e4m3_to_f32(q[i]) * scales[i / group],
             WeightRow::Mxfp4 { packed, scales, .. } => {
                 let byte = packed[i / 2];
@@ -123,7 +133,9 @@ impl WeightRow<'_> {
         use WeightRow::*;
         match (self, other) {
             (F32(_), F32(_)) | (Bf16(_), Bf16(_)) | (F16(_), F16(_)) | (Int8 { .. }, Int8 { .. }) | (Mxfp4 { .. }, Mxfp4 { .. }) => true,
-            (Int4 { group: a, .. }, Int4 { group: b, .. }) | (Fp8 { group: a, .. }, Fp8 { group: b, .. }) => a == b,
+            (Int4 { group: a, .. }, Int4 { group: b, .. }) | (Int6 { group: a, .. }, Int6 { group: b, .. }) | (Fp8 { group: a, .. }, Fp8 { group: b, .. }) => {
+                a == b
+            }
             _ => false,
         }
     }
@@ -340,7 +352,17 @@ fn stream(w: &WeightRow<'_>) -> (*const u8, usize) {
         WeightRow::Int8 { q, .. } => (q.as_ptr() as *const u8, 64),
         WeightRow::Fp8 { q, .. } => (q.as_ptr(), 64),
         WeightRow::Int4 { packed, .. } | WeightRow::Mxfp4 { packed, .. } => (packed.as_ptr(), 32),
+        WeightRow::Int6 { lo, .. } => (lo.as_ptr(), 32),
     }
+}
+
+/// `L` lanes of `w` from element `start` (`start + L <= len`) as the lanes see them, decoded
+/// one by one: for the formats whose f32-activation products are rare (the 6-bit head runs on
+/// integer activations; `shimmer quant-eval`'s f32 comparison is what takes this).
+#[allow(dead_code)]
+#[inline]
+fn decoded<const L: usize>(w: &WeightRow<'_>, start: usize) -> [f32; L] {
+    std::array::from_fn(|l| w.lane_value(start + l))
 }
 
 /// `[f(0), f(1), f(2), f(3)]`, spelt out (`array::map` with a closure does not always inline
@@ -408,7 +430,7 @@ macro_rules! fields {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::{stream, tail_chunk, Group, WeightRow, LANES};
+    use super::{decoded, stream, tail_chunk, Group, WeightRow, LANES};
     use shimmer_common::quant::{e8m0_to_f32, E2M1, MXFP4_GROUP};
     use std::arch::x86_64::*;
 
@@ -547,6 +569,10 @@ pub(crate) mod x86 {
                     _mm512_mul_ps(fp8x16(q[m].add(i)), _mm512_set1_ps(*s[m].get_unchecked(grp.of(i))))
                 }))
             }
+            WeightRow::Int6 { .. } => run!(|m, c| {
+                let t = decoded::<LANES>(ws[m], c * LANES);
+                quad!(|j| _mm512_loadu_ps(t.as_ptr().add(j * 16)))
+            }),
             WeightRow::Mxfp4 { .. } => {
                 let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
                 let lut = _mm512_loadu_ps(E2M1.as_ptr());
@@ -658,6 +684,7 @@ pub(crate) mod x86 {
                 let grp = Group::new(group);
                 run!(|m, i| _mm256_mul_ps(fp8x8(q[m].add(i)), _mm256_set1_ps(*s[m].get_unchecked(grp.of(i)))))
             }
+            WeightRow::Int6 { .. } => run!(|m, i| _mm256_loadu_ps(decoded::<8>(ws[m], i).as_ptr())),
             WeightRow::Mxfp4 { .. } => {
                 let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
                 // The eight magnitudes; the nibble's top bit is the sign.
@@ -725,6 +752,7 @@ mod tests {
             for g in [32, 64, 128] {
                 quants.push(quantize_int4(&w, 1, n, g));
             }
+            let sixes: Vec<_> = [32, 64, 128].into_iter().map(|g| shimmer_common::quant::quantize_int6(&w, 1, n, g)).collect();
             // fp8: every code but NaN in turn, with block scales of 128 and of an awkward 48.
             let fp8: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
             let fp8_scales: Vec<Vec<f32>> = [128usize, 48, 32, 16].iter().map(|g| values(n.div_ceil(*g), 77 + *g as u64, 0.01)).collect();
@@ -745,6 +773,9 @@ mod tests {
                     QuantMatrix::Mxfp4 { .. } => "mxfp4".to_string(),
                 };
                 formats.push((label, row, dequantize(q)));
+            }
+            for m in &sixes {
+                formats.push((format!("int6-g{}", m.group), WeightRow::Int6 { lo: &m.lo, hi: &m.hi, scales: &m.scales, group: m.group, n }, m.dequantize()));
             }
             for (g, scales) in [128usize, 48, 32, 16].iter().zip(&fp8_scales) {
                 let decoded = shimmer_common::quant::dequantize_fp8_blocks(&fp8, 1, n, scales, *g).unwrap_or_else(|e| panic!("{e}"));

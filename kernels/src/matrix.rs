@@ -32,7 +32,7 @@ impl Activations {
     pub fn default_for(data: &WeightData) -> Self {
         match data {
             WeightData::Int8 { .. } | WeightData::Mxfp4 { .. } => Activations::Int8,
-            WeightData::Int4 { group, .. } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => Activations::Int8,
+            WeightData::Int4 { group, .. } | WeightData::Int6 { group, .. } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => Activations::Int8,
             _ => Activations::F32,
         }
     }
@@ -92,6 +92,14 @@ pub enum WeightData {
     /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes; f16 scales.
     Int4 {
         packed: Vec<u8>,
+        scales: Vec<u16>,
+        group: usize,
+    },
+    /// int6 group-scaled (`shimmer_common::quant::Int6Matrix`): `lo` int4's packed layout of the
+    /// low nibbles, `hi` the top two bits; f16 scales.
+    Int6 {
+        lo: Vec<u8>,
+        hi: Vec<u8>,
         scales: Vec<u16>,
         group: usize,
     },
@@ -176,6 +184,12 @@ impl Matrix {
         }
     }
 
+    /// Wraps a 6-bit matrix (its buffers checked by `Int6Matrix::validate`).
+    pub fn from_int6(m: shimmer_common::quant::Int6Matrix) -> Self {
+        let shimmer_common::quant::Int6Matrix { rows, cols, group, lo, hi, scales } = m;
+        Matrix::new(rows, cols, WeightData::Int6 { lo, hi, scales, group })
+    }
+
     /// Wraps a block-scaled fp8 matrix (square `block × block` tiles), checking its buffers.
     /// Errors say what does not fit.
     pub fn from_fp8_blocks(rows: usize, cols: usize, q: Vec<u8>, scales: Vec<f32>, block: usize) -> Result<Self, String> {
@@ -213,6 +227,7 @@ impl Matrix {
             WeightData::Bf16(v) | WeightData::F16(v) => advise(v),
             WeightData::Int8 { q, .. } => advise(q),
             WeightData::Int4 { packed, .. } | WeightData::Mxfp4 { packed, .. } => advise(packed),
+            WeightData::Int6 { lo, hi, .. } => advise(lo) && advise(hi),
             WeightData::Fp8 { q, .. } => advise(q),
         };
     }
@@ -223,6 +238,7 @@ impl Matrix {
             WeightData::Bf16(v) | WeightData::F16(v) => v.len() * 2,
             WeightData::Int8 { q, scales } => q.len() + scales.len() * 4,
             WeightData::Int4 { packed, scales, .. } => packed.len() + scales.len() * 2,
+            WeightData::Int6 { lo, hi, scales, .. } => lo.len() + hi.len() + scales.len() * 2,
             WeightData::Fp8 { q, scales, .. } => q.len() + scales.len() * 4,
             WeightData::Mxfp4 { packed, scales } => packed.len() + scales.len(),
         }
@@ -248,6 +264,10 @@ impl Matrix {
                 let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(*group));
                 WeightData::Int4 { packed: gather(packed, bpr, rows), scales: gather(scales, gpr, rows), group: *group }
             }
+            WeightData::Int6 { lo, hi, scales, group } => {
+                let (bpr, hpr, gpr) = (cols.div_ceil(2), shimmer_common::quant::Int6Matrix::hi_bytes_per_row(cols), cols.div_ceil(*group));
+                WeightData::Int6 { lo: gather(lo, bpr, rows), hi: gather(hi, hpr, rows), scales: gather(scales, gpr, rows), group: *group }
+            }
             WeightData::Mxfp4 { packed, scales } => {
                 let (bpr, gpr) = (cols.div_ceil(2), cols.div_ceil(shimmer_common::quant::MXFP4_GROUP));
                 WeightData::Mxfp4 { packed: gather(packed, bpr, rows), scales: gather(scales, gpr, rows) }
@@ -269,7 +289,7 @@ impl Matrix {
             WeightData::Bf16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = bf16_to_f32(*b)),
             WeightData::F16(v) => out.iter_mut().zip(&v[range]).for_each(|(o, b)| *o = half::f16::from_bits(*b).to_f32()),
             WeightData::Int8 { q, scales } => out.iter_mut().zip(&q[range]).for_each(|(o, v)| *o = *v as f32 * scales[r]),
-            WeightData::Int4 { .. } | WeightData::Fp8 { .. } | WeightData::Mxfp4 { .. } => {
+            WeightData::Int4 { .. } | WeightData::Int6 { .. } | WeightData::Fp8 { .. } | WeightData::Mxfp4 { .. } => {
                 let row = self.row(r);
                 for (c, o) in out.iter_mut().enumerate() {
                     *o = row.get(c);
@@ -293,6 +313,16 @@ impl Matrix {
                 let gpr = if group.is_power_of_two() { (self.cols + group - 1) >> group.trailing_zeros() } else { self.cols.div_ceil(*group) };
                 let bpr = self.cols.div_ceil(2);
                 WeightRow::Int4 { packed: &packed[r * bpr..(r + 1) * bpr], scales: &scales[r * gpr..(r + 1) * gpr], group: *group, n: self.cols }
+            }
+            WeightData::Int6 { lo, hi, scales, group } => {
+                let (bpr, hpr, gpr) = (self.cols.div_ceil(2), shimmer_common::quant::Int6Matrix::hi_bytes_per_row(self.cols), self.cols.div_ceil(*group));
+                WeightRow::Int6 {
+                    lo: &lo[r * bpr..(r + 1) * bpr],
+                    hi: &hi[r * hpr..(r + 1) * hpr],
+                    scales: &scales[r * gpr..(r + 1) * gpr],
+                    group: *group,
+                    n: self.cols,
+                }
             }
             WeightData::Fp8 { q, scales, block, row_block } => {
                 let gpr = self.cols.div_ceil(*block);
@@ -352,13 +382,17 @@ impl Matrix {
         self.qmatrix().is_some_and(|w| w.nibbles())
     }
 
-    /// The integer path's view of this matrix's rows (int8, int4 of whole-block groups, MXFP4).
+    /// The integer path's view of this matrix's rows (int8, int4 and int6 of whole-block groups,
+    /// MXFP4).
     fn qmatrix(&self) -> Option<qdot::QMatrix<'_>> {
         let (rows, cols) = (self.rows, self.cols);
         match &self.data {
             WeightData::Int8 { q, scales } => Some(qdot::QMatrix::int8(q, scales, rows, cols)),
             WeightData::Int4 { packed, scales, group } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => {
                 Some(qdot::QMatrix::int4(packed, scales, *group, rows, cols))
+            }
+            WeightData::Int6 { lo, hi, scales, group } if *group > 0 && group.is_multiple_of(qdot::QBLOCK) => {
+                Some(qdot::QMatrix::int6(lo, hi, scales, *group, rows, cols))
             }
             WeightData::Mxfp4 { packed, scales } => Some(qdot::QMatrix::mxfp4(packed, scales, rows, cols)),
             _ => None,
@@ -637,6 +671,7 @@ mod tests {
             Matrix::from_quant(quantize_int8(&w, rows, cols)),
             Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
             Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
+            Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 32)),
             fp8_matrix(rows, cols, 1, 32),
         ];
         for m in formats {
@@ -696,6 +731,7 @@ mod tests {
             for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
                 mats.push(Matrix::from_quant(q));
             }
+            mats.push(Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 64)));
             for m in &mats {
                 let (mut alone, mut pooled) = (vec![0.0f32; rows], vec![0.0f32; rows]);
                 m.matvec_on(&x, &mut alone, false);
@@ -728,6 +764,7 @@ mod tests {
             for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
                 mats.push(Matrix::from_quant(q));
             }
+            mats.push(Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 32)));
             let squared: Vec<f32> = w.iter().map(|x| x * x).collect();
             let shifted: Vec<f32> = w.iter().map(|x| 0.25 - x).collect();
             for m in &mats {
@@ -771,10 +808,15 @@ mod tests {
             for g in [32, 64, 128] {
                 formats.push(quantize_int4(&w, rows, cols, g));
             }
-            for qm in formats {
-                let want = reference::matvec(&dequantize(&qm), rows, cols, &x);
-                let label = format!("{qm:?}").chars().take(4).collect::<String>();
-                let m = Matrix::from_quant(qm).with_activations(Activations::F32);
+            let mats = formats.into_iter().map(|qm| (format!("{qm:?}").chars().take(4).collect::<String>(), dequantize(&qm), Matrix::from_quant(qm))).chain(
+                [32, 64, 128].map(|g| {
+                    let six = shimmer_common::quant::quantize_int6(&w, rows, cols, g);
+                    (format!("int6-g{g}"), six.dequantize(), Matrix::from_int6(six))
+                }),
+            );
+            for (label, decoded, m) in mats {
+                let want = reference::matvec(&decoded, rows, cols, &x);
+                let m = m.with_activations(Activations::F32);
                 let mut got = vec![0.0; rows];
                 m.matvec(&x, &mut got);
                 let mut widened = vec![0.0; cols];
@@ -799,9 +841,11 @@ mod tests {
             }
             let mut q = QuantRows::default();
             q.quantize(&x, cols);
-            for qm in formats {
-                let decoded = dequantize(&qm);
-                let m = Matrix::from_quant(qm);
+            let mats = formats.into_iter().map(|qm| (dequantize(&qm), Matrix::from_quant(qm))).chain([32, 64, 128].map(|g| {
+                let six = shimmer_common::quant::quantize_int6(&w, rows, cols, g);
+                (six.dequantize(), Matrix::from_int6(six))
+            }));
+            for (decoded, m) in mats {
                 assert!(m.integer_products(), "a container's formats take integer products");
                 for parallel in [false, true] {
                     let mut got = vec![0.0; rows];
@@ -834,6 +878,8 @@ mod tests {
             Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 64)),
             Matrix::from_quant(shimmer_common::quant::quantize_int8(&w, rows, cols)),
             Matrix::from_quant(shimmer_common::quant::quantize_mxfp4(&w, rows, cols)),
+            Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 32)),
+            Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 128)).with_activations(Activations::F32),
             Matrix::from_quant(shimmer_common::quant::quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32),
             fp8_matrix(rows, cols, 128, 128),
             fp8_matrix(rows, cols, 1, 16),
@@ -891,14 +937,15 @@ mod tests {
             let xs: Vec<f32> = (0..n).flat_map(|_| xs.iter().copied()).enumerate().map(|(i, v)| v * (1.0 + i as f32 * 1e-3)).collect();
             let build = |k: usize, rows: usize| {
                 let (w, _) = random(rows, cols, 40 + k as u64);
-                match k % 4 {
+                match k % 5 {
                     0 => Matrix::from_quant(quantize_int8(&w, rows, cols)),
                     1 => Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
                     2 => Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
+                    4 => Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 32)),
                     _ => Matrix::new(rows, cols, WeightData::F32(w)),
                 }
             };
-            for mix in [[0, 0, 0], [0, 1, 2], [1, 1, 1], [0, 3, 1]] {
+            for mix in [[0, 0, 0], [0, 1, 2], [1, 1, 1], [0, 3, 1], [4, 1, 4], [4, 4, 4]] {
                 let mats: Vec<Matrix> = mix.iter().zip(shapes).map(|(k, rows)| build(*k, rows)).collect();
                 let want: Vec<Vec<f32>> = mats
                     .iter()

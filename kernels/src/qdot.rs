@@ -1,4 +1,4 @@
-//! The integer dot product: int8 / int4 / MXFP4 weight rows against activation rows quantised to
+//! The integer dot product: int8 / int4 / int6 / MXFP4 weight rows against activation rows quantised to
 //! int8 in blocks of 32 — llama.cpp's Q8_0 × Q4_0 approach — defined once here and implemented
 //! per ISA (AVX-512 VNNI, AVX-VNNI, AVX2, NEON) so that every implementation gives the same bits.
 //!
@@ -7,9 +7,11 @@
 //! `amax = 0`); a block holding a NaN or an infinity gets `d_b = NaN` (so the result is NaN, never
 //! a silently finite number).
 //!
-//! **Weights as integers**: int8 `q`; int4 `nibble − 8`; MXFP4 `2 · e2m1(nibble)` (±{0, 1, 2, 3,
-//! 4, 6, 8, 12}). **Block factor** `f_b = ws_b · d_b` (one rounding), with `ws_b` = 1 for int8
-//! (whose row scale multiplies the result), the group scale `s[32b / group]` for int4, and
+//! **Weights as integers**: int8 `q`; int4 `nibble − 8`; int6 `(nibble | top << 4) − 32` (its
+//! low nibbles stored as int4's, its top two bits in a plane beside them: `quant::Int6Matrix`);
+//! MXFP4 `2 · e2m1(nibble)` (±{0, 1, 2, 3, 4, 6, 8, 12}). **Block factor** `f_b = ws_b · d_b`
+//! (one rounding), with `ws_b` = 1 for int8 (whose row scale multiplies the result), the group
+//! scale `s[32b / group]` for int4 and int6, and
 //! `2^(e_b − 128)` for MXFP4 (the e8m0 scale halved, exactly).
 //!
 //! **The canonical order** over 32 f32 lanes. Each block's 32 products form eight exact partial
@@ -26,7 +28,8 @@
 //!
 //! - **int8** (bytes in element order): group `j < 8` is elements `32b + 4j .. 32b + 4j + 4`,
 //!   lane `8·(b mod 4) + j`.
-//! - **4-bit formats** (int4, MXFP4: two elements a byte, the even one in the low nibble): group
+//! - **4-bit formats** (int4, MXFP4, and int6 by its low nibbles: two elements a byte, the even
+//!   one in the low nibble): group
 //!   `(h, j)`, `h ∈ {0, 1}` the nibble and `j < 4`, is elements `32b + 2·(4j + t) + h` for `t < 4`
 //!   — the low (or high) nibbles of four consecutive bytes — lane `16h + 4·(b mod 4) + j`. So a
 //!   vector of packed bytes masked to its low nibbles, or shifted to its high ones, is a run of
@@ -35,7 +38,8 @@
 //!
 //! The integer partial sums are exact in any order, so ISAs are free in how they form them
 //! (`vpdpbusd` with the activations offset to unsigned for int8, and with the 4-bit weights
-//! offset to unsigned and the offset's sum over the activations taken back for int4 and MXFP4;
+//! offset to unsigned and the offset's sum over the activations taken back for int4, int6 and
+//! MXFP4 (int6's −32 is four times int4's −8);
 //! `pmaddubsw`; `smull` and pairwise adds); the floating-point steps are the same everywhere.
 //! Eight partial sums of four products per block are what one `vpdpbusd` gives, so no ISA
 //! reduces horizontally before the end. `tests` below check every ISA the machine has against
@@ -46,7 +50,7 @@
 
 use std::sync::OnceLock;
 
-use shimmer_common::quant::{int4_scale, MXFP4_GROUP};
+use shimmer_common::quant::{int4_scale, int6_code, Int6Matrix, MXFP4_GROUP};
 
 use crate::aligned::AlignedVec;
 use crate::dot::WeightRow;
@@ -312,11 +316,12 @@ fn round_small_ties_even(y: f32) -> f32 {
 
 pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
 
-/// Whether the integer path takes this row: int8, MXFP4, and int4 whose groups are whole blocks.
+/// Whether the integer path takes this row: int8, MXFP4, and int4 and int6 whose groups are
+/// whole blocks.
 pub fn is_integer(w: &WeightRow<'_>) -> bool {
     match w {
         WeightRow::Int8 { .. } | WeightRow::Mxfp4 { .. } => true,
-        WeightRow::Int4 { group, .. } => *group > 0 && group.is_multiple_of(QBLOCK),
+        WeightRow::Int4 { group, .. } | WeightRow::Int6 { group, .. } => *group > 0 && group.is_multiple_of(QBLOCK),
         _ => false,
     }
 }
@@ -352,17 +357,26 @@ pub(crate) const E2M1_TWICE_PLUS12: [u8; 16] = {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Fmt {
     Int8,
-    Int4 { group: usize },
+    Int4 {
+        group: usize,
+    },
+    /// Read as int4 (its low nibbles, the same lanes) with each element's top bits from `RawRow::hi`.
+    Int6 {
+        group: usize,
+    },
     Mxfp4,
 }
 
 /// One weight row as the ISA code reads it: `data` its bytes (int8 values, or packed nibbles),
-/// `scales` its group scales (int4: f16 a group; MXFP4: e8m0 a block), `scale` int8's row scale.
+/// `scales` its group scales (int4, int6: f16 a group; MXFP4: e8m0 a block), `scale` int8's row
+/// scale, `hi` int6's top bits (32 bytes per chunk, whole chunks; null for the other formats).
 #[derive(Clone, Copy)]
 pub(crate) struct RawRow {
     pub data: *const u8,
     pub scales: *const u8,
     pub scale: f32,
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+    pub hi: *const u8,
 }
 
 /// `value / group` — by shift for the container's groups (powers of two): a `div` sat on the
@@ -383,13 +397,13 @@ impl RawRow {
     pub(crate) unsafe fn factor(&self, fmt: Fmt, b: usize) -> f32 {
         match fmt {
             Fmt::Int8 => 1.0,
-            Fmt::Int4 { group } => int4_scale((self.scales as *const u16).add(group_index(b * QBLOCK, group)).read_unaligned()),
+            Fmt::Int4 { group } | Fmt::Int6 { group } => int4_scale((self.scales as *const u16).add(group_index(b * QBLOCK, group)).read_unaligned()),
             Fmt::Mxfp4 => half_e8m0(*self.scales.add(b * QBLOCK / MXFP4_GROUP)),
         }
     }
 
     /// The row's last, partial chunk from `start` as its stored bytes (int8 values, or packed
-    /// nibbles in the first half) zero-padded to a whole chunk, so vector code decodes it as any
+    /// nibbles in the first half — int6's low nibbles; its top bits are whole chunks, read in place) zero-padded to a whole chunk, so vector code decodes it as any
     /// other chunk, with the chunk's four weight factors (0 for blocks past the row). What the
     /// padding decodes to does not matter: the activations there are `q = 0` (their offset sums
     /// too), so its integer products are 0, and the padding blocks' factors are `0 · 0`
@@ -432,6 +446,9 @@ pub struct QMatrix<'a> {
     /// Bytes of `scales` a row.
     row_scale_bytes: usize,
     int8_scales: *const f32,
+    /// int6's top bits (`Int6Matrix::hi_bytes_per_row` a row); null for the other formats.
+    hi: *const u8,
+    row_hi_bytes: usize,
     _borrows: std::marker::PhantomData<&'a [u8]>,
 }
 
@@ -440,7 +457,19 @@ impl<'a> QMatrix<'a> {
     pub fn int8(q: &'a [i8], scales: &'a [f32], rows: usize, cols: usize) -> Self {
         assert!(q.len() >= rows * cols && scales.len() >= rows, "int8 matrix parts are shorter than its shape");
         let (data, int8_scales) = (q.as_ptr() as *const u8, scales.as_ptr());
-        QMatrix { fmt: Fmt::Int8, rows, cols, data, row_bytes: cols, scales: std::ptr::null(), row_scale_bytes: 0, int8_scales, _borrows: Default::default() }
+        QMatrix {
+            fmt: Fmt::Int8,
+            rows,
+            cols,
+            data,
+            row_bytes: cols,
+            scales: std::ptr::null(),
+            row_scale_bytes: 0,
+            int8_scales,
+            hi: std::ptr::null(),
+            row_hi_bytes: 0,
+            _borrows: Default::default(),
+        }
     }
 
     /// int4 rows (`ceil(cols / 2)` packed bytes and `ceil(cols / group)` scales a row).
@@ -458,8 +487,20 @@ impl<'a> QMatrix<'a> {
             scales: sc,
             row_scale_bytes: 2 * gpr,
             int8_scales: std::ptr::null(),
+            hi: std::ptr::null(),
+            row_hi_bytes: 0,
             _borrows: Default::default(),
         }
+    }
+
+    /// int6 rows: int4's low nibbles and scales, and `Int6Matrix::hi_bytes_per_row(cols)` bytes
+    /// of top bits a row.
+    pub fn int6(lo: &'a [u8], hi: &'a [u8], scales: &'a [u16], group: usize, rows: usize, cols: usize) -> Self {
+        assert!(group > 0 && group.is_multiple_of(QBLOCK), "int6 groups of the integer path are whole blocks");
+        let hpr = Int6Matrix::hi_bytes_per_row(cols);
+        assert!(hi.len() >= rows * hpr, "int6 top bits are shorter than its shape");
+        let q = Self::int4(lo, scales, group, rows, cols);
+        QMatrix { fmt: Fmt::Int6 { group }, hi: hi.as_ptr(), row_hi_bytes: hpr, ..q }
     }
 
     /// MXFP4 rows (`ceil(cols / 2)` packed bytes and `ceil(cols / 32)` e8m0 scales a row).
@@ -475,6 +516,8 @@ impl<'a> QMatrix<'a> {
             scales: scales.as_ptr(),
             row_scale_bytes: gpr,
             int8_scales: std::ptr::null(),
+            hi: std::ptr::null(),
+            row_hi_bytes: 0,
             _borrows: Default::default(),
         }
     }
@@ -484,7 +527,12 @@ impl<'a> QMatrix<'a> {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) unsafe fn raw(&self, r: usize) -> RawRow {
         let scale = if self.fmt == Fmt::Int8 { *self.int8_scales.add(r) } else { 1.0 };
-        RawRow { data: self.data.add(r * self.row_bytes), scales: self.scales.wrapping_add(r * self.row_scale_bytes), scale }
+        RawRow {
+            data: self.data.add(r * self.row_bytes),
+            scales: self.scales.wrapping_add(r * self.row_scale_bytes),
+            scale,
+            hi: self.hi.wrapping_add(r * self.row_hi_bytes),
+        }
     }
 
     /// Every activation row is as long as a weight row and, for 4-bit weights, carries their
@@ -496,7 +544,7 @@ impl<'a> QMatrix<'a> {
         }
     }
 
-    /// Whether the rows are 4-bit (their products read the activations' 4-bit layout).
+    /// Whether the rows are 4-bit or int6 (their products read the activations' 4-bit layout).
     pub fn nibbles(&self) -> bool {
         self.fmt != Fmt::Int8
     }
@@ -513,6 +561,11 @@ impl<'a> QMatrix<'a> {
                 Fmt::Int4 { group } => {
                     let scales = std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes) as *const u16, self.row_scale_bytes / 2);
                     WeightRow::Int4 { packed: data, scales, group, n }
+                }
+                Fmt::Int6 { group } => {
+                    let scales = std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes) as *const u16, self.row_scale_bytes / 2);
+                    let hi = std::slice::from_raw_parts(self.hi.add(r * self.row_hi_bytes), self.row_hi_bytes);
+                    WeightRow::Int6 { lo: data, hi, scales, group, n }
                 }
                 Fmt::Mxfp4 => {
                     WeightRow::Mxfp4 { packed: data, scales: std::slice::from_raw_parts(self.scales.add(r * self.row_scale_bytes), self.row_scale_bytes), n }
@@ -672,12 +725,16 @@ unsafe impl Sync for QMatrix<'_> {}
 /// `w`'s format and raw parts (an integer row: `is_integer`).
 pub(crate) fn raw_row(w: &WeightRow<'_>) -> (Fmt, RawRow) {
     match *w {
-        WeightRow::Int8 { q, scale } => (Fmt::Int8, RawRow { data: q.as_ptr() as *const u8, scales: std::ptr::null(), scale }),
+        WeightRow::Int8 { q, scale } => (Fmt::Int8, RawRow { data: q.as_ptr() as *const u8, scales: std::ptr::null(), scale, hi: std::ptr::null() }),
         WeightRow::Int4 { packed, scales, group, .. } => {
-            (Fmt::Int4 { group }, RawRow { data: packed.as_ptr(), scales: scales.as_ptr() as *const u8, scale: 1.0 })
+            (Fmt::Int4 { group }, RawRow { data: packed.as_ptr(), scales: scales.as_ptr() as *const u8, scale: 1.0, hi: std::ptr::null() })
         }
-        WeightRow::Mxfp4 { packed, scales, .. } => (Fmt::Mxfp4, RawRow { data: packed.as_ptr(), scales: scales.as_ptr(), scale: 1.0 }),
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
+        WeightRow::Int6 { lo, hi, scales, group, n } => {
+            assert!(hi.len() >= Int6Matrix::hi_bytes_per_row(n), "an int6 row's top bits are shorter than its length");
+            (Fmt::Int6 { group }, RawRow { data: lo.as_ptr(), scales: scales.as_ptr() as *const u8, scale: 1.0, hi: hi.as_ptr() })
+        }
+        WeightRow::Mxfp4 { packed, scales, .. } => (Fmt::Mxfp4, RawRow { data: packed.as_ptr(), scales: scales.as_ptr(), scale: 1.0, hi: std::ptr::null() }),
+        _ => unreachable!("the integer path takes int8, int4, int6 and MXFP4 rows only"),
     }
 }
 
@@ -691,12 +748,13 @@ fn weight_int(w: &WeightRow<'_>, i: usize) -> i32 {
             let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
             nib as i32 - 8
         }
+        WeightRow::Int6 { lo, hi, .. } => int6_code(lo, hi, i),
         WeightRow::Mxfp4 { packed, .. } => {
             let byte = packed[i / 2];
             let nib = if i.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
             E2M1_TWICE[nib as usize] as i32
         }
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
+        _ => unreachable!("the integer path takes int8, int4, int6 and MXFP4 rows only"),
     }
 }
 
@@ -705,10 +763,10 @@ fn weight_int(w: &WeightRow<'_>, i: usize) -> i32 {
 fn weight_factor(w: &WeightRow<'_>, b: usize) -> f32 {
     match w {
         WeightRow::Int8 { .. } => 1.0,
-        WeightRow::Int4 { scales, group, .. } => int4_scale(scales[b * QBLOCK / group]),
+        WeightRow::Int4 { scales, group, .. } | WeightRow::Int6 { scales, group, .. } => int4_scale(scales[b * QBLOCK / group]),
         // 2^(e − 128): e8m0 halved (e = 0 gives 2⁻¹²⁸, a subnormal, exactly).
         WeightRow::Mxfp4 { scales, .. } => half_e8m0(scales[b * QBLOCK / MXFP4_GROUP]),
-        _ => unreachable!("the integer path takes int8, int4 and MXFP4 rows only"),
+        _ => unreachable!("the integer path takes int8, int4, int6 and MXFP4 rows only"),
     }
 }
 
@@ -875,7 +933,7 @@ pub fn qdots_rows_with<const M: usize, const N: usize>(isa: IntIsa, ws: [&Weight
 fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_>; M], xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     let Some(first) = ws.first() else { return [[0.0; N]; M] };
     for w in &ws {
-        assert!(is_integer(w), "the integer path takes int8, int4 and MXFP4 rows only");
+        assert!(is_integer(w), "the integer path takes int8, int4, int6 and MXFP4 rows only");
         assert_eq!(w.len(), first.len(), "weight rows of one pass differ in length");
     }
     let nibbles = !matches!(first, WeightRow::Int8 { .. });
@@ -886,7 +944,7 @@ fn qdots_checked<const M: usize, const N: usize>(isa: IntIsa, ws: [&WeightRow<'_
     }
     let same = ws.iter().all(|w| match (w, first) {
         (WeightRow::Int8 { .. }, WeightRow::Int8 { .. }) | (WeightRow::Mxfp4 { .. }, WeightRow::Mxfp4 { .. }) => true,
-        (WeightRow::Int4 { group: a, .. }, WeightRow::Int4 { group: b, .. }) => a == b,
+        (WeightRow::Int4 { group: a, .. }, WeightRow::Int4 { group: b, .. }) | (WeightRow::Int6 { group: a, .. }, WeightRow::Int6 { group: b, .. }) => a == b,
         _ => false,
     });
     if M > 1 && !same {

@@ -280,6 +280,89 @@ fn a_head_format_chosen_apart_is_stored_named_and_used() {
     assert!(kl < 0.2, "mean KL {kl}");
 }
 
+/// `--head-quant int6-g32` under int8 dense weights (the 4-bit containers' head): the head is
+/// stored as its three tensors (low nibbles, top bits, f16 scales) exactly as `quantize_int6`
+/// defines them and loaded back as that matrix; the manifest names it; the model answers with it
+/// — differently from the int8 head — and closer to the checkpoint than with an int4 head. A top
+/// bits tensor of another shape, or a negative scale, is refused naming the tensor.
+#[test]
+fn a_six_bit_head_is_stored_loaded_and_closer_than_int4() {
+    use shimmer_common::{quant, Checkpoint, ModelSpec, StDtype};
+    let out = tempfile::tempdir().unwrap();
+    let (six, four, eight) = (out.path().join("h6"), out.path().join("h4"), out.path().join("h8"));
+    let expert_quant = QuantScheme::Int4 { group: 32 };
+    let options = ConvertOptions { expert_quant, dense_quant: DenseQuant::Int8, head_quant: Some(DenseQuant::Int6 { group: 32 }) };
+    convert(&demo(), &six, options, &mut |_| {}).unwrap();
+    convert(&demo(), &four, ConvertOptions { head_quant: Some(DenseQuant::Int4 { group: 32 }), ..options }, &mut |_| {}).unwrap();
+    convert(&demo(), &eight, ConvertOptions { head_quant: None, ..options }, &mut |_| {}).unwrap();
+    assert_eq!(shimmer_store::container::read_manifest(&six).unwrap().dense_quant, "int8+head-int6-g32");
+    let spec = ModelSpec::from_dir(&demo()).unwrap();
+    let head = spec.dense_names.embed;
+    let (source, dense) = (Checkpoint::open(&demo()).unwrap(), Checkpoint::open_files(&six, &["dense.safetensors"]).unwrap());
+    let (rows, cols) = {
+        let raw = source.raw(head).unwrap();
+        (raw.shape[0], raw.shape[1])
+    };
+    let want = quant::quantize_int6(&source.get(head, &[rows, cols]).unwrap().to_f32(), rows, cols, 32);
+    let (hi_name, scale_name) = (shimmer_store::convert::int6_hi_name(head), shimmer_store::convert::int6_scale_name(head, 32));
+    for (name, dtype, shape, bytes) in [
+        (head.to_string(), StDtype::U8, vec![rows, cols.div_ceil(2)], want.lo.clone()),
+        (hi_name.clone(), StDtype::U8, vec![rows, quant::Int6Matrix::hi_bytes_per_row(cols)], want.hi.clone()),
+        (scale_name.clone(), StDtype::F16, vec![rows, cols.div_ceil(32)], want.scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
+    ] {
+        let raw = dense.raw(&name).unwrap();
+        assert_eq!((raw.dtype, raw.shape.to_vec()), (dtype, shape), "{name}");
+        assert!(raw.bytes == bytes.as_slice(), "{name}: not the int6-g32 quantisation of the source");
+    }
+    let got = shimmer_experts::weights::load_matrix(&dense, head, rows, cols, 128).unwrap();
+    assert!(got == shimmer_kernels::Matrix::from_int6(want), "the loaded head is not the stored int6 matrix");
+
+    let with = |dir: &Path| answers(&open(dir, &opts(100.0)));
+    let (with_six, with_four, with_eight) = (with(&six), with(&four), with(&eight));
+    assert_ne!(with_six.0, with_eight.0, "the int6 head's logits are the int8 head's: the stored head is not the one used");
+    let bf16 = floats(&answers(&Engine::load(&demo()).unwrap()).0);
+    let v = spec.vocab_size;
+    let kl = |got: &[u32]| {
+        let got = floats(got);
+        bf16.chunks(v).zip(got.chunks(v)).map(|(p, q)| kl_of_logits(p, q)).sum::<f64>() / (bf16.len() / v) as f64
+    };
+    let (kl6, kl4, kl8) = (kl(&with_six.0), kl(&with_four.0), kl(&with_eight.0));
+    eprintln!("demo, int4-g32 experts, int8 dense; mean KL against the checkpoint with an int6-g32 head {kl6:.5}, int4-g32 {kl4:.5}, int8 {kl8:.5}");
+    assert!(kl6 < kl4, "the 6-bit head ({kl6}) is no closer to the checkpoint than the 4-bit one ({kl4})");
+
+    // Damage below the file checksum (what a writer's bug would leave), through the loader.
+    let damaged = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&six).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), damaged.path().join(entry.file_name())).unwrap();
+        }
+    }
+    let file = damaged.path().join("dense.safetensors");
+    shimmer_tests::edit_safetensors_header(&file, |h| {
+        let shape = h[&hi_name]["shape"].as_array().unwrap().clone();
+        h.get_mut(&hi_name).unwrap()["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let e = shimmer_experts::weights::load_matrix(&Checkpoint::open_files(damaged.path(), &["dense.safetensors"]).unwrap(), head, rows, cols, 128)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&hi_name), "{e}");
+    shimmer_tests::edit_safetensors_header(&file, |h| {
+        let shape = h[&hi_name]["shape"].as_array().unwrap().clone();
+        h.get_mut(&hi_name).unwrap()["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = 8 + n + header[&scale_name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at + 1] |= 0x80; // the first f16 scale's sign bit
+    std::fs::write(&file, bytes).unwrap();
+    let e = shimmer_experts::weights::load_matrix(&Checkpoint::open_files(damaged.path(), &["dense.safetensors"]).unwrap(), head, rows, cols, 128)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(head) && e.contains("negative"), "{e}");
+}
+
 /// Every family's fixture converts with int8 and with int4 dense weights and runs: a family's 2-D
 /// tensors that are not weight matrices (DeepSeek-V4's position tables, Inkling's convolution
 /// taps and clip scales) stay floats, as its loader reads them.

@@ -141,6 +141,10 @@ pub(super) unsafe fn dots_neon<const M: usize, const N: usize>(ws: [&WeightRow<'
                 out
             })
         }
+        WeightRow::Int6 { .. } => run!(|m, c| {
+            let t = super::decoded::<LANES>(ws[m], c * LANES);
+            std::array::from_fn(|j| vld1q_f32(t.as_ptr().add(j * 4)))
+        }),
         WeightRow::Mxfp4 { .. } => {
             let (p, s) = (fields!(ws, WeightRow::Mxfp4 { packed, .. } => packed.as_ptr()), fields!(ws, WeightRow::Mxfp4 { scales, .. } => scales));
             // Every e2m1 value's f32 bit pattern is zero below bit 16: look up its two top bytes.

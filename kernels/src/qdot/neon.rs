@@ -60,10 +60,10 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(fmt: Fmt, rows: 
                 }
             }
         }
-        Fmt::Int4 { .. } | Fmt::Mxfp4 => {
-            let (mask, eight) = (vdupq_n_u8(0x0f), vdupq_n_s8(8));
+        Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
+            let (mask, eight, top, thirty_two) = (vdupq_n_u8(0x0f), vdupq_n_s8(8), vdupq_n_u8(0x30), vdupq_n_s8(32));
             let lut = vld1q_s8(E2M1_TWICE.as_ptr());
-            let mx = fmt == Fmt::Mxfp4;
+            let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
             // Block `kb` of chunk `c` (16 packed bytes): its low nibbles are lanes 4·kb .. 4·kb + 4
             // (register kb), its high nibbles lanes 16 + 4·kb .. (register 4 + kb).
             for c in 0..full + usize::from(full * CHUNK < n) {
@@ -76,6 +76,14 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(fmt: Fmt, rows: 
                         let (lo, hi) = (vandq_u8(v, mask), vshrq_n_u8::<4>(v));
                         let w = if mx {
                             [vqtbl1q_s8(lut, lo), vqtbl1q_s8(lut, hi)]
+                        } else if i6 {
+                            // The top bits of these 16 bytes' elements (`quant::Int6Matrix`):
+                            // bytes 0–31 of a chunk keep them at bits 0–1 (even) and 4–5 (odd),
+                            // bytes 32–63 at 2–3 and 6–7.
+                            let h = vld1q_u8(rows[m].hi.add(c * 32 + 16 * (kb % 2)));
+                            let (even, odd) = if kb < 2 { (vshlq_n_u8::<4>(h), h) } else { (vshlq_n_u8::<2>(h), vshrq_n_u8::<2>(h)) };
+                            let u = [vorrq_u8(lo, vandq_u8(even, top)), vorrq_u8(hi, vandq_u8(odd, top))];
+                            [vsubq_s8(vreinterpretq_s8_u8(u[0]), thirty_two), vsubq_s8(vreinterpretq_s8_u8(u[1]), thirty_two)]
                         } else {
                             [vsubq_s8(vreinterpretq_s8_u8(lo), eight), vsubq_s8(vreinterpretq_s8_u8(hi), eight)]
                         };

@@ -1,5 +1,5 @@
 use super::*;
-use shimmer_common::quant::{dequantize, quantize_int4, quantize_int8, quantize_mxfp4, QuantMatrix, E2M1};
+use shimmer_common::quant::{dequantize, quantize_int4, quantize_int6, quantize_int8, quantize_mxfp4, Int6Matrix, QuantMatrix, E2M1};
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed;
@@ -17,6 +17,10 @@ fn row_of(q: &QuantMatrix, n: usize) -> WeightRow<'_> {
         QuantMatrix::Int4 { packed, scales, group, .. } => WeightRow::Int4 { packed, scales, group: *group, n },
         QuantMatrix::Mxfp4 { packed, scales, .. } => WeightRow::Mxfp4 { packed, scales, n },
     }
+}
+
+fn int6_row(m: &Int6Matrix) -> WeightRow<'_> {
+    WeightRow::Int6 { lo: &m.lo, hi: &m.hi, scales: &m.scales, group: m.group, n: m.cols }
 }
 
 fn quantized(x: &[f32]) -> QuantRows {
@@ -57,12 +61,14 @@ fn every_isa_gives_the_canonical_bits_for_every_format_and_shape() {
         for g in [32, 64, 128] {
             formats.push(quantize_int4(&w, 1, n, g));
         }
-        for q in &formats {
-            let row = row_of(q, n);
-            let name = format!("{} n={n}", format!("{q:?}").chars().take(5).collect::<String>());
+        let sixes: Vec<Int6Matrix> = [32, 64, 128].into_iter().map(|g| quantize_int6(&w, 1, n, g)).collect();
+        let rows = formats
+            .iter()
+            .map(|q| (format!("{} n={n}", format!("{q:?}").chars().take(5).collect::<String>()), row_of(q, n), dequantize(q)))
+            .chain(sixes.iter().map(|m| (format!("int6-g{} n={n}", m.group), int6_row(m), m.dequantize())));
+        for (name, row, decoded) in rows {
             every_isa_agrees(&name, &row, &acts);
             // Close to the exact dot of what both sides stand for.
-            let decoded = dequantize(q);
             for (x, a) in xs.iter().zip(&acts) {
                 let got = qdot_scalar(&row, a) as f64;
                 let xq: Vec<f64> = (0..n).map(|i| a.q(i) as f64 * a.scale(i / QBLOCK) as f64).collect();
@@ -105,9 +111,11 @@ fn a_non_finite_activation_makes_the_result_nan_on_every_isa() {
         let mut x = values(n, 4, 1.0);
         x[150] = bad;
         let q = quantized(&x);
+        let six = quantize_int6(&w, 1, n, 32);
         for fmt in [quantize_int8(&w, 1, n), quantize_int4(&w, 1, n, 64), quantize_mxfp4(&w, 1, n)] {
             for isa in IntIsa::all_available() {
                 assert!(qdots_rows_with::<1, 1>(isa, [&row_of(&fmt, n)], [&q.row(0)])[0][0].is_nan(), "{bad} {isa:?}");
+                assert!(qdots_rows_with::<1, 1>(isa, [&int6_row(&six)], [&q.row(0)])[0][0].is_nan(), "int6 {bad} {isa:?}");
             }
         }
     }
@@ -137,6 +145,18 @@ fn extreme_scales_zero_rows_and_the_most_negative_int8_agree_across_isas() {
     for e in [0u8, 1, 2, 127, 200, 254] {
         let sc = vec![e; n.div_ceil(32)];
         every_isa_agrees(&format!("mxfp4 e={e}"), &WeightRow::Mxfp4 { packed: &packed, scales: &sc, n }, &acts);
+    }
+    // int6: every byte pattern in both planes (so every code from −32 to 31, and top bits set in
+    // the padding past the row), with the largest, subnormal and mixed f16 scales.
+    let lo: Vec<u8> = (0..n.div_ceil(2)).map(|i| (i * 29 % 256) as u8).collect();
+    let hi: Vec<u8> = (0..Int6Matrix::hi_bytes_per_row(n)).map(|i| (i * 53 % 256) as u8).collect();
+    let all_ones = (vec![0xffu8; n.div_ceil(2)], vec![0xffu8; hi.len()], vec![0u8; n.div_ceil(2)], vec![0u8; hi.len()]);
+    for group in [32, 64, 128] {
+        let odd: Vec<u16> = (0..n.div_ceil(group)).map(|g| [0x0001u16, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0x1234, 0x2e66][g % 7]).collect();
+        every_isa_agrees(&format!("int6-g{group} mixed"), &WeightRow::Int6 { lo: &lo, hi: &hi, scales: &odd, group, n }, &acts);
+        let big = vec![0x7bffu16; n.div_ceil(group)];
+        every_isa_agrees(&format!("int6-g{group} all 31"), &WeightRow::Int6 { lo: &all_ones.0, hi: &all_ones.1, scales: &big, group, n }, &acts);
+        every_isa_agrees(&format!("int6-g{group} all -32"), &WeightRow::Int6 { lo: &all_ones.2, hi: &all_ones.3, scales: &big, group, n }, &acts);
     }
     // e = 255 is e8m0's NaN (refused on load): the result is NaN on every ISA, never a number.
     let mut sc = (0..n.div_ceil(32)).map(|b| [3u8, 130, 77][b % 3]).collect::<Vec<u8>>();
@@ -201,9 +221,19 @@ fn row_loops_match_the_scalar_bits(cols: usize) {
             QuantMatrix::Mxfp4 { packed, scales, .. } => QMatrix::mxfp4(packed, scales, rows, cols),
         }
     }
+    let sixes: Vec<(Int6Matrix, Int6Matrix)> =
+        [32, 64, 128].into_iter().map(|g| (quantize_int6(&wa, rows, cols, g), quantize_int6(&wb, rows, cols, g))).collect();
+    fn six_view(m: &Int6Matrix) -> QMatrix<'_> {
+        QMatrix::int6(&m.lo, &m.hi, &m.scales, m.group, m.rows, m.cols)
+    }
+    let views: Vec<(String, QMatrix<'_>, QMatrix<'_>)> = pairs
+        .iter()
+        .map(|(qa, qb)| (format!("{qa:?}").chars().take(5).collect::<String>(), view(qa, rows, cols), view(qb, rows, cols)))
+        .chain(sixes.iter().map(|(a, b)| (format!("int6-g{}", a.group), six_view(a), six_view(b))))
+        .collect();
     for isa in IntIsa::all_available() {
-        for (qa, qb) in &pairs {
-            let (a, b) = (view(qa, rows, cols), view(qb, rows, cols));
+        for (qa, a, b) in &views {
+            let (a, b) = (*a, *b);
             let want = |m: &QMatrix<'_>, r: usize, x: &QRow<'_>| qdot_scalar(&m.row(r), x).to_bits();
             for first in [0, 1, 2] {
                 let len = rows - first;
@@ -282,6 +312,19 @@ fn a_row_ending_at_a_guard_page_is_read_without_touching_it() {
             for isa in IntIsa::all_available() {
                 assert_eq!(qdots_rows_with::<1, 1>(isa, [&row], [&x])[0][0].to_bits(), want, "n={n} {isa:?}");
             }
+        }
+        // int6's low nibbles at the edge (its top bits are whole chunks, read whole).
+        let six = quantize_int6(&w, 1, n, 32);
+        // SAFETY: as above.
+        let at_edge = unsafe {
+            let dst = base.add(page - six.lo.len());
+            std::ptr::copy_nonoverlapping(six.lo.as_ptr(), dst, six.lo.len());
+            std::slice::from_raw_parts(dst, six.lo.len())
+        };
+        let row = WeightRow::Int6 { lo: at_edge, hi: &six.hi, scales: &six.scales, group: 32, n };
+        let want = qdot_scalar(&row, &x).to_bits();
+        for isa in IntIsa::all_available() {
+            assert_eq!(qdots_rows_with::<1, 1>(isa, [&row], [&x])[0][0].to_bits(), want, "int6 n={n} {isa:?}");
         }
     }
     // SAFETY: the mapping made above, no longer borrowed.

@@ -48,12 +48,12 @@ unsafe fn int4_scales4(p: *const u16) -> __m128 {
 #[inline(always)]
 unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
     match fmt {
-        Fmt::Int4 { group: 32 } => spread4(int4_scales4((row.scales as *const u16).add(4 * c))),
-        Fmt::Int4 { group: 64 } => {
+        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => spread4(int4_scales4((row.scales as *const u16).add(4 * c))),
+        Fmt::Int4 { group: 64 } | Fmt::Int6 { group: 64 } => {
             let s = (row.scales as *const u16).add(2 * c);
             _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(int4_scale(s.read_unaligned())), _mm512_set1_ps(int4_scale(s.add(1).read_unaligned())))
         }
-        Fmt::Int4 { group: 128 } => _mm512_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned())),
+        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => _mm512_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned())),
         Fmt::Mxfp4 => {
             // `half_e8m0` of the chunk's four e8m0 bytes at once: (e − 1) << 23, the subnormal
             // 1 << (21 + e) for e ≤ 1, NaN for 255.
@@ -79,7 +79,7 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
 #[inline(always)]
 unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m512 {
     match fmt {
-        Fmt::Int4 { group } if matches!(group, 32 | 64 | 128) => {
+        Fmt::Int4 { group } | Fmt::Int6 { group } if matches!(group, 32 | 64 | 128) => {
             let first = group_index(start, group);
             let live = (group_index(n + group - 1, group) - first).min(group_index(CHUNK, group));
             let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const i16).add(first));
@@ -92,6 +92,22 @@ unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __
         }
         _ => per_block_512(row.tail_factors(fmt, n, start)),
     }
+}
+
+/// int6's top bits of one chunk (the 32 bytes at `hi`) at bits 4–5 of the bytes its low nibbles
+/// decode to (`quant::Int6Matrix`'s layout): the even elements' then the odd ones', each as the
+/// 64 bytes of the chunk's packed nibbles hold them — bytes 0–31 the first 64 values, whose tops
+/// sit at bits 0–1 (even) and 4–5 (odd), bytes 32–63 the next 64, at bits 2–3 and 6–7. Shifts
+/// are per 16-bit word; the mask keeps only bits that came from the same byte.
+#[inline(always)]
+unsafe fn top_bits512(hi: *const u8) -> (__m512i, __m512i) {
+    let h = _mm512_broadcast_i64x4(_mm256_loadu_si256(hi as *const __m256i));
+    // Per-word counts: the low 256 bits (the first 64 values) one, the high 256 the other.
+    const UPPER: __mmask32 = 0xFFFF_0000;
+    let even_shift = _mm512_mask_blend_epi16(UPPER, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    let odd_shift = _mm512_mask_blend_epi16(UPPER, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    let top = _mm512_set1_epi8(0x30);
+    (_mm512_and_si512(_mm512_sllv_epi16(h, even_shift), top), _mm512_and_si512(_mm512_srlv_epi16(h, odd_shift), top))
 }
 
 /// `M` weight rows of one format and length `n` against `N` activation rows; every result is
@@ -174,24 +190,50 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 }
             }
         }
-        Fmt::Int4 { .. } | Fmt::Mxfp4 => {
+        Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
             let mask = _mm512_set1_epi8(0x0f);
-            let mx = fmt == Fmt::Mxfp4;
+            let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-            // One chunk of row `m` (its 64 packed bytes `x`): its low nibbles are the even
-            // half's 16 lanes of groups, its high nibbles the odd half's.
-            macro_rules! step {
-                ($m:expr, $c:expr, $x:expr, $wsv:expr) => {{
-                    let (m, c, x, wsv): (usize, usize, __m512i, __m512) = ($m, $c, $x, $wsv);
+            // The weights of chunk `c` of row `m` (its 64 packed bytes `x`), unsigned: its low
+            // nibbles are the even half's 16 lanes of groups, its high nibbles the odd half's;
+            // int6 adds each element's top bits at bits 4–5 (`top_bits512`).
+            macro_rules! decode {
+                ($m:expr, $c:expr, $x:expr) => {{
+                    let x: __m512i = $x;
                     let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
                     if mx {
                         (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
                     }
+                    if i6 {
+                        let (even, odd) = top_bits512(rows[$m].hi.add($c * 32));
+                        (lo, hi) = (_mm512_or_si512(lo, even), _mm512_or_si512(hi, odd));
+                    }
+                    (lo, hi)
+                }};
+            }
+            // The offset's sum over the activations, as the weights' offset needs it: −8 (int4),
+            // −12 (MXFP4), −32 = 4 · −8 (int6).
+            macro_rules! neg {
+                ($k:expr, $c:expr, $h:expr) => {{
+                    let at = $c * 32 + 16 * $h;
+                    if mx {
+                        _mm512_loadu_si512(xs[$k].neg12.as_ptr().add(at) as *const __m512i)
+                    } else if i6 {
+                        _mm512_slli_epi32::<2>(_mm512_loadu_si512(xs[$k].neg8.as_ptr().add(at) as *const __m512i))
+                    } else {
+                        _mm512_loadu_si512(xs[$k].neg8.as_ptr().add(at) as *const __m512i)
+                    }
+                }};
+            }
+            // One chunk of row `m` (its 64 packed bytes `x`).
+            macro_rules! step {
+                ($m:expr, $c:expr, $x:expr, $wsv:expr) => {{
+                    let (m, c, x, wsv): (usize, usize, __m512i, __m512) = ($m, $c, $x, $wsv);
+                    let (lo, hi) = decode!(m, c, x);
                     for k in 0..N {
                         let q = xs[k].split.as_ptr().add(c * CHUNK);
-                        let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() }.add(c * 32);
-                        let pe = _mm512_dpbusd_epi32(_mm512_loadu_si512(neg as *const __m512i), lo, _mm512_loadu_si512(q as *const __m512i));
-                        let po = _mm512_dpbusd_epi32(_mm512_loadu_si512(neg.add(16) as *const __m512i), hi, _mm512_loadu_si512(q.add(64) as *const __m512i));
+                        let pe = _mm512_dpbusd_epi32(neg!(k, c, 0), lo, _mm512_loadu_si512(q as *const __m512i));
+                        let po = _mm512_dpbusd_epi32(neg!(k, c, 1), hi, _mm512_loadu_si512(q.add(64) as *const __m512i));
                         let f = _mm512_mul_ps(wsv, _mm512_loadu_ps(xs[k].scales4.as_ptr().add(c * 16)));
                         acc[m][k][0] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(pe), acc[m][k][0]);
                         acc[m][k][1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(po), acc[m][k][1]);
@@ -207,18 +249,13 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
                 for m in 0..M {
                     let base = rows[m].data.add(c * CHUNK / 2);
                     _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
-                    let x = _mm512_loadu_si512(base as *const __m512i);
-                    (lo[m], hi[m]) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
-                    if mx {
-                        (lo[m], hi[m]) = (_mm512_shuffle_epi8(lut, lo[m]), _mm512_shuffle_epi8(lut, hi[m]));
-                    }
+                    (lo[m], hi[m]) = decode!(m, c, _mm512_loadu_si512(base as *const __m512i));
                     wsv[m] = factors_512(fmt, &rows[m], c);
                 }
                 for k in 0..N {
                     let q = xs[k].split.as_ptr().add(c * CHUNK);
-                    let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() }.add(c * 32);
                     let (q0, q1) = (_mm512_loadu_si512(q as *const __m512i), _mm512_loadu_si512(q.add(64) as *const __m512i));
-                    let (n0, n1) = (_mm512_loadu_si512(neg as *const __m512i), _mm512_loadu_si512(neg.add(16) as *const __m512i));
+                    let (n0, n1) = (neg!(k, c, 0), neg!(k, c, 1));
                     let d = _mm512_loadu_ps(xs[k].scales4.as_ptr().add(c * 16));
                     for m in 0..M {
                         let pe = _mm512_dpbusd_epi32(n0, lo[m], q0);
@@ -251,6 +288,13 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     out
 }
 
+/// Whether rows of `n` values go two to a vector (`short_pair512`): int4 and MXFP4 rows of one
+/// half-empty chunk (int6's top bits are not laid out for it; its rows take `core512`).
+#[inline(always)]
+fn short_pairs(fmt: Fmt, n: usize) -> bool {
+    matches!(fmt, Fmt::Int4 { .. } | Fmt::Mxfp4) && n <= CHUNK / 2
+}
+
 /// `core512::<2, N>` for 4-bit rows of at most 64 values (the demo's expert down projection):
 /// such a row is one partial chunk whose upper half is padding, so the two rows share each
 /// vector — row A's 32 bytes low, row B's high, the activations' live half broadcast to both —
@@ -259,7 +303,7 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
 /// s = 8 step is kept as `+ 0.0` (it turns a −0 sum into +0 as the scalar tree does).
 #[inline(always)]
 unsafe fn short_pair512<const N: usize>(fmt: Fmt, rows: [RawRow; 2], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; 2] {
-    debug_assert!(fmt != Fmt::Int8 && n <= CHUNK / 2);
+    debug_assert!(short_pairs(fmt, n));
     let mask = _mm512_set1_epi8(0x0f);
     let mx = fmt == Fmt::Mxfp4;
     let live = byte_mask(n.div_ceil(2));
@@ -305,7 +349,7 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(fmt: Fmt, 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatvec_avx512vnni(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
     let (fmt, n) = (w.fmt, w.cols);
-    if fmt != Fmt::Int8 && n <= CHUNK / 2 {
+    if short_pairs(fmt, n) {
         // Rows of one half-empty chunk: two to a vector (`short_pair512`).
         let mut pairs = out.chunks_exact_mut(2);
         let mut r = first;
@@ -455,12 +499,12 @@ unsafe fn spread4_256(f: __m128) -> [__m256; 2] {
 #[inline(always)]
 unsafe fn factors_256(fmt: Fmt, row: &RawRow, c: usize) -> [__m256; 2] {
     match fmt {
-        Fmt::Int4 { group: 32 } => spread4_256(int4_scales4((row.scales as *const u16).add(4 * c))),
-        Fmt::Int4 { group: 64 } => {
+        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => spread4_256(int4_scales4((row.scales as *const u16).add(4 * c))),
+        Fmt::Int4 { group: 64 } | Fmt::Int6 { group: 64 } => {
             let s = (row.scales as *const u16).add(2 * c);
             [_mm256_set1_ps(int4_scale(s.read_unaligned())), _mm256_set1_ps(int4_scale(s.add(1).read_unaligned()))]
         }
-        Fmt::Int4 { group: 128 } => {
+        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => {
             let s = _mm256_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned()));
             [s, s]
         }
@@ -557,9 +601,10 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                 }
             }
         }
-        Fmt::Int4 { .. } | Fmt::Mxfp4 => {
+        Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
             let mask = _mm256_set1_epi8(0x0f);
-            let mx = fmt == Fmt::Mxfp4;
+            let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
+            let top = _mm256_set1_epi8(0x30);
             let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
             // Chunk `c` of row `m` (64 packed bytes as two vectors `x`, factors `wsv`): bytes 0–31
             // hold lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
@@ -578,9 +623,31 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                             *v = _mm256_shuffle_epi8(lut, *v);
                         }
                     }
+                    if i6 {
+                        // The chunk's top bits (whole chunks, read in place) to bits 4–5 of the
+                        // bytes above: the first 64 values' at bits 0–1 (even) and 4–5 (odd), the
+                        // next 64's at 2–3 and 6–7 (`quant::Int6Matrix`). Shifts are per 16-bit
+                        // word; the mask keeps only bits that came from the same byte.
+                        let h = _mm256_loadu_si256(rows[m].hi.add(c * 32) as *const __m256i);
+                        let tops = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
+                        for (v, t) in w.iter_mut().zip(tops) {
+                            *v = _mm256_or_si256(*v, _mm256_and_si256(t, top));
+                        }
+                    }
                     for k in 0..N {
                         let q = xs[k].split.as_ptr().add(c * CHUNK);
                         let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() }.add(c * 32);
+                        // int6's offset is 32 = 4 · int4's 8.
+                        macro_rules! neg_at {
+                            ($a:expr) => {{
+                                let v = _mm256_loadu_si256(neg.add(8 * $a) as *const __m256i);
+                                if i6 {
+                                    _mm256_slli_epi32::<2>(v)
+                                } else {
+                                    v
+                                }
+                            }};
+                        }
                         let d = xs[k].scales4.as_ptr().add(c * 16);
                         let f = [
                             _mm256_mul_ps(wsv[0], _mm256_loadu_ps(d)),
@@ -590,7 +657,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
                             if a % 2 >= halves {
                                 continue;
                             }
-                            let p = dot!(_mm256_loadu_si256(neg.add(8 * a) as *const __m256i), w[a], _mm256_loadu_si256(q.add(32 * a) as *const __m256i));
+                            let p = dot!(neg_at!(a), w[a], _mm256_loadu_si256(q.add(32 * a) as *const __m256i));
                             acc[m][k][a] = _mm256_fmadd_ps(f[a % 2], _mm256_cvtepi32_ps(p), acc[m][k][a]);
                         }
                     }
@@ -645,7 +712,7 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
 /// activation rows).
 #[inline(always)]
 unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
-    if fmt != Fmt::Int8 && cols <= CHUNK / 2 {
+    if short_pairs(fmt, cols) {
         return tile2_short(fmt, ws, cols, xs, o);
     }
     let n = xs.len();

@@ -4,7 +4,8 @@
 //! they are through the fp8 kernels; FP4 (e2m1) packed two to a byte in an int8 tensor with a
 //! UE8M0 `<stem>.scale` per 32 values of a row (DeepSeek-V4's routed experts), served as the MXFP4
 //! it is; int8 rows with `<name>_shimmer_int8_scale` and int4 groups with
-//! `<name>_shimmer_int4_gN_scale` (a converted container's dense weights).
+//! `<name>_shimmer_int4_gN_scale`, int6 as int4's nibbles with `<name>_shimmer_int6_hi` and
+//! `<name>_shimmer_int6_gN_scale` (a converted container's dense weights).
 //!
 //! It also reads a routed expert from a checkpoint in the layout its family stores
 //! (`ExpertLayout`): separate tensors per expert, gpt-oss's fused, interleaved, biased tensors —
@@ -35,6 +36,17 @@ pub fn int4_scale_name(name: &str, group: usize) -> String {
     format!("{name}_shimmer_int4_g{group}_scale")
 }
 
+/// The name of an int6 dense matrix's per-group f16 scales (`rows × ⌈cols/group⌉`), naming its
+/// group; the matrix itself holds the low nibbles as int4's does.
+pub fn int6_scale_name(name: &str, group: usize) -> String {
+    format!("{name}_shimmer_int6_g{group}_scale")
+}
+
+/// The name of an int6 dense matrix's top bits (`rows × Int6Matrix::hi_bytes_per_row(cols)`).
+pub fn int6_hi_name(name: &str) -> String {
+    format!("{name}_shimmer_int6_hi")
+}
+
 /// `name` as a `rows × cols` matrix; `fp8_block` is the model's fp8 block side
 /// (`ModelSpec::fp8_block`).
 pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<Matrix, LoadError> {
@@ -45,6 +57,9 @@ pub fn load_matrix(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_
 }
 
 fn load_matrix_as_stored(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<Matrix, LoadError> {
+    if let Some(group) = DENSE_INT4_GROUPS.into_iter().find(|g| ckpt.contains(&int6_scale_name(name, *g))) {
+        return load_int6(ckpt, name, rows, cols, group);
+    }
     if let Some(group) = DENSE_INT4_GROUPS.into_iter().find(|g| ckpt.contains(&int4_scale_name(name, *g))) {
         let raw = ckpt.raw(name)?;
         let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
@@ -95,6 +110,32 @@ fn load_matrix_as_stored(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize
         }
     }
     Ok(Matrix::from_view(&ckpt.get(name, &[rows, cols])?))
+}
+
+/// An int6 dense matrix: its low nibbles under `name`, its top bits and f16 scales beside it,
+/// each checked against the shape before anything is built from it.
+fn load_int6(ckpt: &Checkpoint, name: &str, rows: usize, cols: usize, group: usize) -> Result<Matrix, LoadError> {
+    let raw = ckpt.raw(name)?;
+    let bad = |problem: String| LoadError::Tensor { path: raw.file.to_path_buf(), tensor: name.to_string(), problem };
+    let (bpr, hpr, gpr) =
+        (quant::QuantMatrix::bytes_per_row_int4(cols), quant::Int6Matrix::hi_bytes_per_row(cols), quant::QuantMatrix::groups_per_row(cols, group));
+    if raw.dtype != StDtype::U8 || raw.shape != [rows, bpr] {
+        return Err(bad(format!("int6 dense weight must be U8 {:?} (its low nibbles, two a byte), found {:?} {:?}", [rows, bpr], raw.dtype, raw.shape)));
+    }
+    let hi_name = int6_hi_name(name);
+    let hraw = ckpt.raw(&hi_name).map_err(|_| bad(format!("int6 top bits `{hi_name}` are missing")))?;
+    if hraw.dtype != StDtype::U8 || hraw.shape != [rows, hpr] {
+        return Err(bad(format!("int6 top bits `{hi_name}` must be U8 {:?}, found {:?} {:?}", [rows, hpr], hraw.dtype, hraw.shape)));
+    }
+    let scale_name = int6_scale_name(name, group);
+    let sraw = ckpt.raw(&scale_name)?;
+    if sraw.dtype != StDtype::F16 || sraw.shape != [rows, gpr] {
+        return Err(bad(format!("int6 scales `{scale_name}` must be F16 {:?}, found {:?} {:?}", [rows, gpr], sraw.dtype, sraw.shape)));
+    }
+    let scales = sraw.bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let m = quant::Int6Matrix { rows, cols, group, lo: raw.bytes.to_vec(), hi: hraw.bytes.to_vec(), scales };
+    m.validate(name).map_err(|e| bad(e.to_string()))?;
+    Ok(Matrix::from_int6(m))
 }
 
 /// DeepSeek-V4's name for a weight's scales: `<stem>.scale` beside `<stem>.weight`, if present.

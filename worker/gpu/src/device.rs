@@ -246,6 +246,7 @@ fn format_name(data: &WeightData) -> &'static str {
         WeightData::F16(_) => "f16",
         WeightData::Int8 { .. } => "int8",
         WeightData::Int4 { .. } => "int4",
+        WeightData::Int6 { .. } => "int6",
         WeightData::Fp8 { .. } => "fp8",
         WeightData::Mxfp4 { .. } => "mxfp4",
     }

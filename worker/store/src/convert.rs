@@ -26,6 +26,7 @@ use crate::container::{self, BlobEntry, Container, FileSeal, Manifest, DENSE_FIL
 
 /// Why an int4 matrix could not be written.
 const INT4_RANGE: &str = "a weight is too large for int4's f16 group scales (|w| above ~4.6e5); convert it as int8 or bf16";
+const INT6_RANGE: &str = "a weight is too large for int6's f16 group scales (|w| above ~2.0e6); convert it as int8 or bf16";
 
 /// Present while a conversion is unfinished (removed after the manifest is in place).
 pub const JOURNAL_FILE: &str = ".shimmer-convert.json";
@@ -44,6 +45,10 @@ pub enum DenseQuant {
     /// values of a row; the embedding and the LM head as int8 (as llama.cpp's Q4_0 keeps its head
     /// at 6 bits: it decides every logit); routers and vectors as stored.
     Int4 { group: usize },
+    /// As `Int4`, in 6 bits (`quant::Int6Matrix`): llama.cpp's Q6_K's place, for the LM head of
+    /// a 4-bit container (`--head-quant int6-g32`), where int4 costs a tenth of the top-1
+    /// agreement and int8 a third more bytes than this.
+    Int6 { group: usize },
 }
 
 impl DenseQuant {
@@ -54,7 +59,10 @@ impl DenseQuant {
             "int4-g32" => Ok(DenseQuant::Int4 { group: 32 }),
             "int4-g64" => Ok(DenseQuant::Int4 { group: 64 }),
             "int4-g128" => Ok(DenseQuant::Int4 { group: 128 }),
-            other => Err(format!("unknown dense format `{other}` (expected bf16, int8, int4-g32, int4-g64 or int4-g128)")),
+            "int6-g32" => Ok(DenseQuant::Int6 { group: 32 }),
+            "int6-g64" => Ok(DenseQuant::Int6 { group: 64 }),
+            "int6-g128" => Ok(DenseQuant::Int6 { group: 128 }),
+            other => Err(format!("unknown dense format `{other}` (expected bf16, int8, int4-g32, int4-g64, int4-g128, int6-g32, int6-g64 or int6-g128)")),
         }
     }
     pub fn name(self) -> String {
@@ -62,6 +70,7 @@ impl DenseQuant {
             DenseQuant::Bf16 => "bf16".into(),
             DenseQuant::Int8 => "int8".into(),
             DenseQuant::Int4 { group } => format!("int4-g{group}"),
+            DenseQuant::Int6 { group } => format!("int6-g{group}"),
         }
     }
 
@@ -86,7 +95,7 @@ impl DenseQuant {
 
 const HEAD_SEPARATOR: &str = "+head-";
 
-pub use shimmer_experts::weights::{int4_scale_name, INT8_SCALE_SUFFIX};
+pub use shimmer_experts::weights::{int4_scale_name, int6_hi_name, int6_scale_name, INT8_SCALE_SUFFIX};
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConvertOptions {
@@ -215,6 +224,11 @@ enum DenseKind {
     /// Quantised int4 in groups of `group` values of a row of `cols` (the stored shape is in
     /// bytes; its scales are the next entry).
     Int4 { group: usize, cols: usize },
+    /// Quantised int6 likewise: its low nibbles (int4's layout); its top bits and its scales are
+    /// the next two entries.
+    Int6 { group: usize, cols: usize },
+    /// The top bits of the int6 matrix before.
+    TopBits,
     /// The scales of the quantised matrix before.
     Scales,
 }
@@ -270,22 +284,24 @@ fn plan_dense(ckpt: &Checkpoint, spec: &ModelSpec, dense_quant: DenseQuant, head
             Some(h) if name == head => (h, true),
             _ => (dense_quant, false),
         };
-        let int4_group = match format {
-            DenseQuant::Int4 { group } if chosen_apart || !embedding_or_head.contains(&name) => Some(group),
+        // int4 and int6 (the embedding and the head only where chosen apart): packed nibbles,
+        // int6's top bits, f16 group scales.
+        let grouped = match format {
+            DenseQuant::Int4 { group } | DenseQuant::Int6 { group } if chosen_apart || !embedding_or_head.contains(&name) => Some(group),
             _ => None,
         };
-        if let (true, true, Some(group)) = (quantisable, float, int4_group) {
+        if let (true, true, Some(group)) = (quantisable, float, grouped) {
             let (rows, cols) = (shape[0], shape[1]);
             let (bpr, gpr) = (quant::QuantMatrix::bytes_per_row_int4(cols), quant::QuantMatrix::groups_per_row(cols, group));
+            let six = matches!(format, DenseQuant::Int6 { .. });
+            let kind = if six { DenseKind::Int6 { group, cols } } else { DenseKind::Int4 { group, cols } };
+            plans.push(DensePlan { name: name.to_string(), dtype: "U8", shape: vec![rows, bpr], bytes: (rows * bpr) as u64, kind });
+            if six {
+                let hpr = quant::Int6Matrix::hi_bytes_per_row(cols);
+                plans.push(DensePlan { name: int6_hi_name(name), dtype: "U8", shape: vec![rows, hpr], bytes: (rows * hpr) as u64, kind: DenseKind::TopBits });
+            }
             plans.push(DensePlan {
-                name: name.to_string(),
-                dtype: "U8",
-                shape: vec![rows, bpr],
-                bytes: (rows * bpr) as u64,
-                kind: DenseKind::Int4 { group, cols },
-            });
-            plans.push(DensePlan {
-                name: int4_scale_name(name, group),
+                name: if six { int6_scale_name(name, group) } else { int4_scale_name(name, group) },
                 dtype: "F16",
                 shape: vec![rows, gpr],
                 bytes: (rows * gpr * 2) as u64,
@@ -338,8 +354,9 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
     let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
     let entries: Vec<_> = plans.iter().map(|p| (p.name.clone(), p.dtype, p.shape.clone(), p.bytes)).collect();
     out.write_all(&safetensors_header(&entries, "shimmer-dense")).map_err(io(&tmp))?;
-    // The scales of the quantised matrix just written, as their little-endian bytes.
+    // The scales (and int6's top bits) of the quantised matrix just written, as their bytes.
     let mut pending_scales: Option<Vec<u8>> = None;
+    let mut pending_top_bits: Option<Vec<u8>> = None;
     for p in plans {
         let bytes: Vec<u8> = match p.kind {
             DenseKind::Copy => ckpt.raw(&p.name)?.bytes.to_vec(),
@@ -370,6 +387,18 @@ fn write_dense(ckpt: &Checkpoint, plans: &[DensePlan], fp8_block: usize, path: &
                     _ => unreachable!("int4 quantisation returns int4"),
                 }
             }
+            DenseKind::Int6 { group, cols } => {
+                let rows = p.shape[0];
+                let w = tensor_f32(ckpt, &p.name, &[rows, cols], fp8_block)?;
+                let m = quant::quantize_int6(&w, rows, cols, group);
+                if !m.scales.iter().all(|s| quant::int4_scale_ok(*s)) {
+                    return Err(LoadError::Tensor { path: ckpt.dir().to_path_buf(), tensor: p.name.clone(), problem: INT6_RANGE.into() });
+                }
+                pending_scales = Some(m.scales.iter().flat_map(|s| s.to_le_bytes()).collect());
+                pending_top_bits = Some(m.hi);
+                m.lo
+            }
+            DenseKind::TopBits => pending_top_bits.take().unwrap_or_default(),
             DenseKind::Scales => pending_scales.take().unwrap_or_default(),
         };
         if bytes.len() as u64 != p.bytes {
@@ -613,7 +642,16 @@ mod tests {
     /// naming an unknown head format is refused with the head named.
     #[test]
     fn manifest_names_round_trip_and_bad_ones_are_named() {
-        let all = [DenseQuant::Bf16, DenseQuant::Int8, DenseQuant::Int4 { group: 32 }, DenseQuant::Int4 { group: 64 }, DenseQuant::Int4 { group: 128 }];
+        let all = [
+            DenseQuant::Bf16,
+            DenseQuant::Int8,
+            DenseQuant::Int4 { group: 32 },
+            DenseQuant::Int4 { group: 64 },
+            DenseQuant::Int4 { group: 128 },
+            DenseQuant::Int6 { group: 32 },
+            DenseQuant::Int6 { group: 64 },
+            DenseQuant::Int6 { group: 128 },
+        ];
         for layers in all {
             assert_eq!(DenseQuant::parse_manifest(&layers.manifest_name(None)), Ok((layers, None)));
             for head in all {
