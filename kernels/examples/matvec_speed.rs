@@ -4,7 +4,7 @@
 //!     cargo run --release -p shimmer-kernels --example matvec_speed [rows] [cols]
 use std::time::Instant;
 
-use shimmer_common::quant::{quantize_int4, quantize_int8, quantize_mxfp4};
+use shimmer_common::quant::{quantize_int4, quantize_int6, quantize_int8, quantize_mxfp4};
 use shimmer_kernels::{Activations, Matrix, WeightData};
 
 fn main() {
@@ -24,6 +24,7 @@ fn main() {
         ("int8/f32a", Matrix::from_quant(quantize_int8(&w, rows, cols)).with_activations(Activations::F32)),
         ("int4-g32", Matrix::from_quant(quantize_int4(&w, rows, cols, 32))),
         ("int4/f32a", Matrix::from_quant(quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32)),
+        ("int6-g32", Matrix::from_int6(quantize_int6(&w, rows, cols, 32))),
         ("mxfp4", Matrix::from_quant(quantize_mxfp4(&w, rows, cols))),
         ("mxfp4/f32a", Matrix::from_quant(quantize_mxfp4(&w, rows, cols)).with_activations(Activations::F32)),
         ("fp8-b128", fp8(&w, rows, cols)),

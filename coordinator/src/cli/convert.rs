@@ -16,13 +16,14 @@ pub(super) struct ConvertArgs {
     /// Routed experts' format: bf16, int8, int4-g32, int4-g64, int4-g128, mxfp4.
     #[arg(long)]
     pub(super) quant: Option<String>,
-    /// Dense weights' format: bf16, int8, or int4-g32/g64/g128 (the layers' matrices; embedding
-    /// and LM head int8).
+    /// Dense weights' format: bf16, int8, int4-g32/g64/g128 or int6-g32/g64/g128 (the layers'
+    /// matrices; embedding and LM head int8).
     #[arg(long)]
     pub(super) dense_quant: Option<String>,
     /// The LM head's format where it should differ (the embedding's too where the model ties
-    /// them): bf16, int8, or int4-g32/g64/g128. Default: int8 with int8 or int4 dense weights,
-    /// bf16 with bf16 (as llama-quantize's `--output-tensor-type`).
+    /// them): bf16, int8, int4-g32/g64/g128 or int6-g32/g64/g128 (llama.cpp's Q4_0 keeps a 6-bit
+    /// head). Default: int8 with int8 or int4 dense weights, bf16 with bf16 (as llama-quantize's
+    /// `--output-tensor-type`).
     #[arg(long)]
     pub(super) head_quant: Option<String>,
     /// A GGUF's tensors as: exact (F32/F16/BF16 kept, quantised types as f32, so every value is
