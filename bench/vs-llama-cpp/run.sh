@@ -7,8 +7,9 @@
 # source package of llama-cpp-python (pinned), makes a ~1.6B-parameter random Qwen3-MoE model with a
 # tokenizer the converter knows, converts it (and the demo model) to GGUF Q8_0 / Q4_0 with
 # llama.cpp's tools and to shimmer containers int8 / int4-g32 (dense int8) and int4-g32 with dense
-# int4-g32 (Q4_0's 4.5 bits a weight; embedding and head int8; against Q4_0 too) and the same with a
-# 6-bit head (int4-g32+int4-g32+int6-g32: Q4_0's layout, whose head is Q6_K), then alternates the
+# int4-g32 (Q4_0's 4.5 bits a weight; embedding and head int8; against Q4_0 too) and int4-g128
+# experts with int6-g32 dense weights and head (int4-g128+int6-g32+int6-g32: Q4_0's bytes a token,
+# of better quality than Q4_0 on the demo), then alternates the
 # two engines RUNS times per format on the same prompt length and thread count and prints the
 # shimmer ÷ llama.cpp ratios for prefill and decode (min / median / max), and for the aggregate
 # decode of PARALLEL sequences at once (llama-batched-bench -npl against shimmer bench --parallel).
@@ -54,7 +55,7 @@ for model in m1b demo; do
   for q in Q8_0 Q4_0; do
     [ -f "$WORK/$model.$q.gguf" ] || "$BIN/llama-quantize" "$WORK/$model.bf16.gguf" "$WORK/$model.$q.gguf" "$q" "$THREADS" >/dev/null 2>&1
   done
-  for q in int8 int4-g32 int4-g32+int4-g32 int4-g32+int4-g32+int6-g32; do
+  for q in int8 int4-g32 int4-g32+int4-g32 int4-g128+int6-g32+int6-g32; do
     # A finished conversion asked again is a no-op; one this build cannot read (an older container
     # version) is converted again. `q` is EXPERTS[+DENSE[+HEAD]] (dense int8 where not given).
     IFS=+ read -r experts dense head <<< "$q"
@@ -71,7 +72,7 @@ RESULTS="$WORK/results.jsonl"
 for model in m1b demo; do
   # A shimmer format is the experts' quantisation, then `+` and the dense weights' where not int8,
   # then `+` and the LM head's where chosen apart.
-  for pair in "Q8_0 int8" "Q4_0 int4-g32" "Q4_0 int4-g32+int4-g32" "Q4_0 int4-g32+int4-g32+int6-g32"; do
+  for pair in "Q8_0 int8" "Q4_0 int4-g32" "Q4_0 int4-g32+int4-g32" "Q4_0 int4-g128+int6-g32+int6-g32"; do
     set -- $pair
     for i in $(seq "$RUNS"); do
       say "$model $1 vs $2, run $i/$RUNS"
@@ -102,7 +103,7 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"shimmer ÷ llama.cpp, {sys.argv[2]} threads (min / median / max over paired runs; batched: {sys.argv[3]} sequences, all of them)")
 print(f"{'model':6} {'format':26} {'test':8} {'llama.cpp tok/s':>16} {'shimmer tok/s':>14} {'ratio min/med/max':>22} {'shimmer of roofline':>20}")
 for model in ("m1b", "demo"):
-    for fmt in ("Q8_0 / int8", "Q4_0 / int4-g32", "Q4_0 / int4-g32+int4-g32", "Q4_0 / int4-g32+int4-g32+int6-g32"):
+    for fmt in ("Q8_0 / int8", "Q4_0 / int4-g32", "Q4_0 / int4-g32+int4-g32", "Q4_0 / int4-g128+int6-g32+int6-g32"):
         for test in ("prefill", "decode", "batched"):
             l = [r["tok_s"] for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "llama.cpp", test)]
             s = [r for r in rows if (r["model"], r["format"], r["engine"], r["test"]) == (model, fmt, "shimmer", test)]
