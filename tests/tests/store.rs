@@ -363,13 +363,13 @@ fn a_six_bit_head_is_stored_loaded_and_closer_than_int4() {
     assert!(e.contains(head) && e.contains("negative"), "{e}");
 }
 
-/// Every family's fixture converts with int8 and with int4 dense weights and runs: a family's 2-D
+/// Every family's fixture converts with int8, int4 and int6 dense weights and runs: a family's 2-D
 /// tensors that are not weight matrices (DeepSeek-V4's position tables, Inkling's convolution
 /// taps and clip scales) stay floats, as its loader reads them.
 #[test]
 fn every_family_runs_from_a_container_with_quantised_dense_weights() {
     for name in fixtures() {
-        for dense_quant in [DenseQuant::Int8, DenseQuant::Int4 { group: 32 }] {
+        for dense_quant in [DenseQuant::Int8, DenseQuant::Int4 { group: 32 }, DenseQuant::Int6 { group: 64 }] {
             let out = tempfile::tempdir().unwrap();
             let options = ConvertOptions { expert_quant: QuantScheme::Int8PerRow, dense_quant, head_quant: None };
             convert(&fixture(name), out.path(), options, &mut |_| {}).unwrap_or_else(|e| panic!("{name} {}: {e}", dense_quant.name()));
