@@ -34,6 +34,8 @@ struct Acts {
     corr: Vec<i32>,
     /// Per row and chunk, by lane: its block's `d`.
     d8: Vec<f32>,
+    /// The same for int8 weights' lanes (`lane8`).
+    d8_int8: Vec<f32>,
     /// Plain: `q` and `d` by element and block (the scalar definition's).
     q: Vec<i8>,
     d: Vec<f32>,
@@ -43,7 +45,7 @@ fn acts(q: Vec<i8>, d: Vec<f32>, cols: usize) -> Acts {
     let n = q.len() / cols;
     let chunks = cols / CHUNK;
     let mut split = vec![0i8; q.len()];
-    let (mut corr, mut d8) = (vec![0i32; n * chunks * 8], vec![0.0f32; n * chunks * 8]);
+    let (mut corr, mut d8, mut d8_int8) = (vec![0i32; n * chunks * 8], vec![0.0f32; n * chunks * 8], vec![0.0f32; n * chunks * 8]);
     for r in 0..n {
         for s in 0..cols / 64 {
             for t in 0..32 {
@@ -59,11 +61,12 @@ fn acts(q: Vec<i8>, d: Vec<f32>, cols: usize) -> Acts {
                     let sum: i32 = q[start..start + 16].iter().map(|v| *v as i32).sum();
                     corr[(r * chunks + c) * 8 + lane(kb, t)] = -8 * sum;
                     d8[(r * chunks + c) * 8 + lane(kb, t)] = d[r * cols / 32 + b];
+                    d8_int8[(r * chunks + c) * 8 + lane8(kb, t)] = d[r * cols / 32 + b];
                 }
             }
         }
     }
-    Acts { n, split, corr, d8, q, d }
+    Acts { n, split, corr, d8, d8_int8, q, d }
 }
 
 /// The trial order in plain code: weight row `packed` (`cols / 2` bytes), its block scales.
@@ -90,6 +93,34 @@ fn dot_scalar(packed: &[u8], scales: &[f32], a: &Acts, k: usize, cols: usize) ->
         }
     }
     acc[0]
+}
+
+/// int8 weights (`q8`, a scale per row) in the trial order: the same half-block sums, in lane
+/// `kb + 4t` (where two rounds of `vphaddd` over a chunk's four blocks leave them); the row scale
+/// multiplies the reduced sum.
+const fn lane8(kb: usize, t: usize) -> usize {
+    kb + 4 * t
+}
+
+fn dot8_scalar(w: &[i8], scale: f32, a: &Acts, k: usize, cols: usize) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for c in 0..cols / CHUNK {
+        for kb in 0..4 {
+            let b = 4 * c + kb;
+            let d = a.d[k * cols / 32 + b];
+            for t in 0..2 {
+                let h: i32 = (32 * b + 16 * t..32 * b + 16 * t + 16).map(|i| w[i] as i32 * a.q[k * cols + i] as i32).sum();
+                let l = lane8(kb, t);
+                acc[l] = d.mul_add(h as f32, acc[l]);
+            }
+        }
+    }
+    for s in [4, 2, 1] {
+        for l in 0..s {
+            acc[l] += acc[l + s];
+        }
+    }
+    scale * acc[0]
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -138,6 +169,57 @@ mod avx2 {
             *o = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
         }
         out
+    }
+
+    /// int8: one weight row against `N` activation rows, `|w|` times `q` with `w`'s sign (no
+    /// pair of products reaches i16's limit), two rounds of `vphaddd` a chunk.
+    #[inline(always)]
+    unsafe fn row8_against<const N: usize>(w: *const i8, scale: f32, a: &Acts, ks: [usize; N], cols: usize) -> [f32; N] {
+        let ones = _mm256_set1_epi16(1);
+        let chunks = cols / CHUNK;
+        let mut acc = [_mm256_setzero_ps(); N];
+        for c in 0..chunks {
+            let at = |kb: usize| w.add(c * CHUNK + 32 * kb) as *const __m256i;
+            let wv = [_mm256_loadu_si256(at(0)), _mm256_loadu_si256(at(1)), _mm256_loadu_si256(at(2)), _mm256_loadu_si256(at(3))];
+            let wabs = [_mm256_abs_epi8(wv[0]), _mm256_abs_epi8(wv[1]), _mm256_abs_epi8(wv[2]), _mm256_abs_epi8(wv[3])];
+            for (j, k) in ks.iter().enumerate() {
+                let q = a.q.as_ptr().add(k * cols + c * CHUNK);
+                macro_rules! block {
+                    ($kb:expr) => {{
+                        let x = _mm256_loadu_si256(q.add(32 * $kb) as *const __m256i);
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[$kb], _mm256_sign_epi8(x, wv[$kb])), ones)
+                    }};
+                }
+                let h = _mm256_hadd_epi32(_mm256_hadd_epi32(block!(0), block!(1)), _mm256_hadd_epi32(block!(2), block!(3)));
+                let d = _mm256_loadu_ps(a.d8_int8.as_ptr().add((k * chunks + c) * 8));
+                acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(h), acc[j]);
+            }
+        }
+        let mut out = [0.0f32; N];
+        for (o, v) in out.iter_mut().zip(acc) {
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+            *o = scale * _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
+        }
+        out
+    }
+
+    /// `matmul_t` for int8 rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn matmul8_t(q8: &[i8], row_scales: &[f32], rows: usize, cols: usize, a: &Acts, out: &mut [f32]) {
+        let n = a.n;
+        for r in 0..rows {
+            let (w, sc) = (q8.as_ptr().add(r * cols), row_scales[r]);
+            let mut k = 0;
+            while k + 4 <= n {
+                out[r * n + k..r * n + k + 4].copy_from_slice(&row8_against::<4>(w, sc, a, [k, k + 1, k + 2, k + 3], cols));
+                k += 4;
+            }
+            while k < n {
+                out[r * n + k] = row8_against::<1>(w, sc, a, [k], cols)[0];
+                k += 1;
+            }
+        }
     }
 
     /// `out[r · n + k] = row r · activation row k`, each weight row against four activation rows a
@@ -238,6 +320,35 @@ fn main() {
             best_of_batches(macs, || qdot::qmatmul_t(&m, &rowsq, 0, &mut base))
         };
         let t_trial = best_of_batches(macs, || trial(&mut out));
+        println!(
+            "round {round}: kernels' order ({}) {:6.2}   trial order (avx2, 1 × 4) {:6.2}",
+            qdot::int_isa().name(),
+            macs / t_base / 1e9,
+            macs / t_trial / 1e9
+        );
+    }
+
+    // int8 weights, the same way.
+    let q8: Vec<i8> = (0..rows * cols).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
+    let row_scales: Vec<f32> = (0..rows).map(|_| 0.001 + (next() % 1000) as f32 * 1e-5).collect();
+    let want8: Vec<f32> = (0..rows * n).map(|i| dot8_scalar(&q8[(i / n) * cols..], row_scales[i / n], &a, i % n, cols)).collect();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as above.
+    let trial8 = |out: &mut [f32]| unsafe { avx2::matmul8_t(&q8, &row_scales, rows, cols, &a, out) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let trial8 = |_: &mut [f32]| {};
+    trial8(&mut out);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&out), bits(&want8), "the AVX2 int8 trial is not its scalar definition");
+    let m8 = QMatrix::int8(&q8, &row_scales, rows, cols);
+    println!("int8, the same:");
+    for round in 0..5 {
+        let t_base = if n == 1 {
+            best_of_batches(macs, || qdot::qmatvec(&m8, &rowsq[0], 0, &mut base))
+        } else {
+            best_of_batches(macs, || qdot::qmatmul_t(&m8, &rowsq, 0, &mut base))
+        };
+        let t_trial = best_of_batches(macs, || trial8(&mut out));
         println!(
             "round {round}: kernels' order ({}) {:6.2}   trial order (avx2, 1 × 4) {:6.2}",
             qdot::int_isa().name(),
