@@ -15,9 +15,11 @@
 //! block): the half-block sum `H(b, t) = Σ w·q` over elements `32b + 16t .. 32b + 16t + 16`
 //! (exact, i32), in lane `2·[0, 2, 1, 3][b mod 4] + t` (where `vphaddd` leaves it):
 //! `acc[lane] = fma(ws_b · d_b, H(b, t), acc[lane])`; at the end `acc` reduced by 4, 2, 1.
-use std::time::Instant;
+#[path = "common/timing.rs"]
+mod timing;
 
 use shimmer_kernels::qdot::{self, QMatrix, QuantRows};
+use timing::best_of_batches;
 
 const CHUNK: usize = 128;
 /// Lane of block `kb` of a chunk, half `t`: where `vphaddd` of the two 32-byte halves puts it.
@@ -163,12 +165,17 @@ mod avx2 {
         }
         let mut out = [0.0f32; N];
         for (o, v) in out.iter_mut().zip(acc) {
-            // s = 4 (the halves), 2, 1.
-            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-            *o = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
+            *o = reduce8(v);
         }
         out
+    }
+
+    /// Eight lanes reduced by s = 4 (the halves), 2, 1.
+    #[inline(always)]
+    unsafe fn reduce8(v: __m256) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
     }
 
     /// int8: one weight row against `N` activation rows, `|w|` times `q` with `w`'s sign (no
@@ -197,9 +204,7 @@ mod avx2 {
         }
         let mut out = [0.0f32; N];
         for (o, v) in out.iter_mut().zip(acc) {
-            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-            *o = scale * _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
+            *o = scale * reduce8(v);
         }
         out
     }
@@ -311,22 +316,8 @@ fn main() {
     let m = QMatrix::int4(&packed, &scale_bits, 32, rows, cols);
     let mut base = vec![0.0f32; rows * n];
     let macs = (rows * cols * n) as f64;
-    println!("{rows}×{cols} int4-g32 against {n} activation rows, one thread, GMAC/s (best of ten batches), {} rounds alternating:", 5);
-    for round in 0..5 {
-        // One activation row: the kernels' matvec loop (what decode runs), not the matmul's.
-        let t_base = if n == 1 {
-            best_of_batches(macs, || qdot::qmatvec(&m, &rowsq[0], 0, &mut base))
-        } else {
-            best_of_batches(macs, || qdot::qmatmul_t(&m, &rowsq, 0, &mut base))
-        };
-        let t_trial = best_of_batches(macs, || trial(&mut out));
-        println!(
-            "round {round}: kernels' order ({}) {:6.2}   trial order (avx2, 1 × 4) {:6.2}",
-            qdot::int_isa().name(),
-            macs / t_base / 1e9,
-            macs / t_trial / 1e9
-        );
-    }
+    println!("{rows}×{cols} against {n} activation rows, one thread, GMAC/s (best of ten batches), five rounds alternating:");
+    race("int4-g32", &m, &rowsq, &mut base, macs, || trial(&mut out));
 
     // int8 weights, the same way.
     let q8: Vec<i8> = (0..rows * cols).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
@@ -341,34 +332,24 @@ fn main() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&out), bits(&want8), "the AVX2 int8 trial is not its scalar definition");
     let m8 = QMatrix::int8(&q8, &row_scales, rows, cols);
-    println!("int8, the same:");
+    race("int8", &m8, &rowsq, &mut base, macs, || trial8(&mut out));
+}
+
+/// Five rounds of the kernels' own product (`macs` multiply-adds a call) (`qmatvec` for one activation row, what decode runs;
+/// `qmatmul_t` otherwise) against `trial`, alternating.
+fn race(label: &str, m: &QMatrix<'_>, rows: &[qdot::QRow<'_>], out: &mut [f32], macs: f64, mut trial: impl FnMut()) {
     for round in 0..5 {
-        let t_base = if n == 1 {
-            best_of_batches(macs, || qdot::qmatvec(&m8, &rowsq[0], 0, &mut base))
+        let t_base = if rows.len() == 1 {
+            best_of_batches(macs, || qdot::qmatvec(m, &rows[0], 0, out))
         } else {
-            best_of_batches(macs, || qdot::qmatmul_t(&m8, &rowsq, 0, &mut base))
+            best_of_batches(macs, || qdot::qmatmul_t(m, rows, 0, out))
         };
-        let t_trial = best_of_batches(macs, || trial8(&mut out));
+        let t_trial = best_of_batches(macs, &mut trial);
         println!(
-            "round {round}: kernels' order ({}) {:6.2}   trial order (avx2, 1 × 4) {:6.2}",
+            "{label} round {round}: kernels' order ({}) {:6.2}   trial order (avx2, 1 × 4) {:6.2}",
             qdot::int_isa().name(),
             macs / t_base / 1e9,
             macs / t_trial / 1e9
         );
     }
-}
-
-/// Seconds per call of `f`: the best of ten batches of about 0.1 G multiply-adds each.
-fn best_of_batches(macs_per_call: f64, mut f: impl FnMut()) -> f64 {
-    f();
-    let reps = (1e8 / macs_per_call).ceil().max(2.0) as usize;
-    (0..10)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..reps {
-                f();
-            }
-            t.elapsed().as_secs_f64() / reps as f64
-        })
-        .fold(f64::INFINITY, f64::min)
 }

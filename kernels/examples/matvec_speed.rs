@@ -2,7 +2,10 @@
 //! pool: GB/s of weights streamed. A measuring tool, not a test.
 //!
 //!     cargo run --release -p shimmer-kernels --example matvec_speed [rows] [cols]
-use std::time::Instant;
+#[path = "common/timing.rs"]
+mod timing;
+
+use timing::best_of_batches;
 
 use shimmer_common::quant::{quantize_int4, quantize_int6, quantize_int8, quantize_mxfp4};
 use shimmer_kernels::{Activations, Matrix, WeightData};
@@ -58,22 +61,6 @@ fn main() {
         let dt = best_of_batches(2.0 * macs, || shimmer_kernels::matrix::matmul_pair(m, m, &xs, &mut outs, &mut outs2, false));
         println!("{name:10} pair×{n} 1 thread   {:7.2} ms  {:6.2} GMAC/s", dt * 1e3, 2.0 * macs / dt / 1e9);
     }
-}
-
-/// Seconds per call of `f`: the best of ten batches of about 0.1 G multiply-adds each, so a
-/// neighbour's burst on a shared machine costs a batch, not the figure.
-fn best_of_batches(macs_per_call: f64, mut f: impl FnMut()) -> f64 {
-    f();
-    let reps = (1e8 / macs_per_call).ceil().max(2.0) as usize;
-    (0..10)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..reps {
-                f();
-            }
-            t.elapsed().as_secs_f64() / reps as f64
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 /// `w` as block-scaled fp8 (128×128 blocks, each scaled so its largest value is 448).
