@@ -14,36 +14,30 @@
 //! scale `s[32b / group]` for int4 and int6, and
 //! `2^(e_b − 128)` for MXFP4 (the e8m0 scale halved, exactly).
 //!
-//! **The canonical order** over 32 f32 lanes. Each block's 32 products form eight exact partial
-//! sums of four, and the sums go to lanes by a format's layout:
+//! **The canonical order.** Each block's products form exact partial sums (in i32), each of
+//! which takes one FMA with the block's factor into a lane; the lanes are then reduced in a fixed
+//! tree:
 //!
-//! ```text
-//! acc[l] = 0 for l in 0..32
-//! for each block b, for each of its eight groups g of four elements:
-//!     p = Σ_{i ∈ g} w[i] · q[i]                                 (exact, in i32)
-//!     acc[lane(b, g)] = fma(f_b, p, acc[lane(b, g)])
-//! for s in [16, 8, 4, 2, 1]:   acc[l] = acc[l] + acc[l + s]   for l < s
-//! result = acc[0]  (× the row scale for int8)
-//! ```
-//!
-//! - **int8** (bytes in element order): group `j < 8` is elements `32b + 4j .. 32b + 4j + 4`,
-//!   lane `8·(b mod 4) + j`.
+//! - **int8** (bytes in element order), 32 lanes: group `g < 8` of block `b` is elements
+//!   `32b + 4g .. +4`, `p = Σ w·q` over it, `acc[8·(b mod 4) + g] = fma(f_b, p, acc[…])`; then
+//!   `acc[l] += acc[l + s]` for `s` in 16, 8, 4, 2, 1; result `acc[0]` × the row scale.
 //! - **4-bit formats** (int4, MXFP4, and int6 by its low nibbles: two elements a byte, the even
-//!   one in the low nibble): group
-//!   `(h, j)`, `h ∈ {0, 1}` the nibble and `j < 4`, is elements `32b + 2·(4j + t) + h` for `t < 4`
-//!   — the low (or high) nibbles of four consecutive bytes — lane `16h + 4·(b mod 4) + j`. So a
-//!   vector of packed bytes masked to its low nibbles, or shifted to its high ones, is a run of
-//!   whole groups in lane order: no interleaving of nibbles, and one vector of block factors
-//!   serves both halves. The activations are laid out to match once per row (`QRow`).
+//!   one in the low nibble), 8 lanes: half `t ∈ {0, 1}` of block `b` is elements
+//!   `32b + 16t .. +16`, `p = Σ w·q` over it, `acc[nibble_lane(b mod 4, t)] = fma(f_b, p, acc[…])`
+//!   (`nibble_lane(kb, t) = 2·[0, 2, 1, 3][kb] + t`); then `s` in 4, 2, 1. Two sums a block
+//!   instead of eight: on AVX2 the 4-bit products ran at about half the multiply-adds per second
+//!   with eight (`kernels/examples/block_order.rs`, `docs/benchmarks.md`). The activations are
+//!   laid out once per row (`QRow`): per chunk the even elements then the odd ones, so a vector
+//!   of packed bytes masked to its low nibbles, or shifted to its high ones, meets them in place,
+//!   and each lane's offset sum and factor in lane order.
 //!
-//! The integer partial sums are exact in any order, so ISAs are free in how they form them
-//! (`vpdpbusd` with the activations offset to unsigned for int8, and with the 4-bit weights
-//! offset to unsigned and the offset's sum over the activations taken back for int4, int6 and
-//! MXFP4 (int6's −32 is four times int4's −8);
-//! `pmaddubsw`; `smull` and pairwise adds); the floating-point steps are the same everywhere.
-//! Eight partial sums of four products per block are what one `vpdpbusd` gives, so no ISA
-//! reduces horizontally before the end. `tests` below check every ISA the machine has against
-//! `qdot_scalar`, bit for bit.
+//! Within a lane the FMAs go block after block (`b`, `b + 4`, `b + 8`, …). The integer partial
+//! sums are exact in any order, so ISAs are free in how they form them (`vpdpbusd` with the
+//! activations offset to unsigned for int8, and with the 4-bit weights offset to unsigned and the
+//! offset's sum over the activations taken back for int4, int6 and MXFP4 — int6's −32 is four
+//! times int4's −8; `pmaddubsw`, `pmaddwd` and one `vphaddd` a chunk; `smull` and pairwise adds);
+//! the floating-point steps are the same everywhere. `tests` below check every ISA the machine
+//! has against `qdot_scalar`, bit for bit.
 //!
 //! Must never: take f32/bf16/f16/fp8 weights (checkpoints run as they are keep `dot.rs`'s exact
 //! path), reorder the floating-point steps, or depend on which other rows share a call.
@@ -62,15 +56,25 @@ const BLOCKS_PER_CHUNK: usize = 4;
 /// Values per chunk; quantised rows are padded to a multiple of it.
 pub const CHUNK: usize = QBLOCK * BLOCKS_PER_CHUNK;
 const QLANES: usize = 32;
+/// Lanes of the 4-bit formats' order: a chunk's eight half-block sums.
+pub(crate) const NLANES: usize = 8;
+
+/// The 4-bit formats' lane of half `t` of block `kb` of a chunk: `2·[0, 2, 1, 3][kb] + t`, where
+/// one `vphaddd` of a chunk's two 32-byte halves leaves it on AVX2 (the other ISAs put their sums
+/// there).
+#[inline(always)]
+pub(crate) const fn nibble_lane(kb: usize, t: usize) -> usize {
+    2 * [0, 2, 1, 3][kb] + t
+}
 
 /// Activation rows quantised to int8 per block of 32, laid out back to back. Row `i` holds, for
 /// int8 weights, `padded` bytes of `q + 128` (so `vpdpbusd` can take them as its unsigned side;
 /// padding is 128, i.e. `q = 0`); for 4-bit weights, per chunk of 128 values, `q` of its 64 even
-/// elements then of its 64 odd ones (the nibble layout; padding 0) and each lane's `Σ q` times
-/// −8 and −12 (the int4 and MXFP4 offsets taken back); the `padded / 32` block scales (padding
-/// 0), each again eight times over (`scales8`: one per int8 lane) and four times over (`scales4`:
-/// one per 4-bit lane of a half), so vector code loads a block's factor instead of
-/// broadcasting it.
+/// elements then of its 64 odd ones (the nibble layout; padding 0) and each 4-bit lane's `Σ q`
+/// (over its sixteen elements) times −8 and −12 (the int4 and MXFP4 offsets taken back); the
+/// `padded / 32` block scales (padding 0), each again eight times over (`scales8`: one per int8
+/// lane) and by 4-bit lane (`lane_scales`: eight a chunk, `nibble_lane`'s order), so vector code
+/// loads a block's factor instead of broadcasting it.
 #[derive(Debug, Default, Clone)]
 pub struct QuantRows {
     n: usize,
@@ -82,7 +86,7 @@ pub struct QuantRows {
     neg12: AlignedVec<i32>,
     scales: Vec<f32>,
     scales8: AlignedVec<f32>,
-    scales4: AlignedVec<f32>,
+    lane_scales: AlignedVec<f32>,
 }
 
 /// One quantised activation row.
@@ -93,8 +97,8 @@ pub struct QRow<'a> {
     biased: &'a [u8],
     /// `q` in the 4-bit layout: per chunk, the 64 even elements then the 64 odd ones.
     split: &'a [i8],
-    /// Per 4-bit lane (32 a chunk: the even half's 16, then the odd half's), `−8 · Σ q` and
-    /// `−12 · Σ q` over its four elements (for `vpdpbusd`/`pmaddubsw`; NEON multiplies signed).
+    /// Per 4-bit lane (eight a chunk, `nibble_lane`'s order), `−8 · Σ q` and `−12 · Σ q` over
+    /// its sixteen elements (for `vpdpbusd`/`pmaddubsw`; NEON multiplies signed).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     neg8: &'a [i32],
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -103,8 +107,8 @@ pub struct QRow<'a> {
     scales: &'a [f32],
     /// `d_b` eight times over, `padded / 4` values.
     scales8: &'a [f32],
-    /// `d_b` four times over, `padded / 8` values.
-    scales4: &'a [f32],
+    /// `d_b` by 4-bit lane, eight a chunk (`padded / 16` values).
+    lane_scales: &'a [f32],
 }
 
 impl QRow<'_> {
@@ -164,25 +168,26 @@ impl QuantRows {
         for (d, o) in self.scales.iter().zip(self.scales8.chunks_exact_mut(8)) {
             o.fill(*d);
         }
-        self.scales4.clear();
+        self.lane_scales.clear();
         self.split.clear();
         self.neg8.clear();
         self.neg12.clear();
         if !nibbles {
             return;
         }
-        self.scales4.clear();
-        self.scales4.resize(self.scales.len() * 4, 0.0);
-        for (d, o) in self.scales.iter().zip(self.scales4.chunks_exact_mut(4)) {
-            o.fill(*d);
+        self.lane_scales.resize(self.scales.len() * 2, 0.0);
+        for (d, o) in self.scales.chunks_exact(BLOCKS_PER_CHUNK).zip(self.lane_scales.chunks_exact_mut(NLANES)) {
+            for (kb, v) in d.iter().enumerate() {
+                (o[nibble_lane(kb, 0)], o[nibble_lane(kb, 1)]) = (*v, *v);
+            }
         }
         // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
         self.split.clear();
         self.split.resize(rows * padded, 0);
         self.neg8.clear();
-        self.neg8.resize(rows * padded / 4, 0);
+        self.neg8.resize(rows * padded / 16, 0);
         self.neg12.clear();
-        self.neg12.resize(rows * padded / 4, 0);
+        self.neg12.resize(rows * padded / 16, 0);
         nibble_layout_with(int_isa(), &self.biased, &mut self.split, &mut self.neg8, &mut self.neg12);
     }
 
@@ -192,18 +197,18 @@ impl QuantRows {
 
     pub fn row(&self, r: usize) -> QRow<'_> {
         let p = self.padded;
-        let (b, q, e) = (p / QBLOCK, p / 4, p / 8);
+        let (b, q, e) = (p / QBLOCK, p / 4, p / 16);
         // Without the 4-bit layout its slices are empty (`QRow::has_nibbles`).
         let part = |v: usize| if self.split.is_empty() { 0..0 } else { r * v..(r + 1) * v };
         QRow {
             n: self.n,
             biased: &self.biased[r * p..(r + 1) * p],
             split: &self.split[part(p)],
-            neg8: &self.neg8[part(q)],
-            neg12: &self.neg12[part(q)],
+            neg8: &self.neg8[part(e)],
+            neg12: &self.neg12[part(e)],
             scales: &self.scales[r * b..(r + 1) * b],
             scales8: &self.scales8[r * q..(r + 1) * q],
-            scales4: &self.scales4[part(e)],
+            lane_scales: &self.lane_scales[part(e)],
         }
     }
 }
@@ -212,33 +217,46 @@ impl QuantRows {
 /// scalar one otherwise).
 pub(crate) fn nibble_layout_with(isa: IntIsa, biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
     assert!(isa.available(), "{} is not available here", isa.name());
-    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 16 && neg12.len() >= biased.len() / 16);
     match isa {
         // SAFETY (both): the ISA is available (asserted); the buffers are whole chunks (asserted).
         #[cfg(target_arch = "x86_64")]
-        IntIsa::Avx512Vnni => unsafe { x86::nibble_layout_avx512vnni(biased, split, neg8, neg12) },
+        IntIsa::Avx512Vnni => {
+            unsafe { x86::nibble_split_avx512vnni(biased, split) };
+            nibble_lane_sums(biased, neg8, neg12);
+        }
         #[cfg(target_arch = "x86_64")]
-        IntIsa::Avx2 | IntIsa::AvxVnni => unsafe { x86::nibble_layout_avx2(biased, split, neg8, neg12) },
+        IntIsa::Avx2 | IntIsa::AvxVnni => {
+            unsafe { x86::nibble_split_avx2(biased, split) };
+            nibble_lane_sums(biased, neg8, neg12);
+        }
         _ => nibble_layout_scalar(biased, split, neg8, neg12),
     }
 }
 
+/// Each 4-bit lane's `Σ q` (sixteen consecutive elements: half `t` of block `kb`) times −8 and
+/// −12, in `nibble_lane`'s order, from whole chunks of `q + 128` bytes.
+fn nibble_lane_sums(biased: &[u8], neg8: &mut [i32], neg12: &mut [i32]) {
+    for ((chunk, n8), n12) in biased.chunks_exact(CHUNK).zip(neg8.chunks_exact_mut(NLANES)).zip(neg12.chunks_exact_mut(NLANES)) {
+        for (h, sixteen) in chunk.chunks_exact(16).enumerate() {
+            let sum = sixteen.iter().map(|b| *b as i32).sum::<i32>() - 16 * 128;
+            let l = nibble_lane(h / 2, h % 2);
+            (n8[l], n12[l]) = (-8 * sum, -12 * sum);
+        }
+    }
+}
+
 /// The 4-bit layout of whole chunks of `q + 128` bytes (`QuantRows`): per chunk the 64 even
-/// elements' `q`, then the 64 odd ones', and per lane of four the sum of its `q` times −8 and
-/// −12. The definition the vector builds are held to (integers: exact either way).
+/// elements' `q`, then the 64 odd ones', and per 4-bit lane the sum of its sixteen `q` times −8
+/// and −12. The definition the vector builds are held to (integers: exact either way).
 pub(crate) fn nibble_layout_scalar(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
-    for ((chunk, split), (n8, n12)) in
-        biased.chunks_exact(CHUNK).zip(split.chunks_exact_mut(CHUNK)).zip(neg8.chunks_exact_mut(QLANES).zip(neg12.chunks_exact_mut(QLANES)))
-    {
+    for (chunk, split) in biased.chunks_exact(CHUNK).zip(split.chunks_exact_mut(CHUNK)) {
         for (k, pair) in chunk.chunks_exact(2).enumerate() {
             split[k] = (pair[0] ^ 0x80) as i8;
             split[CHUNK / 2 + k] = (pair[1] ^ 0x80) as i8;
         }
-        for (l, four) in split.chunks_exact(4).enumerate() {
-            let sum: i32 = four.iter().map(|q| *q as i32).sum();
-            (n8[l], n12[l]) = (-8 * sum, -12 * sum);
-        }
     }
+    nibble_lane_sums(biased, neg8, neg12);
 }
 
 /// `xs` (whole rows of `n` values) quantised as every product of this module quantises them, in
@@ -799,41 +817,37 @@ fn reduce(mut acc: [f32; QLANES]) -> f32 {
     acc[0]
 }
 
-/// Element `t` of group `g` (of eight) of block `b`, in the int8 or the 4-bit layout.
-fn group_element(nibbles: bool, b: usize, g: usize, t: usize) -> usize {
-    if nibbles {
-        b * QBLOCK + 2 * (4 * (g % 4) + t) + g / 4
-    } else {
-        b * QBLOCK + 4 * g + t
-    }
-}
-
-/// The lane group `g` of block `b` accumulates in.
-fn group_lane(nibbles: bool, b: usize, g: usize) -> usize {
-    if nibbles {
-        16 * (g / 4) + 4 * (b % BLOCKS_PER_CHUNK) + g % 4
-    } else {
-        8 * (b % BLOCKS_PER_CHUNK) + g
-    }
-}
-
 /// The definition, in plain code.
 pub fn qdot_scalar(w: &WeightRow<'_>, x: &QRow<'_>) -> f32 {
     let n = w.len();
     assert_eq!(x.n, n, "activation row and weight row differ in length");
-    let nibbles = !matches!(w, WeightRow::Int8 { .. });
+    if !matches!(w, WeightRow::Int8 { .. }) {
+        // The 4-bit formats: two half-block sums of sixteen products a block.
+        let mut acc = [0.0f32; NLANES];
+        for b in 0..n.div_ceil(QBLOCK) {
+            let f = weight_factor(w, b) * x.scale(b);
+            for t in 0..2 {
+                let start = b * QBLOCK + 16 * t;
+                let p: i32 = (start..(start + 16).min(n)).map(|i| weight_int(w, i) * x.q(i) as i32).sum();
+                let l = nibble_lane(b % BLOCKS_PER_CHUNK, t);
+                acc[l] = f.mul_add(p as f32, acc[l]);
+            }
+        }
+        for s in [4, 2, 1] {
+            for l in 0..s {
+                acc[l] += acc[l + s];
+            }
+        }
+        return acc[0];
+    }
     let mut acc = [0.0f32; QLANES];
     for b in 0..n.div_ceil(QBLOCK) {
         let f = weight_factor(w, b) * x.scale(b);
+        // Group `g` is elements `32b + 4g .. +4`, lane `8·(b mod 4) + g`.
         for g in 0..8 {
-            let mut p = 0i32;
-            for t in 0..4 {
-                let i = group_element(nibbles, b, g, t);
-                if i < n {
-                    p += weight_int(w, i) * x.q(i) as i32;
-                }
-            }
-            let l = group_lane(nibbles, b, g);
+            let start = b * QBLOCK + 4 * g;
+            let p: i32 = (start..(start + 4).min(n)).map(|i| weight_int(w, i) * x.q(i) as i32).sum();
+            let l = 8 * (b % BLOCKS_PER_CHUNK) + g;
             acc[l] = f.mul_add(p as f32, acc[l]);
         }
     }

@@ -61,20 +61,23 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(fmt: Fmt, rows: 
             }
         }
         Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
+            // The 8-lane order (`qdot.rs`): block `kb` of a chunk is packed bytes 16·kb .. +16,
+            // its low nibbles the even elements, its high ones the odd; `dot4x4` of both gives
+            // four sums of eight elements, pairs of which are the block's half sums. Lanes 0–3
+            // (one register) are blocks 0 and 2's halves, lanes 4–7 blocks 1 and 3's.
             let (mask, eight, top, thirty_two) = (vdupq_n_u8(0x0f), vdupq_n_s8(8), vdupq_n_u8(0x30), vdupq_n_s8(32));
             let lut = vld1q_s8(E2M1_TWICE.as_ptr());
             let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
-            // Block `kb` of chunk `c` (16 packed bytes): its low nibbles are lanes 4·kb .. 4·kb + 4
-            // (register kb), its high nibbles lanes 16 + 4·kb .. (register 4 + kb).
             for c in 0..full + usize::from(full * CHUNK < n) {
                 for m in 0..M {
                     let tail = (c == full).then(|| rows[m].tail(fmt, n, c * CHUNK));
                     let base = tail.as_ref().map_or(rows[m].data.add(c * CHUNK / 2), |t| t.0.as_ptr());
-                    for kb in 0..4 {
-                        let wf = tail.as_ref().map_or_else(|| rows[m].factor(fmt, 4 * c + kb), |t| t.1[kb]);
+                    let wf: [f32; 4] = tail.as_ref().map_or_else(|| std::array::from_fn(|kb| rows[m].factor(fmt, 4 * c + kb)), |t| t.1);
+                    let mut w = [[vdupq_n_s8(0); 2]; 4];
+                    for (kb, wk) in w.iter_mut().enumerate() {
                         let v = vld1q_u8(base.add(16 * kb));
                         let (lo, hi) = (vandq_u8(v, mask), vshrq_n_u8::<4>(v));
-                        let w = if mx {
+                        *wk = if mx {
                             [vqtbl1q_s8(lut, lo), vqtbl1q_s8(lut, hi)]
                         } else if i6 {
                             // The top bits of these 16 bytes' elements (`quant::Int6Matrix`):
@@ -87,18 +90,30 @@ pub(super) unsafe fn qdots_neon<const M: usize, const N: usize>(fmt: Fmt, rows: 
                         } else {
                             [vsubq_s8(vreinterpretq_s8_u8(lo), eight), vsubq_s8(vreinterpretq_s8_u8(hi), eight)]
                         };
-                        let wfv = vdupq_n_f32(wf);
-                        for k in 0..N {
-                            let f = vmulq_f32(wfv, vld1q_f32(xs[k].scales4.as_ptr().add(c * 16 + 4 * kb)));
-                            for h in 0..2 {
-                                let q = vld1q_s8(xs[k].split.as_ptr().add(c * CHUNK + 64 * h + 16 * kb));
-                                let p = dot4x4(w[h], q);
-                                acc[m][k][4 * h + kb] = vfmaq_f32(acc[m][k][4 * h + kb], f, vcvtq_f32_s32(p));
-                            }
+                    }
+                    let ws = [vld1q_f32([wf[0], wf[0], wf[2], wf[2]].as_ptr()), vld1q_f32([wf[1], wf[1], wf[3], wf[3]].as_ptr())];
+                    for k in 0..N {
+                        let q = xs[k].split.as_ptr().add(c * CHUNK);
+                        let sums: [int32x4_t; 4] =
+                            std::array::from_fn(|kb| vaddq_s32(dot4x4(w[kb][0], vld1q_s8(q.add(16 * kb))), dot4x4(w[kb][1], vld1q_s8(q.add(64 + 16 * kb)))));
+                        let p = [vpaddq_s32(sums[0], sums[2]), vpaddq_s32(sums[1], sums[3])];
+                        for (h, ph) in p.into_iter().enumerate() {
+                            let d = vld1q_f32(xs[k].lane_scales.as_ptr().add(c * 8 + 4 * h));
+                            acc[m][k][h] = vfmaq_f32(acc[m][k][h], vmulq_f32(ws[h], d), vcvtq_f32_s32(ph));
                         }
                     }
                 }
             }
+            let mut out = [[0.0f32; N]; M];
+            for m in 0..M {
+                for k in 0..N {
+                    // s = 4 (the two registers), 2, 1.
+                    let v4 = vaddq_f32(acc[m][k][0], acc[m][k][1]);
+                    let pair = vadd_f32(vget_low_f32(v4), vget_high_f32(v4));
+                    out[m][k] = vget_lane_f32::<0>(pair) + vget_lane_f32::<1>(pair);
+                }
+            }
+            return out;
         }
     }
     let mut out = [[0.0f32; N]; M];

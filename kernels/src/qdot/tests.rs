@@ -452,12 +452,12 @@ fn the_plain_layout_holds_what_the_products_read() {
 fn the_nibble_layout_on_every_isa_is_the_scalar_layout() {
     let chunks = 5;
     let biased: Vec<u8> = (0..chunks * CHUNK).map(|i| if i % 97 == 3 { 0 } else { (i * 131 + i / 7) as u8 }).collect();
-    let (mut split, mut neg8, mut neg12) = (vec![0i8; biased.len()], vec![0i32; biased.len() / 4], vec![0i32; biased.len() / 4]);
+    let (mut split, mut neg8, mut neg12) = (vec![0i8; biased.len()], vec![0i32; biased.len() / 16], vec![0i32; biased.len() / 16]);
     nibble_layout_scalar(&biased, &mut split, &mut neg8, &mut neg12);
     assert_eq!(split[CHUNK / 2 + 1], (biased[3] ^ 0x80) as i8, "the odd half starts at element 1");
     assert!(neg8.iter().any(|v| *v != 0) && neg8.iter().zip(&neg12).all(|(a, b)| 3 * a == 2 * b));
     for isa in IntIsa::all_available() {
-        let (mut s2, mut n8, mut n12) = (vec![1i8; biased.len()], vec![1i32; biased.len() / 4], vec![1i32; biased.len() / 4]);
+        let (mut s2, mut n8, mut n12) = (vec![1i8; biased.len()], vec![1i32; biased.len() / 16], vec![1i32; biased.len() / 16]);
         nibble_layout_with(isa, &biased, &mut s2, &mut n8, &mut n12);
         assert_eq!((&s2, &n8, &n12), (&split, &neg8, &neg12), "{}", isa.name());
     }

@@ -1,15 +1,19 @@
-//! The integer dot (`qdot.rs`) on x86-64: AVX-512 VNNI keeps the 32 canonical lanes in two
-//! registers, AVX2 and AVX-VNNI in four; both form each group's partial sum exactly in i32 and
-//! then take the same floating-point steps. int8 weights meet the activations offset to
-//! unsigned (`q + 128`, the offset's sum over the weights taken back per vector); 4-bit weights
-//! are the unsigned side themselves (int4's nibble, MXFP4's `2·e2m1 + 12`), masked or shifted out
-//! of their bytes into whole groups, against the activations' 4-bit layout, the offset's sum
-//! over the activations (`neg8`, `neg12`) being where each sum starts.
+//! The integer dot (`qdot.rs`) on x86-64. int8: AVX-512 VNNI keeps the 32 canonical lanes in
+//! two registers, AVX2 and AVX-VNNI in four, each group's partial sum formed exactly in i32, the
+//! weights meeting the activations offset to unsigned (`q + 128`, the offset's sum over the
+//! weights taken back per vector) or, on AVX2, `|w|` meeting `q` with `w`'s sign. The 4-bit
+//! formats: the weights are the unsigned side themselves (int4's nibble, int6's six bits,
+//! MXFP4's `2·e2m1 + 12`), masked or shifted out of their bytes against the activations' even
+//! and odd runs; a chunk's sums of eight elements are paired into its eight half-block sums
+//! (`vphaddd` on 256-bit registers; `vpsrlq` + `vpaddd` + `vpmovqd` + `vpermq` on 512-bit ones),
+//! the offset's sums over the activations (`neg8`, `neg12`) added, and one convert and one FMA
+//! go into one 256-bit accumulator a dot product — so an AVX2 pass takes a weight row against
+//! four activation rows.
 //!
-//! Must never: reduce partial sums horizontally before the end, or fuse `f_b`'s product into
-//! the FMA (both would change the bits).
+//! Must never: reduce the float lanes before the end, or fuse `f_b`'s product into the FMA
+//! (both would change the bits).
 
-use super::{group_index, Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, QBLOCK, QLANES};
+use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, NLANES};
 use crate::dot::x86::{reduce256, reduce512, PREFETCH_AHEAD};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
@@ -24,18 +28,6 @@ fn byte_mask(len: usize) -> u64 {
     }
 }
 
-/// Four block factors spread over a 4-bit half's lanes: lane `L = 4·kb + j` takes block `kb`'s.
-#[inline(always)]
-unsafe fn spread4(f: __m128) -> __m512 {
-    let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f))
-}
-
-#[inline(always)]
-unsafe fn per_block_512(f: [f32; 4]) -> __m512 {
-    spread4(_mm_setr_ps(f[0], f[1], f[2], f[3]))
-}
-
 /// Four int4 scales (f16 bits) as f32, exactly as `quant::int4_scale` decodes each (`vcvtph2ps`
 /// is exact for every f16, subnormals included, whatever MXCSR says).
 #[inline(always)]
@@ -43,17 +35,26 @@ unsafe fn int4_scales4(p: *const u16) -> __m128 {
     _mm_cvtph_ps(_mm_loadl_epi64(p as *const __m128i))
 }
 
-/// The four weight factors of chunk `c` as `per_block_512` lays them out, without scalar code
-/// for the common int4 groups.
+/// A chunk's four block factors (one per block `kb`) in the 4-bit lanes' order: lane
+/// `nibble_lane(kb, t)` takes block `kb`'s, i.e. `[f0, f0, f2, f2, f1, f1, f3, f3]`.
 #[inline(always)]
-unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
+unsafe fn by_lane(f: __m128) -> __m256 {
+    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3))
+}
+
+/// The four weight factors of 4-bit chunk `c`, by lane (`by_lane`), without scalar code for the
+/// common groups.
+#[inline(always)]
+unsafe fn factors8(fmt: Fmt, row: &RawRow, c: usize) -> __m256 {
     match fmt {
-        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => spread4(int4_scales4((row.scales as *const u16).add(4 * c))),
+        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => by_lane(int4_scales4((row.scales as *const u16).add(4 * c))),
         Fmt::Int4 { group: 64 } | Fmt::Int6 { group: 64 } => {
+            // Blocks 0 and 1 take the first scale, 2 and 3 the second: [s0, s0, s1, s1] twice.
             let s = (row.scales as *const u16).add(2 * c);
-            _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(int4_scale(s.read_unaligned())), _mm512_set1_ps(int4_scale(s.add(1).read_unaligned())))
+            let (s0, s1) = (int4_scale(s.read_unaligned()), int4_scale(s.add(1).read_unaligned()));
+            _mm256_setr_ps(s0, s0, s1, s1, s0, s0, s1, s1)
         }
-        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => _mm512_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned())),
+        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => _mm256_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned())),
         Fmt::Mxfp4 => {
             // `half_e8m0` of the chunk's four e8m0 bytes at once: (e − 1) << 23, the subnormal
             // 1 << (21 + e) for e ≤ 1, NaN for 255.
@@ -62,36 +63,21 @@ unsafe fn factors_512(fmt: Fmt, row: &RawRow, c: usize) -> __m512 {
             let subnormal = _mm_sllv_epi32(_mm_set1_epi32(1), _mm_add_epi32(e, _mm_set1_epi32(21)));
             let bits = _mm_blendv_epi8(normal, subnormal, _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
             let bits = _mm_blendv_epi8(bits, _mm_set1_epi32(f32::NAN.to_bits() as i32), _mm_cmpeq_epi32(e, _mm_set1_epi32(255)));
-            spread4(_mm_castsi128_ps(bits))
+            by_lane(_mm_castsi128_ps(bits))
         }
         _ => {
             let b = 4 * c;
-            per_block_512([row.factor(fmt, b), row.factor(fmt, b + 1), row.factor(fmt, b + 2), row.factor(fmt, b + 3)])
+            by_lane(_mm_setr_ps(row.factor(fmt, b), row.factor(fmt, b + 1), row.factor(fmt, b + 2), row.factor(fmt, b + 3)))
         }
     }
 }
 
-/// The four weight factors of the row's last, partial chunk from `start`, as `factors_512` lays
-/// them out. int4's come from one masked load of the f16 scales the row still has (a block past
-/// the row takes its group's scale, or 0 past the last group: either way finite, and its
-/// integer sum is 0 — its weights and activations are padding — so it adds exactly nothing,
-/// as `RawRow::tail_factors`' 0 does); the other formats take `tail_factors`.
+/// The factors of the row's last, partial chunk from `start`, by lane: 0 for blocks past the
+/// row (`RawRow::tail_factors`), whose sums are 0 — `fma(0, 0, acc) = acc`, `acc` never −0.
 #[inline(always)]
-unsafe fn tail_factors_512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m512 {
-    match fmt {
-        Fmt::Int4 { group } | Fmt::Int6 { group } if matches!(group, 32 | 64 | 128) => {
-            let first = group_index(start, group);
-            let live = (group_index(n + group - 1, group) - first).min(group_index(CHUNK, group));
-            let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const i16).add(first));
-            let f = _mm_cvtph_ps(_mm512_castsi512_si128(bits));
-            match group {
-                32 => spread4(f),
-                64 => _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(f)),
-                _ => _mm512_broadcastss_ps(f),
-            }
-        }
-        _ => per_block_512(row.tail_factors(fmt, n, start)),
-    }
+unsafe fn tail_factors8(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m256 {
+    let f = row.tail_factors(fmt, n, start);
+    by_lane(_mm_setr_ps(f[0], f[1], f[2], f[3]))
 }
 
 /// int6's top bits of one chunk (the 32 bytes at `hi`) at bits 4–5 of the bytes its low nibbles
@@ -115,165 +101,74 @@ unsafe fn top_bits512(hi: *const u8) -> (__m512i, __m512i) {
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // m and k also index the accumulators
 unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
+    if fmt != Fmt::Int8 {
+        return nibbles512::<M, N>(fmt, rows, n, xs);
+    }
     let full = n / CHUNK;
     let mut acc = [[[_mm512_setzero_ps(); 2]; N]; M];
     let zero = _mm512_setzero_si512();
-    match fmt {
-        Fmt::Int8 => {
-            let bias = _mm512_set1_epi8(-128);
-            // One chunk of row `m`: its 128 weights in two vectors, its blocks' factors `wsv` (1
-            // for live blocks, 0 for padding; the whole chunks below take `d` itself, `1 · d = d`),
-            // its first `halves` halves. `Σ (q + 128)·w − 128·Σ w` is the signed sum `vpdpbusd`
-            // cannot take directly.
-            macro_rules! step {
-                ($m:expr, $c:expr, $wv:expr, $wsv:expr, $halves:expr) => {{
-                    let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
-                    for h in 0..$halves {
-                        let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
-                        for k in 0..N {
-                            let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
-                            let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
-                            let dv = _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h));
-                            let f = _mm512_mul_ps(wsv[h], dv);
-                            acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
-                        }
-                    }
-                }};
-            }
-            for c in 0..full {
-                // As the 4-bit formats' loop below: every row's chunk (and its correction) first,
-                // then each activation row loaded once for all of them; per (m, k) the same
-                // operations in the same order as `step!`.
-                let (mut wv, mut corr) = ([[zero; 2]; M], [[zero; 2]; M]);
-                for m in 0..M {
-                    let base = rows[m].data.add(c * CHUNK);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
-                    wv[m] = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
-                    corr[m] = [_mm512_dpbusd_epi32(zero, bias, wv[m][0]), _mm512_dpbusd_epi32(zero, bias, wv[m][1])];
-                }
-                for k in 0..N {
-                    for h in 0..2 {
+    {
+        let bias = _mm512_set1_epi8(-128);
+        // One chunk of row `m`: its 128 weights in two vectors, its blocks' factors `wsv` (1
+        // for live blocks, 0 for padding; the whole chunks below take `d` itself, `1 · d = d`),
+        // its first `halves` halves. `Σ (q + 128)·w − 128·Σ w` is the signed sum `vpdpbusd`
+        // cannot take directly.
+        macro_rules! step {
+            ($m:expr, $c:expr, $wv:expr, $wsv:expr, $halves:expr) => {{
+                let (m, c, wv, wsv): (usize, usize, [__m512i; 2], [__m512; 2]) = ($m, $c, $wv, $wsv);
+                for h in 0..$halves {
+                    let corr = _mm512_dpbusd_epi32(zero, bias, wv[h]);
+                    for k in 0..N {
                         let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
+                        let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[h]), corr);
                         let dv = _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h));
-                        for m in 0..M {
-                            let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[m][h]), corr[m][h]);
-                            acc[m][k][h] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(p), acc[m][k][h]);
-                        }
+                        let f = _mm512_mul_ps(wsv[h], dv);
+                        acc[m][k][h] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p), acc[m][k][h]);
                     }
                 }
+            }};
+        }
+        for c in 0..full {
+            // As the 4-bit formats' loop below: every row's chunk (and its correction) first,
+            // then each activation row loaded once for all of them; per (m, k) the same
+            // operations in the same order as `step!`.
+            let (mut wv, mut corr) = ([[zero; 2]; M], [[zero; 2]; M]);
+            for m in 0..M {
+                let base = rows[m].data.add(c * CHUNK);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
+                wv[m] = [_mm512_loadu_si512(base as *const __m512i), _mm512_loadu_si512(base.add(64) as *const __m512i)];
+                corr[m] = [_mm512_dpbusd_epi32(zero, bias, wv[m][0]), _mm512_dpbusd_epi32(zero, bias, wv[m][1])];
             }
-            if full * CHUNK < n {
-                // The last, partial chunk read in place with masked loads (bytes past the row
-                // read as 0 and never touched, so the row may end where its allocation does).
-                let (start, len) = (full * CHUNK, n - full * CHUNK);
-                let (k0, k1) = (byte_mask(len), byte_mask(len.saturating_sub(64)));
-                // A chunk of at most 64 live bytes (the demo's down projection: 64 columns) has an
-                // all-padding upper half: skipped, its accumulators stay +0, which is exactly what
-                // the half would have added (weights and factors 0, `fma` into +0).
-                let halves = if len > 64 { 2 } else { 1 };
-                for m in 0..M {
-                    let base = rows[m].data.add(start);
-                    let wf = rows[m].tail_factors(fmt, n, start);
-                    // Padding blocks' factors are 0 (their weights are 0 and activations q = 0).
-                    let wsv = [
-                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[0]), _mm512_set1_ps(wf[1])),
-                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[2]), _mm512_set1_ps(wf[3])),
-                    ];
-                    step!(
-                        m,
-                        full,
-                        [_mm512_maskz_loadu_epi8(k0, base as *const i8), _mm512_maskz_loadu_epi8(k1, base.wrapping_add(64) as *const i8)],
-                        wsv,
-                        halves
-                    );
+            for k in 0..N {
+                for h in 0..2 {
+                    let xb = _mm512_loadu_si512(xs[k].biased.as_ptr().add(c * CHUNK + 64 * h) as *const __m512i);
+                    let dv = _mm512_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 16 * h));
+                    for m in 0..M {
+                        let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xb, wv[m][h]), corr[m][h]);
+                        acc[m][k][h] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(p), acc[m][k][h]);
+                    }
                 }
             }
         }
-        Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
-            let mask = _mm512_set1_epi8(0x0f);
-            let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
-            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-            // The weights of chunk `c` of row `m` (its 64 packed bytes `x`), unsigned: its low
-            // nibbles are the even half's 16 lanes of groups, its high nibbles the odd half's;
-            // int6 adds each element's top bits at bits 4–5 (`top_bits512`).
-            macro_rules! decode {
-                ($m:expr, $c:expr, $x:expr) => {{
-                    let x: __m512i = $x;
-                    let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
-                    if mx {
-                        (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
-                    }
-                    if i6 {
-                        let (even, odd) = top_bits512(rows[$m].hi.add($c * 32));
-                        (lo, hi) = (_mm512_or_si512(lo, even), _mm512_or_si512(hi, odd));
-                    }
-                    (lo, hi)
-                }};
-            }
-            // The offset's sum over the activations, as the weights' offset needs it: −8 (int4),
-            // −12 (MXFP4), −32 = 4 · −8 (int6).
-            macro_rules! neg {
-                ($k:expr, $c:expr, $h:expr) => {{
-                    let at = $c * 32 + 16 * $h;
-                    if mx {
-                        _mm512_loadu_si512(xs[$k].neg12.as_ptr().add(at) as *const __m512i)
-                    } else if i6 {
-                        _mm512_slli_epi32::<2>(_mm512_loadu_si512(xs[$k].neg8.as_ptr().add(at) as *const __m512i))
-                    } else {
-                        _mm512_loadu_si512(xs[$k].neg8.as_ptr().add(at) as *const __m512i)
-                    }
-                }};
-            }
-            // One chunk of row `m` (its 64 packed bytes `x`).
-            macro_rules! step {
-                ($m:expr, $c:expr, $x:expr, $wsv:expr) => {{
-                    let (m, c, x, wsv): (usize, usize, __m512i, __m512) = ($m, $c, $x, $wsv);
-                    let (lo, hi) = decode!(m, c, x);
-                    for k in 0..N {
-                        let q = xs[k].split.as_ptr().add(c * CHUNK);
-                        let pe = _mm512_dpbusd_epi32(neg!(k, c, 0), lo, _mm512_loadu_si512(q as *const __m512i));
-                        let po = _mm512_dpbusd_epi32(neg!(k, c, 1), hi, _mm512_loadu_si512(q.add(64) as *const __m512i));
-                        let f = _mm512_mul_ps(wsv, _mm512_loadu_ps(xs[k].scales4.as_ptr().add(c * 16)));
-                        acc[m][k][0] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(pe), acc[m][k][0]);
-                        acc[m][k][1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(po), acc[m][k][1]);
-                    }
-                }};
-            }
-            for c in 0..full {
-                // Every row's chunk decoded first, then each activation row loaded once for all of
-                // them (per (m, k) the same operations in the same order as `step!`): with the
-                // activation loads inside the row loop, the compiler kept all N rows' activations
-                // live at once and spilled the accumulators (int4 prefill ran at 0.77 of int8's).
-                let (mut lo, mut hi, mut wsv) = ([zero; M], [zero; M], [_mm512_setzero_ps(); M]);
-                for m in 0..M {
-                    let base = rows[m].data.add(c * CHUNK / 2);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
-                    (lo[m], hi[m]) = decode!(m, c, _mm512_loadu_si512(base as *const __m512i));
-                    wsv[m] = factors_512(fmt, &rows[m], c);
-                }
-                for k in 0..N {
-                    let q = xs[k].split.as_ptr().add(c * CHUNK);
-                    let (q0, q1) = (_mm512_loadu_si512(q as *const __m512i), _mm512_loadu_si512(q.add(64) as *const __m512i));
-                    let (n0, n1) = (neg!(k, c, 0), neg!(k, c, 1));
-                    let d = _mm512_loadu_ps(xs[k].scales4.as_ptr().add(c * 16));
-                    for m in 0..M {
-                        let pe = _mm512_dpbusd_epi32(n0, lo[m], q0);
-                        let po = _mm512_dpbusd_epi32(n1, hi[m], q1);
-                        let f = _mm512_mul_ps(wsv[m], d);
-                        acc[m][k][0] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(pe), acc[m][k][0]);
-                        acc[m][k][1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(po), acc[m][k][1]);
-                    }
-                }
-            }
-            if full * CHUNK < n {
-                // The last, partial chunk in place, as int8's.
-                let start = full * CHUNK;
-                let k = byte_mask(n.div_ceil(2) - start / 2);
-                for m in 0..M {
-                    let x = _mm512_maskz_loadu_epi8(k, rows[m].data.add(start / 2) as *const i8);
-                    step!(m, full, x, tail_factors_512(fmt, &rows[m], n, start));
-                }
+        if full * CHUNK < n {
+            // The last, partial chunk read in place with masked loads (bytes past the row
+            // read as 0 and never touched, so the row may end where its allocation does).
+            let (start, len) = (full * CHUNK, n - full * CHUNK);
+            let (k0, k1) = (byte_mask(len), byte_mask(len.saturating_sub(64)));
+            // A chunk of at most 64 live bytes (the demo's down projection: 64 columns) has an
+            // all-padding upper half: skipped, its accumulators stay +0, which is exactly what
+            // the half would have added (weights and factors 0, `fma` into +0).
+            let halves = if len > 64 { 2 } else { 1 };
+            for m in 0..M {
+                let base = rows[m].data.add(start);
+                let wf = rows[m].tail_factors(fmt, n, start);
+                // Padding blocks' factors are 0 (their weights are 0 and activations q = 0).
+                let wsv = [
+                    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[0]), _mm512_set1_ps(wf[1])),
+                    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wf[2]), _mm512_set1_ps(wf[3])),
+                ];
+                step!(m, full, [_mm512_maskz_loadu_epi8(k0, base as *const i8), _mm512_maskz_loadu_epi8(k1, base.wrapping_add(64) as *const i8)], wsv, halves);
             }
         }
     }
@@ -288,53 +183,99 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     out
 }
 
-/// Whether rows of `n` values go two to a vector (`short_pair512`): int4 and MXFP4 rows of one
-/// half-empty chunk (int6's top bits are not laid out for it; its rows take `core512`).
+/// `core512` for the 4-bit formats (`qdot.rs`'s 8-lane order): per chunk, `vpdpbusd` of the low
+/// nibbles (the even elements) and then of the high ones into sixteen sums of eight elements,
+/// pairs of them added (`vpsrlq` + `vpaddd`) and packed to the eight half-block sums
+/// (`vpmovqd`, block-major), put in lane order (`vpermq`), the offset's sums added; then one
+/// convert and one FMA into a 256-bit accumulator a dot product.
 #[inline(always)]
-fn short_pairs(fmt: Fmt, n: usize) -> bool {
-    matches!(fmt, Fmt::Int4 { .. } | Fmt::Mxfp4) && n <= CHUNK / 2
-}
-
-/// `core512::<2, N>` for 4-bit rows of at most 64 values (the demo's expert down projection):
-/// such a row is one partial chunk whose upper half is padding, so the two rows share each
-/// vector — row A's 32 bytes low, row B's high, the activations' live half broadcast to both —
-/// and both rows' live lanes are reduced at once. Each live lane takes the same operations as in
-/// `core512`; the padding lanes there are exactly +0 (factor × 0, then `fma` into +0), so their
-/// s = 8 step is kept as `+ 0.0` (it turns a −0 sum into +0 as the scalar tree does).
-#[inline(always)]
-unsafe fn short_pair512<const N: usize>(fmt: Fmt, rows: [RawRow; 2], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; 2] {
-    debug_assert!(short_pairs(fmt, n));
+#[allow(clippy::needless_range_loop)] // m and k also index the accumulators
+unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
+    let full = n / CHUNK;
+    let mut acc = [[_mm256_setzero_ps(); N]; M];
+    let zero = _mm512_setzero_si512();
     let mask = _mm512_set1_epi8(0x0f);
-    let mx = fmt == Fmt::Mxfp4;
-    let live = byte_mask(n.div_ceil(2));
-    let a = _mm512_maskz_loadu_epi8(live, rows[0].data as *const i8);
-    let b = _mm512_maskz_loadu_epi8(live, rows[1].data as *const i8);
-    let x = _mm512_inserti64x4::<1>(a, _mm512_castsi512_si256(b));
-    let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
-    if mx {
-        let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-        (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
+    let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
+    // The weights of chunk `c` of row `m` (its 64 packed bytes `x`), unsigned: the low nibbles
+    // (even elements) and the high ones (odd); int6 adds each element's top bits at bits 4–5.
+    macro_rules! decode {
+        ($m:expr, $c:expr, $x:expr) => {{
+            let x: __m512i = $x;
+            let (mut lo, mut hi) = (_mm512_and_si512(x, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(x), mask));
+            if mx {
+                (lo, hi) = (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi));
+            }
+            if i6 {
+                let (even, odd) = top_bits512(rows[$m].hi.add($c * 32));
+                (lo, hi) = (_mm512_or_si512(lo, even), _mm512_or_si512(hi, odd));
+            }
+            (lo, hi)
+        }};
     }
-    // Lanes 0–7 of each row's factors: A's in the low half, B's in the high.
-    let wsv = _mm512_shuffle_f32x4::<0x44>(tail_factors_512(fmt, &rows[0], n, 0), tail_factors_512(fmt, &rows[1], n, 0));
-    let twice = |p: *const u8| _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
-    let mut out = [[0.0f32; N]; 2];
-    for k in 0..N {
-        let q = xs[k].split.as_ptr();
-        let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() };
-        let d = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs[k].scales4.as_ptr()))));
-        let pe = _mm512_dpbusd_epi32(twice(neg as *const u8), lo, twice(q as *const u8));
-        let po = _mm512_dpbusd_epi32(twice(neg.add(16) as *const u8), hi, twice(q.add(64) as *const u8));
-        let f = _mm512_mul_ps(wsv, d);
-        let zero = _mm512_setzero_ps();
-        let even = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(pe), zero);
-        let odd = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(po), zero);
-        let t8 = _mm512_add_ps(_mm512_add_ps(even, odd), zero); // s = 16, then s = 8 against padding
-        let t4 = _mm512_add_ps(t8, _mm512_shuffle_f32x4::<0xF5>(t8, t8)); // lanes l + 4 of each row
-        let t2 = _mm512_add_ps(t4, _mm512_permute_ps::<0xEE>(t4));
-        let t1 = _mm512_add_ps(t2, _mm512_permute_ps::<0x01>(t2));
-        out[0][k] = _mm512_cvtss_f32(t1);
-        out[1][k] = _mm_cvtss_f32(_mm512_extractf32x4_ps::<2>(t1));
+    // The offset's sums by lane: −8 (int4), −12 (MXFP4), −32 = 4 · −8 (int6).
+    macro_rules! neg {
+        ($k:expr, $c:expr) => {{
+            let at = $c * NLANES;
+            if mx {
+                _mm256_loadu_si256(xs[$k].neg12.as_ptr().add(at) as *const __m256i)
+            } else if i6 {
+                _mm256_slli_epi32::<2>(_mm256_loadu_si256(xs[$k].neg8.as_ptr().add(at) as *const __m256i))
+            } else {
+                _mm256_loadu_si256(xs[$k].neg8.as_ptr().add(at) as *const __m256i)
+            }
+        }};
+    }
+    // Chunk `c` of row `m` (`lo`, `hi` decoded, `wsv` its factors by lane) against row `k`.
+    macro_rules! step {
+        ($m:expr, $k:expr, $c:expr, $lo:expr, $hi:expr, $wsv:expr) => {{
+            let (m, k, c): (usize, usize, usize) = ($m, $k, $c);
+            let q = xs[k].split.as_ptr().add(c * CHUNK);
+            let v = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(zero, $lo, _mm512_loadu_si512(q as *const __m512i)),
+                $hi,
+                _mm512_loadu_si512(q.add(64) as *const __m512i),
+            );
+            // Lanes 2j and 2j + 1 hold elements 16j .. 16j + 16: their sum is half-block j.
+            let halves = _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64::<32>(v)));
+            // Block-major (b0t0, b0t1, b1t0, …) to lane order: the middle quadwords swap.
+            let p = _mm256_add_epi32(_mm256_permute4x64_epi64::<0b11_01_10_00>(halves), neg!(k, c));
+            let f = _mm256_mul_ps($wsv, _mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
+            acc[m][k] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[m][k]);
+        }};
+    }
+    for c in 0..full {
+        let (mut lo, mut hi, mut wsv) = ([zero; M], [zero; M], [_mm256_setzero_ps(); M]);
+        for m in 0..M {
+            let base = rows[m].data.add(c * CHUNK / 2);
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
+            (lo[m], hi[m]) = decode!(m, c, _mm512_loadu_si512(base as *const __m512i));
+            wsv[m] = factors8(fmt, &rows[m], c);
+        }
+        for k in 0..N {
+            for m in 0..M {
+                step!(m, k, c, lo[m], hi[m], wsv[m]);
+            }
+        }
+    }
+    if full * CHUNK < n {
+        // The last, partial chunk in place (bytes past the row read as 0, never touched; the
+        // top bits are whole chunks).
+        let start = full * CHUNK;
+        let live = byte_mask(n.div_ceil(2) - start / 2);
+        for m in 0..M {
+            let (lo, hi) = decode!(m, full, _mm512_maskz_loadu_epi8(live, rows[m].data.add(start / 2) as *const i8));
+            let wsv = tail_factors8(fmt, &rows[m], n, start);
+            for k in 0..N {
+                step!(m, k, full, lo, hi, wsv);
+            }
+        }
+    }
+    let mut out = [[0.0f32; N]; M];
+    for m in 0..M {
+        for k in 0..N {
+            out[m][k] = reduce256(acc[m][k]);
+        }
     }
     out
 }
@@ -349,20 +290,6 @@ pub(super) unsafe fn qdots_avx512vnni<const M: usize, const N: usize>(fmt: Fmt, 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn qmatvec_avx512vnni(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
     let (fmt, n) = (w.fmt, w.cols);
-    if short_pairs(fmt, n) {
-        // Rows of one half-empty chunk: two to a vector (`short_pair512`).
-        let mut pairs = out.chunks_exact_mut(2);
-        let mut r = first;
-        for o in &mut pairs {
-            let [a, b] = short_pair512::<1>(fmt, [w.raw(r), w.raw(r + 1)], n, [x]);
-            (o[0], o[1]) = (a[0], b[0]);
-            r += 2;
-        }
-        if let [o] = pairs.into_remainder() {
-            *o = core512::<1, 1>(fmt, [w.raw(r)], n, [x])[0][0];
-        }
-        return;
-    }
     let mut chunks = out.chunks_exact_mut(4);
     let mut r = first;
     for o in &mut chunks {
@@ -462,12 +389,20 @@ macro_rules! rows256 {
     };
 }
 
-/// `o[i] = row · xs[i]`, two activation rows a pass (inlined into each caller, which gives it
-/// its target features).
+/// `o[i] = row · xs[i]`, two activation rows a pass — four for the 4-bit formats, whose dot
+/// products take one accumulator register each (inlined into each caller, which gives it its
+/// target features).
 #[inline(always)]
 unsafe fn row_against_rows256<const VNNI: bool>(fmt: Fmt, row: RawRow, cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
-    let mut pairs = xs.chunks_exact(2);
     let mut i = 0;
+    if fmt != Fmt::Int8 {
+        while i + 4 <= xs.len() {
+            let [abcd] = core256::<1, 4, VNNI>(fmt, [row], cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]]);
+            o[i..i + 4].copy_from_slice(&abcd);
+            i += 4;
+        }
+    }
+    let mut pairs = xs[i..].chunks_exact(2);
     for x in &mut pairs {
         let [ab] = core256::<1, 2, VNNI>(fmt, [row], cols, [&x[0], &x[1]]);
         o[i..i + 2].copy_from_slice(&ab);
@@ -480,40 +415,6 @@ unsafe fn row_against_rows256<const VNNI: bool>(fmt: Fmt, row: RawRow, cols: usi
 
 rows256!("avx2,fma,f16c", false, qmatvec_avx2, qmatvec_pair_avx2, qmatmul_t_avx2, qmatmul_pair_t_avx2);
 rows256!("avx2,fma,f16c,avxvnni", true, qmatvec_avxvnni, qmatvec_pair_avxvnni, qmatmul_t_avxvnni, qmatmul_pair_t_avxvnni);
-
-/// `[a ×4, b ×4]`.
-#[inline(always)]
-unsafe fn two_blocks(a: f32, b: f32) -> __m256 {
-    _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a))
-}
-
-/// Four block factors as the 256-bit 4-bit step takes them: `[f0 ×4, f1 ×4]`, `[f2 ×4, f3 ×4]`.
-#[inline(always)]
-unsafe fn spread4_256(f: __m128) -> [__m256; 2] {
-    let v = _mm256_castps128_ps256(f);
-    [_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))]
-}
-
-/// The four weight factors of 4-bit chunk `c` laid out by `spread4_256`, without scalar code
-/// for the common int4 groups (`factors_512`'s 256-bit counterpart).
-#[inline(always)]
-unsafe fn factors_256(fmt: Fmt, row: &RawRow, c: usize) -> [__m256; 2] {
-    match fmt {
-        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => spread4_256(int4_scales4((row.scales as *const u16).add(4 * c))),
-        Fmt::Int4 { group: 64 } | Fmt::Int6 { group: 64 } => {
-            let s = (row.scales as *const u16).add(2 * c);
-            [_mm256_set1_ps(int4_scale(s.read_unaligned())), _mm256_set1_ps(int4_scale(s.add(1).read_unaligned()))]
-        }
-        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => {
-            let s = _mm256_set1_ps(int4_scale((row.scales as *const u16).add(c).read_unaligned()));
-            [s, s]
-        }
-        _ => {
-            let b = 4 * c;
-            [two_blocks(row.factor(fmt, b), row.factor(fmt, b + 1)), two_blocks(row.factor(fmt, b + 2), row.factor(fmt, b + 3))]
-        }
-    }
-}
 
 /// The `len` (at most 32) bytes at `src` in a vector, zeros after them: a whole 32 read in
 /// place, fewer from a zero-padded copy (so nothing past them is read).
@@ -536,160 +437,56 @@ unsafe fn load_up_to_32(src: *const u8, len: usize) -> __m256i {
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // m and k also index the accumulators
 unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
+    if fmt != Fmt::Int8 {
+        return nibbles256::<M, N, VNNI>(fmt, rows, n, xs);
+    }
     let full = n / CHUNK;
     let mut acc = [[[_mm256_setzero_ps(); 4]; N]; M];
     let (zero, ones) = (_mm256_setzero_si256(), _mm256_set1_epi16(1));
-    // `Σ a·b` over each group of four bytes, `a` unsigned, `b` signed, added to `start`: no pair
-    // of products reaches i16's limit in `pmaddubsw` (2 · 255 · 128 only for int8's offset
-    // activations, which take the sign trick below instead).
-    macro_rules! dot {
-        ($start:expr, $a:expr, $b:expr) => {{
-            let (start, a, b): (__m256i, __m256i, __m256i) = ($start, $a, $b);
-            if VNNI {
-                _mm256_dpbusd_avx_epi32(start, a, b)
-            } else {
-                _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones))
-            }
-        }};
-    }
-    match fmt {
-        Fmt::Int8 => {
-            let bias = _mm256_set1_epi8(-128);
-            // Block `kb` of chunk `c` of row `m`: 32 weights and the block's weight factor.
-            macro_rules! step {
-                ($m:expr, $c:expr, $kb:expr, $wv:expr, $wf:expr) => {{
-                    let (m, c, kb, wv, wf): (usize, usize, usize, __m256i, f32) = ($m, $c, $kb, $wv, $wf);
-                    let (corr, wabs) = if VNNI { (_mm256_dpbusd_avx_epi32(zero, bias, wv), zero) } else { (zero, _mm256_abs_epi8(wv)) };
-                    let wfv = _mm256_set1_ps(wf);
-                    for k in 0..N {
-                        let xb = _mm256_loadu_si256(xs[k].biased.as_ptr().add(c * CHUNK + 32 * kb) as *const __m256i);
-                        let p = if VNNI {
-                            _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(zero, xb, wv), corr)
-                        } else {
-                            // |w| · (q with w's sign): no pair of products reaches i16's limit (2 · 128 · 127).
-                            let q = _mm256_xor_si256(xb, bias);
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, wv)), ones)
-                        };
-                        let dv = _mm256_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 8 * kb));
-                        let f = _mm256_mul_ps(wfv, dv);
-                        acc[m][k][kb] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[m][k][kb]);
-                    }
-                }};
-            }
-            for c in 0..full {
-                for m in 0..M {
-                    let base = rows[m].data.add(c * CHUNK);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
-                    for kb in 0..4 {
-                        step!(m, c, kb, _mm256_loadu_si256(base.add(32 * kb) as *const __m256i), 1.0);
-                    }
+    {
+        let bias = _mm256_set1_epi8(-128);
+        // Block `kb` of chunk `c` of row `m`: 32 weights and the block's weight factor.
+        macro_rules! step {
+            ($m:expr, $c:expr, $kb:expr, $wv:expr, $wf:expr) => {{
+                let (m, c, kb, wv, wf): (usize, usize, usize, __m256i, f32) = ($m, $c, $kb, $wv, $wf);
+                let (corr, wabs) = if VNNI { (_mm256_dpbusd_avx_epi32(zero, bias, wv), zero) } else { (zero, _mm256_abs_epi8(wv)) };
+                let wfv = _mm256_set1_ps(wf);
+                for k in 0..N {
+                    let xb = _mm256_loadu_si256(xs[k].biased.as_ptr().add(c * CHUNK + 32 * kb) as *const __m256i);
+                    let p = if VNNI {
+                        _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(zero, xb, wv), corr)
+                    } else {
+                        // |w| · (q with w's sign): no pair of products reaches i16's limit (2 · 128 · 127).
+                        let q = _mm256_xor_si256(xb, bias);
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, wv)), ones)
+                    };
+                    let dv = _mm256_loadu_ps(xs[k].scales8.as_ptr().add(c * 32 + 8 * kb));
+                    let f = _mm256_mul_ps(wfv, dv);
+                    acc[m][k][kb] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[m][k][kb]);
                 }
-            }
-            // The last, partial chunk: only its live blocks, whole ones read in place and a
-            // partial one from a zero-padded copy. A block past the row would add
-            // `fma(0 · d, 0, acc) = acc` (`RawRow::tail`; `acc` is never −0), so leaving it out
-            // gives the same bits — a model's 64-wide down projection is all tail.
-            let start = full * CHUNK;
-            if start < n {
-                let live = n - start;
-                for m in 0..M {
-                    let src = rows[m].data.add(start);
-                    for kb in 0..live.div_ceil(32) {
-                        step!(m, full, kb, load_up_to_32(src.add(32 * kb), live - 32 * kb), 1.0);
-                    }
+            }};
+        }
+        for c in 0..full {
+            for m in 0..M {
+                let base = rows[m].data.add(c * CHUNK);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK + 64) as *const i8);
+                for kb in 0..4 {
+                    step!(m, c, kb, _mm256_loadu_si256(base.add(32 * kb) as *const __m256i), 1.0);
                 }
             }
         }
-        Fmt::Int4 { .. } | Fmt::Int6 { .. } | Fmt::Mxfp4 => {
-            let mask = _mm256_set1_epi8(0x0f);
-            let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
-            let top = _mm256_set1_epi8(0x30);
-            let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
-            // Chunk `c` of row `m` (64 packed bytes as two vectors `x`, factors `wsv`): bytes 0–31
-            // hold lanes 0–7 (low nibbles) and 16–23 (high), bytes 32–63 lanes 8–15 and 24–31.
-            // With `halves` 1 only bytes 0–31 take part: a row's last chunk of at most 64 values,
-            // whose other lanes would add `fma(0 · 0, 0, acc) = acc` (`RawRow::tail`), so leaving
-            // them out gives the same bits without the copy into a whole padded chunk.
-            macro_rules! step {
-                ($m:expr, $c:expr, $x:expr, $wsv:expr, $halves:expr) => {{
-                    let (m, c, x, wsv, halves): (usize, usize, [__m256i; 2], [__m256; 2], usize) = ($m, $c, $x, $wsv, $halves);
-                    let mut w = [zero; 4];
-                    for v in 0..halves {
-                        (w[v], w[2 + v]) = (_mm256_and_si256(x[v], mask), _mm256_and_si256(_mm256_srli_epi16::<4>(x[v]), mask));
-                    }
-                    if mx {
-                        for v in &mut w {
-                            *v = _mm256_shuffle_epi8(lut, *v);
-                        }
-                    }
-                    if i6 {
-                        // The chunk's top bits (whole chunks, read in place) to bits 4–5 of the
-                        // bytes above: the first 64 values' at bits 0–1 (even) and 4–5 (odd), the
-                        // next 64's at 2–3 and 6–7 (`quant::Int6Matrix`). Shifts are per 16-bit
-                        // word; the mask keeps only bits that came from the same byte.
-                        let h = _mm256_loadu_si256(rows[m].hi.add(c * 32) as *const __m256i);
-                        let tops = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
-                        for (v, t) in w.iter_mut().zip(tops) {
-                            *v = _mm256_or_si256(*v, _mm256_and_si256(t, top));
-                        }
-                    }
-                    for k in 0..N {
-                        let q = xs[k].split.as_ptr().add(c * CHUNK);
-                        let neg = if mx { xs[k].neg12.as_ptr() } else { xs[k].neg8.as_ptr() }.add(c * 32);
-                        // int6's offset is 32 = 4 · int4's 8.
-                        macro_rules! neg_at {
-                            ($a:expr) => {{
-                                let v = _mm256_loadu_si256(neg.add(8 * $a) as *const __m256i);
-                                if i6 {
-                                    _mm256_slli_epi32::<2>(v)
-                                } else {
-                                    v
-                                }
-                            }};
-                        }
-                        let d = xs[k].scales4.as_ptr().add(c * 16);
-                        let f = [
-                            _mm256_mul_ps(wsv[0], _mm256_loadu_ps(d)),
-                            if halves == 2 { _mm256_mul_ps(wsv[1], _mm256_loadu_ps(d.add(8))) } else { _mm256_setzero_ps() },
-                        ];
-                        for a in 0..4 {
-                            if a % 2 >= halves {
-                                continue;
-                            }
-                            let p = dot!(neg_at!(a), w[a], _mm256_loadu_si256(q.add(32 * a) as *const __m256i));
-                            acc[m][k][a] = _mm256_fmadd_ps(f[a % 2], _mm256_cvtepi32_ps(p), acc[m][k][a]);
-                        }
-                    }
-                }};
-            }
-            // (A macro, not a closure: a closure would not inherit the callers' target features.)
-            macro_rules! load2 {
-                ($base:expr) => {{
-                    let base: *const u8 = $base;
-                    [_mm256_loadu_si256(base as *const __m256i), _mm256_loadu_si256(base.add(32) as *const __m256i)]
-                }};
-            }
-            for c in 0..full {
-                for m in 0..M {
-                    let base = rows[m].data.add(c * CHUNK / 2);
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
-                    step!(m, c, load2!(base), factors_256(fmt, &rows[m], c), 2);
-                }
-            }
-            let start = full * CHUNK;
-            // Packed bytes the row has from `start`.
-            let live = n.div_ceil(2).saturating_sub(start / 2);
-            if start < n && live <= 32 {
-                for m in 0..M {
-                    let x = load_up_to_32(rows[m].data.add(start / 2), live);
-                    let factor = |k: usize| if start + QBLOCK * k < n { rows[m].factor(fmt, start / QBLOCK + k) } else { 0.0 };
-                    step!(m, full, [x, zero], [two_blocks(factor(0), factor(1)), _mm256_setzero_ps()], 1);
-                }
-            } else if start < n {
-                for m in 0..M {
-                    let (t, wf) = rows[m].tail(fmt, n, start);
-                    step!(m, full, load2!(t.as_ptr()), [two_blocks(wf[0], wf[1]), two_blocks(wf[2], wf[3])], 2);
+        // The last, partial chunk: only its live blocks, whole ones read in place and a
+        // partial one from a zero-padded copy. A block past the row would add
+        // `fma(0 · d, 0, acc) = acc` (`RawRow::tail`; `acc` is never −0), so leaving it out
+        // gives the same bits — a model's 64-wide down projection is all tail.
+        let start = full * CHUNK;
+        if start < n {
+            let live = n - start;
+            for m in 0..M {
+                let src = rows[m].data.add(start);
+                for kb in 0..live.div_ceil(32) {
+                    step!(m, full, kb, load_up_to_32(src.add(32 * kb), live - 32 * kb), 1.0);
                 }
             }
         }
@@ -707,14 +504,143 @@ unsafe fn core256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, ro
     out
 }
 
+/// `core256` for the 4-bit formats (`qdot.rs`'s 8-lane order): per chunk, the 32-byte halves'
+/// low nibbles (even elements) and high ones (odd) against the activations' matching runs
+/// (`pmaddubsw` + `pmaddwd`, or `vpdpbusd`), each half's eight sums of eight elements, and one
+/// `vphaddd` of the two halves — which leaves the eight half-block sums in lane order — then the
+/// offset's sums, one convert and one FMA into one accumulator a dot product.
+#[inline(always)]
+unsafe fn nibbles256<const M: usize, const N: usize, const VNNI: bool>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
+    // The format a constant inside the loops (LLVM kept the tests of a runtime one in them).
+    match fmt {
+        Fmt::Mxfp4 => nibbles256_of::<M, N, VNNI, MXFP4>(fmt, rows, n, xs),
+        Fmt::Int6 { .. } => nibbles256_of::<M, N, VNNI, INT6>(fmt, rows, n, xs),
+        _ => nibbles256_of::<M, N, VNNI, INT4>(fmt, rows, n, xs),
+    }
+}
+
+/// `nibbles256`'s kinds of 4-bit weights.
+const INT4: u8 = 0;
+const INT6: u8 = 1;
+const MXFP4: u8 = 2;
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // m and k also index the accumulators
+unsafe fn nibbles256_of<const M: usize, const N: usize, const VNNI: bool, const KIND: u8>(
+    fmt: Fmt,
+    rows: [RawRow; M],
+    n: usize,
+    xs: [&QRow<'_>; N],
+) -> [[f32; N]; M] {
+    let full = n / CHUNK;
+    let mut acc = [[_mm256_setzero_ps(); N]; M];
+    let (zero, ones) = (_mm256_setzero_si256(), _mm256_set1_epi16(1));
+    let mask = _mm256_set1_epi8(0x0f);
+    let (mx, i6) = (KIND == MXFP4, KIND == INT6);
+    let top = _mm256_set1_epi8(0x30);
+    let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_TWICE_PLUS12.as_ptr() as *const __m128i));
+    // `Σ a·b` over each run of eight bytes' products, `a` the unsigned weights of two vectors, `b`
+    // the activations at `q` and `q + 64` (their even and odd elements): no pair of products
+    // reaches i16's limit in `pmaddubsw` (2 · 63 · 127 at most, int6).
+    macro_rules! sums {
+        ($even:expr, $odd:expr, $q:expr) => {{
+            let (even, odd, q): (__m256i, __m256i, *const i8) = ($even, $odd, $q);
+            let (qe, qo) = (_mm256_loadu_si256(q as *const __m256i), _mm256_loadu_si256(q.add(64) as *const __m256i));
+            if VNNI {
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, even, qe), odd, qo)
+            } else {
+                _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(even, qe), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(odd, qo), ones))
+            }
+        }};
+    }
+    // Chunk `c` of row `m`: `x` its packed bytes as two 32-byte halves (only the first when
+    // `halves` is 1: a last chunk of at most 64 values, whose other half would add nothing —
+    // its sums are 0 and its factors 0), `wsv` its factors by lane.
+    macro_rules! step {
+        ($m:expr, $c:expr, $x:expr, $wsv:expr, $halves:expr) => {{
+            let (m, c, x, wsv, halves): (usize, usize, [__m256i; 2], __m256, usize) = ($m, $c, $x, $wsv, $halves);
+            // w[2v] the even elements of half v, w[2v + 1] the odd ones.
+            let mut w = [zero; 4];
+            for v in 0..halves {
+                (w[2 * v], w[2 * v + 1]) = (_mm256_and_si256(x[v], mask), _mm256_and_si256(_mm256_srli_epi16::<4>(x[v]), mask));
+            }
+            if mx {
+                for v in &mut w {
+                    *v = _mm256_shuffle_epi8(lut, *v);
+                }
+            }
+            if i6 {
+                // The chunk's top bits (whole chunks, read in place) to bits 4–5 of the bytes
+                // above: the first 64 values' at bits 0–1 (even) and 4–5 (odd), the next 64's at
+                // 2–3 and 6–7 (`quant::Int6Matrix`). Shifts are per 16-bit word; the mask keeps
+                // only bits that came from the same byte.
+                let h = _mm256_loadu_si256(rows[m].hi.add(c * 32) as *const __m256i);
+                let tops = [_mm256_slli_epi16::<4>(h), h, _mm256_slli_epi16::<2>(h), _mm256_srli_epi16::<2>(h)];
+                for (v, t) in w.iter_mut().zip(tops) {
+                    *v = _mm256_or_si256(*v, _mm256_and_si256(t, top));
+                }
+            }
+            for k in 0..N {
+                let q = xs[k].split.as_ptr().add(c * CHUNK);
+                let first = sums!(w[0], w[1], q);
+                let second = if halves == 2 { sums!(w[2], w[3], q.add(32)) } else { zero };
+                let at = c * NLANES;
+                let neg = if mx {
+                    _mm256_loadu_si256(xs[k].neg12.as_ptr().add(at) as *const __m256i)
+                } else if i6 {
+                    // int6's offset is 32 = 4 · int4's 8.
+                    _mm256_slli_epi32::<2>(_mm256_loadu_si256(xs[k].neg8.as_ptr().add(at) as *const __m256i))
+                } else {
+                    _mm256_loadu_si256(xs[k].neg8.as_ptr().add(at) as *const __m256i)
+                };
+                let p = _mm256_add_epi32(_mm256_hadd_epi32(first, second), neg);
+                let f = _mm256_mul_ps(wsv, _mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(at)));
+                acc[m][k] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[m][k]);
+            }
+        }};
+    }
+    // (A macro, not a closure: a closure would not inherit the callers' target features.)
+    macro_rules! load2 {
+        ($base:expr) => {{
+            let base: *const u8 = $base;
+            [_mm256_loadu_si256(base as *const __m256i), _mm256_loadu_si256(base.add(32) as *const __m256i)]
+        }};
+    }
+    for c in 0..full {
+        for m in 0..M {
+            let base = rows[m].data.add(c * CHUNK / 2);
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD * CHUNK / 2) as *const i8);
+            step!(m, c, load2!(base), factors8(fmt, &rows[m], c), 2);
+        }
+    }
+    let start = full * CHUNK;
+    // Packed bytes the row has from `start`.
+    let live = n.div_ceil(2).saturating_sub(start / 2);
+    if start < n && live <= 32 {
+        for m in 0..M {
+            let x = load_up_to_32(rows[m].data.add(start / 2), live);
+            step!(m, full, [x, zero], tail_factors8(fmt, &rows[m], n, start), 1);
+        }
+    } else if start < n {
+        for m in 0..M {
+            let (t, _) = rows[m].tail(fmt, n, start);
+            step!(m, full, load2!(t.as_ptr()), tail_factors8(fmt, &rows[m], n, start), 2);
+        }
+    }
+    let mut out = [[0.0f32; N]; M];
+    for m in 0..M {
+        for k in 0..N {
+            out[m][k] = reduce256(acc[m][k]);
+        }
+    }
+    out
+}
+
 /// Two weight rows against every activation row, four at a time: `o` gets the first row's `n`
 /// results, then the second's (a GEMM tile of 2 × 4; each weight chunk is decoded once per four
 /// activation rows).
 #[inline(always)]
 unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
-    if short_pairs(fmt, cols) {
-        return tile2_short(fmt, ws, cols, xs, o);
-    }
     let n = xs.len();
     let mut i = 0;
     while i + 4 <= n {
@@ -741,23 +667,6 @@ unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut
             (o[i], o[n + i]) = (a[0], b[0]);
         }
         _ => {}
-    }
-}
-
-/// `tile2` for 4-bit rows of at most 64 values, by `short_pair512`.
-#[inline(always)]
-unsafe fn tile2_short(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
-    let n = xs.len();
-    let mut i = 0;
-    while i + 4 <= n {
-        let [a, b] = short_pair512::<4>(fmt, ws, cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]]);
-        o[i..i + 4].copy_from_slice(&a);
-        o[n + i..n + i + 4].copy_from_slice(&b);
-        i += 4;
-    }
-    for j in i..n {
-        let [a, b] = short_pair512::<1>(fmt, ws, cols, [&xs[j]]);
-        (o[j], o[n + j]) = (a[0], b[0]);
     }
 }
 
@@ -795,21 +704,19 @@ pub(super) unsafe fn qmatmul_pair_t_avx512vnni(a: &QMatrix<'_>, b: &QMatrix<'_>,
     }
 }
 
-/// `nibble_layout_scalar` with 512-bit registers: each half chunk's bytes flipped to `q`, even
-/// and odd bytes of every 128-bit lane gathered by one shuffle, the halves' even (odd) quadwords
-/// joined, and each lane's sum of four from `vpdpbusd` against ones.
+/// `nibble_layout_scalar`'s even/odd split with 512-bit registers: each half chunk's bytes
+/// flipped to `q`, even and odd bytes of every 128-bit lane gathered by one shuffle, the halves'
+/// even (odd) quadwords joined.
 ///
 /// # Safety
-/// AVX-512 F/BW/VNNI must be available; `split` holds `biased.len()` bytes and `neg8`/`neg12`
-/// a quarter as many lanes, `biased` being whole chunks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn nibble_layout_avx512vnni(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
-    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+/// AVX-512 F/BW must be available; `split` holds `biased.len()` bytes, `biased` being whole
+/// chunks.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn nibble_split_avx512vnni(biased: &[u8], split: &mut [i8]) {
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len());
     let flip = _mm512_set1_epi8(-128i8);
     let lanes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
     let (evens, odds) = (_mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15));
-    let (ones, zero) = (_mm512_set1_epi8(1), _mm512_setzero_si512());
-    let (m8, m12) = (_mm512_set1_epi32(-8), _mm512_set1_epi32(-12));
     for c in 0..biased.len() / CHUNK {
         let src = biased.as_ptr().add(c * CHUNK);
         let a = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(src as *const __m512i), flip), lanes);
@@ -817,29 +724,21 @@ pub(super) unsafe fn nibble_layout_avx512vnni(biased: &[u8], split: &mut [i8], n
         let halves = [_mm512_permutex2var_epi64(a, evens, b), _mm512_permutex2var_epi64(a, odds, b)];
         for (h, q) in halves.into_iter().enumerate() {
             _mm512_storeu_si512(split.as_mut_ptr().add(c * CHUNK + 64 * h) as *mut __m512i, q);
-            let sums = _mm512_dpbusd_epi32(zero, ones, q);
-            let at = c * QLANES + 16 * h;
-            _mm512_storeu_si512(neg8.as_mut_ptr().add(at) as *mut __m512i, _mm512_mullo_epi32(sums, m8));
-            _mm512_storeu_si512(neg12.as_mut_ptr().add(at) as *mut __m512i, _mm512_mullo_epi32(sums, m12));
         }
     }
 }
 
-/// `nibble_layout_scalar` with 256-bit registers: each quarter chunk's bytes flipped to `q` and
-/// its even and odd bytes gathered per 128-bit lane, quadwords reordered to 16 even then 16 odd,
-/// two quarters' evens (odds) joined by a lane permute, and each lane's sum of four from
-/// `pmaddubsw` against ones (two values, at most ±256: no saturation) then `pmaddwd`.
+/// `nibble_layout_scalar`'s even/odd split with 256-bit registers: each quarter chunk's bytes
+/// flipped to `q` and its even and odd bytes gathered per 128-bit lane, quadwords reordered to
+/// 16 even then 16 odd, two quarters' evens (odds) joined by a lane permute.
 ///
 /// # Safety
-/// AVX2 must be available; `split` holds `biased.len()` bytes and `neg8`/`neg12` a quarter as
-/// many lanes, `biased` being whole chunks.
+/// AVX2 must be available; `split` holds `biased.len()` bytes, `biased` being whole chunks.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn nibble_layout_avx2(biased: &[u8], split: &mut [i8], neg8: &mut [i32], neg12: &mut [i32]) {
-    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len() && neg8.len() >= biased.len() / 4 && neg12.len() >= biased.len() / 4);
+pub(super) unsafe fn nibble_split_avx2(biased: &[u8], split: &mut [i8]) {
+    assert!(biased.len().is_multiple_of(CHUNK) && split.len() >= biased.len());
     let flip = _mm256_set1_epi8(-128i8);
     let lanes = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
-    let (m8, m12) = (_mm256_set1_epi32(-8), _mm256_set1_epi32(-12));
     for c in 0..biased.len() / CHUNK {
         let src = biased.as_ptr().add(c * CHUNK);
         // Quarter k: [16 even q, 16 odd q] of elements 32k..32k+32.
@@ -856,10 +755,6 @@ pub(super) unsafe fn nibble_layout_avx2(biased: &[u8], split: &mut [i8], neg8: &
         ];
         for (j, q) in parts.into_iter().enumerate() {
             _mm256_storeu_si256(split.as_mut_ptr().add(c * CHUNK + 32 * j) as *mut __m256i, q);
-            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
-            let at = c * QLANES + 8 * j;
-            _mm256_storeu_si256(neg8.as_mut_ptr().add(at) as *mut __m256i, _mm256_mullo_epi32(sums, m8));
-            _mm256_storeu_si256(neg12.as_mut_ptr().add(at) as *mut __m256i, _mm256_mullo_epi32(sums, m12));
         }
     }
 }

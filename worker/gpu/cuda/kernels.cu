@@ -102,10 +102,12 @@ __device__ __forceinline__ int e2m1_twice(u32 nib) {
 
 enum QFormat { INT8 = 0, INT4 = 1, MXFP4 = 2 };
 
-// One weight row · one quantised activation row: per block of 32, eight groups of four products
-// summed exactly as integers, one fused multiply-add per group with the block's factor
-// f = ws · d into 32 lanes (lane by the format's layout), the fixed tree 16…1; int8's row scale
-// multiplies the result. `q` holds each row's `blocks · 32` int8 values, `d` its block scales.
+// One weight row · one quantised activation row (kernels/src/qdot.rs's order): per block of 32,
+// the products summed exactly as integers — int8: eight groups of four, one fused multiply-add
+// each with the block's factor f = ws · d into 32 lanes; the 4-bit formats: two halves of
+// sixteen into 8 lanes (the other 24 stay +0, which the tree's first two steps add exactly) —
+// the fixed tree 16…1; int8's row scale multiplies the result. `q` holds each row's
+// `blocks · 32` int8 values, `d` its block scales.
 template <int F>
 __device__ void qmatvec(const u8* w, const void* ws, u32 group, const signed char* q, const float* d, float* y, u32 rows, u32 cols) {
     __shared__ float lanes[32];
@@ -119,7 +121,10 @@ __device__ void qmatvec(const u8* w, const void* ws, u32 group, const signed cha
         c = l / 8u; j = l % 8u; h = 0u;
         row_bytes = cols;
     } else {
-        h = l / 16u; c = (l % 16u) / 4u; j = l % 4u;
+        // Lane 2·[0, 2, 1, 3][kb] + t (l < 8) takes half t of the blocks b ≡ kb (mod 4); the
+        // permutation is its own inverse. Lanes from 8 take nothing.
+        const u32 kb_of[4] = {0u, 2u, 1u, 3u};
+        c = l < 8u ? kb_of[l / 2u] : blocks; j = 0u; h = l % 2u;
         row_bytes = (cols + 1u) / 2u;
     }
     const u8* wr = w + (size_t)row * row_bytes;
@@ -138,8 +143,8 @@ __device__ void qmatvec(const u8* w, const void* ws, u32 group, const signed cha
         }
         float f = __fmul_rn(wsb, dr[b]);
         int sum = 0;
-        for (u32 t = 0u; t < 4u; t++) {
-            u32 i = F == INT8 ? 32u * b + 4u * j + t : 32u * b + 2u * (4u * j + t) + h;
+        for (u32 t = 0u; t < (F == INT8 ? 4u : 16u); t++) {
+            u32 i = F == INT8 ? 32u * b + 4u * j + t : 32u * b + 16u * h + t;
             if (i < cols) {
                 int wv;
                 if (F == INT8) {

@@ -1,10 +1,11 @@
 #version 450
 // One weight row · one activation row per workgroup with integer products, in
 // kernels/src/qdot.rs's canonical order: activations quantised to int8 per block of 32 (by the
-// host, with the CPU's own quantiser), each block's eight groups of four products summed exactly
-// as integers, one fused multiply-add per group with the block's factor into 32 lanes (lane by
-// the format's layout), then the fixed tree [16, 8, 4, 2, 1]; int8's row scale multiplies the
-// result. Built per weight format (-DFORMAT_INT8 / _INT4 / _MXFP4); see README.md.
+// host, with the CPU's own quantiser), each block's products summed exactly as integers — int8:
+// eight groups of four, one fused multiply-add each with the block's factor into 32 lanes; the
+// 4-bit formats: two halves of sixteen into 8 lanes (the other 24 stay +0, which the tree's
+// first two steps add exactly) — then the fixed tree [16, 8, 4, 2, 1]; int8's row scale
+// multiplies the result. Built per weight format (-DFORMAT_INT8 / _INT4 / _MXFP4); see README.md.
 #extension GL_EXT_spirv_intrinsics : require
 #extension GL_GOOGLE_include_directive : require
 
@@ -57,8 +58,10 @@ void main() {
     uint c = l / 8u, j = l % 8u, h = 0u;
 #else
     uint row_bytes = (p.cols + 1u) / 2u;
-    // Lane 16h + 4·(b mod 4) + j takes the nibble-h elements 32b + 2·(4j + t) + h, t < 4.
-    uint h = l / 16u, c = (l % 16u) / 4u, j = l % 4u;
+    // Lane 2·[0, 2, 1, 3][kb] + t (l < 8) takes half t (elements 32b + 16t .. +16) of the blocks
+    // b ≡ kb (mod 4); the permutation is its own inverse. Lanes from 8 take nothing.
+    const uint kb_of[4] = uint[4](0u, 2u, 1u, 3u);
+    uint c = l < 8u ? kb_of[l / 2u] : blocks, j = 0u, h = l % 2u;
 #endif
     uint wrow = p.w_byte + row * row_bytes;
     precise float acc = 0.0;
@@ -75,11 +78,12 @@ void main() {
 #endif
         precise float f = ws * uintBitsToFloat(x[xs + b]);
         int sum = 0;
-        for (uint t = 0u; t < 4u; t++) {
 #if defined(FORMAT_INT8)
+        for (uint t = 0u; t < 4u; t++) {
             uint i = 32u * b + 4u * j + t;
 #else
-            uint i = 32u * b + 2u * (4u * j + t) + h;
+        for (uint t = 0u; t < 16u; t++) {
+            uint i = 32u * b + 16u * h + t;
 #endif
             if (i < p.cols) {
                 int q = int(((x[xrow + (i >> 2)] >> ((i & 3u) * 8u)) & 0xffu) << 24) >> 24;
