@@ -194,8 +194,8 @@ fn the_integer_tables_are_the_formats() {
 #[test]
 fn the_row_loops_give_each_row_the_scalar_bits() {
     // 300: whole chunks and a partial one; 64 and below: rows of one partial chunk, which the
-    // AVX-512 4-bit tiles take two weight rows to a vector (`short_pair512`); 224 and 100: a
-    // last chunk of three whole blocks, and of three and a part.
+    // AVX2 4-bit loop reads as one 32-byte half; 224 and 100: a last chunk of three whole
+    // blocks, and of three and a part.
     for cols in [300usize, 224, 100, 64, 63, 33, 32, 31, 1] {
         row_loops_match_the_scalar_bits(cols);
     }
