@@ -129,7 +129,7 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
             }};
         }
         for c in 0..full {
-            // As the 4-bit formats' loop below: every row's chunk (and its correction) first,
+            // As the 4-bit formats' loop (`nibbles512`): every row's chunk (and its correction) first,
             // then each activation row loaded once for all of them; per (m, k) the same
             // operations in the same order as `step!`.
             let (mut wv, mut corr) = ([[zero; 2]; M], [[zero; 2]; M]);
