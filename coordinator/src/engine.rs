@@ -176,6 +176,7 @@ pub struct ExpertOptions {
     pub mirror: Option<PathBuf>,
     pub prefetch: bool,
     pub io_depth: usize,
+    pub io_engine: shimmer_store::IoEngine,
     pub usage: UsageFile,
     /// A worker's placement assignment: pinned and read at start (`StoreOptions::assigned`).
     pub assigned: Option<Vec<Vec<u16>>>,
@@ -191,6 +192,7 @@ impl Default for ExpertOptions {
             mirror: None,
             prefetch: true,
             io_depth: shimmer_store::DEFAULT_IO_DEPTH,
+            io_engine: shimmer_store::IoEngine::Auto,
             usage: UsageFile::BesideModel,
             assigned: None,
             vram: None,
@@ -208,7 +210,7 @@ impl Engine {
     /// store (a container, or any store option).
     pub fn open(dir: &Path, opts: &ExpertOptions) -> Result<Self, EngineError> {
         let model = ModelDir::open(dir)?;
-        let store = model.is_container() || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some();
+        let store = model.is_container() || opts.ram.is_some() || opts.direct_io || opts.mirror.is_some() || opts.io_engine == shimmer_store::IoEngine::Uring;
         let (dense, dense_bytes) = model.dense()?;
         if !store {
             let mut experts = model.in_process_experts(shimmer_common::quant::QuantScheme::Bf16, None)?;

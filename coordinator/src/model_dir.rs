@@ -175,6 +175,7 @@ impl ModelDir {
                 budget_bytes,
                 prefetch: opts.prefetch,
                 io_depth: opts.io_depth,
+                io_engine: opts.io_engine,
                 usage,
                 assigned: opts.assigned.clone(),
                 accelerator: opts.vram.clone().map(|t| t as std::sync::Arc<dyn shimmer_experts::Accelerator>),

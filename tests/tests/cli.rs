@@ -465,6 +465,36 @@ fn cluster_flags_in_the_wrong_place_are_refused_by_name() {
     assert_clean_failure(&shimmer(&["worker", "--model", m, "--listen", "127.0.0.1:0", "--tls-cert", j, "--tls-key", j, "--tls-ca", j]), &["junk.pem"]);
 }
 
+#[test]
+fn the_io_engine_flag_is_checked_and_io_uring_asks_for_a_container() {
+    let m = shimmer_tests::fixture("qwen3_moe");
+    let m = m.to_str().unwrap();
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--io-engine", "aio"]), &["unknown I/O engine \"aio\"", "uring"]);
+    // A checkpoint's experts are gathered from several tensors: no blob for a ring to read.
+    assert_clean_failure(&shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--io-engine", "uring"]), &["checkpoint", "--io-engine threads"]);
+    let ids = |out: &std::process::Output| u32s(&json_stdout(out)["output_ids"]);
+    let plain = shimmer(&["generate", "--model", m, "--prompt-ids", "1,2", "--max-tokens", "4", "--temperature", "0", "--json", "--io-engine", "threads"]);
+    let dir = tempfile::tempdir().unwrap();
+    let c = dir.path().join("c");
+    assert!(shimmer(&["convert", "--from", m, "--to", c.to_str().unwrap(), "--quant", "bf16", "--quiet"]).status.success());
+    // Every expert is read through the ring at its first use.
+    let ring = shimmer(&[
+        "generate",
+        "--model",
+        c.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
+        "--io-engine",
+        "uring",
+    ]);
+    assert_eq!(ids(&ring), ids(&plain), "the same tokens read through the ring");
+}
+
 /// A server on a free port answering every request with `status` and a short body, until the
 /// test ends.
 fn http_answering(status: &'static str) -> String {

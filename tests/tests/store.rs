@@ -1,7 +1,7 @@
 //! The expert store's rule (DESIGN.md §1): placement may change speed, never the model. Greedy
 //! tokens and every logit bit are the same whether all experts are resident or ~10 % fit, cold or
-//! with learned pins, with O_DIRECT or buffered reads, with prefetch on or off, and when the
-//! primary copy is corrupt but a mirror is good.
+//! with learned pins, with O_DIRECT or buffered reads, with prefetch on or off, read by threads or
+//! through io_uring, and when the primary copy is corrupt but a mirror is good.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +10,7 @@ use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBud
 use shimmer_coordinator::sampling::SamplingParams;
 use shimmer_store::container::{Manifest, MANIFEST_FILE};
 use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
+use shimmer_store::IoEngine;
 use shimmer_tests::{fixture, fixtures};
 
 fn demo() -> PathBuf {
@@ -129,18 +130,32 @@ fn placements_agree(name: &str, container: &Path, reference: &(Vec<u32>, Vec<u32
     same(&answers(&open(container, &ExpertOptions { direct_io: true, ..opts(budget) })), reference, &format!("{name}: --direct-io"));
     same(&answers(&open(container, &ExpertOptions { prefetch: false, ..opts(budget) })), reference, &format!("{name}: no prefetch"));
     same(&answers(&open(container, &ExpertOptions { io_depth: 1, ..opts(budget) })), reference, &format!("{name}: one read at a time"));
+    // Both ways to the disk, each named in the telemetry: `auto` picks the ring on Linux.
+    for (engine, named) in [(IoEngine::Auto, "uring"), (IoEngine::Uring, "uring"), (IoEngine::Threads, "threads")] {
+        for direct_io in [false, true] {
+            let e = open(container, &ExpertOptions { io_engine: engine, direct_io, ..opts(budget) });
+            same(&answers(&e), reference, &format!("{name}: {engine:?}, O_DIRECT {direct_io}"));
+            let t = e.store_telemetry().unwrap();
+            assert_eq!(t.io_engine, named, "{name}: {engine:?}");
+            assert!(t.reads > 0 && t.read_errors == 0, "{name}: {engine:?}: {t:?}");
+        }
+    }
 
     // A mirror: half the blobs are corrupt on the primary, the other half on the mirror, so every
-    // expert has one good copy and, whichever drive the weighted hash picks, some reads fall back.
+    // expert has one good copy and, whichever drive the weighted hash picks, some reads fall back
+    // (from a ring read whose checksum failed, or a thread's).
     let mirror = tempfile::tempdir().unwrap();
     let primary = tempfile::tempdir().unwrap();
     copy_dir(container, mirror.path());
     copy_dir(container, primary.path());
     corrupt_blobs(primary.path(), 0);
     corrupt_blobs(mirror.path(), 1);
-    let mirrored = open(primary.path(), &ExpertOptions { mirror: Some(mirror.path().to_path_buf()), direct_io: true, ..opts(budget) });
-    same(&answers(&mirrored), reference, &format!("{name}: mirror, each blob good on one copy only"));
-    assert!(mirrored.store_telemetry().unwrap().mirror_fallbacks > 0, "{name}: a corrupt copy must have been tried");
+    for engine in [IoEngine::Uring, IoEngine::Threads] {
+        let mirrored = open(primary.path(), &ExpertOptions { mirror: Some(mirror.path().to_path_buf()), direct_io: true, io_engine: engine, ..opts(budget) });
+        same(&answers(&mirrored), reference, &format!("{name}: {engine:?}, mirror, each blob good on one copy only"));
+        let t = mirrored.store_telemetry().unwrap();
+        assert!(t.mirror_fallbacks > 0 && t.read_errors == 0, "{name}: {engine:?}: a corrupt copy must have been tried and the good one served: {t:?}");
+    }
     budget
 }
 

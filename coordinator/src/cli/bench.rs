@@ -135,10 +135,13 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     if let Some(d) = r.disk_gb_s_at_depth {
         writeln!(
             out,
-            "disk     {:.2} GB/s with {} reads in flight, {:.2} GB/s one at a time (O_DIRECT, whole blobs)",
+            "disk     {:.2} GB/s with {} reads in flight (threads {}, io_uring {}), {:.2} GB/s one at a time (O_DIRECT, whole blobs); the store read with {}",
             d,
             r.io_depth,
-            r.disk_gb_s_depth1.unwrap_or(0.0)
+            r.disk_gb_s_threads.map_or("-".to_string(), |g| format!("{g:.2}")),
+            r.disk_gb_s_ring.map_or("-".to_string(), |g| format!("{g:.2}")),
+            r.disk_gb_s_depth1.unwrap_or(0.0),
+            r.io_engine
         )?;
     }
     if let (Some(limit), Some(frac)) = (r.disk_limit_tok_s, r.fraction_of_disk_limit) {

@@ -25,6 +25,10 @@ pub(super) struct StoreArgs {
     /// Expert reads in flight at once (default: the model's tune file, else 16).
     #[arg(long)]
     pub(super) io_depth: Option<usize>,
+    /// How expert reads reach the disk: auto (io_uring where the kernel offers it and the model
+    /// is a container, else threads), uring, or threads.
+    #[arg(long, default_value = "auto")]
+    pub(super) io_engine: String,
     /// Compute threads (default: the model's tune file, else one per core).
     #[arg(long)]
     pub(super) threads: Option<usize>,
@@ -172,6 +176,7 @@ impl StoreArgs {
             mirror: self.mirror.clone(),
             prefetch: !self.no_prefetch,
             io_depth,
+            io_engine: self.io_engine.parse().map_err(|e: String| anyhow::anyhow!("--io-engine: {e}"))?,
             usage,
             assigned: None,
             vram: self.vram_tier()?,

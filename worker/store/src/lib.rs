@@ -36,6 +36,8 @@ pub mod probe;
 pub mod source;
 pub mod trace_analysis;
 pub mod uncached;
+#[cfg(target_os = "linux")]
+pub mod uring;
 pub mod usage;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -69,8 +71,10 @@ pub struct StoreOptions {
     /// Bytes of RAM for resident experts (dense weights are accounted separately).
     pub budget_bytes: u64,
     pub prefetch: bool,
-    /// Reader threads: reads in flight at once.
+    /// Reads in flight at once (reader threads, or the ring's slots).
     pub io_depth: usize,
+    /// How reads reach the disk.
+    pub io_engine: IoEngine,
     /// Routing heat to learn pins from and to add this run's to.
     pub usage: Option<Usage>,
     /// Experts to pin and read at start, per MoE layer in order of importance (a worker's
@@ -82,8 +86,36 @@ pub struct StoreOptions {
     pub accelerator: Option<Arc<dyn Accelerator>>,
 }
 
+/// How the store's reads reach the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoEngine {
+    /// io_uring where the kernel offers it and the experts come from a container; the reader
+    /// threads otherwise.
+    #[default]
+    Auto,
+    /// `io_depth` threads, each a blocking `pread` at a time (every platform, every source).
+    Threads,
+    /// One thread and an io_uring ring of `io_depth` reads, each batch one system call (Linux,
+    /// containers).
+    Uring,
+}
+
+impl std::str::FromStr for IoEngine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(IoEngine::Auto),
+            "threads" => Ok(IoEngine::Threads),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            other => Err(format!("unknown I/O engine {other:?}: auto, threads or uring")),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    #[error("{0}")]
+    IoEngine(String),
     #[error(
         "an expert budget of {budget_gb} GB holds {capacity} experts of {expert_mb} MB, fewer than one layer's working set (top-{top_k}); the minimum is {min_gb} GB"
     )]
@@ -120,6 +152,8 @@ pub struct StoreTelemetry {
     /// store could not serve.
     pub read_errors: u64,
     pub drives: Vec<(String, f64)>,
+    /// "uring" or "threads": how the reads reached the disk.
+    pub io_engine: String,
 }
 
 type ReadResult = Result<Arc<Expert>, String>;
@@ -265,6 +299,28 @@ struct Inner {
     usage: Mutex<Option<Usage>>,
     telemetry_base: StoreTelemetry,
     accelerator: Option<Arc<dyn Accelerator>>,
+    /// Wakes the ring's thread (when reads go through io_uring).
+    #[cfg(target_os = "linux")]
+    ring_waker: Option<uring::Waker>,
+    /// Blobs the ring read, waiting for a decoder thread to verify and decode them.
+    #[cfg(target_os = "linux")]
+    to_decode: Mutex<DecodeQueue>,
+    #[cfg(target_os = "linux")]
+    decode_ready: Condvar,
+}
+
+/// Blobs larger than this are verified and decoded on decoder threads, so that the ring's thread
+/// goes back to the kernel at once (a 3 MB expert takes about a millisecond to check and copy);
+/// smaller ones on the ring's thread, where a hand-off would cost more than the work.
+#[cfg(target_os = "linux")]
+const INLINE_DECODE_BYTES: usize = 256 << 10;
+
+#[cfg(target_os = "linux")]
+#[derive(Default)]
+struct DecodeQueue {
+    blobs: VecDeque<(Job, source::AlignedBuf)>,
+    /// The ring's thread has stopped: decoders leave once the queue is empty.
+    ring_done: bool,
 }
 
 pub struct ExpertStore {
@@ -339,6 +395,28 @@ impl ExpertStore {
             ..Default::default()
         };
         let io_depth = opts.io_depth.clamp(1, 256);
+        #[cfg(target_os = "linux")]
+        let ring: Option<uring::Ring<Job>> = match opts.io_engine {
+            IoEngine::Threads => None,
+            IoEngine::Auto if !source.is_container() => None,
+            IoEngine::Uring if !source.is_container() => return Err(StoreError::IoEngine(
+                "--io-engine uring reads a container's experts file, and this model's experts come from a checkpoint: convert it, or use --io-engine threads"
+                    .into(),
+            )),
+            IoEngine::Auto => uring::Ring::new(io_depth).map_err(|e| tracing::info!("io_uring unavailable ({e}): reading with threads")).ok(),
+            IoEngine::Uring => {
+                Some(uring::Ring::new(io_depth).map_err(|e| StoreError::IoEngine(format!("io_uring is not available here ({e}): use --io-engine threads")))?)
+            }
+        };
+        #[cfg(not(target_os = "linux"))]
+        if opts.io_engine == IoEngine::Uring {
+            return Err(StoreError::IoEngine("io_uring is Linux-only: use --io-engine threads".into()));
+        }
+        #[cfg(target_os = "linux")]
+        let engine_name = if ring.is_some() { "uring" } else { "threads" };
+        #[cfg(not(target_os = "linux"))]
+        let engine_name = "threads";
+        let telemetry_base = StoreTelemetry { io_engine: engine_name.to_string(), ..telemetry_base };
         let inner = Arc::new(Inner {
             source,
             moe_position,
@@ -354,13 +432,34 @@ impl ExpertStore {
             usage: Mutex::new(opts.usage),
             telemetry_base,
             accelerator: opts.accelerator,
+            #[cfg(target_os = "linux")]
+            ring_waker: ring.as_ref().map(uring::Ring::waker),
+            #[cfg(target_os = "linux")]
+            to_decode: Mutex::new(DecodeQueue::default()),
+            #[cfg(target_os = "linux")]
+            decode_ready: Condvar::new(),
         });
-        let readers = (0..io_depth)
-            .map(|n| {
-                let inner = inner.clone();
-                std::thread::Builder::new().name(format!("expert-read-{n}")).spawn(move || inner.reader_loop()).expect("spawn a reader thread")
-            })
-            .collect();
+        #[cfg(target_os = "linux")]
+        let readers = match ring {
+            Some(ring) => {
+                // The ring's thread first: dropping the store joins it before the decoders,
+                // which leave once it has handed over its last blob.
+                let ring_thread = {
+                    let inner = inner.clone();
+                    std::thread::Builder::new().name("expert-ring".into()).spawn(move || inner.ring_loop(ring)).expect("spawn the ring's thread")
+                };
+                let decoders = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, io_depth);
+                std::iter::once(ring_thread)
+                    .chain((0..decoders).map(|n| {
+                        let inner = inner.clone();
+                        std::thread::Builder::new().name(format!("expert-decode-{n}")).spawn(move || inner.decode_loop()).expect("spawn a decoder thread")
+                    }))
+                    .collect()
+            }
+            None => inner.spawn_readers(),
+        };
+        #[cfg(not(target_os = "linux"))]
+        let readers = inner.spawn_readers();
         let store = ExpertStore { inner, readers };
         if opts.prefetch {
             store.warm_pins();
@@ -387,7 +486,7 @@ impl ExpertStore {
         // Counted like hint-issued prefetches: readers uncount every prefetch they finish.
         q.hinted_outstanding += jobs.len();
         q.prefetch.extend(jobs);
-        inner.work.notify_all();
+        inner.wake_all();
     }
 
     pub fn telemetry(&self) -> StoreTelemetry {
@@ -442,7 +541,7 @@ impl ExpertStore {
         {
             let mut q = lock(&inner.queues);
             q.demand.extend(jobs);
-            inner.work.notify_all();
+            inner.wake_all();
         }
         for (layer, expert, p) in &pendings {
             p.wait().map_err(|message| DispatchError::Storage { layer: *layer, expert: *expert as u32, message })?;
@@ -478,7 +577,7 @@ impl ExpertStore {
 impl Drop for ExpertStore {
     fn drop(&mut self) {
         lock(&self.inner.queues).shutdown = true;
-        self.inner.work.notify_all();
+        self.inner.wake_all();
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
@@ -490,6 +589,50 @@ impl Inner {
         self.moe_position.iter().position(|p| *p == Some(pos)).unwrap_or(0)
     }
 
+    fn spawn_readers(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
+        (0..self.io_depth)
+            .map(|n| {
+                let inner = self.clone();
+                std::thread::Builder::new().name(format!("expert-read-{n}")).spawn(move || inner.reader_loop()).expect("spawn a reader thread")
+            })
+            .collect()
+    }
+
+    /// `n` new jobs are queued: one reader each (waking every reader on every layer of every
+    /// token, most finding nothing to do, costs more than the experts' compute on a small
+    /// machine), or the ring's one thread.
+    fn wake(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        #[cfg(target_os = "linux")]
+        if let Some(w) = &self.ring_waker {
+            w.wake();
+            return;
+        }
+        for _ in 0..n {
+            self.work.notify_one();
+        }
+    }
+
+    fn wake_all(&self) {
+        #[cfg(target_os = "linux")]
+        if let Some(w) = &self.ring_waker {
+            w.wake();
+        }
+        self.work.notify_all();
+    }
+
+    /// The next job a reader may start, demand first (at most half the reads in flight are
+    /// prefetches, so demand always finds room); `None` when there is none or the store shuts
+    /// down.
+    fn next_job(q: &mut Queues, io_depth: usize) -> Option<Job> {
+        if q.shutdown {
+            return None;
+        }
+        q.take(io_depth / 2)
+    }
+
     fn reader_loop(&self) {
         loop {
             let job = {
@@ -498,8 +641,7 @@ impl Inner {
                     if q.shutdown {
                         return;
                     }
-                    // Half the readers at most on prefetches: the rest stay free for demand.
-                    if let Some(j) = q.take(self.io_depth / 2) {
+                    if let Some(j) = Self::next_job(&mut q, self.io_depth) {
                         break j;
                     }
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
@@ -508,33 +650,160 @@ impl Inner {
             self.enter_read();
             let result = self.inner_read(job.layer, job.expert);
             self.leave_read();
-            if job.prefetch {
+            self.settle(job, result);
+        }
+    }
+
+    /// The ring's thread: takes every job the queues allow into the ring's free slots, hands
+    /// them to the kernel with one system call, and settles each read as it completes. A blob
+    /// whose read or checksum failed is read again the plain way, which tries every copy.
+    #[cfg(target_os = "linux")]
+    fn ring_loop(&self, ring: uring::Ring<Job>) {
+        self.run_ring(ring);
+        lock(&self.to_decode).ring_done = true;
+        self.decode_ready.notify_all();
+    }
+
+    #[cfg(target_os = "linux")]
+    fn run_ring(&self, mut ring: uring::Ring<Job>) {
+        loop {
+            let (jobs, shutdown) = {
                 let mut q = lock(&self.queues);
-                q.running_prefetch -= 1;
-                q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
-                // A queued prefetch may have been waiting for this reader's prefetch slot.
-                if !q.prefetch.is_empty() {
-                    self.work.notify_one();
+                let mut jobs = Vec::new();
+                while jobs.len() < ring.free_slots() {
+                    match Self::next_job(&mut q, self.io_depth) {
+                        Some(j) => jobs.push(j),
+                        None => break,
+                    }
                 }
+                (jobs, q.shutdown)
+            };
+            if shutdown {
+                // Reads in flight finish (their buffers are the kernel's until then); whoever
+                // waits for them still gets their experts.
+                match ring.drain() {
+                    Ok(done) => done.into_iter().for_each(|(job, outcome)| self.route_ring_read(job, outcome)),
+                    Err(e) => {
+                        tracing::error!("the expert-read ring failed while shutting down: {e}");
+                        ring.abandon().into_iter().for_each(|job| self.settle(job, Err("the store shut down".into())));
+                    }
+                }
+                return;
             }
-            {
-                let mut st = lock(&self.state);
-                let ours = matches!(st.slots.get(&job.key), Some(Slot::Loading(p)) if Arc::ptr_eq(p, &job.pending));
-                if ours {
-                    match &result {
-                        Ok(e) => {
-                            st.insert_ready(job.key, e.clone());
+            for job in jobs {
+                self.enter_read();
+                match self.source.blob_read(job.layer, job.expert) {
+                    Some(read) => {
+                        if let Err((job, why)) = ring.submit(read, job) {
+                            tracing::debug!("layer {} expert {}: {why}; read the plain way", job.layer, job.expert);
+                            let result = self.inner_read(job.layer, job.expert);
+                            self.leave_read();
+                            self.settle(job, result);
                         }
-                        Err(_) => {
-                            st.remove_slot(&job.key);
-                            st.policy.forget(job.key);
-                            st.prefetched_unused.remove(&job.key);
-                        }
+                    }
+                    None => {
+                        let result = self.inner_read(job.layer, job.expert);
+                        self.leave_read();
+                        self.settle(job, result);
                     }
                 }
             }
-            job.pending.set(result);
+            match ring.wait() {
+                Ok(done) => done.into_iter().for_each(|(job, outcome)| self.route_ring_read(job, outcome)),
+                Err(e) => {
+                    // The ring as a whole failed: what it held is read again the plain way
+                    // (its buffers are leaked, the kernel may still write them), and the
+                    // store goes on with reader threads.
+                    tracing::error!("the expert-read ring failed ({e}): reading with threads from now on");
+                    for job in ring.abandon() {
+                        let result = self.inner_read(job.layer, job.expert);
+                        self.leave_read();
+                        self.settle(job, result);
+                    }
+                    return self.reader_loop();
+                }
+            }
         }
+    }
+
+    /// A large blob goes to the decoders; a small one, or a failed read, is settled here.
+    #[cfg(target_os = "linux")]
+    fn route_ring_read(&self, job: Job, outcome: Result<source::AlignedBuf, String>) {
+        match outcome {
+            Ok(buf) if buf.len() > INLINE_DECODE_BYTES => {
+                lock(&self.to_decode).blobs.push_back((job, buf));
+                self.decode_ready.notify_one();
+            }
+            outcome => self.finish_ring_read(job, outcome),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn decode_loop(&self) {
+        loop {
+            let (job, buf) = {
+                let mut q = lock(&self.to_decode);
+                loop {
+                    if let Some(item) = q.blobs.pop_front() {
+                        break item;
+                    }
+                    if q.ring_done {
+                        return;
+                    }
+                    q = self.decode_ready.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            self.finish_ring_read(job, Ok(buf));
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn finish_ring_read(&self, job: Job, outcome: Result<source::AlignedBuf, String>) {
+        let decoded = outcome.and_then(|buf| self.source.decode_blob(job.layer, job.expert, &buf));
+        let result = match decoded {
+            Ok((expert, bytes)) => {
+                self.counters.reads.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+                Ok(Arc::new(expert))
+            }
+            Err(why) => {
+                tracing::debug!("{why}; read again the plain way");
+                self.inner_read(job.layer, job.expert)
+            }
+        };
+        self.leave_read();
+        self.settle(job, result);
+    }
+
+    /// A finished read: the prefetch accounting, the slot (resident, or forgotten when the read
+    /// failed), then whoever waits for it.
+    fn settle(&self, job: Job, result: ReadResult) {
+        if job.prefetch {
+            let mut q = lock(&self.queues);
+            q.running_prefetch -= 1;
+            q.hinted_outstanding = q.hinted_outstanding.saturating_sub(1);
+            // A queued prefetch may have been waiting for this reader's prefetch slot.
+            if !q.prefetch.is_empty() {
+                self.wake(1);
+            }
+        }
+        {
+            let mut st = lock(&self.state);
+            let ours = matches!(st.slots.get(&job.key), Some(Slot::Loading(p)) if Arc::ptr_eq(p, &job.pending));
+            if ours {
+                match &result {
+                    Ok(e) => {
+                        st.insert_ready(job.key, e.clone());
+                    }
+                    Err(_) => {
+                        st.remove_slot(&job.key);
+                        st.policy.forget(job.key);
+                        st.prefetched_unused.remove(&job.key);
+                    }
+                }
+            }
+        }
+        job.pending.set(result);
     }
 
     fn inner_read(&self, layer: usize, expert: usize) -> ReadResult {
@@ -664,9 +933,7 @@ impl ExpertStore {
         q.demand.extend(jobs);
         // One reader per new read: waking all of them on every layer of every token (most find
         // nothing to do) costs more than the experts' compute on a small machine.
-        for _ in before..q.demand.len() {
-            inner.work.notify_one();
-        }
+        inner.wake(q.demand.len() - before);
     }
 }
 
@@ -767,9 +1034,7 @@ impl ExpertDispatch for ExpertStore {
                 }
             }
             q.hinted_outstanding += jobs.len();
-            for _ in 0..jobs.len() {
-                inner.work.notify_one();
-            }
+            inner.wake(jobs.len());
             q.prefetch.extend(jobs);
         }
     }

@@ -1,6 +1,7 @@
 //! The storage's read bandwidth, measured the way the store reads: whole blobs at their aligned
-//! offsets, `depth` reads in flight, O_DIRECT when asked. It is the "disk limit" a streaming
-//! benchmark is judged against, measured in the same run on the same file.
+//! offsets, `depth` reads in flight, O_DIRECT when asked, from threads or (Linux) an io_uring
+//! ring. It is the "disk limit" a streaming benchmark is judged against, measured in the same
+//! run on the same file.
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -32,6 +33,31 @@ pub fn read_bandwidth(path: &Path, reads: &[(u64, u64)], depth: usize, direct: b
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("reader panicked")))).sum::<std::io::Result<u64>>()
     })?;
     Ok(total as f64 / t0.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Reads every `(offset, length)` once through an io_uring ring keeping `depth` reads in flight;
+/// returns bytes per second.
+#[cfg(target_os = "linux")]
+pub fn read_bandwidth_ring(path: &Path, reads: &[(u64, u64)], depth: usize, direct: bool) -> std::io::Result<f64> {
+    use std::os::fd::AsRawFd;
+    let file = crate::uncached::open(path, direct)?;
+    let mut ring = crate::uring::Ring::<usize>::new(depth)?;
+    let t0 = Instant::now();
+    let (mut next, mut done, mut bytes) = (0usize, 0usize, 0u64);
+    while done < reads.len() {
+        while next < reads.len() && ring.free_slots() > 0 {
+            let (offset, len) = reads[next];
+            let read = crate::source::BlobRead { fd: file.as_raw_fd(), offset, len: len as usize };
+            ring.submit(read, next).map_err(|(_, why)| std::io::Error::other(why))?;
+            next += 1;
+        }
+        for (i, outcome) in ring.wait()? {
+            outcome.map_err(|why| std::io::Error::other(format!("offset {}: {why}", reads[i].0)))?;
+            bytes += reads[i].1;
+            done += 1;
+        }
+    }
+    Ok(bytes as f64 / t0.elapsed().as_secs_f64().max(1e-9))
 }
 
 /// `reads` in a fixed shuffled order (nothing a readahead could follow), cut to the first that

@@ -78,6 +78,15 @@ pub enum ReadError {
     Failed(String),
 }
 
+/// One blob's read from a drive, planned for a ring: the file descriptor stays open for the
+/// source's life, which outlives every read the store submits.
+#[derive(Debug, Clone, Copy)]
+pub struct BlobRead {
+    pub fd: std::os::fd::RawFd,
+    pub offset: u64,
+    pub len: usize,
+}
+
 /// Counters the source keeps (read by the store's telemetry).
 #[derive(Default)]
 pub struct SourceCounters {
@@ -174,6 +183,36 @@ impl Source {
                 }
             }
         }
+    }
+
+    /// Whether experts come from a container's experts file (one blob a read), which is what a
+    /// ring of reads can serve; a checkpoint's experts are gathered from several tensors.
+    pub fn is_container(&self) -> bool {
+        matches!(self, Source::Container { .. })
+    }
+
+    /// Where one expert's blob lies on the drive a plain `read` would try first: the read a ring
+    /// submits. `None` for a checkpoint or an expert the container does not hold (`read` then
+    /// names the problem).
+    pub fn blob_read(&self, layer: usize, expert: usize) -> Option<BlobRead> {
+        let Source::Container { container, drives, .. } = self else { return None };
+        let loc = container.location(layer, expert)?;
+        let drive = &drives[choose_drive(drives, layer, expert)];
+        Some(BlobRead { fd: std::os::fd::AsRawFd::as_raw_fd(&drive.file), offset: loc.offset, len: usize::try_from(loc.length).ok()? })
+    }
+
+    /// Verifies and decodes a blob that a ring read as `blob_read` planned it; an error names the
+    /// drive, layer and expert (the caller then falls back to `read`, which tries every copy).
+    pub fn decode_blob(&self, layer: usize, expert: usize, buf: &[u8]) -> Result<(Expert, u64), String> {
+        let Source::Container { container, drives, .. } = self else { return Err(format!("layer {layer} expert {expert}: not a container")) };
+        let loc = container.location(layer, expert).ok_or_else(|| format!("layer {layer} expert {expert}: not in the container"))?;
+        let drive = &drives[choose_drive(drives, layer, expert)];
+        let what = format!("{} layer {layer} expert {expert}", drive.path.display());
+        if buf.len() as u64 != loc.length {
+            return Err(format!("{what}: read {} bytes of {}", buf.len(), loc.length));
+        }
+        let matrices = expert_blob::decode(buf, container.scheme, container.shape, Some((loc.id, loc.checksum)), &what).map_err(|e| e.to_string())?;
+        Ok((expert_from(matrices, container.activation), loc.length))
     }
 
     /// Reads one expert; returns it and the bytes read from storage.
