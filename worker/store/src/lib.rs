@@ -57,6 +57,12 @@ pub use source::Source;
 
 pub const DEFAULT_IO_DEPTH: usize = 16;
 
+/// `auto` reads through io_uring when a container's blobs are at most this large, with threads
+/// above it. Measured on one two-core VM (docs/benchmarks.md, "io_uring"): the ring decoded
+/// 30 KB and 885 KB experts at a 10 % budget ~20 % faster than threads, 2.65 MB experts ~20 %
+/// slower.
+pub const AUTO_RING_MAX_BLOB: u64 = 1 << 20;
+
 /// Bytes one routed expert of the model at `dir` takes in memory (its matrices and scales), as
 /// the store counts them against a budget.
 pub fn expert_bytes_of(dir: &std::path::Path, spec: &ModelSpec) -> Result<u64, shimmer_common::LoadError> {
@@ -89,8 +95,8 @@ pub struct StoreOptions {
 /// How the store's reads reach the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IoEngine {
-    /// io_uring where the kernel offers it and the experts come from a container; the reader
-    /// threads otherwise.
+    /// io_uring where the kernel offers it and the experts come from a container of blobs no
+    /// larger than `AUTO_RING_MAX_BLOB`; the reader threads otherwise.
     #[default]
     Auto,
     /// `io_depth` threads, each a blocking `pread` at a time (every platform, every source).
@@ -307,6 +313,10 @@ struct Inner {
     to_decode: Mutex<DecodeQueue>,
     #[cfg(target_os = "linux")]
     decode_ready: Condvar,
+    /// Read buffers the ring's reads reuse: a fresh one costs the ring's thread a zeroing and a
+    /// page fault a page before the read can even be submitted.
+    #[cfg(target_os = "linux")]
+    spare_buffers: Mutex<Vec<source::AlignedBuf>>,
 }
 
 /// Blobs larger than this are verified and decoded on decoder threads, so that the ring's thread
@@ -398,7 +408,7 @@ impl ExpertStore {
         #[cfg(target_os = "linux")]
         let ring: Option<uring::Ring<Job>> = match opts.io_engine {
             IoEngine::Threads => None,
-            IoEngine::Auto if !source.is_container() => None,
+            IoEngine::Auto if !source.is_container() || source.largest_blob() > AUTO_RING_MAX_BLOB => None,
             IoEngine::Uring if !source.is_container() => return Err(StoreError::IoEngine(
                 "--io-engine uring reads a container's experts file, and this model's experts come from a checkpoint: convert it, or use --io-engine threads"
                     .into(),
@@ -438,6 +448,8 @@ impl ExpertStore {
             to_decode: Mutex::new(DecodeQueue::default()),
             #[cfg(target_os = "linux")]
             decode_ready: Condvar::new(),
+            #[cfg(target_os = "linux")]
+            spare_buffers: Mutex::new(Vec::new()),
         });
         #[cfg(target_os = "linux")]
         let readers = match ring {
@@ -694,7 +706,8 @@ impl Inner {
                 self.enter_read();
                 match self.source.blob_read(job.layer, job.expert) {
                     Some(read) => {
-                        if let Err((job, why)) = ring.submit(read, job) {
+                        let buf = self.spare_buffer(read.len);
+                        if let Err((job, why)) = ring.submit(read, buf, job) {
                             tracing::debug!("layer {} expert {}: {why}; read the plain way", job.layer, job.expert);
                             let result = self.inner_read(job.layer, job.expert);
                             self.leave_read();
@@ -757,9 +770,32 @@ impl Inner {
         }
     }
 
+    /// A buffer of at least `len` bytes: a spare one when there is, else a new one.
+    #[cfg(target_os = "linux")]
+    fn spare_buffer(&self, len: usize) -> source::AlignedBuf {
+        let mut spare = lock(&self.spare_buffers);
+        match spare.iter().rposition(|b| b.capacity() >= len) {
+            Some(i) => spare.swap_remove(i).reset(),
+            None => source::AlignedBuf::new(len),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn keep_spare(&self, buf: source::AlignedBuf) {
+        let mut spare = lock(&self.spare_buffers);
+        // As many as can be in use at once (reads in flight, blobs waiting to be decoded).
+        if spare.len() < 2 * self.io_depth {
+            spare.push(buf);
+        }
+    }
+
     #[cfg(target_os = "linux")]
     fn finish_ring_read(&self, job: Job, outcome: Result<source::AlignedBuf, String>) {
-        let decoded = outcome.and_then(|buf| self.source.decode_blob(job.layer, job.expert, &buf));
+        let decoded = outcome.and_then(|buf| {
+            let decoded = self.source.decode_blob(job.layer, job.expert, &buf);
+            self.keep_spare(buf);
+            decoded
+        });
         let result = match decoded {
             Ok((expert, bytes)) => {
                 self.counters.reads.fetch_add(1, Ordering::Relaxed);

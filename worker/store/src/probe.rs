@@ -48,7 +48,7 @@ pub fn read_bandwidth_ring(path: &Path, reads: &[(u64, u64)], depth: usize, dire
         while next < reads.len() && ring.free_slots() > 0 {
             let (offset, len) = reads[next];
             let read = crate::source::BlobRead { fd: file.as_raw_fd(), offset, len: len as usize };
-            ring.submit(read, next).map_err(|(_, why)| std::io::Error::other(why))?;
+            ring.submit(read, AlignedBuf::new(len as usize), next).map_err(|(_, why)| std::io::Error::other(why))?;
             next += 1;
         }
         for (i, outcome) in ring.wait()? {

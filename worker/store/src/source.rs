@@ -25,7 +25,10 @@ use shimmer_experts::Expert;
 /// A zeroed, 4096-byte-aligned buffer (what O_DIRECT reads need).
 pub struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
+    /// Bytes allocated.
     len: usize,
+    /// Bytes the slice views show (at most `len`).
+    shown: usize,
 }
 
 // SAFETY: the buffer is uniquely owned heap memory.
@@ -37,22 +40,42 @@ impl AlignedBuf {
         // SAFETY: the layout has non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, len }
+        AlignedBuf { ptr, len, shown: len }
+    }
+}
+
+impl AlignedBuf {
+    /// The same allocation seen as its first `len` bytes (a reused buffer read a shorter blob);
+    /// its full length is kept for when it is freed.
+    pub fn truncated(mut self, len: usize) -> Self {
+        self.shown = len.min(self.len);
+        self
+    }
+
+    /// Bytes allocated, which may exceed what `truncated` shows.
+    pub fn capacity(&self) -> usize {
+        self.len
+    }
+
+    /// All of the allocation shown again, for its next read.
+    pub fn reset(mut self) -> Self {
+        self.shown = self.len;
+        self
     }
 }
 
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialised (zeroed) bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        // SAFETY: ptr is valid for len ≥ shown initialised (zeroed at allocation) bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.shown) }
     }
 }
 
 impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and we hold the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.shown) }
     }
 }
 
@@ -189,6 +212,14 @@ impl Source {
     /// ring of reads can serve; a checkpoint's experts are gathered from several tensors.
     pub fn is_container(&self) -> bool {
         matches!(self, Source::Container { .. })
+    }
+
+    /// The longest blob a read may fetch (0 for a checkpoint).
+    pub fn largest_blob(&self) -> u64 {
+        match self {
+            Source::Container { container, .. } => container.manifest.blobs.iter().map(|b| b.length).max().unwrap_or(0),
+            Source::Checkpoint { .. } => 0,
+        }
     }
 
     /// Where one expert's blob lies on the drive a plain `read` would try first: the read a ring

@@ -73,12 +73,14 @@ impl<T> Ring<T> {
         self.free.len()
     }
 
-    /// Queues one blob read (the kernel sees it at the next `wait`); gives the tag back when
-    /// no slot is free or the read cannot be expressed.
-    pub fn submit(&mut self, read: BlobRead, tag: T) -> Result<(), (T, String)> {
+    /// Queues one blob read into `buf` (at least `read.len` bytes; the kernel sees it at the
+    /// next `wait`); gives the tag back when no slot is free or the read cannot be expressed.
+    pub fn submit(&mut self, read: BlobRead, mut buf: AlignedBuf, tag: T) -> Result<(), (T, String)> {
         let Ok(len) = u32::try_from(read.len) else { return Err((tag, format!("a blob of {} bytes is too long for one ring read", read.len))) };
+        if buf.len() < read.len {
+            return Err((tag, format!("a buffer of {} bytes for a blob of {}", buf.len(), read.len)));
+        }
         let Some(slot) = self.free.pop() else { return Err((tag, "no free ring slot".into())) };
-        let mut buf = AlignedBuf::new(read.len);
         let entry = opcode::Read::new(types::Fd(read.fd), buf.as_mut_ptr(), len).offset(read.offset).build().user_data(slot as u64);
         // SAFETY: the buffer lives in `slots[slot]` until its completion is reaped (`reap`),
         // and the descriptor belongs to the store's source, which outlives the ring's thread.
@@ -163,7 +165,7 @@ impl<T> Ring<T> {
             } else if result as usize != len {
                 Err(format!("short read: {result} of {len} bytes"))
             } else {
-                Ok(buf)
+                Ok(buf.truncated(len))
             };
             done.push((tag, outcome));
         }
@@ -204,10 +206,10 @@ mod tests {
         let fd = file.as_raw_fd();
         let reads = [(0u64, 4096usize), (4096, 8000), (12_000, 8000), (19_000, 2000)];
         for (i, (offset, len)) in reads.iter().enumerate() {
-            ring.submit(BlobRead { fd, offset: *offset, len: *len }, i).unwrap();
+            ring.submit(BlobRead { fd, offset: *offset, len: *len }, AlignedBuf::new(*len), i).unwrap();
         }
         assert_eq!(ring.free_slots(), 0);
-        assert!(ring.submit(BlobRead { fd, offset: 0, len: 1 }, 9).is_err(), "a fifth read must find no slot");
+        assert!(ring.submit(BlobRead { fd, offset: 0, len: 1 }, AlignedBuf::new(1), 9).is_err(), "a fifth read must find no slot");
         let mut got = Vec::new();
         while got.len() < reads.len() {
             got.extend(ring.wait().unwrap());
@@ -236,7 +238,7 @@ mod tests {
         t.join().unwrap();
         // Re-armed by the next wait; drain must still come back.
         let (_keep, file) = file_of(&[1u8; 100]);
-        ring.submit(BlobRead { fd: file.as_raw_fd(), offset: 0, len: 100 }, ()).unwrap();
+        ring.submit(BlobRead { fd: file.as_raw_fd(), offset: 0, len: 100 }, AlignedBuf::new(4096), ()).unwrap();
         let done = ring.drain().unwrap();
         assert_eq!(done.len(), 1);
         assert!(done[0].1.as_ref().is_ok_and(|b| b.iter().all(|x| *x == 1)));
@@ -245,7 +247,8 @@ mod tests {
     #[test]
     fn a_bad_descriptor_is_an_error_naming_the_failure() {
         let mut ring = Ring::<()>::new(1).expect("io_uring on this kernel");
-        ring.submit(BlobRead { fd: -1, offset: 0, len: 10 }, ()).unwrap();
+        assert!(ring.submit(BlobRead { fd: -1, offset: 0, len: 10 }, AlignedBuf::new(9), ()).is_err(), "a buffer too small is refused");
+        ring.submit(BlobRead { fd: -1, offset: 0, len: 10 }, AlignedBuf::new(10), ()).unwrap();
         let done = ring.drain().unwrap();
         assert!(done[0].1.as_ref().is_err_and(|e| e.starts_with("read failed")), "{:?}", done[0].1.as_ref().err());
     }
