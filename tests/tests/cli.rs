@@ -561,6 +561,9 @@ fn doctor_describes_the_machine_and_measures_the_disk_it_is_pointed_at() {
     assert_eq!(depths, [1, 2, 4, 8, 16, 32], "{disk}");
     assert!(disk["gb_s_by_depth"].as_array().unwrap().iter().all(|d| d[1].as_f64().unwrap() > 0.0));
     assert!(depths.contains(&disk["best_depth"].as_u64().unwrap()));
+    // The same reads through an io_uring ring (this project's machines have one).
+    assert_eq!(disk["io_uring"], "available", "{disk}");
+    assert!(disk["io_uring_gb_s"].as_f64().unwrap() > 0.0, "{disk}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the probe file is removed");
     let advice: Vec<&str> = v["recommendations"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
     assert!(advice.iter().any(|a| a.starts_with("--threads ")), "{advice:?}");

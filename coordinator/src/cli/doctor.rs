@@ -135,6 +135,10 @@ pub(crate) struct DiskReport {
     pub gb_s_by_depth: Vec<(usize, f64)>,
     /// The smallest depth within 90 % of the best bandwidth.
     pub best_depth: Option<usize>,
+    /// The same reads at depth 16 through an io_uring ring (`--io-engine uring`); `None` where
+    /// the kernel has no ring to give (`io_uring` says why) or off Linux.
+    pub io_uring_gb_s: Option<f64>,
+    pub io_uring: String,
     pub error: Option<String>,
 }
 
@@ -191,11 +195,12 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
         let depths: Vec<String> = d.gb_s_by_depth.iter().map(|(q, g)| format!("{q}:{g:.2}")).collect();
         writeln!(
             out,
-            "disk     {}: {} free, O_DIRECT {}, GB/s by depth {}{}",
+            "disk     {}: {} free, O_DIRECT {}, GB/s by depth {}, io_uring {}{}",
             d.dir.display(),
             gb(d.free_bytes),
             if d.direct_io { "yes" } else { "no" },
             if depths.is_empty() { "-".to_string() } else { depths.join(" ") },
+            d.io_uring_gb_s.map_or(d.io_uring.clone(), |g| format!("16:{g:.2}")),
             d.error.as_ref().map(|e| format!(" ({e})")).unwrap_or_default()
         )?;
     }
@@ -406,8 +411,16 @@ fn numa_nodes() -> Vec<NumaNode> {
 /// Writes a probe file of `bytes` in `dir`, reads it back bypassing the page cache at every
 /// depth, and removes it.
 fn disk(dir: &Path, bytes: u64) -> DiskReport {
-    let mut report =
-        DiskReport { dir: dir.to_path_buf(), free_bytes: free_bytes(dir), direct_io: false, gb_s_by_depth: Vec::new(), best_depth: None, error: None };
+    let mut report = DiskReport {
+        dir: dir.to_path_buf(),
+        free_bytes: free_bytes(dir),
+        direct_io: false,
+        gb_s_by_depth: Vec::new(),
+        best_depth: None,
+        io_uring_gb_s: None,
+        io_uring: "not measured".to_string(),
+        error: None,
+    };
     let blocks = (bytes / READ_BYTES).max(1);
     let path = dir.join(format!(".shimmer-doctor-{}.probe", std::process::id()));
     struct Remove<'a>(&'a Path);
@@ -453,6 +466,18 @@ fn disk(dir: &Path, bytes: u64) -> DiskReport {
         }
     }
     report.best_depth = first_within(&report.gb_s_by_depth, 0.9);
+    #[cfg(target_os = "linux")]
+    match shimmer_store::probe::read_bandwidth_ring(&path, &reads, 16, report.direct_io) {
+        Ok(b) => {
+            report.io_uring_gb_s = Some(b / 1e9);
+            report.io_uring = "available".to_string();
+        }
+        Err(e) => report.io_uring = format!("unavailable: {e}"),
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        report.io_uring = "Linux-only".to_string();
+    }
     report
 }
 

@@ -17,9 +17,11 @@
 //!
 //! - The policy (`policy::LayerLru`: per-layer LRU, a pinned hot set learned from `usage.rs`,
 //!   prefetch on lookahead hints) is sans-IO and decides; this module carries its decisions out.
-//! - A pool of `io_depth` reader threads serves two queues. Demand reads always go first; at most
-//!   half the readers work on prefetches at once, and a queued prefetch that a demand access
-//!   catches up with is promoted to the demand queue — so a prefetch never delays a demand read.
+//! - Reads (`io_depth` in flight) serve two queues. Demand reads always go first; at most half
+//!   the reads in flight are prefetches, and a queued prefetch that a demand access catches up
+//!   with is promoted to the demand queue — so a prefetch never delays a demand read. They reach
+//!   the disk through `io_depth` reader threads or one io_uring ring (`uring`), whose thread
+//!   submits each batch with one system call and hands large blobs to decoder threads.
 //! - Batch-union: each expert a batch selects is read at most once and applied to every row that
 //!   chose it; compute starts on resident experts while the missing ones are being read, and each
 //!   read expert is computed as soon as it arrives.
@@ -58,10 +60,11 @@ pub use source::Source;
 pub const DEFAULT_IO_DEPTH: usize = 16;
 
 /// `auto` reads through io_uring when a container's blobs are at most this large, with threads
-/// above it. Measured on one two-core VM (docs/benchmarks.md, "io_uring"): the ring decoded
-/// 30 KB and 885 KB experts at a 10 % budget ~20 % faster than threads, 2.65 MB experts ~20 %
-/// slower.
-pub const AUTO_RING_MAX_BLOB: u64 = 1 << 20;
+/// above it. Measured on a two-core VM at a 10 % budget (docs/benchmarks.md, "io_uring"): the
+/// ring decoded the demo's 28 KB experts 1.28× as fast as threads (medians of four pairs), and
+/// m1b's 885 KB and the 30B shape's 2.65 MB experts 0.94× and 0.91× — where a blob's check and
+/// copy, not the system calls, are what a read costs.
+pub const AUTO_RING_MAX_BLOB: u64 = 256 << 10;
 
 /// Bytes one routed expert of the model at `dir` takes in memory (its matrices and scales), as
 /// the store counts them against a budget.
@@ -460,7 +463,11 @@ impl ExpertStore {
                     let inner = inner.clone();
                     std::thread::Builder::new().name("expert-ring".into()).spawn(move || inner.ring_loop(ring)).expect("spawn the ring's thread")
                 };
-                let decoders = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, io_depth);
+                // More decoders than cores: checking and copying a 3 MB blob is on the decode's
+                // critical path, and on a two-core machine two decoders got too small a share
+                // of the CPU beside the compute threads (q30 at 10 %: 22 tok/s against 28 with
+                // eight; docs/benchmarks.md, "io_uring").
+                let decoders = (io_depth / 2).max(1);
                 std::iter::once(ring_thread)
                     .chain((0..decoders).map(|n| {
                         let inner = inner.clone();
