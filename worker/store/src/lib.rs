@@ -316,10 +316,6 @@ struct Inner {
     to_decode: Mutex<DecodeQueue>,
     #[cfg(target_os = "linux")]
     decode_ready: Condvar,
-    /// Read buffers the ring's reads reuse: a fresh one costs the ring's thread a zeroing and a
-    /// page fault a page before the read can even be submitted.
-    #[cfg(target_os = "linux")]
-    spare_buffers: Mutex<Vec<source::AlignedBuf>>,
 }
 
 /// Blobs larger than this are verified and decoded on decoder threads, so that the ring's thread
@@ -451,8 +447,6 @@ impl ExpertStore {
             to_decode: Mutex::new(DecodeQueue::default()),
             #[cfg(target_os = "linux")]
             decode_ready: Condvar::new(),
-            #[cfg(target_os = "linux")]
-            spare_buffers: Mutex::new(Vec::new()),
         });
         #[cfg(target_os = "linux")]
         let readers = match ring {
@@ -713,7 +707,7 @@ impl Inner {
                 self.enter_read();
                 match self.source.blob_read(job.layer, job.expert) {
                     Some(read) => {
-                        let buf = self.spare_buffer(read.len);
+                        let buf = self.source.spare_buffer(read.len);
                         if let Err((job, why)) = ring.submit(read, buf, job) {
                             tracing::debug!("layer {} expert {}: {why}; read the plain way", job.layer, job.expert);
                             let result = self.inner_read(job.layer, job.expert);
@@ -777,30 +771,11 @@ impl Inner {
         }
     }
 
-    /// A buffer of at least `len` bytes: a spare one when there is, else a new one.
-    #[cfg(target_os = "linux")]
-    fn spare_buffer(&self, len: usize) -> source::AlignedBuf {
-        let mut spare = lock(&self.spare_buffers);
-        match spare.iter().rposition(|b| b.capacity() >= len) {
-            Some(i) => spare.swap_remove(i).reset(),
-            None => source::AlignedBuf::new(len),
-        }
-    }
-
-    #[cfg(target_os = "linux")]
-    fn keep_spare(&self, buf: source::AlignedBuf) {
-        let mut spare = lock(&self.spare_buffers);
-        // As many as can be in use at once (reads in flight, blobs waiting to be decoded).
-        if spare.len() < 2 * self.io_depth {
-            spare.push(buf);
-        }
-    }
-
     #[cfg(target_os = "linux")]
     fn finish_ring_read(&self, job: Job, outcome: Result<source::AlignedBuf, String>) {
         let decoded = outcome.and_then(|buf| {
             let decoded = self.source.decode_blob(job.layer, job.expert, &buf);
-            self.keep_spare(buf);
+            self.source.keep_spare(buf);
             decoded
         });
         let result = match decoded {
