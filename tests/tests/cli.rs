@@ -493,6 +493,32 @@ fn the_io_engine_flag_is_checked_and_io_uring_asks_for_a_container() {
         "uring",
     ]);
     assert_eq!(ids(&ring), ids(&plain), "the same tokens read through the ring");
+    // A ring that fails as a whole, with reads in flight or none: the same tokens, read on.
+    let with_fault = |n: &str| {
+        let mut cmd = std::process::Command::new(shimmer_tests::shimmer_bin());
+        cmd.args([
+            "generate",
+            "--model",
+            c.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--json",
+            "--io-engine",
+            "uring",
+        ])
+        .env("SHIMMER_IO_RING_FAULT", n);
+        shimmer_tests::output_within(&mut cmd, shimmer_tests::COMMAND_LIMIT)
+    };
+    for n in ["1", "2", "3"] {
+        let out = with_fault(n);
+        assert_eq!(ids(&out), ids(&plain), "SHIMMER_IO_RING_FAULT={n}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("injected ring failure"), "SHIMMER_IO_RING_FAULT={n}: the failure is logged");
+    }
+    assert_clean_failure(&with_fault("often"), &["SHIMMER_IO_RING_FAULT=\"often\""]);
 }
 
 /// A server on a free port answering every request with `status` and a short body, until the

@@ -417,6 +417,11 @@ impl ExpertStore {
                 Some(uring::Ring::new(io_depth).map_err(|e| StoreError::IoEngine(format!("io_uring is not available here ({e}): use --io-engine threads")))?)
             }
         };
+        #[cfg(target_os = "linux")]
+        let ring = match ring {
+            Some(r) => Some(r.failing_at_wait(uring::fault_from_env().map_err(StoreError::IoEngine)?)),
+            None => None,
+        };
         #[cfg(not(target_os = "linux"))]
         if opts.io_engine == IoEngine::Uring {
             return Err(StoreError::IoEngine("io_uring is Linux-only: use --io-engine threads".into()));
@@ -621,8 +626,8 @@ impl Inner {
         #[cfg(target_os = "linux")]
         if let Some(w) = &self.ring_waker {
             w.wake();
-            return;
         }
+        // Also with a ring: a ring that failed left its thread reading on the condition variable.
         for _ in 0..n {
             self.work.notify_one();
         }
@@ -698,7 +703,10 @@ impl Inner {
                     Ok(done) => done.into_iter().for_each(|(job, outcome)| self.route_ring_read(job, outcome)),
                     Err(e) => {
                         tracing::error!("the expert-read ring failed while shutting down: {e}");
-                        ring.abandon().into_iter().for_each(|job| self.settle(job, Err("the store shut down".into())));
+                        for job in ring.abandon() {
+                            self.leave_read();
+                            self.settle(job, Err("the store shut down".into()));
+                        }
                     }
                 }
                 return;
@@ -726,9 +734,9 @@ impl Inner {
                 Ok(done) => done.into_iter().for_each(|(job, outcome)| self.route_ring_read(job, outcome)),
                 Err(e) => {
                     // The ring as a whole failed: what it held is read again the plain way
-                    // (its buffers are leaked, the kernel may still write them), and the
-                    // store goes on with reader threads.
-                    tracing::error!("the expert-read ring failed ({e}): reading with threads from now on");
+                    // (its buffers are leaked, the kernel may still write them), and this
+                    // thread goes on as one reader thread.
+                    tracing::error!("the expert-read ring failed ({e}): reading on this thread from now on");
                     for job in ring.abandon() {
                         let result = self.inner_read(job.layer, job.expert);
                         self.leave_read();

@@ -46,6 +46,22 @@ pub struct Ring<T> {
     wake_armed: bool,
     slots: Vec<Option<(T, AlignedBuf, usize)>>,
     free: Vec<usize>,
+    /// The test hook: the wait with this number (counting from 1) fails after submitting.
+    fail_at_wait: Option<u64>,
+    waits: u64,
+}
+
+/// The fault-injection hook `SHIMMER_IO_RING_FAULT=N`: the ring's N-th wait fails as if the
+/// kernel had refused it, with its reads in flight — the path where the store abandons the ring
+/// and goes on without it. A positive integer, or an error naming the value.
+pub fn fault_from_env() -> Result<Option<u64>, String> {
+    match std::env::var("SHIMMER_IO_RING_FAULT") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!("SHIMMER_IO_RING_FAULT={v:?} is not a positive integer (the ring's N-th wait fails)")),
+        },
+    }
 }
 
 impl<T> Ring<T> {
@@ -61,7 +77,22 @@ impl<T> Ring<T> {
         }
         // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-        Ok(Ring { ring, wake, wake_buf: Box::new(0), wake_armed: false, slots: (0..depth).map(|_| None).collect(), free: (0..depth).rev().collect() })
+        Ok(Ring {
+            ring,
+            wake,
+            wake_buf: Box::new(0),
+            wake_armed: false,
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth).rev().collect(),
+            fail_at_wait: None,
+            waits: 0,
+        })
+    }
+
+    /// Makes the `n`-th wait fail (`fault_from_env`).
+    pub fn failing_at_wait(mut self, n: Option<u64>) -> Self {
+        self.fail_at_wait = n;
+        self
     }
 
     pub fn waker(&self) -> Waker {
@@ -96,6 +127,11 @@ impl<T> Ring<T> {
     /// returns every read finished by then.
     pub fn wait(&mut self) -> io::Result<Vec<Finished<T>>> {
         self.arm_wake()?;
+        self.waits += 1;
+        if self.fail_at_wait == Some(self.waits) {
+            self.ring.submit()?;
+            return Err(io::Error::other(format!("injected ring failure at wait {} (SHIMMER_IO_RING_FAULT)", self.waits)));
+        }
         loop {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => break,
