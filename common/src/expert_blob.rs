@@ -145,10 +145,22 @@ pub fn checksum(id: BlobId, blob: &[u8]) -> u64 {
     h.finish()
 }
 
-/// Reads an expert back from a blob, checking its length and (when given) its checksum as the
-/// blob `id`; `what` names the blob in errors (file, layer, expert).
-pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_checksum: Option<(BlobId, u64)>, what: &str) -> Result<StoredExpert, LoadError> {
-    let BlobShape { hidden, intermediate, biased } = shape;
+/// The matrices' `(rows, cols)`: gate, up (`intermediate × hidden`), down (`hidden × intermediate`).
+pub fn matrix_shapes(shape: BlobShape) -> [(usize, usize); 3] {
+    let BlobShape { hidden, intermediate, .. } = shape;
+    [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]
+}
+
+/// Checks a blob as `decode` does — its length against the layout, (when given) its checksum as
+/// the blob `id`, every matrix's scales — and returns its sections (`layout`'s), copying nothing:
+/// for a reader that views the blob's bytes in place. `what` names the blob in errors.
+pub fn check(
+    blob: &[u8],
+    scheme: QuantScheme,
+    shape: BlobShape,
+    expected_checksum: Option<(BlobId, u64)>,
+    what: &str,
+) -> Result<[(usize, usize); 9], LoadError> {
     let (sections, total) = layout(scheme, shape);
     if blob.len() != total {
         return Err(LoadError::malformed(what, format!("blob is {} bytes, its layout needs {total} (truncated or from another format)", blob.len())));
@@ -168,32 +180,48 @@ pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_check
             ));
         }
     }
-    let shapes = [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)];
+    // The lengths follow from the layout; what is left to check is the scales (`quant::validate`'s
+    // rules, on the stored bytes).
+    for m in 0..3 {
+        let (at, len) = sections[2 * m + 1];
+        let scales = &blob[at..at + len];
+        let ok = match scheme {
+            QuantScheme::Bf16 => true,
+            QuantScheme::Int8PerRow => scales.chunks_exact(4).all(|c| {
+                let s = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                s.is_finite() && s >= 0.0
+            }),
+            QuantScheme::Int4 { group } => {
+                matches!(group, 32 | 64 | 128) && scales.chunks_exact(2).all(|c| quant::int4_scale_ok(u16::from_le_bytes([c[0], c[1]])))
+            }
+            QuantScheme::Mxfp4 => !scales.contains(&255),
+        };
+        if !ok {
+            return Err(LoadError::malformed(what, "quantised data does not match its shape, or a scale is negative or not finite"));
+        }
+    }
+    Ok(sections)
+}
+
+/// Reads an expert back from a blob into matrices of its own, checked as `check` does.
+pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_checksum: Option<(BlobId, u64)>, what: &str) -> Result<StoredExpert, LoadError> {
+    let sections = check(blob, scheme, shape, expected_checksum, what)?;
     let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
-    let mut out = Vec::with_capacity(3);
-    for (m, (rows, cols)) in shapes.iter().enumerate() {
+    let matrices = matrix_shapes(shape).into_iter().enumerate().map(|(m, (rows, cols))| {
         let (d, s) = (sections[2 * m], sections[2 * m + 1]);
         let (data, scales) = (&blob[d.0..d.0 + d.1], &blob[s.0..s.0 + s.1]);
-        let matrix = match scheme {
-            QuantScheme::Bf16 => {
-                StoredMatrix::Bf16 { rows: *rows, cols: *cols, words: data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() }
-            }
-            QuantScheme::Int8PerRow => {
-                StoredMatrix::Quant(QuantMatrix::Int8 { rows: *rows, cols: *cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) })
-            }
+        match scheme {
+            QuantScheme::Bf16 => StoredMatrix::Bf16 { rows, cols, words: data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() },
+            QuantScheme::Int8PerRow => StoredMatrix::Quant(QuantMatrix::Int8 { rows, cols, q: data.iter().map(|v| *v as i8).collect(), scales: f32s(scales) }),
             QuantScheme::Int4 { group } => {
                 let scales = scales.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-                StoredMatrix::Quant(QuantMatrix::Int4 { rows: *rows, cols: *cols, group, packed: data.to_vec(), scales })
+                StoredMatrix::Quant(QuantMatrix::Int4 { rows, cols, group, packed: data.to_vec(), scales })
             }
-            QuantScheme::Mxfp4 => StoredMatrix::Quant(QuantMatrix::Mxfp4 { rows: *rows, cols: *cols, packed: data.to_vec(), scales: scales.to_vec() }),
-        };
-        if let StoredMatrix::Quant(q) = &matrix {
-            quant::validate(q, what)?;
+            QuantScheme::Mxfp4 => StoredMatrix::Quant(QuantMatrix::Mxfp4 { rows, cols, packed: data.to_vec(), scales: scales.to_vec() }),
         }
-        out.push(matrix);
-    }
-    let [g, u, d]: [StoredMatrix; 3] = out.try_into().map_err(|_| LoadError::malformed(what, "internal: expected three matrices"))?;
-    let bias = biased.then(|| [6, 7, 8].map(|s| f32s(&blob[sections[s].0..sections[s].0 + sections[s].1])));
+    });
+    let [g, u, d]: [StoredMatrix; 3] = matrices.collect::<Vec<_>>().try_into().map_err(|_| LoadError::malformed(what, "internal: expected three matrices"))?;
+    let bias = shape.biased.then(|| [6, 7, 8].map(|s| f32s(&blob[sections[s].0..sections[s].0 + sections[s].1])));
     Ok(StoredExpert { matrices: [g, u, d], bias })
 }
 

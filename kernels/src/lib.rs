@@ -30,6 +30,7 @@ pub mod qdot;
 pub mod reference;
 pub mod team;
 pub mod transpose;
+pub mod words;
 
 pub use fixed::{FixedPointOverflow, FIXED_SCALE};
 pub use matrix::{Activations, Matrix, WeightData};

@@ -15,6 +15,7 @@ use shimmer_common::{DType, TensorView};
 use crate::dot::{self, WeightRow};
 use crate::qdot::{self, QuantRows};
 use crate::transpose::transpose_into;
+use crate::words::Words;
 
 /// How a matrix's products treat their activation rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,28 +80,28 @@ const TEAM_MIN_WORK: usize = 1 << 15;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WeightData {
-    F32(Vec<f32>),
+    F32(Words<f32>),
     /// bf16 bit patterns.
-    Bf16(Vec<u16>),
+    Bf16(Words<u16>),
     /// IEEE half bit patterns.
-    F16(Vec<u16>),
+    F16(Words<u16>),
     /// int8 per-row (`shimmer_common::quant`): `w = q · scales[row]`.
     Int8 {
-        q: Vec<i8>,
-        scales: Vec<f32>,
+        q: Words<i8>,
+        scales: Words<f32>,
     },
     /// int4 group-scaled, nibbles `q + 8`, low first, rows padded to whole bytes; f16 scales.
     Int4 {
-        packed: Vec<u8>,
-        scales: Vec<u16>,
+        packed: Words<u8>,
+        scales: Words<u16>,
         group: usize,
     },
     /// int6 group-scaled (`shimmer_common::quant::Int6Matrix`): `lo` int4's packed layout of the
     /// low nibbles, `hi` the top two bits; f16 scales.
     Int6 {
-        lo: Vec<u8>,
-        hi: Vec<u8>,
-        scales: Vec<u16>,
+        lo: Words<u8>,
+        hi: Words<u8>,
+        scales: Words<u16>,
         group: usize,
     },
     /// fp8-e4m3 with one scale per tile of `row_block × block` values: `w[r][c] = fp8(q) ·
@@ -108,15 +109,15 @@ pub enum WeightData {
     /// DeepSeek-V3's checkpoints have 128 × 128 tiles; MXFP8 (1 × 32) and NVFP4 (1 × 16, its
     /// e2m1 codes exact in e4m3) are held as row groups.
     Fp8 {
-        q: Vec<u8>,
-        scales: Vec<f32>,
+        q: Words<u8>,
+        scales: Words<f32>,
         block: usize,
         row_block: usize,
     },
     /// MXFP4 (`shimmer_common::quant`): e2m1 nibbles, one e8m0 scale per 32 values of a row.
     Mxfp4 {
-        packed: Vec<u8>,
-        scales: Vec<u8>,
+        packed: Words<u8>,
+        scales: Words<u8>,
     },
 }
 
@@ -138,7 +139,7 @@ impl Matrix {
 
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Self {
         assert_eq!(data.len(), rows * cols, "matrix data does not match its shape");
-        Matrix::new(rows, cols, WeightData::F32(data))
+        Matrix::new(rows, cols, WeightData::F32(data.into()))
     }
 
     /// The same weights with products on `activations` (for measuring what integer activations
@@ -167,9 +168,9 @@ impl Matrix {
             _ => (1, view.len()),
         };
         let data = match view.dtype {
-            DType::F32 => WeightData::F32(view.to_f32()),
-            DType::Bf16 => WeightData::Bf16(view.to_u16()),
-            DType::F16 => WeightData::F16(view.to_u16()),
+            DType::F32 => WeightData::F32(view.to_f32().into()),
+            DType::Bf16 => WeightData::Bf16(view.to_u16().into()),
+            DType::F16 => WeightData::F16(view.to_u16().into()),
         };
         Matrix::new(rows, cols, data)
     }
@@ -178,16 +179,18 @@ impl Matrix {
     pub fn from_quant(m: shimmer_common::quant::QuantMatrix) -> Self {
         use shimmer_common::quant::QuantMatrix;
         match m {
-            QuantMatrix::Int8 { rows, cols, q, scales } => Matrix::new(rows, cols, WeightData::Int8 { q, scales }),
-            QuantMatrix::Int4 { rows, cols, group, packed, scales } => Matrix::new(rows, cols, WeightData::Int4 { packed, scales, group }),
-            QuantMatrix::Mxfp4 { rows, cols, packed, scales } => Matrix::new(rows, cols, WeightData::Mxfp4 { packed, scales }),
+            QuantMatrix::Int8 { rows, cols, q, scales } => Matrix::new(rows, cols, WeightData::Int8 { q: q.into(), scales: scales.into() }),
+            QuantMatrix::Int4 { rows, cols, group, packed, scales } => {
+                Matrix::new(rows, cols, WeightData::Int4 { packed: packed.into(), scales: scales.into(), group })
+            }
+            QuantMatrix::Mxfp4 { rows, cols, packed, scales } => Matrix::new(rows, cols, WeightData::Mxfp4 { packed: packed.into(), scales: scales.into() }),
         }
     }
 
     /// Wraps a 6-bit matrix (its buffers checked by `Int6Matrix::validate`).
     pub fn from_int6(m: shimmer_common::quant::Int6Matrix) -> Self {
         let shimmer_common::quant::Int6Matrix { rows, cols, group, lo, hi, scales } = m;
-        Matrix::new(rows, cols, WeightData::Int6 { lo, hi, scales, group })
+        Matrix::new(rows, cols, WeightData::Int6 { lo: lo.into(), hi: hi.into(), scales: scales.into(), group })
     }
 
     /// Wraps a block-scaled fp8 matrix (square `block × block` tiles), checking its buffers.
@@ -214,7 +217,7 @@ impl Matrix {
         if let Some(i) = q.iter().position(|b| b & 0x7f == 0x7f) {
             return Err(format!("element ({}, {}) is an fp8 NaN", i / cols.max(1), i % cols.max(1)));
         }
-        Ok(Matrix::new(rows, cols, WeightData::Fp8 { q, scales, block, row_block }))
+        Ok(Matrix::new(rows, cols, WeightData::Fp8 { q: q.into(), scales: scales.into(), block, row_block }))
     }
 
     /// Moves this matrix's weights into 2 MiB pages where the system allows it
@@ -251,7 +254,7 @@ impl Matrix {
         if let Some(bad) = rows.iter().find(|r| **r >= self.rows) {
             return Err(format!("row {bad} of a {}-row matrix", self.rows));
         }
-        fn gather<T: Copy>(v: &[T], per_row: usize, rows: &[usize]) -> Vec<T> {
+        fn gather<T: crate::words::Plain>(v: &[T], per_row: usize, rows: &[usize]) -> Words<T> {
             rows.iter().flat_map(|r| v[r * per_row..(r + 1) * per_row].iter().copied()).collect()
         }
         let cols = self.cols;
@@ -727,7 +730,7 @@ mod tests {
         const { assert!(4100 * 520 > QPARALLEL_MIN_WORK) };
         for &(rows, cols) in &[(128, 256), (300, 160), (1030, 64), (2049, 48), (4100, 520)] {
             let (w, x) = random(rows, cols, (rows + 3 * cols) as u64);
-            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone()))];
+            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone().into()))];
             for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
                 mats.push(Matrix::from_quant(q));
             }
@@ -760,7 +763,7 @@ mod tests {
         for &(rows, cols, n) in &[(256, 256, 64), (64, 256, 7), (300, 160, 1), (96, 64, 9)] {
             let (w, _) = random(rows, cols, (rows + cols + n) as u64);
             let (xs, _) = random(n, cols, (7 * rows + cols) as u64);
-            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone()))];
+            let mut mats = vec![Matrix::new(rows, cols, WeightData::F32(w.clone().into()))];
             for q in [quantize_int8(&w, rows, cols), quantize_mxfp4(&w, rows, cols), quantize_int4(&w, rows, cols, 32)] {
                 mats.push(Matrix::from_quant(q));
             }
@@ -772,7 +775,7 @@ mod tests {
                 let (second, other) = if m.integer_products() {
                     (Matrix::from_quant(quantize_int4(&squared, rows, cols, 32)), Matrix::from_quant(quantize_int8(&shifted, rows, cols)))
                 } else {
-                    (Matrix::new(rows, cols, WeightData::F32(squared.clone())), Matrix::new(rows, cols, WeightData::F32(shifted.clone())))
+                    (Matrix::new(rows, cols, WeightData::F32(squared.clone().into())), Matrix::new(rows, cols, WeightData::F32(shifted.clone().into())))
                 };
                 let run = |teamed: bool| {
                     let go = || {
@@ -942,7 +945,7 @@ mod tests {
                     1 => Matrix::from_quant(quantize_int4(&w, rows, cols, 32)),
                     2 => Matrix::from_quant(quantize_mxfp4(&w, rows, cols)),
                     4 => Matrix::from_int6(shimmer_common::quant::quantize_int6(&w, rows, cols, 32)),
-                    _ => Matrix::new(rows, cols, WeightData::F32(w)),
+                    _ => Matrix::new(rows, cols, WeightData::F32(w.into())),
                 }
             };
             for mix in [[0, 0, 0], [0, 1, 2], [1, 1, 1], [0, 3, 1], [4, 1, 4], [4, 4, 4]] {

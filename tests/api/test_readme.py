@@ -39,6 +39,11 @@ README = ROOT / "README.md"
 # A release build from nothing on a 2-core machine; generous, since the first command compiles.
 BUILD_TIMEOUT_S = 40 * 60
 
+# The whole run's `--timeout` is per test and far shorter: whichever test comes first builds, so
+# every test here gets the build's time and then some (a loaded two-core machine once took more
+# than ten minutes for that build, and the run failed on a timeout that the build's own allowed).
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 10 * 60)
+
 # What a user fills in, and what this test fills in instead (with why).
 SUBSTITUTIONS = {
     # a Hugging Face checkpoint directory: the bundled demo model is one

@@ -443,9 +443,9 @@ mod tests {
     #[test]
     fn a_team_takes_the_experts_with_most_rows_first() {
         let e = Expert::new(
-            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
-            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
-            Matrix::new(1, 1, WeightData::F32(vec![1.0])),
+            Matrix::new(1, 1, WeightData::F32(vec![1.0].into())),
+            Matrix::new(1, 1, WeightData::F32(vec![1.0].into())),
+            Matrix::new(1, 1, WeightData::F32(vec![1.0].into())),
         );
         let rows: Vec<Vec<(usize, f32)>> = [1usize, 3, 2, 3, 1].iter().map(|&n| (0..n).map(|r| (r, 1.0)).collect()).collect();
         let work: Vec<Work<'_>> = rows.iter().enumerate().map(|(i, r)| (i as u32, &e, r.as_slice())).collect();

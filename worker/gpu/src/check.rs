@@ -55,7 +55,7 @@ impl Rng {
 fn matrix(format: &str, rows: usize, cols: usize, rng: &mut Rng) -> Matrix {
     let values: Vec<f32> = (0..rows * cols).map(|_| rng.value()).collect();
     match format {
-        "f32" => Matrix::new(rows, cols, WeightData::F32(values)),
+        "f32" => Matrix::new(rows, cols, WeightData::F32(values.into())),
         "bf16" => Matrix::new(rows, cols, WeightData::Bf16(values.iter().map(|v| (v.to_bits() >> 16) as u16).collect())),
         "f16" => Matrix::new(rows, cols, WeightData::F16(values.iter().map(|_| (rng.next() as u16) & 0xbfff).collect())),
         "fp8-b128" => Matrix::new(

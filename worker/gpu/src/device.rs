@@ -386,7 +386,7 @@ fn self_test_cases() -> [(Expert, Vec<f32>); 5] {
     // ~1e30 (so the gate products are normal).
     let fp8 = |scale: f32, k: u8| {
         let q: Vec<u8> = (0..inter * hidden).map(|i| (i as u8).wrapping_mul(37).wrapping_add(k) & 0x77).collect();
-        WeightData::Fp8 { q, scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)], block: 16, row_block: 16 }
+        WeightData::Fp8 { q: q.into(), scales: vec![scale; inter.div_ceil(16) * hidden.div_ceil(16)].into(), block: 16, row_block: 16 }
     };
     let scaled = Expert::new(Matrix::new(inter, hidden, fp8(1e-41, 1)), Matrix::new(inter, hidden, fp8(1e-3, 2)), f32m(hidden, inter, &mut tiny(1.0)));
     let scaled_rows: Vec<f32> = (0..hidden).map(|i| ((i % 9) as f32 - 4.0) * 1e30).collect();
@@ -457,7 +457,7 @@ mod tests {
         let y = forward(&cases[2]);
         assert!(y.iter().filter(|v| v.is_normal()).count() > 60, "{y:?}");
         let [_, _, (flushy, x), quantised, scaled] = cases;
-        let zero_gate = Matrix::new(flushy.gate.rows, flushy.gate.cols, WeightData::F32(vec![0.0; flushy.gate.rows * flushy.gate.cols]));
+        let zero_gate = Matrix::new(flushy.gate.rows, flushy.gate.cols, WeightData::F32(vec![0.0; flushy.gate.rows * flushy.gate.cols].into()));
         let flushed = Expert::new(zero_gate, flushy.up, flushy.down);
         assert!(forward(&(flushed, x)).iter().all(|v| *v == 0.0));
         match &quantised.0.gate.data {

@@ -77,21 +77,30 @@ pub fn expert_from_image(image: &ExpertImage) -> Result<Expert, GpuError> {
     let matrix = |m: &MatrixLayout| -> Result<Matrix, GpuError> {
         let values = part(m.byte_offset, m.rows.checked_mul(m.format.row_bytes(m.cols)))?;
         let data = match m.format {
-            WeightFormat::F32 => WeightData::F32(f32s(values)),
-            WeightFormat::Bf16 => WeightData::Bf16(u16s(values)),
-            WeightFormat::F16 => WeightData::F16(u16s(values)),
+            WeightFormat::F32 => WeightData::F32(f32s(values).into()),
+            WeightFormat::Bf16 => WeightData::Bf16(u16s(values).into()),
+            WeightFormat::F16 => WeightData::F16(u16s(values).into()),
             WeightFormat::Fp8 { block, row_block } => {
                 let n = m.rows.div_ceil(row_block as usize) * m.cols.div_ceil(block as usize);
-                WeightData::Fp8 { q: values.to_vec(), scales: f32s(part(m.scales_offset, Some(4 * n))?), block: block as usize, row_block: row_block as usize }
+                WeightData::Fp8 {
+                    q: values.to_vec().into(),
+                    scales: f32s(part(m.scales_offset, Some(4 * n))?).into(),
+                    block: block as usize,
+                    row_block: row_block as usize,
+                }
             }
-            WeightFormat::Int8 => WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?) },
+            WeightFormat::Int8 => {
+                WeightData::Int8 { q: values.iter().map(|b| *b as i8).collect(), scales: f32s(part(m.scales_offset, Some(4 * m.rows))?).into() }
+            }
             WeightFormat::Int4 { group } => {
                 let n = m.rows * m.cols.div_ceil(group as usize);
                 // The image's f32 scales are widened f16s: narrowing gives back the exact bits.
                 let scales = f32s(part(m.scales_offset, Some(4 * n))?).into_iter().map(shimmer_common::quant::f32_to_f16).collect();
-                WeightData::Int4 { packed: values.to_vec(), scales, group: group as usize }
+                WeightData::Int4 { packed: values.to_vec().into(), scales, group: group as usize }
             }
-            WeightFormat::Mxfp4 => WeightData::Mxfp4 { packed: values.to_vec(), scales: part(m.scales_offset, Some(m.rows * m.cols.div_ceil(32)))?.to_vec() },
+            WeightFormat::Mxfp4 => {
+                WeightData::Mxfp4 { packed: values.to_vec().into(), scales: part(m.scales_offset, Some(m.rows * m.cols.div_ceil(32)))?.to_vec().into() }
+            }
         };
         Ok(Matrix::new(m.rows, m.cols, data))
     };
@@ -161,7 +170,7 @@ mod tests {
         };
         let bf16 = |v: Vec<f32>| WeightData::Bf16(v.iter().map(|x| (x.to_bits() >> 16) as u16).collect());
         let f16 = |v: Vec<f32>| WeightData::F16(v.iter().map(|x| half_bits(*x)).collect());
-        for expert in [make(&WeightData::F32), make(&bf16), make(&f16)] {
+        for expert in [make(&|v: Vec<f32>| WeightData::F32(v.into())), make(&bf16), make(&f16)] {
             let image = ExpertImage::of(&expert).unwrap();
             assert!([image.gate, image.up, image.down].iter().all(|m| m.byte_offset.is_multiple_of(4)));
             let back = expert_from_image(&image).unwrap();
@@ -185,15 +194,15 @@ mod tests {
 
     #[test]
     fn formats_without_a_kernel_are_refused_by_name() {
-        let q = WeightData::Int8 { q: vec![1; 30], scales: vec![1.0; 6] };
+        let q = WeightData::Int8 { q: vec![1; 30].into(), scales: vec![1.0; 6].into() };
         // int8 weights with f32 activations (quant-eval's comparison): no GPU kernel.
         let m = |rows, cols| Matrix::new(rows, cols, q.clone()).with_activations(shimmer_kernels::Activations::F32);
-        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])));
+        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30].into())));
         let err = ExpertImage::of(&expert).unwrap_err();
         assert!(matches!(err, GpuError::Unsupported(_)) && err.to_string().contains("int8"), "{err}");
-        let mx = WeightData::Mxfp4 { packed: vec![0x12; 18], scales: vec![127; 6] };
+        let mx = WeightData::Mxfp4 { packed: vec![0x12; 18].into(), scales: vec![127; 6].into() };
         let m = |rows, cols| Matrix::new(rows, cols, mx.clone()).with_activations(shimmer_kernels::Activations::F32);
-        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30])));
+        let expert = Expert::new(m(6, 5), m(6, 5), Matrix::new(5, 6, WeightData::F32(vec![0.0; 30].into())));
         assert!(ExpertImage::of(&expert).unwrap_err().to_string().contains("mxfp4"));
     }
 

@@ -277,7 +277,7 @@ fn experts_the_device_cannot_compute_stay_on_the_cpu_and_are_asked_once() {
     let (hidden, inter) = (32, 24);
     // MXFP4 with f32 activations (quant-eval's comparison): no GPU kernel.
     let q = |rows: usize, cols: usize| {
-        Matrix::new(rows, cols, WeightData::Mxfp4 { packed: vec![0x12; rows * cols.div_ceil(2)], scales: vec![127; rows * cols.div_ceil(32)] })
+        Matrix::new(rows, cols, WeightData::Mxfp4 { packed: vec![0x12; rows * cols.div_ceil(2)].into(), scales: vec![127; rows * cols.div_ceil(32)].into() })
             .with_activations(shimmer_kernels::Activations::F32)
     };
     let unsupported = Expert::new(q(inter, hidden), q(inter, hidden), q(hidden, inter));

@@ -781,11 +781,7 @@ impl Inner {
 
     #[cfg(target_os = "linux")]
     fn finish_ring_read(&self, job: Job, outcome: Result<source::AlignedBuf, String>) {
-        let decoded = outcome.and_then(|buf| {
-            let decoded = self.source.decode_blob(job.layer, job.expert, &buf);
-            self.source.keep_spare(buf);
-            decoded
-        });
+        let decoded = outcome.and_then(|buf| self.source.decode_blob(job.layer, job.expert, buf));
         let result = match decoded {
             Ok((expert, bytes)) => {
                 self.counters.reads.fetch_add(1, Ordering::Relaxed);

@@ -33,6 +33,8 @@ pub struct AlignedBuf {
 
 // SAFETY: the buffer is uniquely owned heap memory.
 unsafe impl Send for AlignedBuf {}
+// SAFETY: a shared reference only reads it (writes need `&mut`).
+unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     pub fn new(len: usize) -> Self {
@@ -142,6 +144,81 @@ impl SpareBuffers {
     }
 }
 
+/// A read buffer that an expert's matrices view in place (`shimmer_kernels::words`): it goes
+/// back to the spare buffers when the last of them is dropped (the expert evicted).
+struct PooledBuf {
+    buf: Option<AlignedBuf>,
+    pool: Arc<SpareBuffers>,
+}
+
+// SAFETY: the buffer is heap memory owned here, never written after the read that filled it
+// (nothing hands out a mutable reference), and freed or pooled only when the owner is dropped.
+unsafe impl shimmer_kernels::words::ByteOwner for PooledBuf {
+    fn bytes(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&[])
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.keep(buf);
+        }
+    }
+}
+
+/// An expert whose matrices view `buf` — a blob `expert_blob::check` passed, with its
+/// `sections` — in place; the biases, a few KB, are copied. A section that cannot be viewed (see
+/// `Words::shared`: a big-endian machine) makes it a copy instead, to the same values.
+fn view_blob(buf: AlignedBuf, pool: &Arc<SpareBuffers>, container: &Container, sections: &[(usize, usize); 9], what: &str) -> Result<Expert, String> {
+    use shimmer_common::quant::QuantScheme;
+    use shimmer_kernels::words::{ByteOwner, Plain, Words};
+    let owner: Arc<dyn ByteOwner> = Arc::new(PooledBuf { buf: Some(buf), pool: pool.clone() });
+    fn view<T: Plain>(owner: &Arc<dyn ByteOwner>, (at, len): (usize, usize)) -> Option<Words<T>> {
+        Words::shared(owner, at, len / std::mem::size_of::<T>()).ok()
+    }
+    let viewed = || -> Option<[Matrix; 3]> {
+        let mut matrices = Vec::with_capacity(3);
+        for (m, (rows, cols)) in expert_blob::matrix_shapes(container.shape).into_iter().enumerate() {
+            let (d, s) = (sections[2 * m], sections[2 * m + 1]);
+            let data = match container.scheme {
+                QuantScheme::Bf16 => WeightData::Bf16(view(&owner, d)?),
+                QuantScheme::Int8PerRow => WeightData::Int8 { q: view(&owner, d)?, scales: view(&owner, s)? },
+                QuantScheme::Int4 { group } => WeightData::Int4 { packed: view(&owner, d)?, scales: view(&owner, s)?, group },
+                QuantScheme::Mxfp4 => WeightData::Mxfp4 { packed: view(&owner, d)?, scales: view(&owner, s)? },
+            };
+            matrices.push(Matrix::new(rows, cols, data));
+        }
+        matrices.try_into().ok()
+    };
+    let bytes = owner.bytes();
+    let Some([g, u, d]) = viewed() else {
+        let copy = expert_blob::decode(bytes, container.scheme, container.shape, None, what).map_err(|e| e.to_string())?;
+        return Ok(expert_from(copy, container.activation));
+    };
+    let f32s = |(at, len): (usize, usize)| bytes[at..at + len].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+    let bias = container.shape.biased.then(|| ExpertBias { gate: f32s(sections[6]), up: f32s(sections[7]), down: f32s(sections[8]) });
+    Ok(Expert::new(g, u, d).with_form(bias, container.activation))
+}
+
+/// A blob read into `buf`, checked, as an expert viewing `buf` in place. `buf` goes back to the
+/// spare buffers when the blob fails its checks, or with the expert's last matrix.
+fn expert_from_read(
+    buf: AlignedBuf,
+    pool: &Arc<SpareBuffers>,
+    container: &Container,
+    checksum: (expert_blob::BlobId, u64),
+    what: &str,
+) -> Result<Expert, String> {
+    match expert_blob::check(&buf, container.scheme, container.shape, Some(checksum), what) {
+        Ok(sections) => view_blob(buf, pool, container, &sections, what),
+        Err(e) => {
+            pool.keep(buf);
+            Err(e.to_string())
+        }
+    }
+}
+
 // One per store, held for the process's life: its size does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum Source {
@@ -151,7 +228,7 @@ pub enum Source {
         direct: bool,
         warned: Mutex<std::collections::HashSet<(usize, usize)>>,
         counters: SourceCounters,
-        spare: SpareBuffers,
+        spare: Arc<SpareBuffers>,
     },
     Checkpoint {
         ckpt: Arc<Checkpoint>,
@@ -214,7 +291,7 @@ impl Source {
             direct,
             warned: Mutex::new(Default::default()),
             counters: SourceCounters::default(),
-            spare: SpareBuffers::default(),
+            spare: Arc::new(SpareBuffers::default()),
         })
     }
 
@@ -260,13 +337,6 @@ impl Source {
         }
     }
 
-    /// Gives a read buffer back once its blob is decoded.
-    pub fn keep_spare(&self, buf: AlignedBuf) {
-        if let Source::Container { spare, .. } = self {
-            spare.keep(buf);
-        }
-    }
-
     /// Whether experts come from a container's experts file (one blob a read), which is what a
     /// ring of reads can serve; a checkpoint's experts are gathered from several tensors.
     pub fn is_container(&self) -> bool {
@@ -291,18 +361,21 @@ impl Source {
         Some(BlobRead { fd: std::os::fd::AsRawFd::as_raw_fd(&drive.file), offset: loc.offset, len: usize::try_from(loc.length).ok()? })
     }
 
-    /// Verifies and decodes a blob that a ring read as `blob_read` planned it; an error names the
-    /// drive, layer and expert (the caller then falls back to `read`, which tries every copy).
-    pub fn decode_blob(&self, layer: usize, expert: usize, buf: &[u8]) -> Result<(Expert, u64), String> {
-        let Source::Container { container, drives, .. } = self else { return Err(format!("layer {layer} expert {expert}: not a container")) };
+    /// Verifies a blob that a ring read as `blob_read` planned it, and makes it an expert that
+    /// views `buf` in place (`buf` goes back to the spare buffers when the expert is dropped, or
+    /// at once when the blob fails); an error names the drive, layer and expert (the caller then
+    /// falls back to `read`, which tries every copy).
+    pub fn decode_blob(&self, layer: usize, expert: usize, buf: AlignedBuf) -> Result<(Expert, u64), String> {
+        let Source::Container { container, drives, spare, .. } = self else { return Err(format!("layer {layer} expert {expert}: not a container")) };
         let loc = container.location(layer, expert).ok_or_else(|| format!("layer {layer} expert {expert}: not in the container"))?;
         let drive = &drives[choose_drive(drives, layer, expert)];
         let what = format!("{} layer {layer} expert {expert}", drive.path.display());
         if buf.len() as u64 != loc.length {
-            return Err(format!("{what}: read {} bytes of {}", buf.len(), loc.length));
+            let why = format!("{what}: read {} bytes of {}", buf.len(), loc.length);
+            spare.keep(buf);
+            return Err(why);
         }
-        let matrices = expert_blob::decode(buf, container.scheme, container.shape, Some((loc.id, loc.checksum)), &what).map_err(|e| e.to_string())?;
-        Ok((expert_from(matrices, container.activation), loc.length))
+        Ok((expert_from_read(buf, spare, container, (loc.id, loc.checksum), &what)?, loc.length))
     }
 
     /// Reads one expert; returns it and the bytes read from storage.
@@ -317,19 +390,22 @@ impl Source {
                     let drive = &drives[*d];
                     let what = format!("{} layer {layer} expert {expert}", drive.path.display());
                     let mut buf = spare.take(loc.length as usize);
-                    let result = drive.file.read_exact_at(&mut buf, loc.offset).map_err(|e| format!("{what}: read failed: {e}")).and_then(|_| {
-                        expert_blob::decode(&buf, container.scheme, container.shape, Some((loc.id, loc.checksum)), &what).map_err(|e| e.to_string())
-                    });
-                    spare.keep(buf);
+                    let result = match drive.file.read_exact_at(&mut buf, loc.offset) {
+                        Ok(()) => expert_from_read(buf, spare, container, (loc.id, loc.checksum), &what),
+                        Err(e) => {
+                            spare.keep(buf);
+                            Err(format!("{what}: read failed: {e}"))
+                        }
+                    };
                     match result {
-                        Ok(matrices) => {
+                        Ok(found) => {
                             if attempt > 0 {
                                 counters.mirror_fallbacks.fetch_add(1, Ordering::Relaxed);
                                 if warned.lock().unwrap_or_else(|e| e.into_inner()).insert((layer, expert)) {
                                     tracing::warn!("{}; served from {} instead", failures.join("; "), drive.path.display());
                                 }
                             }
-                            return Ok((expert_from(matrices, container.activation), loc.length));
+                            return Ok((found, loc.length));
                         }
                         Err(e) => failures.push(e),
                     }
@@ -347,7 +423,7 @@ impl Source {
 
 fn expert_from(stored: StoredExpert, activation: ExpertActivation) -> Expert {
     let m = |s: StoredMatrix| match s {
-        StoredMatrix::Bf16 { rows, cols, words } => Matrix::new(rows, cols, WeightData::Bf16(words)),
+        StoredMatrix::Bf16 { rows, cols, words } => Matrix::new(rows, cols, WeightData::Bf16(words.into())),
         StoredMatrix::Quant(q) => Matrix::from_quant(q),
     };
     let [g, u, d] = stored.matrices;
@@ -409,5 +485,77 @@ mod tests {
             assert_eq!(b.as_ptr() as usize % 4096, 0);
             assert_eq!(b.len(), len);
         }
+    }
+
+    /// The demo model converted to `scheme`, and its store source.
+    fn demo_source(scheme: shimmer_common::quant::QuantScheme, dir: &Path) -> (Source, ModelSpec, usize) {
+        let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo");
+        let opts = crate::convert::ConvertOptions { expert_quant: scheme, dense_quant: crate::convert::DenseQuant::Bf16, head_quant: None };
+        crate::convert::convert(&demo, dir, opts, &mut |_| {}).expect("convert the demo model");
+        let spec = ModelSpec::from_dir(dir).expect("the container's spec");
+        let layer = spec.layers.iter().position(|k| *k == shimmer_common::spec::LayerMlp::Moe).expect("a MoE layer");
+        let container = Container::open(dir, &spec).expect("open the container");
+        (Source::container(container, None, false).expect("a source"), spec, layer)
+    }
+
+    fn spare_bytes(source: &Source) -> usize {
+        let Source::Container { spare, .. } = source else { return 0 };
+        spare.0.lock().unwrap().iter().map(AlignedBuf::capacity).sum()
+    }
+
+    #[test]
+    fn a_read_expert_views_its_read_buffer_which_returns_to_the_spares_when_it_is_dropped() {
+        use shimmer_common::quant::QuantScheme;
+        for scheme in [QuantScheme::Int4 { group: 32 }, QuantScheme::Int8PerRow, QuantScheme::Mxfp4, QuantScheme::Bf16] {
+            let dir = tempfile::tempdir().unwrap();
+            let (source, _spec, layer) = demo_source(scheme, dir.path());
+            let Source::Container { container, .. } = &source else { unreachable!() };
+            let loc = container.location(layer, 3).unwrap();
+            let mut blob = vec![0u8; loc.length as usize];
+            std::fs::File::open(container.experts_path()).unwrap().read_exact_at(&mut blob, loc.offset).unwrap();
+            let copied = expert_from(expert_blob::decode(&blob, container.scheme, container.shape, None, "test").unwrap(), container.activation);
+
+            let (viewed, bytes) = source.read(layer, 3).unwrap();
+            assert_eq!(bytes, loc.length);
+            let views = |e: &Expert| {
+                [&e.gate, &e.up, &e.down].iter().all(|m| match &m.data {
+                    WeightData::Bf16(w) => w.is_shared(),
+                    WeightData::Int8 { q, scales } => q.is_shared() && scales.is_shared(),
+                    WeightData::Int4 { packed, scales, .. } => packed.is_shared() && scales.is_shared(),
+                    WeightData::Mxfp4 { packed, scales } => packed.is_shared() && scales.is_shared(),
+                    _ => false,
+                })
+            };
+            assert!(views(&viewed), "{scheme:?}: the matrices view the read buffer");
+            assert!(!views(&copied));
+            for (v, c) in [(&viewed.gate, &copied.gate), (&viewed.up, &copied.up), (&viewed.down, &copied.down)] {
+                assert_eq!(v, c, "{scheme:?}: the same stored values as a copy");
+            }
+            let x: Vec<f32> = (0..viewed.gate.cols).map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0).collect();
+            let forward = |e: &Expert| {
+                let mut out = vec![0f32; e.down.rows];
+                e.forward(&x, &mut Default::default(), &mut out);
+                out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            assert_eq!(forward(&viewed), forward(&copied), "{scheme:?}: the same outputs");
+
+            assert_eq!(spare_bytes(&source), 0, "the buffer is the expert's while it lives");
+            drop(viewed);
+            assert!(spare_bytes(&source) >= loc.length as usize, "{scheme:?}: the buffer is a spare again once the expert is gone");
+        }
+    }
+
+    #[test]
+    fn a_blob_that_fails_its_checksum_is_refused_and_its_buffer_kept_for_the_next_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let (source, _spec, layer) = demo_source(shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dir.path());
+        let read = source.blob_read(layer, 5).unwrap();
+        let mut buf = source.spare_buffer(read.len);
+        let Source::Container { container, .. } = &source else { unreachable!() };
+        std::fs::File::open(container.experts_path()).unwrap().read_exact_at(&mut buf, read.offset).unwrap();
+        buf[100] ^= 1;
+        let e = source.decode_blob(layer, 5, buf).err().expect("a flipped bit is caught");
+        assert!(e.contains("checksum mismatch") && e.contains(&format!("layer {layer} expert 5")), "{e}");
+        assert!(spare_bytes(&source) >= read.len);
     }
 }
