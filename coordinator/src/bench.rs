@@ -80,6 +80,8 @@ pub struct Machine {
     pub isa: String,
     /// The integer dot product's ISA (a container's int8 / int4 / MXFP4 weights).
     pub int_isa: String,
+    /// The ISA of one activation row's integer products (decode; `qdot::matvec_isa`).
+    pub int_isa_one_row: String,
     /// A multi-threaded copy of 256 MiB, best of 3: (read + write) bytes per second.
     pub memory_gb_s: f64,
     /// Multi-threaded reads of the same 256 MiB, best of 3: bytes read per second — the most a
@@ -306,6 +308,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         threads,
         isa: shimmer_kernels::dot::isa().name().to_string(),
         int_isa: shimmer_kernels::qdot::int_isa().name().to_string(),
+        int_isa_one_row: shimmer_kernels::qdot::matvec_isa().name().to_string(),
         memory_gb_s,
         memory_read_gb_s,
     };

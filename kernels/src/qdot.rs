@@ -595,7 +595,7 @@ impl<'a> QMatrix<'a> {
 
 /// `out[i] = W[first + i] · x` for every `i`; each result is exactly `qdot_scalar`'s.
 pub fn qmatvec(w: &QMatrix<'_>, x: &QRow<'_>, first: usize, out: &mut [f32]) {
-    qmatvec_with(int_isa(), w, x, first, out)
+    qmatvec_with(matvec_isa(), w, x, first, out)
 }
 
 /// `qmatvec` on `isa` (available: the tests run every ISA the machine has).
@@ -629,7 +629,7 @@ pub(crate) fn qmatvec_with(isa: IntIsa, w: &QMatrix<'_>, x: &QRow<'_>, first: us
 
 /// `qmatvec` of two matrices of one shape and format (gate and up) against one row.
 pub fn qmatvec_pair(a: &QMatrix<'_>, b: &QMatrix<'_>, x: &QRow<'_>, first: usize, a_out: &mut [f32], b_out: &mut [f32]) {
-    qmatvec_pair_with(int_isa(), a, b, x, first, a_out, b_out)
+    qmatvec_pair_with(matvec_isa(), a, b, x, first, a_out, b_out)
 }
 
 /// `qmatvec_pair` on `isa` (available).
@@ -926,6 +926,70 @@ pub fn int_isa() -> IntIsa {
             _ => *IntIsa::all_available().last().unwrap_or(&IntIsa::Scalar),
         }
     })
+}
+
+/// The integer ISA of one activation row against a matrix's rows (`qmatvec`, `qmatvec_pair`:
+/// a decode step's products): `int_isa`'s, except AVX-512 on an AMD CPU while decode streams its
+/// weights from memory (`set_decode_streams_from_memory`), where the 256-bit loops take them. On
+/// Zen 4, whose 512-bit operations run as two 256-bit halves, the AVX2 loops (a weight row a
+/// pass) decoded m1b (300 MB a token) 1.5× as fast as the AVX-512 ones (int8 87–102 against
+/// 51–65 tok/s, int4-g32 127–145 against 84–94), and still 1.05–1.27× as fast as AVX-512 loops
+/// changed to a row a pass; but the demo model, whose weights stay in the cache, decoded 1.2–1.8×
+/// as fast on AVX-512, and a prompt's rows run 1.1–1.7× as fast on 512 bits
+/// (`docs/benchmarks.md`, "Zen 4"). Intel keeps AVX-512 (not measured against AVX2 there yet).
+/// The bits are the same on every ISA; `SHIMMER_INT_ISA` still names one for all.
+pub fn matvec_isa() -> IntIsa {
+    static AMD_AVX512: OnceLock<bool> = OnceLock::new();
+    let isa = int_isa();
+    let swap = *AMD_AVX512.get_or_init(|| {
+        let named = std::env::var("SHIMMER_INT_ISA").is_ok_and(|s| IntIsa::parse(&s).is_some());
+        isa == IntIsa::Avx512Vnni && !named && cpu_is_amd() && IntIsa::Avx2.available()
+    });
+    if swap && DECODE_STREAMS.load(std::sync::atomic::Ordering::Relaxed) {
+        IntIsa::Avx2
+    } else {
+        isa
+    }
+}
+
+static DECODE_STREAMS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says whether a decoded token's weights stream from memory — more bytes a token than the
+/// last-level cache holds (`last_level_cache_bytes`) — which picks `matvec_isa`'s loops. One
+/// setting for the process (the model loaded last); only speed depends on it.
+pub fn set_decode_streams_from_memory(streams: bool) {
+    DECODE_STREAMS.store(streams, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The last-level cache's size as Linux reports it for CPU 0 (32 MiB where it does not say).
+pub fn last_level_cache_bytes() -> u64 {
+    let read = |index: u32| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{index}/size")).ok();
+    let parse = |s: String| {
+        let s = s.trim();
+        let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+        let n: u64 = digits.parse().ok()?;
+        Some(match unit {
+            "K" => n << 10,
+            "M" => n << 20,
+            "" => n,
+            _ => return None,
+        })
+    };
+    (0..8).rev().find_map(|i| read(i).and_then(parse)).unwrap_or(32 << 20)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unused_unsafe)] // `__cpuid` is safe to call on newer compilers
+fn cpu_is_amd() -> bool {
+    // SAFETY: leaf 0 (the vendor) exists on every x86-64 CPU.
+    let r = unsafe { std::arch::x86_64::__cpuid(0) };
+    let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).collect();
+    vendor == b"AuthenticAMD"
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_is_amd() -> bool {
+    false
 }
 
 /// `ws[m] · xs[k]` for `M` weight rows (one length and format) and `N` quantised activation rows

@@ -577,6 +577,7 @@ fn doctor_describes_the_machine_and_measures_the_disk_it_is_pointed_at() {
     let cores = v["cpu"]["logical_cores"].as_u64().unwrap();
     assert_eq!(cores as usize, std::thread::available_parallelism().unwrap().get());
     assert_eq!(v["cpu"]["integer_kernels"], shimmer_kernels::qdot::int_isa().name());
+    assert_eq!(v["cpu"]["integer_one_row_kernels"], shimmer_kernels::qdot::matvec_isa().name());
     assert!(v["cpu"]["features"].as_object().unwrap().values().all(Value::is_boolean));
     for k in ["copy_gb_s_one_thread", "copy_gb_s_all_threads", "read_gb_s_one_thread", "read_gb_s_all_threads"] {
         assert!(v["memory"][k].as_f64().unwrap() > 0.0, "{k}");

@@ -79,8 +79,8 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     writeln!(
         out,
-        "machine  {} cores, {} threads, {} kernels ({} integer), memory {:.1} GB/s (copy), {:.1} GB/s (read)",
-        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.int_isa, r.machine.memory_gb_s, r.machine.memory_read_gb_s
+        "machine  {} cores, {} threads, {} kernels ({} integer, {} for one row), memory {:.1} GB/s (copy), {:.1} GB/s (read)",
+        r.machine.cores, r.machine.threads, r.machine.isa, r.machine.int_isa, r.machine.int_isa_one_row, r.machine.memory_gb_s, r.machine.memory_read_gb_s
     )?;
     writeln!(out, "model {} (experts {})", r.model, r.experts_format)?;
     writeln!(out, "prefill  {} tokens  {:.1} ms  {:.1} tok/s", r.prompt_tokens, r.prefill_ms, r.prefill_tok_s)?;

@@ -90,6 +90,8 @@ pub(crate) struct CpuReport {
     /// The float dot's ISA and the integer dot's (what `SHIMMER_ISA` / `SHIMMER_INT_ISA` may override).
     pub float_kernels: &'static str,
     pub integer_kernels: &'static str,
+    /// One activation row's integer products (decode), where they take another ISA (`qdot::matvec_isa`).
+    pub integer_one_row_kernels: &'static str,
     pub amx: AmxReport,
 }
 
@@ -175,7 +177,11 @@ pub(super) fn doctor(a: DoctorArgs) -> Result<ExitCode> {
     )?;
     let have: Vec<&str> = c.features.iter().filter(|f| *f.1).map(|f| *f.0).collect();
     writeln!(out, "         features: {}", if have.is_empty() { "none of those shimmer uses".to_string() } else { have.join(" ") })?;
-    writeln!(out, "         kernels: {} (float), {} (integer); AMX: {}", c.float_kernels, c.integer_kernels, c.amx.note)?;
+    writeln!(
+        out,
+        "         kernels: {} (float), {} (integer), {} (integer, one row); AMX: {}",
+        c.float_kernels, c.integer_kernels, c.integer_one_row_kernels, c.amx.note
+    )?;
     let m = &report.memory;
     let gb = |b: Option<u64>| b.map_or("unknown".to_string(), |b| format!("{:.1} GB", b as f64 / 1e9));
     writeln!(
@@ -301,6 +307,7 @@ fn cpu() -> CpuReport {
         features: features().into_iter().collect(),
         float_kernels: shimmer_kernels::dot::isa().name(),
         integer_kernels: shimmer_kernels::qdot::int_isa().name(),
+        integer_one_row_kernels: shimmer_kernels::qdot::matvec_isa().name(),
         amx: amx(),
     }
 }

@@ -52,6 +52,7 @@ fn every_isa_agrees(name: &str, row: &WeightRow<'_>, acts: &[QRow<'_>]) {
 #[test]
 fn every_isa_gives_the_canonical_bits_for_every_format_and_shape() {
     assert!(IntIsa::all_available().contains(&int_isa()));
+    assert!(IntIsa::all_available().contains(&matvec_isa()), "decode's ISA is one the machine has");
     for &n in &[1usize, 2, 5, 31, 32, 33, 64, 96, 127, 128, 129, 200, 255, 256, 257, 1000, 1024, 4099] {
         let w = values(n, n as u64, 1.5);
         let xs: Vec<Vec<f32>> = (0..4).map(|k| values(n, 1000 + k, 3.0)).collect();
