@@ -203,6 +203,13 @@ pub fn check(
     Ok(sections)
 }
 
+/// The gate, up and down biases of a blob `check` passed (`sections` its answer), when the shape
+/// has them: f32 copies, a few KB.
+pub fn biases(blob: &[u8], shape: BlobShape, sections: &[(usize, usize); 9]) -> Option<[Vec<f32>; 3]> {
+    let f32s = |(at, len): (usize, usize)| blob[at..at + len].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+    shape.biased.then(|| [6, 7, 8].map(|s| f32s(sections[s])))
+}
+
 /// Reads an expert back from a blob into matrices of its own, checked as `check` does.
 pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_checksum: Option<(BlobId, u64)>, what: &str) -> Result<StoredExpert, LoadError> {
     let sections = check(blob, scheme, shape, expected_checksum, what)?;
@@ -221,7 +228,7 @@ pub fn decode(blob: &[u8], scheme: QuantScheme, shape: BlobShape, expected_check
         }
     });
     let [g, u, d]: [StoredMatrix; 3] = matrices.collect::<Vec<_>>().try_into().map_err(|_| LoadError::malformed(what, "internal: expected three matrices"))?;
-    let bias = shape.biased.then(|| [6, 7, 8].map(|s| f32s(&blob[sections[s].0..sections[s].0 + sections[s].1])));
+    let bias = biases(blob, shape, &sections);
     Ok(StoredExpert { matrices: [g, u, d], bias })
 }
 

@@ -253,14 +253,7 @@ impl Engine {
             .thread_name(|i| format!("compute-{i}"))
             .build()
             .map_err(|e| EngineError::Input(format!("cannot start the compute threads: {e}")))?;
-        // A token's weights beyond the last-level cache stream from memory, which picks the
-        // integer loops of a decode step's products (`qdot::matvec_isa`; the same bits either
-        // way). Experts counted at 4 bits, the fewest any container stores.
-        let moe_layers = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as u64;
-        let experts_per_token = moe_layers * spec.moe.top_k as u64 * 3 * (spec.hidden_size * spec.moe.expert_intermediate_size) as u64 / 2;
-        let bytes_per_token = decoder.dense_bytes_per_token() + experts_per_token;
-        shimmer_kernels::qdot::set_decode_streams_from_memory(bytes_per_token > shimmer_kernels::qdot::last_level_cache_bytes());
-        Ok(Engine {
+        let engine = Engine {
             spec,
             tokenizer,
             chat,
@@ -273,7 +266,14 @@ impl Engine {
             dense_bytes: None,
             vram: None,
             pool,
-        })
+        };
+        // A token's weights beyond the last-level cache stream from memory, which picks the
+        // integer loops of a decode step's products (`qdot::matvec_isa`; the same bits either
+        // way). Experts counted at 4 bits, the fewest any container stores.
+        let expert_bytes_at_4_bits = 3 * (engine.spec.hidden_size * engine.spec.moe.expert_intermediate_size) as u64 / 2;
+        let streams = engine.active_bytes_per_token(expert_bytes_at_4_bits) > shimmer_kernels::qdot::last_level_cache_bytes();
+        shimmer_kernels::qdot::set_decode_streams_from_memory(streams);
+        Ok(engine)
     }
 
     /// Weight bytes one decoded token reads: the dense part, plus top-k routed experts per MoE

@@ -478,39 +478,14 @@ fn the_io_engine_flag_is_checked_and_io_uring_asks_for_a_container() {
     let c = dir.path().join("c");
     assert!(shimmer(&["convert", "--from", m, "--to", c.to_str().unwrap(), "--quant", "bf16", "--quiet"]).status.success());
     // Every expert is read through the ring at its first use.
-    let ring = shimmer(&[
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-tokens",
-        "4",
-        "--temperature",
-        "0",
-        "--json",
-        "--io-engine",
-        "uring",
-    ]);
+    let ring_args =
+        ["generate", "--model", c.to_str().unwrap(), "--prompt-ids", "1,2", "--max-tokens", "4", "--temperature", "0", "--json", "--io-engine", "uring"];
+    let ring = shimmer(&ring_args);
     assert_eq!(ids(&ring), ids(&plain), "the same tokens read through the ring");
     // A ring that fails as a whole, with reads in flight or none: the same tokens, read on.
     let with_fault = |n: &str| {
         let mut cmd = std::process::Command::new(shimmer_tests::shimmer_bin());
-        cmd.args([
-            "generate",
-            "--model",
-            c.to_str().unwrap(),
-            "--prompt-ids",
-            "1,2",
-            "--max-tokens",
-            "4",
-            "--temperature",
-            "0",
-            "--json",
-            "--io-engine",
-            "uring",
-        ])
-        .env("SHIMMER_IO_RING_FAULT", n);
+        cmd.args(ring_args).env("SHIMMER_IO_RING_FAULT", n);
         shimmer_tests::output_within(&mut cmd, shimmer_tests::COMMAND_LIMIT)
     };
     for n in ["1", "2", "3"] {

@@ -196,8 +196,7 @@ fn view_blob(buf: AlignedBuf, pool: &Arc<SpareBuffers>, container: &Container, s
         let copy = expert_blob::decode(bytes, container.scheme, container.shape, None, what).map_err(|e| e.to_string())?;
         return Ok(expert_from(copy, container.activation));
     };
-    let f32s = |(at, len): (usize, usize)| bytes[at..at + len].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
-    let bias = container.shape.biased.then(|| ExpertBias { gate: f32s(sections[6]), up: f32s(sections[7]), down: f32s(sections[8]) });
+    let bias = expert_blob::biases(bytes, container.shape, sections).map(|[gate, up, down]| ExpertBias { gate, up, down });
     Ok(Expert::new(g, u, d).with_form(bias, container.activation))
 }
 
