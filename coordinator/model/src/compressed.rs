@@ -26,7 +26,7 @@ use crate::rope::Rope;
 
 /// `x · rsqrt(mean(x²) + eps)` with no weight.
 fn unweighted_rms_norm_in_place(x: &mut [f32], eps: f32) {
-    let mean = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let mean = ops::sum_of_squares(x) / x.len() as f32;
     let r = 1.0 / (mean + eps).sqrt();
     x.iter_mut().for_each(|v| *v *= r);
 }

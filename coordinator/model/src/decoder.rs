@@ -226,7 +226,7 @@ impl BlockResiduals {
         for r in 0..n {
             normed.clear();
             for v in blocks.iter().map(|b| &b[r * hidden..(r + 1) * hidden]).chain(std::iter::once(&state[r * hidden..(r + 1) * hidden])) {
-                let mean = v.iter().map(|x| x * x).sum::<f32>() / hidden as f32;
+                let mean = ops::sum_of_squares(v) / hidden as f32;
                 let inv = 1.0 / (mean + 1e-6).sqrt();
                 normed.push(v.iter().map(|x| x * inv).collect());
             }

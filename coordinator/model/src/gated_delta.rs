@@ -15,7 +15,7 @@
 
 use shimmer_common::spec::{DeltaProjections, GatedDeltaSpec};
 use shimmer_common::{Checkpoint, LoadError, ModelSpec};
-use shimmer_kernels::ops::softplus;
+use shimmer_kernels::ops::{softplus, sum_of_squares};
 use shimmer_kernels::{gating, Matrix};
 
 use crate::decoder::{matrix, name, vector, SegmentRows};
@@ -213,7 +213,7 @@ impl GatedDelta {
                 // Per head: RMSNorm (plain weights), then the gate: silu(z), or Kimi's σ(gate).
                 let row = &mut heads_out[i * vd..(i + 1) * vd];
                 for ((oh, zh), dst) in o.chunks_exact(g.value_dim).zip(z.chunks_exact(g.value_dim)).zip(row.chunks_exact_mut(g.value_dim)) {
-                    let var = oh.iter().map(|x| x * x).sum::<f32>() / g.value_dim as f32;
+                    let var = sum_of_squares(oh) / g.value_dim as f32;
                     let inv = 1.0 / (var + self.eps).sqrt();
                     for (((d, x), w), zj) in dst.iter_mut().zip(oh).zip(&self.norm).zip(zh) {
                         *d = w * (x * inv) * if kimi { sigmoid(*zj) } else { gating::silu(*zj) };
@@ -273,7 +273,7 @@ impl GatedDelta {
 
 /// `x · rsqrt(Σx² + 1e-6)` (transformers' Qwen L2 norm), or `x / √(Σx² + 1e-6)` (its Kimi one).
 fn l2_normalise(x: &mut [f32], divide: bool) {
-    let root = (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    let root = (sum_of_squares(x) + 1e-6).sqrt();
     if divide {
         x.iter_mut().for_each(|v| *v /= root);
     } else {

@@ -15,7 +15,7 @@ use crate::decoder::{matrix, vector};
 
 /// `x · rsqrt(mean(x²) + eps)` with no weight, as transformers' `DeepseekV4UnweightedRMSNorm`.
 fn unweighted_rms_norm(x: &[f32], eps: f32, out: &mut [f32]) {
-    let mean = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let mean = ops::sum_of_squares(x) / x.len() as f32;
     let r = 1.0 / (mean + eps).sqrt();
     out.iter_mut().zip(x).for_each(|(o, v)| *o = v * r);
 }

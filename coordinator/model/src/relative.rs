@@ -69,7 +69,7 @@ fn l2_clip(x: &mut [f32], d: usize, scale: Option<&[f32]>, threshold: f32) {
         if let Some(s) = scale {
             head.iter_mut().zip(&s[h * d..(h + 1) * d]).for_each(|(v, s)| *v *= s);
         }
-        let norm = head.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let norm = ops::sum_of_squares(head).sqrt();
         let factor = (threshold / (norm + 1e-6)).min(1.0);
         head.iter_mut().for_each(|v| *v *= factor);
     }
@@ -351,7 +351,7 @@ impl Relative {
                 }
                 l2_clip(&mut aux[i * w + lay.k()..i * w + lay.k() + kvd], d, None, v2.qk_clip);
                 for head in aux[i * w + lay.v()..i * w + lay.v() + kvd].chunks_exact_mut(d) {
-                    let mean = head.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                    let mean = ops::sum_of_squares(head) / d as f32;
                     let r = 1.0 / (mean + eps).sqrt();
                     head.iter_mut().for_each(|v| *v *= r);
                 }

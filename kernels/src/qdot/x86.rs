@@ -13,7 +13,7 @@
 //! Must never: reduce the float lanes before the end, or fuse `f_b`'s product into the FMA
 //! (both would change the bits).
 
-use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, NLANES};
+use super::{Fmt, QMatrix, QRow, RawRow, CHUNK, E2M1_TWICE_PLUS12, NLANES, QBLOCK};
 use crate::dot::x86::{reduce256, reduce512, PREFETCH_AHEAD};
 use shimmer_common::quant::int4_scale;
 use std::arch::x86_64::*;
@@ -78,6 +78,19 @@ unsafe fn factors8(fmt: Fmt, row: &RawRow, c: usize) -> __m256 {
 unsafe fn tail_factors8(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m256 {
     let f = row.tail_factors(fmt, n, start);
     by_lane(_mm_setr_ps(f[0], f[1], f[2], f[3]))
+}
+
+/// `tail_factors8` with AVX-512's masked loads for the one-scale-a-block groups: the live
+/// blocks' scales only (a row's scales end with them), 0 past them — in a row of one partial
+/// chunk the factors were a fair part of the work.
+#[inline(always)]
+unsafe fn tail_factors8_avx512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m256 {
+    if let Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } = fmt {
+        let live = (n - start).div_ceil(QBLOCK).min(4);
+        let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const u16).add(start / QBLOCK) as *const i16);
+        return by_lane(_mm_cvtph_ps(_mm512_castsi512_si128(bits)));
+    }
+    tail_factors8(fmt, row, n, start)
 }
 
 /// int6's top bits of one chunk (the 32 bytes at `hi`) at bits 4–5 of the bytes its low nibbles
@@ -183,6 +196,14 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
     out
 }
 
+/// One chunk's sixteen sums of eight products (dword `i`: elements `8i .. 8i + 8`) of weights
+/// decoded to `lo` (even elements) and `hi` (odd) against the activations' split layout at `q`.
+#[inline(always)]
+unsafe fn sums8(q: *const i8, lo: __m512i, hi: __m512i) -> __m512i {
+    let even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q as *const __m512i));
+    _mm512_dpbusd_epi32(even, hi, _mm512_loadu_si512(q.add(64) as *const __m512i))
+}
+
 /// `core512` for the 4-bit formats (`qdot.rs`'s 8-lane order): per chunk, `vpdpbusd` of the low
 /// nibbles (the even elements) and then of the high ones into sixteen sums of eight elements,
 /// pairs of them added (`vpsrlq` + `vpaddd`) and packed to the eight half-block sums
@@ -193,6 +214,19 @@ unsafe fn core512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n
 unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
     let full = n / CHUNK;
     let mut acc = [[_mm256_setzero_ps(); N]; M];
+    // Pairs of activation rows share a 512-bit accumulator (`step_pair`), row `2j` in the low
+    // half of `acc2[m][j]`; only the first `N / 2` are used.
+    let mut acc2 = [[_mm512_setzero_ps(); N]; M];
+    // Dword `i < 8` of a pair's half-block sums is lane `i` of the first row, `8 + i` of the
+    // second (`vpermt2d`'s bit 4 picks the second source): lane `l` is block-major half
+    // `[0, 1, 4, 5, 2, 3, 6, 7][l]`, the sum of sums `2·that` and `2·that + 1`.
+    let even_sums = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 16, 18, 24, 26, 20, 22, 28, 30);
+    let odd_sums = _mm512_add_epi32(even_sums, _mm512_set1_epi32(1));
+    // `step_short_pair`'s: the first row's sums are dwords 0–7, the second's 8–15, and only
+    // blocks 0 and 1 (lanes 0, 1, 4, 5 of each row) are there.
+    const LIVE_SHORT: __mmask16 = 0x3333;
+    let even_short = _mm512_setr_epi32(0, 2, 0, 0, 4, 6, 0, 0, 8, 10, 8, 8, 12, 14, 8, 8);
+    let odd_short = _mm512_add_epi32(even_short, _mm512_set1_epi32(1));
     let zero = _mm512_setzero_si512();
     let mask = _mm512_set1_epi8(0x0f);
     let (mx, i6) = (fmt == Fmt::Mxfp4, matches!(fmt, Fmt::Int6 { .. }));
@@ -230,18 +264,79 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
     macro_rules! step {
         ($m:expr, $k:expr, $c:expr, $lo:expr, $hi:expr, $wsv:expr) => {{
             let (m, k, c): (usize, usize, usize) = ($m, $k, $c);
-            let q = xs[k].split.as_ptr().add(c * CHUNK);
-            let v = _mm512_dpbusd_epi32(
-                _mm512_dpbusd_epi32(zero, $lo, _mm512_loadu_si512(q as *const __m512i)),
-                $hi,
-                _mm512_loadu_si512(q.add(64) as *const __m512i),
-            );
+            let v = sums8(xs[k].split.as_ptr().add(c * CHUNK), $lo, $hi);
             // Lanes 2j and 2j + 1 hold elements 16j .. 16j + 16: their sum is half-block j.
             let halves = _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64::<32>(v)));
             // Block-major (b0t0, b0t1, b1t0, …) to lane order: the middle quadwords swap.
             let p = _mm256_add_epi32(_mm256_permute4x64_epi64::<0b11_01_10_00>(halves), neg!(k, c));
             let f = _mm256_mul_ps($wsv, _mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
             acc[m][k] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[m][k]);
+        }};
+    }
+    // Chunk `c` of every row against rows `k` and `k + 1` at once: both rows' sixteen sums of
+    // eight go through two `vpermt2d` (even sums, odd sums, each already in lane order) and one
+    // add to both rows' eight half-block sums, and the offsets, factors, convert and FMA take
+    // one 512-bit instruction for the two — per lane the very steps of `step`, half the
+    // instructions after the products.
+    macro_rules! step_pair {
+        ($k:expr, $c:expr, $lo:expr, $hi:expr, $wsv2:expr) => {{
+            let (k, c): (usize, usize) = ($k, $c);
+            let neg2 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(neg!(k, c)), neg!(k + 1, c));
+            let ls = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
+            let ls2 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(ls(k)), ls(k + 1)));
+            for m in 0..M {
+                let v0 = sums8(xs[k].split.as_ptr().add(c * CHUNK), $lo[m], $hi[m]);
+                let v1 = sums8(xs[k + 1].split.as_ptr().add(c * CHUNK), $lo[m], $hi[m]);
+                let halves = _mm512_add_epi32(_mm512_permutex2var_epi32(v0, even_sums, v1), _mm512_permutex2var_epi32(v0, odd_sums, v1));
+                let f = _mm512_mul_ps($wsv2[m], ls2);
+                acc2[m][k / 2] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), acc2[m][k / 2]);
+            }
+        }};
+    }
+    // `step_pair` for a last chunk of at most 64 values (the first two blocks; a row of 64, as
+    // small experts' down projections have, is nothing else): its even and odd elements fill only
+    // the low half of `lo` and `hi`, so the two activation rows share one register — the first's
+    // 32 bytes, then the second's — against the weights' half twice over, and two `vpdpbusd`
+    // form both rows' sums. The lanes of the absent blocks are 0, as in `step`.
+    macro_rules! step_short_pair {
+        ($k:expr, $c:expr, $lo:expr, $hi:expr, $wsv2:expr) => {{
+            let (k, c): (usize, usize) = ($k, $c);
+            let (qa, qb) = (xs[k].split.as_ptr().add(c * CHUNK), xs[k + 1].split.as_ptr().add(c * CHUNK));
+            let join = |a: *const i8, b: *const i8| {
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)), _mm256_loadu_si256(b as *const __m256i))
+            };
+            let (even_q, odd_q) = (join(qa, qb), join(qa.add(64), qb.add(64)));
+            let neg2 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(neg!(k, c)), neg!(k + 1, c));
+            let ls = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
+            let ls2 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(ls(k)), ls(k + 1)));
+            for m in 0..M {
+                let (lo2, hi2) = (_mm512_shuffle_i64x2::<0b01_00_01_00>($lo[m], $lo[m]), _mm512_shuffle_i64x2::<0b01_00_01_00>($hi[m], $hi[m]));
+                let v = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo2, even_q), hi2, odd_q);
+                let halves = _mm512_add_epi32(_mm512_maskz_permutexvar_epi32(LIVE_SHORT, even_short, v), _mm512_maskz_permutexvar_epi32(LIVE_SHORT, odd_short, v));
+                let f = _mm512_mul_ps($wsv2[m], ls2);
+                acc2[m][k / 2] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), acc2[m][k / 2]);
+            }
+        }};
+    }
+    // Against every activation row: pairs, then the odd one out alone.
+    macro_rules! chunk_against_all {
+        ($c:expr, $lo:expr, $hi:expr, $wsv:expr, $short:expr) => {{
+            let c: usize = $c;
+            let wsv2: [__m512; M] = std::array::from_fn(|m| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd($wsv[m]))));
+            let mut k = 0;
+            while k + 2 <= N {
+                if $short {
+                    step_short_pair!(k, c, $lo, $hi, wsv2);
+                } else {
+                    step_pair!(k, c, $lo, $hi, wsv2);
+                }
+                k += 2;
+            }
+            if k < N {
+                for m in 0..M {
+                    step!(m, k, c, $lo[m], $hi[m], $wsv[m]);
+                }
+            }
         }};
     }
     for c in 0..full {
@@ -252,31 +347,58 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
             (lo[m], hi[m]) = decode!(m, c, _mm512_loadu_si512(base as *const __m512i));
             wsv[m] = factors8(fmt, &rows[m], c);
         }
-        for k in 0..N {
-            for m in 0..M {
-                step!(m, k, c, lo[m], hi[m], wsv[m]);
-            }
-        }
+        chunk_against_all!(c, lo, hi, wsv, false);
     }
     if full * CHUNK < n {
         // The last, partial chunk in place (bytes past the row read as 0, never touched; the
         // top bits are whole chunks).
         let start = full * CHUNK;
         let live = byte_mask(n.div_ceil(2) - start / 2);
+        let (mut lo, mut hi, mut wsv) = ([zero; M], [zero; M], [_mm256_setzero_ps(); M]);
         for m in 0..M {
-            let (lo, hi) = decode!(m, full, _mm512_maskz_loadu_epi8(live, rows[m].data.add(start / 2) as *const i8));
-            let wsv = tail_factors8(fmt, &rows[m], n, start);
-            for k in 0..N {
-                step!(m, k, full, lo, hi, wsv);
-            }
+            (lo[m], hi[m]) = decode!(m, full, _mm512_maskz_loadu_epi8(live, rows[m].data.add(start / 2) as *const i8));
+            wsv[m] = tail_factors8_avx512(fmt, &rows[m], n, start);
         }
+        chunk_against_all!(full, lo, hi, wsv, n - start <= CHUNK / 2);
     }
     let mut out = [[0.0f32; N]; M];
     for m in 0..M {
-        for k in 0..N {
-            out[m][k] = reduce256(acc[m][k]);
+        let mut j = 0;
+        while j < N / 2 {
+            // Two pairs' accumulators reduced at once; a lone pair with itself.
+            let next = if j + 1 < N / 2 { j + 1 } else { j };
+            let four = reduce_lanes8x4(acc2[m][j], acc2[m][next]);
+            out[m][2 * j] = four[0];
+            out[m][2 * j + 1] = four[1];
+            if next > j {
+                out[m][2 * j + 2] = four[2];
+                out[m][2 * j + 3] = four[3];
+            }
+            j += 2;
+        }
+        if N % 2 == 1 {
+            out[m][N - 1] = reduce256(acc[m][N - 1]);
         }
     }
+    out
+}
+
+/// `reduce256` of four 8-lane accumulators at once (`x` holds the first two, `y` the others):
+/// each one's lanes `l` and `l + 4` are added, then `l` and `l + 2`, then 0 and 1 — the very
+/// adds `reduce256` does one accumulator at a time, with a quarter of the instructions. A short
+/// row's product (a small expert's down projection of 64 values) spent about as long reducing
+/// its lanes as forming them.
+#[inline(always)]
+unsafe fn reduce_lanes8x4(x: __m512, y: __m512) -> [f32; 4] {
+    // Each accumulator's lanes 0–3 (`low`) and 4–7 (`high`), one accumulator a 128-bit lane.
+    let low = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    let high = _mm512_add_epi32(low, _mm512_set1_epi32(4));
+    let s4 = _mm512_add_ps(_mm512_permutex2var_ps(x, low, y), _mm512_permutex2var_ps(x, high, y));
+    let s2 = _mm512_add_ps(s4, _mm512_shuffle_ps::<0b11_10_11_10>(s4, s4));
+    let s1 = _mm512_add_ps(s2, _mm512_shuffle_ps::<0b01_01_01_01>(s2, s2));
+    let firsts = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s1);
+    let mut out = [0.0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps128(firsts));
     out
 }
 
