@@ -5,10 +5,10 @@
 //! formats: the weights are the unsigned side themselves (int4's nibble, int6's six bits,
 //! MXFP4's `2·e2m1 + 12`), masked or shifted out of their bytes against the activations' even
 //! and odd runs; a chunk's sums of eight elements are paired into its eight half-block sums
-//! (`vphaddd` on 256-bit registers; `vpsrlq` + `vpaddd` + `vpmovqd` + `vpermq` on 512-bit ones),
-//! the offset's sums over the activations (`neg8`, `neg12`) added, and one convert and one FMA
-//! go into one 256-bit accumulator a dot product — so an AVX2 pass takes a weight row against
-//! four activation rows.
+//! (`vphaddd` on 256-bit registers; on 512-bit ones two dot products' at once, by two `vpermt2d`
+//! and an add), the offset's sums over the activations (`neg8`, `neg12`) added, and one convert
+//! and one FMA go into one 256-bit accumulator a dot product (on AVX-512 two dot products share
+//! a register's halves) — so an AVX2 pass takes a weight row against four activation rows.
 //!
 //! Must never: reduce the float lanes before the end, or fuse `f_b`'s product into the FMA
 //! (both would change the bits).
@@ -205,10 +205,13 @@ unsafe fn sums8(q: *const i8, lo: __m512i, hi: __m512i) -> __m512i {
 }
 
 /// `core512` for the 4-bit formats (`qdot.rs`'s 8-lane order): per chunk, `vpdpbusd` of the low
-/// nibbles (the even elements) and then of the high ones into sixteen sums of eight elements,
-/// pairs of them added (`vpsrlq` + `vpaddd`) and packed to the eight half-block sums
-/// (`vpmovqd`, block-major), put in lane order (`vpermq`), the offset's sums added; then one
-/// convert and one FMA into a 256-bit accumulator a dot product.
+/// nibbles (the even elements) and then of the high ones into sixteen sums of eight elements;
+/// two dot products' sums (two activation rows against a weight row, or one against two weight
+/// rows) are paired into their half-block sums in lane order by two `vpermt2d` and an add, the
+/// offset's sums added, and one convert, one multiply (the factors) and one FMA serve both —
+/// each lane's steps those of one dot product alone (`step`, for an odd one out: `vpsrlq` +
+/// `vpaddd`, `vpmovqd`, `vpermq`). Before the pairing, the steps after the products were about
+/// two thirds of a chunk's instructions (`docs/benchmarks.md`, 2026-12-07, third session).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // m and k also index the accumulators
 unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
