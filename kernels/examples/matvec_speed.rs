@@ -26,6 +26,7 @@ fn main() {
         ("int8", Matrix::from_quant(quantize_int8(&w, rows, cols))),
         ("int8/f32a", Matrix::from_quant(quantize_int8(&w, rows, cols)).with_activations(Activations::F32)),
         ("int4-g32", Matrix::from_quant(quantize_int4(&w, rows, cols, 32))),
+        ("int4-g128", Matrix::from_quant(quantize_int4(&w, rows, cols, 128))),
         ("int4/f32a", Matrix::from_quant(quantize_int4(&w, rows, cols, 32)).with_activations(Activations::F32)),
         ("int6-g32", Matrix::from_int6(quantize_int6(&w, rows, cols, 32))),
         ("mxfp4", Matrix::from_quant(quantize_mxfp4(&w, rows, cols))),

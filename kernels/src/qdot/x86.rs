@@ -85,12 +85,32 @@ unsafe fn tail_factors8(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m25
 /// chunk the factors were a fair part of the work.
 #[inline(always)]
 unsafe fn tail_factors8_avx512(fmt: Fmt, row: &RawRow, n: usize, start: usize) -> __m256 {
-    if let Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } = fmt {
-        let live = (n - start).div_ceil(QBLOCK).min(4);
-        let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, (row.scales as *const u16).add(start / QBLOCK) as *const i16);
-        return by_lane(_mm_cvtph_ps(_mm512_castsi512_si128(bits)));
+    let live = (n - start).div_ceil(QBLOCK).min(4);
+    let scales = row.scales as *const u16;
+    match fmt {
+        Fmt::Int4 { group: 32 } | Fmt::Int6 { group: 32 } => {
+            let bits = _mm512_maskz_loadu_epi16((1u32 << live) - 1, scales.add(start / QBLOCK) as *const i16);
+            by_lane(_mm_cvtph_ps(_mm512_castsi512_si128(bits)))
+        }
+        // One scale the chunk (its first, the second only when blocks 2 and 3 are there),
+        // kept in the live blocks' lanes.
+        Fmt::Int4 { group: 128 } | Fmt::Int6 { group: 128 } => live_lanes(_mm256_set1_ps(int4_scale(scales.add(start / 128).read_unaligned())), live),
+        Fmt::Int4 { group: 64 } | Fmt::Int6 { group: 64 } => {
+            let s0 = int4_scale(scales.add(start / 64).read_unaligned());
+            let s1 = if live > 2 { int4_scale(scales.add(start / 64 + 1).read_unaligned()) } else { 0.0 };
+            live_lanes(_mm256_setr_ps(s0, s0, s1, s1, s0, s0, s1, s1), live)
+        }
+        _ => tail_factors8(fmt, row, n, start),
     }
-    tail_factors8(fmt, row, n, start)
+}
+
+/// `f`'s lanes of a chunk's first `live` blocks (`nibble_lane`'s order), 0 in the others.
+#[inline(always)]
+unsafe fn live_lanes(f: __m256, live: usize) -> __m256 {
+    // Lane l's block is [0, 0, 2, 2, 1, 1, 3, 3][l]: live when below `live`.
+    let blocks = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+    let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32), blocks);
+    _mm256_and_ps(f, _mm256_castsi256_ps(keep))
 }
 
 /// int6's top bits of one chunk (the 32 bytes at `hi`) at bits 4–5 of the bytes its low nibbles
