@@ -1065,9 +1065,16 @@ pub(super) unsafe fn quantize_row_avx512(x: &[f32], biased: &mut [u8], scales: &
             // i8`.
             _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(lo_q, _mm512_min_ps(hi_q, r)))), flip)
         };
-        let mut bytes = [0u8; 32];
-        _mm_storeu_si128(bytes.as_mut_ptr().cast(), q(v0));
-        _mm_storeu_si128(bytes.as_mut_ptr().wrapping_add(16).cast(), q(v1));
-        out.copy_from_slice(&bytes[..len]);
+        if len == super::QBLOCK {
+            // A whole block straight to its place (a copy of a run-time length called memcpy
+            // for every block).
+            _mm_storeu_si128(out.as_mut_ptr().cast(), q(v0));
+            _mm_storeu_si128(out.as_mut_ptr().add(16).cast(), q(v1));
+        } else {
+            let mut bytes = [0u8; 32];
+            _mm_storeu_si128(bytes.as_mut_ptr().cast(), q(v0));
+            _mm_storeu_si128(bytes.as_mut_ptr().wrapping_add(16).cast(), q(v1));
+            out.copy_from_slice(&bytes[..len]);
+        }
     }
 }
