@@ -205,7 +205,8 @@ fn the_row_loops_give_each_row_the_scalar_bits() {
 fn row_loops_match_the_scalar_bits(cols: usize) {
     let rows = 7usize;
     let (wa, wb) = (values(rows * cols, 11, 1.0), values(rows * cols, 12, 1.0));
-    let xs: Vec<Vec<f32>> = (0..6).map(|k| values(cols, 20 + k, 2.0)).collect();
+    // Up to 11 activation rows: the 4-bit loops' passes of eight, four and the rest.
+    let xs: Vec<Vec<f32>> = (0..11).map(|k| values(cols, 20 + k, 2.0)).collect();
     let qs: Vec<QuantRows> = xs.iter().map(|x| quantized(x)).collect();
     let acts: Vec<QRow<'_>> = qs.iter().map(|q| q.row(0)).collect();
     let pairs = [

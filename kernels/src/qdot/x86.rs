@@ -836,6 +836,15 @@ unsafe fn nibbles256_of<const M: usize, const N: usize, const VNNI: bool, const 
 unsafe fn tile2(fmt: Fmt, ws: [RawRow; 2], cols: usize, xs: &[QRow<'_>], o: &mut [f32]) {
     let n = xs.len();
     let mut i = 0;
+    // The 4-bit formats' accumulators take one register per two dot products, so eight
+    // activation rows fit a pass (int8's two registers a dot product would not): each chunk's
+    // weights decoded once per eight rows.
+    while fmt != Fmt::Int8 && i + 8 <= n {
+        let [a, b] = nibbles512::<2, 8>(fmt, ws, cols, std::array::from_fn(|k| &xs[i + k]));
+        o[i..i + 8].copy_from_slice(&a);
+        o[n + i..n + i + 8].copy_from_slice(&b);
+        i += 8;
+    }
     while i + 4 <= n {
         let [a, b] = core512::<2, 4>(fmt, ws, cols, [&xs[i], &xs[i + 1], &xs[i + 2], &xs[i + 3]]);
         o[i..i + 4].copy_from_slice(&a);
