@@ -230,8 +230,8 @@ unsafe fn sums8(q: *const i8, lo: __m512i, hi: __m512i) -> __m512i {
 /// rows) are paired into their half-block sums in lane order by two `vpermt2d` and an add, the
 /// offset's sums added, and one convert, one multiply (the factors) and one FMA serve both —
 /// each lane's steps those of one dot product alone (`step`, for an odd one out: `vpsrlq` +
-/// `vpaddd`, `vpmovqd`, `vpermq`). Before the pairing, the steps after the products were about
-/// two thirds of a chunk's instructions (`docs/benchmarks.md`, 2026-12-07, third session).
+/// `vpaddd`, `vpmovqd`, `vpermq`). Before the pairing, the steps after the products were most of
+/// a chunk's instructions (`docs/benchmarks.md`, 2026-12-07, third session).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // m and k also index the accumulators
 unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M], n: usize, xs: [&QRow<'_>; N]) -> [[f32; N]; M] {
