@@ -8,11 +8,17 @@
 //! for the demo model's ~1 µs one-row products the claims cost what splitting saves
 //! (`docs/benchmarks.md`, issue 18, third pass).
 //!
-//! Owns: the helper threads (started on first use, parked between steps), the claim protocol.
+//! A one-row step that runs alone may still split one large product (the demo model's LM head)
+//! over a team of its own: between teams a helper waits awake for `SPIN_IDLE` (decode steps
+//! come sooner, so it stays awake through a generation), and `prewake` wakes a sleeping one a
+//! little ahead — posting a team then makes no system call.
+//!
+//! Owns: the helper threads (started on first use, awake for `SPIN_IDLE` after a team, then
+//! asleep), the claim protocol, the prewake.
 //! Must never: run a task after the `run` that posted it returned (a claim names its job's epoch,
 //! a job's epoch ends only when all its tasks are done, and a new epoch opens with nothing
-//! claimable before its job is written); let a helper spin outside a step
-//! (after `SPIN_IDLE` without work it parks); change what a task computes — each chunk is
+//! claimable before its job is written); let a helper spin longer than `SPIN_IDLE` without work,
+//! in a step or between teams (then it parks or sleeps); change what a task computes — each chunk is
 //! computed exactly as on one thread, so results are the same bits with or without a team.
 
 use std::cell::Cell;
@@ -65,28 +71,85 @@ struct Pool {
     started: Mutex<usize>,
     slot: Mutex<Option<Arc<Team>>>,
     posted: Condvar,
+    /// The id of the last team posted, for helpers waiting awake without the slot's lock.
+    last_posted: AtomicU64,
+    /// Helpers asleep on `posted` (changed under the slot's lock): only then does posting a
+    /// team, or a `prewake`, make a system call.
+    sleepers: AtomicUsize,
+    /// Bumped by `prewake`, so that a helper it woke waits awake for the team.
+    prewakes: AtomicU64,
+    /// Times a helper began to wait awake for a team (tests watch it).
+    awake_waits: AtomicUsize,
 }
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool { started: Mutex::new(0), slot: Mutex::new(None), posted: Condvar::new() })
+    POOL.get_or_init(|| Pool {
+        started: Mutex::new(0),
+        slot: Mutex::new(None),
+        posted: Condvar::new(),
+        last_posted: AtomicU64::new(0),
+        sleepers: AtomicUsize::new(0),
+        prewakes: AtomicU64::new(0),
+        awake_waits: AtomicUsize::new(0),
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Wakes the helper threads ahead of a team that is about to form (`with_team` soon after), so
+/// that they are awake when it is posted instead of paying a wake-up then (a futex wake costs
+/// ~10 µs or more on these virtual machines, as much as the product it would split). A helper
+/// still waiting awake after its last team (it does for `SPIN_IDLE`) needs nothing: then this
+/// makes no system call. Does nothing before the helpers exist.
+pub fn prewake() {
+    let p = pool();
+    if p.sleepers.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    p.prewakes.fetch_add(1, Ordering::SeqCst);
+    let _slot = lock(&p.slot);
+    p.posted.notify_all();
+}
+
+/// A helper's life: join each new team, and between teams wait awake for `SPIN_IDLE` (a
+/// decode step's next team comes sooner than that), then asleep until a team or a `prewake`.
 fn helper_main() {
     let p = pool();
     let mut last = 0u64;
     loop {
         let team = {
+            // Awake first: the team that ended may be followed by another soon.
+            let mut awake = true;
             let mut slot = lock(&p.slot);
             loop {
                 match slot.as_ref() {
                     Some(t) if t.id != last => break t.clone(),
-                    _ => slot = p.posted.wait(slot).unwrap_or_else(|e| e.into_inner()),
+                    _ => {}
                 }
+                if awake {
+                    // Read under the lock: a team posted before this was in the slot above.
+                    let posted_before = p.last_posted.load(Ordering::Acquire);
+                    drop(slot);
+                    p.awake_waits.fetch_add(1, Ordering::SeqCst);
+                    let since = std::time::Instant::now();
+                    let mut spins = 0u32;
+                    while p.last_posted.load(Ordering::Acquire) == posted_before && (!spins.is_multiple_of(SPINS_PER_LOOK) || since.elapsed() < SPIN_IDLE) {
+                        spins = spins.wrapping_add(1);
+                        std::hint::spin_loop();
+                    }
+                    awake = false;
+                    slot = lock(&p.slot);
+                    continue;
+                }
+                let prewakes = p.prewakes.load(Ordering::SeqCst);
+                p.sleepers.fetch_add(1, Ordering::SeqCst);
+                slot = p.posted.wait(slot).unwrap_or_else(|e| e.into_inner());
+                p.sleepers.fetch_sub(1, Ordering::SeqCst);
+                // Woken for a coming team: wait for it awake.
+                awake = p.prewakes.load(Ordering::SeqCst) != prewakes;
             }
         };
         last = team.id;
@@ -134,7 +197,11 @@ pub fn with_team<R>(threads: usize, f: impl FnOnce() -> R) -> R {
             *started += 1;
         }
         *slot = Some(team.clone());
-        p.posted.notify_all();
+        p.last_posted.store(team.id, Ordering::Release);
+        // Helpers awake see `last_posted`; only sleeping ones need the system call.
+        if p.sleepers.load(Ordering::SeqCst) > 0 {
+            p.posted.notify_all();
+        }
     }
     struct Close(Arc<Team>);
     impl Drop for Close {
@@ -142,8 +209,11 @@ pub fn with_team<R>(threads: usize, f: impl FnOnce() -> R) -> R {
             ACTIVE.with(|a| a.set(None));
             self.0.closed.store(true, Ordering::Release);
             {
+                // Helpers park under this lock; one spinning sees `closed` by itself.
                 let _g = lock(&self.0.park);
-                self.0.wake.notify_all();
+                if self.0.parked.load(Ordering::SeqCst) > 0 {
+                    self.0.wake.notify_all();
+                }
             }
             let mut slot = lock(&pool().slot);
             if slot.as_ref().is_some_and(|t| Arc::ptr_eq(t, &self.0)) {
@@ -160,6 +230,11 @@ pub fn with_team<R>(threads: usize, f: impl FnOnce() -> R) -> R {
 /// runs with).
 pub fn with_pool_team<R>(f: impl FnOnce() -> R) -> R {
     with_team(rayon::current_num_threads(), f)
+}
+
+/// Threads of the current rayon pool (the `--threads` a model runs with): a pool team's size.
+pub fn pool_threads() -> usize {
+    rayon::current_num_threads()
 }
 
 /// The team active on this thread, if any.
@@ -473,6 +548,47 @@ mod tests {
             any.into_inner()
         });
         assert_eq!(seen, 0);
+    }
+
+    #[test]
+    fn helpers_wait_awake_between_teams_then_sleep_and_a_prewake_wakes_them() {
+        let _turn = one_at_a_time();
+        let p = pool();
+        let until = |what: &str, done: &dyn Fn() -> bool| {
+            let start = std::time::Instant::now();
+            while !done() {
+                assert!(start.elapsed() < std::time::Duration::from_secs(10), "{what}");
+                std::thread::yield_now();
+            }
+        };
+        let every_task_once = |round: usize| {
+            let counts: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            with_team(2, || {
+                active().unwrap().run(counts.len(), &|i| {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                })
+            });
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1), "round {round}");
+        };
+        every_task_once(0);
+        // After its team a helper waits awake for a while, then sleeps.
+        until("a helper falls asleep after waiting awake", &|| p.sleepers.load(Ordering::SeqCst) > 0);
+        for round in 1..20usize {
+            let before = p.awake_waits.load(Ordering::SeqCst);
+            if p.sleepers.load(Ordering::SeqCst) > 0 {
+                prewake();
+                until("a prewake wakes a sleeping helper with no team posted", &|| p.awake_waits.load(Ordering::SeqCst) > before);
+            }
+            // Teams back to back find their helper awake, or wake it; every task runs once.
+            every_task_once(round);
+            every_task_once(round);
+        }
+        // A prewake that no team follows ends in sleep, not a spin.
+        until("the helper sleeps again", &|| p.sleepers.load(Ordering::SeqCst) > 0);
+        let before = p.awake_waits.load(Ordering::SeqCst);
+        prewake();
+        until("the last prewake wakes a helper", &|| p.awake_waits.load(Ordering::SeqCst) > before);
+        until("the helper stops waiting for a team that does not come", &|| p.sleepers.load(Ordering::SeqCst) > 0);
     }
 
     #[test]

@@ -203,3 +203,27 @@ fn a_batch_of_last_rows_through_an_integer_head_gets_each_sequences_own_logits()
         }
     }
 }
+
+/// A one-row step of a model whose step runs alone (the demo) splits its LM head over a team
+/// of its own when the engine has two threads (`Decoder::head_as_team`, the helper woken a
+/// layer ahead): its logits are the one-thread engine's, bit for bit, step after step.
+#[test]
+fn decode_logits_do_not_depend_on_the_engines_thread_count() {
+    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
+    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
+    let out = tempfile::tempdir().unwrap();
+    let container = out.path().join("c");
+    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None };
+    convert(&demo, &container, opts, &mut |_| {}).unwrap();
+    let load = |threads: usize| rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| Engine::load(&container).unwrap());
+    let (one, two) = (load(1), load(2));
+    let vocab = one.spec.vocab_size as u32;
+    let ids: Vec<u32> = (0..24u32).map(|i| (i * 389 + 17) % vocab).collect();
+    let (mut s1, mut s2) = (one.new_session(), two.new_session());
+    let (a, b) = (one.step(&mut s1, &ids[..4]).unwrap(), two.step(&mut s2, &ids[..4]).unwrap());
+    assert_eq!(bits(&a), bits(&b), "the prompt");
+    for (at, id) in ids.iter().enumerate().skip(4) {
+        let (a, b) = (one.step(&mut s1, &[*id]).unwrap(), two.step(&mut s2, &[*id]).unwrap());
+        assert_eq!(bits(&a), bits(&b), "decode step at position {at}");
+    }
+}

@@ -715,7 +715,12 @@ impl Decoder {
         }
         // Inkling 2's layers ran above, around its block residuals.
         let plain_layers: &[Layer] = if self.blocks.is_none() { &self.layers } else { &[] };
+        let head_as_team = self.head_as_team(n);
         for (l, layer) in plain_layers.iter().enumerate() {
+            if head_as_team && l + 1 == plain_layers.len() {
+                // The head's team forms after this layer: a sleeping helper wakes meanwhile.
+                shimmer_kernels::team::prewake();
+            }
             match &layer.hyper {
                 Some(hc) => {
                     hc.0.collapse(&h, &mut collapsed, &mut spread);
@@ -798,6 +803,8 @@ impl Decoder {
             for (xn, out) in normed.chunks_exact(hd).zip(logits.chunks_exact_mut(vocab)) {
                 head.matvec_rows(0..vocab, xn, out);
             }
+        } else if head_as_team {
+            shimmer_kernels::team::with_pool_team(|| head.matmul(&normed, &mut logits));
         } else {
             head.matmul(&normed, &mut logits);
         }
@@ -1019,6 +1026,20 @@ impl Decoder {
         Ok(())
     }
 
+    /// Whether a step of `rows` rows computes its LM head over a team of its own: a one-row step
+    /// that runs alone (a model below `TEAM_MIN_STEP_BYTES`) with a head big enough to split —
+    /// the demo model's 6,144 × 256 head was a quarter of its decode step on one thread. Its
+    /// helper waits awake between steps, or is woken a layer ahead (`team::prewake`).
+    fn head_as_team(&self, rows: usize) -> bool {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        rows == 1
+            && self.blocks.is_none()
+            && self.spec.padded_vocab.is_none()
+            && shimmer_kernels::team::active().is_none()
+            && shimmer_kernels::team::pool_threads() > 1
+            && head.rows * head.cols >= HEAD_TEAM_MIN_MACS
+    }
+
     /// What layer `layer`'s router would choose for rows `x` of `tokens` (n rows → n × top_k
     /// experts), or `None` for a dense layer. Used to predict a layer's experts from an earlier
     /// layer's state (a hash layer's choice is its table's, so exact).
@@ -1035,6 +1056,10 @@ impl Decoder {
 /// Dense weight bytes a decode step must read for it to run as a team: m1b (93 MB int8) gains
 /// 10–17 %, the demo model (3–6 MB) loses.
 const TEAM_MIN_STEP_BYTES: u64 = 16 << 20;
+
+/// Multiply-adds of an LM head from which a one-row step splits it over a team of its own
+/// (`Decoder::head_as_team`).
+const HEAD_TEAM_MIN_MACS: usize = 1 << 20;
 
 /// A hash layer's `vocab × top_k` table of expert ids (integers as stored: i64 or i32), each
 /// checked to name one of the layer's experts.
