@@ -171,12 +171,8 @@ fn a_reused_prefix_answers_as_a_fresh_session_even_where_a_state_must_go_back() 
 #[test]
 fn a_batch_of_last_rows_through_an_integer_head_gets_each_sequences_own_logits() {
     use shimmer_model::{Logits, Segment};
-    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
-    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
     let out = tempfile::tempdir().unwrap();
-    let container = out.path().join("c");
-    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None };
-    convert(&demo, &container, opts, &mut |_| {}).unwrap();
+    let container = demo_int4_container(out.path());
     let engine = Engine::load(&container).unwrap();
     let vocab = engine.spec.vocab_size;
     let seqs: Vec<Vec<u32>> = (0..5u32).map(|s| (0..12u32).map(|i| (i * 131 + s * 977 + 5) % vocab as u32).collect()).collect();
@@ -209,12 +205,8 @@ fn a_batch_of_last_rows_through_an_integer_head_gets_each_sequences_own_logits()
 /// layer ahead): its logits are the one-thread engine's, bit for bit, step after step.
 #[test]
 fn decode_logits_do_not_depend_on_the_engines_thread_count() {
-    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
-    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
     let out = tempfile::tempdir().unwrap();
-    let container = out.path().join("c");
-    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None };
-    convert(&demo, &container, opts, &mut |_| {}).unwrap();
+    let container = demo_int4_container(out.path());
     let load = |threads: usize| rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| Engine::load(&container).unwrap());
     let (one, two) = (load(1), load(2));
     let vocab = one.spec.vocab_size as u32;
@@ -226,4 +218,15 @@ fn decode_logits_do_not_depend_on_the_engines_thread_count() {
         let (a, b) = (one.step(&mut s1, &[*id]).unwrap(), two.step(&mut s2, &[*id]).unwrap());
         assert_eq!(bits(&a), bits(&b), "decode step at position {at}");
     }
+}
+
+/// The demo model as an int4-g32 container with int8 layers and head (what `shimmer convert`
+/// makes by default), under `dir`.
+fn demo_int4_container(dir: &std::path::Path) -> std::path::PathBuf {
+    use shimmer_store::convert::{convert, ConvertOptions, DenseQuant};
+    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo");
+    let container = dir.join("c");
+    let opts = ConvertOptions { expert_quant: shimmer_common::quant::QuantScheme::Int4 { group: 32 }, dense_quant: DenseQuant::Int8, head_quant: None };
+    convert(&demo, &container, opts, &mut |_| {}).unwrap();
+    container
 }
