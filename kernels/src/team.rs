@@ -229,7 +229,7 @@ pub fn with_team<R>(threads: usize, f: impl FnOnce() -> R) -> R {
 /// `with_team` with as many threads as the current rayon pool has (the `--threads` a model
 /// runs with).
 pub fn with_pool_team<R>(f: impl FnOnce() -> R) -> R {
-    with_team(rayon::current_num_threads(), f)
+    with_team(pool_threads(), f)
 }
 
 /// Threads of the current rayon pool (the `--threads` a model runs with): a pool team's size.

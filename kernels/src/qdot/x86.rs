@@ -304,18 +304,24 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
     // add to both rows' eight half-block sums, and the offsets, factors, convert and FMA take
     // one 512-bit instruction for the two — per lane the very steps of `step`, half the
     // instructions after the products.
-    macro_rules! step_pair {
-        ($k:expr, $c:expr, $lo:expr, $hi:expr, $wsv2:expr) => {{
+    // Activation rows `k` and `k + 1`'s offsets' sums and scales of chunk `c`, side by side.
+    macro_rules! pair_of_rows {
+        ($k:expr, $c:expr) => {{
             let (k, c): (usize, usize) = ($k, $c);
             let neg2 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(neg!(k, c)), neg!(k + 1, c));
             let ls = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
-            let ls2 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(ls(k)), ls(k + 1)));
+            (neg2, _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(ls(k)), ls(k + 1))))
+        }};
+    }
+    macro_rules! step_pair {
+        ($k:expr, $c:expr, $lo:expr, $hi:expr, $wsv2:expr) => {{
+            let (k, c): (usize, usize) = ($k, $c);
+            let (neg2, ls2) = pair_of_rows!(k, c);
             for m in 0..M {
                 let v0 = sums8(xs[k].split.as_ptr().add(c * CHUNK), $lo[m], $hi[m]);
                 let v1 = sums8(xs[k + 1].split.as_ptr().add(c * CHUNK), $lo[m], $hi[m]);
                 let halves = _mm512_add_epi32(_mm512_permutex2var_epi32(v0, even_sums, v1), _mm512_permutex2var_epi32(v0, odd_sums, v1));
-                let f = _mm512_mul_ps($wsv2[m], ls2);
-                acc2[m][k / 2] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), acc2[m][k / 2]);
+                acc2[m][k / 2] = fma_pair(acc2[m][k / 2], $wsv2[m], ls2, halves, neg2);
             }
         }};
     }
@@ -332,16 +338,13 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
                 _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)), _mm256_loadu_si256(b as *const __m256i))
             };
             let (even_q, odd_q) = (join(qa, qb), join(qa.add(64), qb.add(64)));
-            let neg2 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(neg!(k, c)), neg!(k + 1, c));
-            let ls = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)));
-            let ls2 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(ls(k)), ls(k + 1)));
+            let (neg2, ls2) = pair_of_rows!(k, c);
             for m in 0..M {
                 let (lo2, hi2) = (_mm512_shuffle_i64x2::<0b01_00_01_00>($lo[m], $lo[m]), _mm512_shuffle_i64x2::<0b01_00_01_00>($hi[m], $hi[m]));
                 let v = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo2, even_q), hi2, odd_q);
                 let halves =
                     _mm512_add_epi32(_mm512_maskz_permutexvar_epi32(LIVE_SHORT, even_short, v), _mm512_maskz_permutexvar_epi32(LIVE_SHORT, odd_short, v));
-                let f = _mm512_mul_ps($wsv2[m], ls2);
-                acc2[m][k / 2] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), acc2[m][k / 2]);
+                acc2[m][k / 2] = fma_pair(acc2[m][k / 2], $wsv2[m], ls2, halves, neg2);
             }
         }};
     }
@@ -364,8 +367,7 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
             let neg2 = _mm512_broadcast_i64x4(neg!(k, c));
             let ls2 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs[k].lane_scales.as_ptr().add(c * NLANES)))));
             let w2 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(_mm256_castps_pd($wsv[m])), _mm256_castps_pd($wsv[m + 1])));
-            let f = _mm512_mul_ps(w2, ls2);
-            accm[m / 2][k] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), accm[m / 2][k]);
+            accm[m / 2][k] = fma_pair(accm[m / 2][k], w2, ls2, halves, neg2);
         }};
     }
     // Against every activation row: pairs, then the odd one out alone.
@@ -452,6 +454,14 @@ unsafe fn nibbles512<const M: usize, const N: usize>(fmt: Fmt, rows: [RawRow; M]
         }
     }
     out
+}
+
+/// Two dot products' chunk into their shared accumulator: `halves` (both rows' half-block sums,
+/// lane order) plus `neg2` (their offsets' sums), converted, times the factors `w2 · ls2`, added
+/// — per lane `step`'s own steps.
+#[inline(always)]
+unsafe fn fma_pair(acc: __m512, w2: __m512, ls2: __m512, halves: __m512i, neg2: __m512i) -> __m512 {
+    _mm512_fmadd_ps(_mm512_mul_ps(w2, ls2), _mm512_cvtepi32_ps(_mm512_add_epi32(halves, neg2)), acc)
 }
 
 /// `reduce256` of four 8-lane accumulators at once (`x` holds the first two, `y` the others):
