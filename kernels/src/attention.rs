@@ -176,11 +176,31 @@ fn online_tile_body<'a>(
                 l[v] += e;
             }
         }
+        // The vectors that see keys of this block, rescaled; then the keys all of them see, one
+        // pass over those value rows for all of them, and each vector's own rest alone.
+        let mut live: [(&mut [f32], &[f32]); TILE] = Default::default();
+        let mut n_live = 0;
         for (v, o) in out.chunks_exact_mut(d).enumerate().take(count) {
             if len[v] > 0 {
                 let cv = c[v];
                 o.iter_mut().for_each(|x| *x *= cv);
-                accumulate_values(o, &p[v][..len[v]], |j| value(b0 + j));
+                live[n_live] = (o, &p[v][..len[v]]);
+                n_live += 1;
+            }
+        }
+        let shared = live[..n_live].iter().map(|(_, e)| e.len()).min().unwrap_or(0);
+        let value_at = |j: usize| value(b0 + j);
+        match &mut live[..n_live] {
+            [a] => accumulate_values::<1>([a], shared, &value_at),
+            [a, b] => accumulate_values::<2>([a, b], shared, &value_at),
+            [a, b, c] => accumulate_values::<3>([a, b, c], shared, &value_at),
+            [a, b, c, e] => accumulate_values::<4>([a, b, c, e], shared, &value_at),
+            _ => {}
+        }
+        for (o, e) in live[..n_live].iter_mut() {
+            if e.len() > shared {
+                let rest = |j: usize| value(b0 + shared + j);
+                accumulate_values::<1>([&mut (&mut **o, &e[shared..])], e.len() - shared, &rest);
             }
         }
         b0 = b1;
@@ -213,30 +233,41 @@ fn block_max(p: &[f32]) -> f32 {
     p[whole..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, x| a.max(*x))
 }
 
-/// `o[i] = o[i] + e_j · value(j)[i]` for the weights `e` in key order. Sixty-four elements at a
-/// time stay in registers across the block's keys (a vector build loads and stores `o` once a
-/// block, not once a key, and runs four independent chains of adds); each element sees the same
-/// multiplies and adds in the same order.
+/// For each of `K` vectors (its output `o`, its weights `e`), `o[i] = o[i] + e_j · value(j)[i]`
+/// for keys `j` in `0..keys`, in key order. Sixty-four elements of every vector stay in
+/// registers across the keys (a vector build loads and stores `o` once a block, not once a key),
+/// and the vectors share each value row's load — a GQA group's heads, or a prompt's rows, read
+/// the same values — so `4·K` chains of adds run side by side instead of four. Each element sees
+/// the same multiplies and adds in the same order as alone.
 #[inline(always)]
-fn accumulate_values<'a>(o: &mut [f32], e: &[f32], value: impl Fn(usize) -> &'a [f32]) {
+fn accumulate_values<'a, const K: usize>(mut vectors: [&mut (&mut [f32], &[f32]); K], keys: usize, value: &impl Fn(usize) -> &'a [f32]) {
     const W: usize = 64;
-    let d = o.len();
+    let Some(d) = vectors.first().map(|(o, _)| o.len()) else { return };
     let whole = d / W * W;
-    for (c, acc) in o[..whole].chunks_exact_mut(W).enumerate() {
-        let mut a: [f32; W] = [0.0; W];
-        a.copy_from_slice(acc);
-        for (j, e) in e.iter().enumerate() {
+    for c in 0..whole / W {
+        let mut a: [[f32; W]; K] = [[0.0; W]; K];
+        for (acc, (o, _)) in a.iter_mut().zip(&vectors) {
+            acc.copy_from_slice(&o[c * W..(c + 1) * W]);
+        }
+        for j in 0..keys {
             // A value row is `d` long (the caller's layout): the slice is exactly W long.
             let Ok(x): Result<&[f32; W], _> = value(j)[c * W..(c + 1) * W].try_into() else { unreachable!("a {W}-element slice") };
-            for i in 0..W {
-                a[i] += e * x[i];
+            for (acc, (_, e)) in a.iter_mut().zip(&vectors) {
+                let e = e[j];
+                for i in 0..W {
+                    acc[i] += e * x[i];
+                }
             }
         }
-        acc.copy_from_slice(&a);
+        for (acc, (o, _)) in a.iter().zip(vectors.iter_mut()) {
+            o[c * W..(c + 1) * W].copy_from_slice(acc);
+        }
     }
     if whole < d {
-        for (j, e) in e.iter().enumerate() {
-            o[whole..].iter_mut().zip(&value(j)[whole..]).for_each(|(o, x)| *o += e * x);
+        for (o, e) in vectors {
+            for (j, e) in e[..keys].iter().enumerate() {
+                o[whole..].iter_mut().zip(&value(j)[whole..]).for_each(|(o, x)| *o += e * x);
+            }
         }
     }
 }
@@ -311,6 +342,25 @@ fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize
         while j0 < b1 {
             let count = (b1 - j0).min(width);
             let base = keys[j0 * stride..].as_ptr();
+            if isa == Isa::Avx512 {
+                let mut t4 = [[0.0f32; 16]; TILE];
+                // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each `len` long at
+                // `stride`, are inside `keys` (asserted above); the tile's queries are one length.
+                unsafe {
+                    match *qs {
+                        [a] => x86::dots16_tile_avx512::<1>(base, stride, count, &[a], &mut t4),
+                        [a, b] => x86::dots16_tile_avx512::<2>(base, stride, count, &[a, b], &mut t4),
+                        [a, b, c] => x86::dots16_tile_avx512::<3>(base, stride, count, &[a, b, c], &mut t4),
+                        [a, b, c, e] => x86::dots16_tile_avx512::<4>(base, stride, count, &[a, b, c, e], &mut t4),
+                        _ => {}
+                    }
+                }
+                for (pv, tv) in p.iter_mut().zip(&t4).take(qs.len()) {
+                    pv[j0 - b0..j0 - b0 + count].copy_from_slice(&tv[..count]);
+                }
+                j0 += count;
+                continue;
+            }
             for (v, q) in qs.iter().enumerate() {
                 // SAFETY: the ISA is available (`isa`); keys j0..j0 + count, each `len` long at
                 // `stride`, are inside `keys` (asserted above).
@@ -606,32 +656,62 @@ mod x86 {
     /// AVX-512F must be available and every key readable for `q.len()` values.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn dots16_avx512(keys: *const f32, stride: usize, count: usize, q: &[f32], out: &mut [f32; 16]) {
-        let d = q.len();
+        dots16_tile_avx512::<1>(keys, stride, count, &[q], std::slice::from_mut(out));
+    }
+
+    /// `dots16_avx512` for `V` query vectors of one length at once: each key chunk is loaded once
+    /// for all of them (a GQA group's heads, or a prompt's rows, score the same keys). Each
+    /// (key, vector) dot is the same multiply-adds and tree as alone.
+    ///
+    /// # Safety
+    /// As `dots16_avx512`, every `qs[v]` as long as `qs[0]`, and `out` at least `V` long.
+    #[target_feature(enable = "avx512f,fma")]
+    #[inline]
+    pub(super) unsafe fn dots16_tile_avx512<const V: usize>(keys: *const f32, stride: usize, count: usize, qs: &[&[f32]; V], out: &mut [[f32; 16]]) {
+        let d = qs[0].len();
         let (full, rest) = (d / 64, d % 64);
-        let mut c = [_mm512_setzero_ps(); 16];
-        for (j, cj) in c.iter_mut().enumerate().take(count.min(16)) {
+        let mut c = [[_mm512_setzero_ps(); 16]; V];
+        for j in 0..count.min(16) {
             let k = keys.add(j * stride);
-            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut acc = [[_mm512_setzero_ps(); 4]; V];
             for ch in 0..full {
-                for (r, a) in acc.iter_mut().enumerate() {
+                for r in 0..4 {
                     let o = ch * 64 + r * 16;
-                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(o)), _mm512_loadu_ps(q.as_ptr().add(o)), *a);
+                    let kv = _mm512_loadu_ps(k.add(o));
+                    for (a, q) in acc.iter_mut().zip(qs) {
+                        a[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q.as_ptr().add(o)), a[r]);
+                    }
                 }
             }
             // The zero-padded last chunk: lanes past the row add fma(0, 0, acc) = acc (an
             // accumulator that starts at +0 is never −0).
-            for (r, a) in acc.iter_mut().enumerate() {
+            for r in 0..4 {
                 let first = 16 * r;
                 if first >= rest {
                     break;
                 }
                 let m: __mmask16 = if rest - first >= 16 { 0xffff } else { (1u16 << (rest - first)) - 1 };
                 let o = full * 64 + first;
-                *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, k.add(o)), _mm512_maskz_loadu_ps(m, q.as_ptr().add(o)), *a);
+                let kv = _mm512_maskz_loadu_ps(m, k.add(o));
+                for (a, q) in acc.iter_mut().zip(qs) {
+                    a[r] = _mm512_fmadd_ps(kv, _mm512_maskz_loadu_ps(m, q.as_ptr().add(o)), a[r]);
+                }
             }
             // s = 32 (lanes 0–15 with 32–47, 16–31 with 48–63), then s = 16.
-            *cj = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+            for (cv, a) in c.iter_mut().zip(&acc) {
+                cv[j] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+            }
         }
+        for (cv, o) in c.iter().zip(out.iter_mut()) {
+            _mm512_storeu_ps(o.as_mut_ptr(), tree16(cv));
+        }
+    }
+
+    /// The canonical tree's s = 8, 4, 2, 1 over sixteen keys' 16-lane partial sums: lane `j` of
+    /// the result is key `j`'s dot.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tree16(c: &[__m512; 16]) -> __m512 {
         // s = 8: keys 2p and 2p + 1 → lanes 0–7 and 8–15 of d[p].
         let mut d8 = [_mm512_setzero_ps(); 8];
         for (p, x) in d8.iter_mut().enumerate() {
@@ -650,7 +730,7 @@ mod x86 {
         // s = 1: lane 4i + t holds key i + 4t.
         let g = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(f0, f1), _mm512_shuffle_ps::<0xDD>(f0, f1));
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, g));
+        _mm512_permutexvar_ps(order, g)
     }
 
     /// `dots16_avx512` for 256-bit registers and `count ≤ 8` keys: each key's 64 lanes in eight
@@ -732,6 +812,14 @@ mod tests {
                 for sink in [None, Some(&sinks)] {
                     let mut want = vec![0.0; lasts.len() * d];
                     online_tile_on(Isa::Scalar, &lasts, per_key(score), value, sink, &mut want);
+                    // Each vector of the tile as it comes out alone (the tile shares loads, not sums).
+                    for (v, last) in lasts.iter().enumerate() {
+                        let alone = |j: usize, s: &mut [f32; TILE]| s[0] = scores[j * TILE + v];
+                        let sink_alone = sink.map(|s| [s[v]; TILE]);
+                        let mut one = vec![0.0; d];
+                        online_tile_on(Isa::Scalar, &[*last], per_key(alone), value, sink_alone.as_ref(), &mut one);
+                        assert_eq!(bits(&one), bits(&want[v * d..(v + 1) * d]), "d {d} lasts {lasts:?} vector {v} alone");
+                    }
                     for isa in Isa::all_available() {
                         let mut got = vec![1.0; lasts.len() * d];
                         online_tile_on(isa, &lasts, per_key(score), value, sink, &mut got);
