@@ -43,6 +43,21 @@ thread_local! {
     /// Quantised activations, reused across calls on this thread (taken out while in use, so a
     /// nested call — rayon may run another product on this thread meanwhile — gets its own).
     static QUANT_SCRATCH: Cell<QuantRows> = Cell::new(QuantRows::default());
+    /// A multi-row product's weight-row-major results before their transpose, reused the same way.
+    static PRODUCT_SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// `f` over a scratch buffer of `len` floats whose contents are unspecified (every product here
+/// writes all of it before reading any), without allocating or zeroing once this thread has
+/// warmed up.
+fn with_product_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut t = PRODUCT_SCRATCH.with(|c| c.take());
+    if t.len() < len {
+        t.resize(len, 0.0);
+    }
+    let r = f(&mut t[..len]);
+    PRODUCT_SCRATCH.with(|c| c.set(t));
+    r
 }
 
 /// `f` over `xs` (rows of `n`) quantised — with the 4-bit layout when `nibbles` — without
@@ -451,7 +466,13 @@ impl Matrix {
         }
         let x_rows: Vec<&[f32]> = xs.chunks_exact(self.cols).collect();
         // Transposed result (weight row major), filled in parallel over weight rows.
-        let mut t = vec![0.0f32; self.rows * n];
+        with_product_scratch(self.rows * n, |t| self.matmul_f32_rows(&x_rows, t, out, parallel))
+    }
+
+    /// `matmul_on`'s non-integer path: every weight row's results into `t` (weight row major,
+    /// all of it written), then transposed into `out`.
+    fn matmul_f32_rows(&self, x_rows: &[&[f32]], t: &mut [f32], out: &mut [f32], parallel: bool) {
+        let n = x_rows.len();
         let width = dot::batch_width();
         let per_row = |r: usize, o: &mut [f32]| {
             let w = self.row(r);
@@ -472,11 +493,11 @@ impl Matrix {
             }
         };
         if spread(parallel, self.rows * self.cols * n, PARALLEL_MIN_WORK) {
-            crate::team::chunks_mut(&mut t, n, true, per_row);
+            crate::team::chunks_mut(t, n, true, per_row);
         } else {
             t.chunks_mut(n).enumerate().for_each(|(r, o)| per_row(r, o));
         }
-        transpose_into(&t, self.rows, n, n, out);
+        transpose_into(t, self.rows, n, n, out);
     }
 
     /// `matmul_on` for integer products: pairs of weight rows against groups of quantised rows.
@@ -543,14 +564,15 @@ pub fn matmul_pair(a: &Matrix, b: &Matrix, xs: &[f32], a_out: &mut [f32], b_out:
             i += 1;
         }
     };
-    let mut t = vec![0.0f32; rows * 2 * n];
-    if go_parallel {
-        crate::team::chunks_mut(&mut t, 2 * n, true, per_row);
-    } else {
-        t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
-    }
-    transpose_into(&t, rows, n, 2 * n, a_out);
-    transpose_into(&t[n..], rows, n, 2 * n, b_out);
+    with_product_scratch(rows * 2 * n, |t| {
+        if go_parallel {
+            crate::team::chunks_mut(t, 2 * n, true, per_row);
+        } else {
+            t.chunks_mut(2 * n).enumerate().for_each(|(r, o)| per_row(r, o));
+        }
+        transpose_into(t, rows, n, 2 * n, a_out);
+        transpose_into(&t[n..], rows, n, 2 * n, b_out);
+    })
 }
 
 /// `outs[j][i] = mats[j] · xs[i]` for several matrices over the same rows (attention's q, k and
@@ -583,23 +605,33 @@ fn qmatmul_all(mats: &[&Matrix], q: &QuantRows, outs: &mut [&mut [f32]], paralle
     let n = q.rows();
     let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
     let views: Vec<qdot::QMatrix<'_>> = mats.iter().map(|m| m.qmatrix().expect("integer products are taken for integer formats only")).collect();
-    let mut ts: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows * n]).collect();
-    let work: usize = mats.iter().map(|m| m.rows * m.cols * n).sum();
-    if spread(parallel, work, PARALLEL_MIN_WORK) {
-        let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
-        for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
-            let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
-            pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
+    let total: usize = mats.iter().map(|m| m.rows * n).sum();
+    with_product_scratch(total, |scratch| {
+        // Each matrix's results in its own part of the scratch.
+        let mut ts: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
+        let mut rest = scratch;
+        for m in mats {
+            let (t, tail) = std::mem::take(&mut rest).split_at_mut(m.rows * n);
+            ts.push(t);
+            rest = tail;
         }
-        crate::team::each_mut(&mut pieces, true, |(j, first, o)| qdot::qmatmul_t(&views[*j], &acts, *first, o));
-    } else {
-        for (w, t) in views.iter().zip(ts.iter_mut()) {
-            qdot::qmatmul_t(w, &acts, 0, t);
+        let work: usize = mats.iter().map(|m| m.rows * m.cols * n).sum();
+        if spread(parallel, work, PARALLEL_MIN_WORK) {
+            let mut pieces: Vec<(usize, usize, &mut [f32])> = Vec::new();
+            for (j, (m, t)) in mats.iter().zip(ts.iter_mut()).enumerate() {
+                let block = ((m.rows / (4 * rayon::current_num_threads()).max(1)).max(8) + 1) & !1;
+                pieces.extend(t.chunks_mut(block * n).enumerate().map(|(c, o)| (j, c * block, o)));
+            }
+            crate::team::each_mut(&mut pieces, true, |(j, first, o)| qdot::qmatmul_t(&views[*j], &acts, *first, o));
+        } else {
+            for (w, t) in views.iter().zip(ts.iter_mut()) {
+                qdot::qmatmul_t(w, &acts, 0, t);
+            }
         }
-    }
-    for ((m, t), out) in mats.iter().zip(&ts).zip(outs.iter_mut()) {
-        transpose_into(t, m.rows, n, n, out);
-    }
+        for ((m, t), out) in mats.iter().zip(&ts).zip(outs.iter_mut()) {
+            transpose_into(t, m.rows, n, n, out);
+        }
+    })
 }
 
 /// `matmul_pair` for integer products.
@@ -629,15 +661,16 @@ fn qmatmul_pair(a: &Matrix, b: &Matrix, q: &QuantRows, a_out: &mut [f32], b_out:
     }
     let acts: Vec<qdot::QRow<'_>> = (0..n).map(|i| q.row(i)).collect();
     // Per weight row, A's n results then B's.
-    let mut t = vec![0.0f32; rows * 2 * n];
-    if parallel {
-        let block = (rows / (4 * rayon::current_num_threads()).max(1)).max(4);
-        crate::team::chunks_mut(&mut t, block * 2 * n, true, |c, o| qdot::qmatmul_pair_t(&qa, &qb, &acts, c * block, o));
-    } else {
-        qdot::qmatmul_pair_t(&qa, &qb, &acts, 0, &mut t);
-    }
-    transpose_into(&t, rows, n, 2 * n, a_out);
-    transpose_into(&t[n..], rows, n, 2 * n, b_out);
+    with_product_scratch(rows * 2 * n, |t| {
+        if parallel {
+            let block = (rows / (4 * rayon::current_num_threads()).max(1)).max(4);
+            crate::team::chunks_mut(t, block * 2 * n, true, |c, o| qdot::qmatmul_pair_t(&qa, &qb, &acts, c * block, o));
+        } else {
+            qdot::qmatmul_pair_t(&qa, &qb, &acts, 0, t);
+        }
+        transpose_into(t, rows, n, 2 * n, a_out);
+        transpose_into(&t[n..], rows, n, 2 * n, b_out);
+    })
 }
 
 #[inline]

@@ -40,12 +40,48 @@ pub fn sum_of_squares(x: &[f32]) -> f32 {
 
 /// In-place RMSNorm of each `width`-long chunk of `x` with the same weight (per-head QK-norm).
 pub fn rms_norm_chunks(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
+    let width = weight.len().max(1);
+    if crate::team::active().is_some() && x.len() >= TEAM_MIN_NORM_FLOATS {
+        // A prompt's heads over the step's team, each piece with a scratch of its own.
+        let per = x.len().div_ceil(2 * width * crate::team::pool_threads()).max(1) * width;
+        return crate::team::chunks_mut(x, per, false, |_, piece| {
+            let mut own = vec![0.0f32; width];
+            norm_chunks_here(piece, weight, eps, &mut own)
+        });
+    }
+    norm_chunks_here(x, weight, eps, scratch)
+}
+
+fn norm_chunks_here(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
     let width = weight.len();
     for chunk in x.chunks_exact_mut(width) {
         rms_norm(chunk, weight, eps, &mut scratch[..width]);
         chunk.copy_from_slice(&scratch[..width]);
     }
 }
+
+/// `rms_norm` of each `weight.len()`-long row of `x` into the same row of `out`: over the step's
+/// team when one is active and the rows are many (a prompt's norms ran on one thread while the
+/// other waited), each row exactly as alone.
+pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len().max(1);
+    let here = |x: &[f32], out: &mut [f32]| {
+        for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+            rms_norm(xr, weight, eps, or);
+        }
+    };
+    if crate::team::active().is_some() && x.len() >= TEAM_MIN_NORM_FLOATS {
+        let per = x.len().div_ceil(2 * width * crate::team::pool_threads()).max(1) * width;
+        return crate::team::chunks_mut(out, per, false, |c, piece| here(&x[c * per..c * per + piece.len()], piece));
+    }
+    here(x, out)
+}
+
+/// Floats from which a step's team shares a batch of norms: a 64-token prompt of the demo model
+/// (256 wide). A claim among the team costs about a microsecond and a 256-float norm ~0.1 µs;
+/// with the bound at 16 rows a 16-sequence batch's decode step ran 5 % slower (in-process
+/// alternation, `docs/benchmarks.md`, issue 18).
+const TEAM_MIN_NORM_FLOATS: usize = 16384;
 
 pub fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -103,6 +139,32 @@ pub fn softplus(x: f32) -> f32 {
 mod tests {
     use super::*;
     use crate::reference;
+
+    /// Norms of many rows (and many heads) over a step's team give each row's bits alone.
+    #[test]
+    fn norms_over_a_team_give_each_rows_bits() {
+        let _turn = crate::team::test_turn();
+        let width = 48;
+        let weight: Vec<f32> = (0..width).map(|i| 0.5 + i as f32 / 64.0).collect();
+        for rows in [1usize, 85, 200] {
+            let x: Vec<f32> = (0..rows * width).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 4.0).collect();
+            let mut alone = vec![0.0f32; x.len()];
+            for (xr, or) in x.chunks_exact(width).zip(alone.chunks_exact_mut(width)) {
+                rms_norm(xr, &weight, 1e-6, or);
+            }
+            let (rows_out, chunks_out) = crate::team::with_team(2, || {
+                assert!(crate::team::active().is_some(), "a team while no other is active");
+                let mut out = vec![f32::NAN; x.len()];
+                rms_norm_rows(&x, &weight, 1e-6, &mut out);
+                let mut inplace = x.clone();
+                rms_norm_chunks(&mut inplace, &weight, 1e-6, &mut vec![0.0; width]);
+                (out, inplace)
+            });
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&rows_out), bits(&alone), "{rows} rows");
+            assert_eq!(bits(&chunks_out), bits(&alone), "{rows} chunks in place");
+        }
+    }
 
     /// `sum_of_squares`' order written out one value at a time: the lanes, then the tree.
     fn sum_of_squares_by_definition(x: &[f32]) -> f32 {

@@ -155,15 +155,19 @@ impl QuantRows {
         self.n = n;
         self.padded = padded;
         self.rows = rows;
-        self.biased.clear();
+        // Sized without clearing (what an earlier call left is overwritten below, and only the
+        // padding is filled: the fills of whole buffers were a prompt's step's largest serial
+        // cost after the products, `docs/benchmarks.md`, issue 18).
         self.biased.resize(rows * padded, 0x80);
-        self.scales.clear();
         self.scales.resize(rows * padded / QBLOCK, 0.0);
+        let written_scales = n.div_ceil(QBLOCK);
         for (r, x) in xs.chunks_exact(n.max(1)).enumerate().take(rows) {
-            quantize_row(x, &mut self.biased[r * padded..(r + 1) * padded], &mut self.scales[r * padded / QBLOCK..(r + 1) * padded / QBLOCK]);
+            let (biased, scales) = (&mut self.biased[r * padded..(r + 1) * padded], &mut self.scales[r * padded / QBLOCK..(r + 1) * padded / QBLOCK]);
+            quantize_row(x, biased, scales);
+            biased[n..].fill(0x80);
+            scales[written_scales..].fill(0.0);
         }
         // Filled in place: `extend` over a `flat_map` took ~7 % of a small product's time.
-        self.scales8.clear();
         self.scales8.resize(self.scales.len() * 8, 0.0);
         for (d, o) in self.scales.iter().zip(self.scales8.chunks_exact_mut(8)) {
             o.fill(*d);

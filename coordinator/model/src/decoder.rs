@@ -999,7 +999,13 @@ impl Decoder {
         times.router += t_experts - t_router;
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
-        fixed::to_f32(&acc, out);
+        if shimmer_kernels::team::active().is_some() && n >= 32 {
+            // A prompt's sums over the step's team (elementwise: the same bits in any split).
+            let per = out.len().div_ceil(2 * shimmer_kernels::team::pool_threads()).max(1);
+            shimmer_kernels::team::chunks_mut(out, per, false, |c, o| fixed::to_f32(&acc[c * per..c * per + o.len()], o));
+        } else {
+            fixed::to_f32(&acc, out);
+        }
         if let Some((shared, gate)) = shared {
             // transformers adds the shared expert to the routed sum before the residual.
             let mut y = vec![0.0f32; n * hd];
@@ -1087,10 +1093,7 @@ fn expert_table(ckpt: &Checkpoint, name: &str, vocab: usize, top_k: usize, exper
 }
 
 pub(crate) fn norm_rows(h: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let w = weight.len();
-    for (hr, xr) in h.chunks_exact(w).zip(out.chunks_exact_mut(w)) {
-        ops::rms_norm(hr, weight, eps, xr);
-    }
+    ops::rms_norm_rows(h, weight, eps, out);
 }
 
 pub(crate) fn add(h: &mut [f32], y: &[f32]) {

@@ -464,3 +464,35 @@ fn the_nibble_layout_on_every_isa_is_the_scalar_layout() {
         assert_eq!((&s2, &n8, &n12), (&split, &neg8, &neg12), "{}", isa.name());
     }
 }
+
+/// A reused `QuantRows` (the products keep one per thread) holds exactly what a fresh one would,
+/// whatever shapes it held before: longer rows, more rows, a non-finite block, the 4-bit layout.
+#[test]
+fn a_reused_quantiser_gives_a_fresh_ones_bytes() {
+    let bytes = |q: &QuantRows| {
+        (
+            q.n,
+            q.padded,
+            q.rows,
+            q.biased.to_vec(),
+            q.split.to_vec(),
+            q.neg8.to_vec(),
+            q.neg12.to_vec(),
+            q.scales.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+            q.scales8.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+            q.lane_scales.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+        )
+    };
+    let mut reused = QuantRows::default();
+    let shapes = [(300usize, 5usize, true), (37, 3, false), (128, 2, true), (3, 7, true), (300, 1, false), (65, 4, true)];
+    for (k, &(n, rows, nibbles)) in shapes.iter().enumerate() {
+        let mut xs = values(n * rows, 11 + k as u64, 3.0);
+        if k == 2 {
+            xs[5] = f32::INFINITY;
+        }
+        let mut fresh = QuantRows::default();
+        fresh.quantize_for(&xs, n, nibbles);
+        reused.quantize_for(&xs, n, nibbles);
+        assert!(bytes(&reused) == bytes(&fresh), "shape {k}: {n} × {rows}, nibbles {nibbles}");
+    }
+}
