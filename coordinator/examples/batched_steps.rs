@@ -1,7 +1,9 @@
 //! A batch's decode steps in a loop, for profiling: `parallel` sequences each prefilled with
 //! `prompt` tokens, then `gen` steps of one token each, repeated `rounds` times on fresh
 //! sequences; prints each round's step time. Teacher-forced on the model's tokenizer's tokens of
-//! a fixed text, as `shimmer bench --parallel` does.
+//! a fixed text, as `shimmer bench --parallel` does. With `MARK_DECODE` set, each round's
+//! prefill and decode start and end go to stderr in CLOCK_MONOTONIC seconds (`prefill A B`,
+//! `decode A B`), to cut a `perf record -k CLOCK_MONOTONIC` profile to one phase.
 //!
 //! `cargo run --release -p shimmer-coordinator --example batched_steps -- MODEL_DIR [PARALLEL [PROMPT [GEN [ROUNDS [THREADS]]]]]`
 
@@ -29,11 +31,15 @@ fn main() -> anyhow::Result<()> {
         let mut sessions: Vec<_> = (0..parallel).map(|_| engine.new_session()).collect();
         let (prefill, decode) = engine.on_compute_thread(|| -> anyhow::Result<(f64, f64)> {
             let t0 = Instant::now();
+            let prefill_mark = monotonic();
             let mut segments: Vec<Segment<'_>> =
                 sessions.iter_mut().zip(&texts).map(|(s, t)| Segment { tokens: &t[..prompt], cache: &mut s.cache, want: Logits::Last }).collect();
             engine.forward_batch(&mut segments)?;
             drop(segments);
             let prefill = t0.elapsed().as_secs_f64();
+            if std::env::var_os("MARK_DECODE").is_some() {
+                eprintln!("prefill {prefill_mark:.6} {:.6}", monotonic());
+            }
             let t1 = Instant::now();
             let mark = monotonic();
             for step in 0..gen {

@@ -172,13 +172,14 @@ impl QuantRows {
         for (d, o) in self.scales.iter().zip(self.scales8.chunks_exact_mut(8)) {
             o.fill(*d);
         }
-        self.lane_scales.clear();
-        self.split.clear();
-        self.neg8.clear();
-        self.neg12.clear();
         if !nibbles {
+            self.lane_scales.clear();
+            self.split.clear();
+            self.neg8.clear();
+            self.neg12.clear();
             return;
         }
+        // As above: sized, not cleared; every element is written below.
         self.lane_scales.resize(self.scales.len() * 2, 0.0);
         for (d, o) in self.scales.chunks_exact(BLOCKS_PER_CHUNK).zip(self.lane_scales.chunks_exact_mut(NLANES)) {
             for (kb, v) in d.iter().enumerate() {
@@ -186,11 +187,8 @@ impl QuantRows {
             }
         }
         // The 4-bit layout: chunk by chunk, even elements then odd ones, and each lane's sum.
-        self.split.clear();
         self.split.resize(rows * padded, 0);
-        self.neg8.clear();
         self.neg8.resize(rows * padded / 16, 0);
-        self.neg12.clear();
         self.neg12.resize(rows * padded / 16, 0);
         nibble_layout_with(int_isa(), &self.biased, &mut self.split, &mut self.neg8, &mut self.neg12);
     }

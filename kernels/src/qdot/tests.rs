@@ -484,7 +484,7 @@ fn a_reused_quantiser_gives_a_fresh_ones_bytes() {
         )
     };
     let mut reused = QuantRows::default();
-    let shapes = [(300usize, 5usize, true), (37, 3, false), (128, 2, true), (3, 7, true), (300, 1, false), (65, 4, true)];
+    let shapes = [(300usize, 5usize, true), (37, 3, false), (128, 2, true), (3, 7, true), (130, 9, true), (300, 1, false), (65, 4, true), (64, 2, true)];
     for (k, &(n, rows, nibbles)) in shapes.iter().enumerate() {
         let mut xs = values(n * rows, 11 + k as u64, 3.0);
         if k == 2 {
