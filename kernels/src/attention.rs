@@ -310,11 +310,14 @@ pub fn attend_rows(
     } else if n > 1 {
         let team = crate::team::active().filter(|_| work >= TEAM_MIN_WORK);
         if team.is_some() || (work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1) {
-            // Later rows see more keys: small chunks keep the threads' shares even.
+            // Later rows see more keys: small chunks keep the threads' shares even, and they are
+            // taken last rows first, so the chunk that ends the call is the cheapest (taken in
+            // row order, the last and dearest one left the other thread waiting).
             let threads = team.map_or_else(rayon::current_num_threads, |t| t.threads());
             let rows = (n / (4 * threads)).max(1);
-            return crate::team::chunks_mut(out, rows * qd, true, |c, o| {
-                let (r0, r1) = (c * rows, c * rows + o.len() / qd);
+            let mut pieces: Vec<(usize, &mut [f32])> = out.chunks_mut(rows * qd).enumerate().map(|(c, o)| (c * rows, o)).rev().collect();
+            return crate::team::each_mut(&mut pieces, true, |(r0, o)| {
+                let (r0, r1) = (*r0, *r0 + o.len() / qd);
                 attend_rows_serial(shape, &qs[r0 * qd..r1 * qd], first + r0, keys, values, window, sinks, 0..kv, o);
             });
         }
