@@ -10,7 +10,6 @@
 use std::time::Instant;
 
 use shimmer_coordinator::engine::{Engine, ExpertOptions, UsageFile};
-use shimmer_model::{Logits, Segment};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -26,16 +25,13 @@ fn main() -> anyhow::Result<()> {
     let mut text = engine.tokenizer.encode(&words.repeat(64), true)?;
     text.truncate(prompt + gen);
     anyhow::ensure!(text.len() == prompt + gen, "the text is too short");
-    let texts: Vec<Vec<u32>> = (0..parallel).map(|i| text.iter().cycle().skip(i * 7 % text.len()).take(text.len()).copied().collect()).collect();
+    let texts = shimmer_coordinator::bench::batch_texts(&text, parallel);
     for round in 0..rounds {
         let mut sessions: Vec<_> = (0..parallel).map(|_| engine.new_session()).collect();
         let (prefill, decode) = engine.on_compute_thread(|| -> anyhow::Result<(f64, f64)> {
             let t0 = Instant::now();
             let prefill_mark = monotonic();
-            let mut segments: Vec<Segment<'_>> =
-                sessions.iter_mut().zip(&texts).map(|(s, t)| Segment { tokens: &t[..prompt], cache: &mut s.cache, want: Logits::Last }).collect();
-            engine.forward_batch(&mut segments)?;
-            drop(segments);
+            shimmer_coordinator::bench::batch_step(&engine, &mut sessions, &texts, 0..prompt)?;
             let prefill = t0.elapsed().as_secs_f64();
             if std::env::var_os("MARK_DECODE").is_some() {
                 eprintln!("prefill {prefill_mark:.6} {:.6}", monotonic());
@@ -43,12 +39,7 @@ fn main() -> anyhow::Result<()> {
             let t1 = Instant::now();
             let mark = monotonic();
             for step in 0..gen {
-                let mut segments: Vec<Segment<'_>> = sessions
-                    .iter_mut()
-                    .zip(&texts)
-                    .map(|(s, t)| Segment { tokens: &t[prompt + step..prompt + step + 1], cache: &mut s.cache, want: Logits::Last })
-                    .collect();
-                engine.forward_batch(&mut segments)?;
+                shimmer_coordinator::bench::batch_step(&engine, &mut sessions, &texts, prompt + step..prompt + step + 1)?;
             }
             if std::env::var_os("MARK_DECODE").is_some() {
                 eprintln!("decode {mark:.6} {:.6}", monotonic());

@@ -362,24 +362,15 @@ fn median(values: &[f64]) -> f64 {
 /// `n` sequences, each its own text (the benchmark text from a different offset, so their routing
 /// differs), prefilled in one pass and then decoded together, one token each per step.
 fn batched(engine: &Engine, text: &[u32], prompt: usize, n: usize) -> Result<BatchedReport> {
-    use shimmer_model::{Logits, Segment};
     let gen = text.len() - prompt;
-    let texts: Vec<Vec<u32>> = (0..n).map(|i| text.iter().cycle().skip(i * 7 % text.len()).take(text.len()).copied().collect()).collect();
+    let texts = batch_texts(text, n);
     let mut sessions: Vec<_> = (0..n).map(|_| engine.new_session()).collect();
     let t0 = Instant::now();
-    let mut segments: Vec<Segment<'_>> =
-        sessions.iter_mut().zip(&texts).map(|(s, t)| Segment { tokens: &t[..prompt], cache: &mut s.cache, want: Logits::Last }).collect();
-    engine.forward_batch(&mut segments)?;
-    drop(segments);
+    batch_step(engine, &mut sessions, &texts, 0..prompt)?;
     let prefill = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for step in 0..gen {
-        let mut segments: Vec<Segment<'_>> = sessions
-            .iter_mut()
-            .zip(&texts)
-            .map(|(s, t)| Segment { tokens: &t[prompt + step..prompt + step + 1], cache: &mut s.cache, want: Logits::Last })
-            .collect();
-        engine.forward_batch(&mut segments)?;
+        batch_step(engine, &mut sessions, &texts, prompt + step..prompt + step + 1)?;
     }
     let decode = t1.elapsed().as_secs_f64();
     engine.end_turn();
@@ -389,4 +380,19 @@ fn batched(engine: &Engine, text: &[u32], prompt: usize, n: usize) -> Result<Bat
         decode_tok_s: (n * gen) as f64 / decode.max(1e-9),
         decode_ms: decode * 1e3,
     })
+}
+
+/// `n` texts for a batch: `text` rotated by 7 tokens more for each, so that the sequences differ.
+pub fn batch_texts(text: &[u32], n: usize) -> Vec<Vec<u32>> {
+    (0..n).map(|i| text.iter().cycle().skip(i * 7 % text.len().max(1)).take(text.len()).copied().collect()).collect()
+}
+
+/// One forward pass of a batch: session `i` takes tokens `range` of `texts[i]`, each wanting its
+/// last row's logits.
+pub fn batch_step(engine: &Engine, sessions: &mut [crate::engine::Session], texts: &[Vec<u32>], range: std::ops::Range<usize>) -> Result<()> {
+    use shimmer_model::{Logits, Segment};
+    let mut segments: Vec<Segment<'_>> =
+        sessions.iter_mut().zip(texts).map(|(s, t)| Segment { tokens: &t[range.clone()], cache: &mut s.cache, want: Logits::Last }).collect();
+    engine.forward_batch(&mut segments)?;
+    Ok(())
 }
