@@ -115,6 +115,17 @@ fn bench_repetitions_report_every_run_and_their_medians() {
             assert!(r["decode_read_bytes_per_token"].as_f64().unwrap() > 0.0 && r["decode_hit_rate"].as_f64().unwrap() < 1.0, "{r}");
         }
     }
+    // `--parallel N` (llama-batched-bench's `-npl`): N sequences prefilled together, then
+    // decoded a token each a step; the report counts all of them.
+    let o = run(&["--preload", "--parallel", "3"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let batched = &r["batched"];
+    assert_eq!(batched["sequences"], 3, "{r}");
+    let (prefill, decode, ms) = (batched["prefill_tok_s"].as_f64().unwrap(), batched["decode_tok_s"].as_f64().unwrap(), batched["decode_ms"].as_f64().unwrap());
+    assert!(prefill > 0.0 && decode > 0.0 && ms > 0.0, "{r}");
+    // 3 sequences × 5 tokens in decode_ms.
+    assert!((decode * ms / 1e3 - 15.0).abs() < 1e-6, "{r}");
     for bad in ["0", "65"] {
         let o = run(&["--repetitions", bad]);
         assert!(!o.status.success());
