@@ -49,16 +49,24 @@ thread_local! {
 
 /// `f` over a scratch buffer of `len` floats whose contents are unspecified (every product here
 /// writes all of it before reading any), without allocating or zeroing once this thread has
-/// warmed up.
+/// warmed up. A buffer above `PRODUCT_SCRATCH_KEPT` is freed after use rather than kept: a
+/// long prompt's logits for every row (a vocabulary of 150 k × 512 rows is 300 MB) would
+/// otherwise stay resident on the thread for good.
 fn with_product_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let mut t = PRODUCT_SCRATCH.with(|c| c.take());
     if t.len() < len {
         t.resize(len, 0.0);
     }
     let r = f(&mut t[..len]);
-    PRODUCT_SCRATCH.with(|c| c.set(t));
+    if t.capacity() <= PRODUCT_SCRATCH_KEPT {
+        PRODUCT_SCRATCH.with(|c| c.set(t));
+    }
     r
 }
+
+/// Floats of product scratch a thread keeps between products: 16 MiB, more than a 16-sequence
+/// batch's head on a 151 k vocabulary takes.
+const PRODUCT_SCRATCH_KEPT: usize = 1 << 22;
 
 /// `f` over `xs` (rows of `n`) quantised — with the 4-bit layout when `nibbles` — without
 /// allocating once this thread has warmed up.
@@ -686,6 +694,43 @@ mod tests {
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// A product too large for the scratch a thread keeps gives the same results and leaves no
+    /// more than `PRODUCT_SCRATCH_KEPT` behind; a small one keeps its scratch for the next.
+    #[test]
+    fn a_large_products_scratch_is_not_kept() {
+        let kept = || {
+            PRODUCT_SCRATCH.with(|c| {
+                let t = c.take();
+                let n = t.capacity();
+                c.set(t);
+                n
+            })
+        };
+        let (rows, cols, n) = (4200usize, 8usize, 1100usize);
+        assert!(rows * n > PRODUCT_SCRATCH_KEPT);
+        let (w, _) = random(rows, cols, 7);
+        let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7919 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
+        let m = Matrix::from_f32(rows, cols, w);
+        for (n, large) in [(n, true), (3, false)] {
+            let mut out = vec![0.0f32; n * rows];
+            m.matmul_on(&xs[..n * cols], &mut out, false);
+            for i in [0, n / 2, n - 1] {
+                let mut one = vec![0.0f32; rows];
+                m.matvec(&xs[i * cols..(i + 1) * cols], &mut one);
+                assert_eq!(
+                    out[i * rows..(i + 1) * rows].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "row {i} of {n}"
+                );
+            }
+            if large {
+                assert!(kept() <= PRODUCT_SCRATCH_KEPT, "kept {} floats", kept());
+            } else {
+                assert!(kept() >= 3 * rows, "a small product's scratch is kept");
+            }
+        }
     }
 
     fn random(rows: usize, cols: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
