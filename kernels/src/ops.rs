@@ -40,10 +40,9 @@ pub fn sum_of_squares(x: &[f32]) -> f32 {
 
 /// In-place RMSNorm of each `width`-long chunk of `x` with the same weight (per-head QK-norm).
 pub fn rms_norm_chunks(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
-    let width = weight.len().max(1);
-    if crate::team::active().is_some() && x.len() >= TEAM_MIN_NORM_FLOATS {
+    if let Some(per) = crate::team::piece_len(x.len(), weight.len(), TEAM_MIN_NORM_FLOATS) {
         // A prompt's heads over the step's team, each piece with a scratch of its own.
-        let per = x.len().div_ceil(2 * width * crate::team::pool_threads()).max(1) * width;
+        let width = weight.len();
         return crate::team::chunks_mut(x, per, false, |_, piece| {
             let mut own = vec![0.0f32; width];
             norm_chunks_here(piece, weight, eps, &mut own)
@@ -70,8 +69,7 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
             rms_norm(xr, weight, eps, or);
         }
     };
-    if crate::team::active().is_some() && x.len() >= TEAM_MIN_NORM_FLOATS {
-        let per = x.len().div_ceil(2 * width * crate::team::pool_threads()).max(1) * width;
+    if let Some(per) = crate::team::piece_len(x.len(), width, TEAM_MIN_NORM_FLOATS) {
         return crate::team::chunks_mut(out, per, false, |c, piece| here(&x[c * per..c * per + piece.len()], piece));
     }
     here(x, out)
@@ -146,7 +144,9 @@ mod tests {
         let _turn = crate::team::test_turn();
         let width = 48;
         let weight: Vec<f32> = (0..width).map(|i| 0.5 + i as f32 / 64.0).collect();
-        for rows in [1usize, 85, 200] {
+        // 400 rows of 48 are past `TEAM_MIN_NORM_FLOATS`: the team's pieces.
+        const { assert!(400 * 48 >= TEAM_MIN_NORM_FLOATS && 85 * 48 < TEAM_MIN_NORM_FLOATS) };
+        for rows in [1usize, 85, 400] {
             let x: Vec<f32> = (0..rows * width).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 4.0).collect();
             let mut alone = vec![0.0f32; x.len()];
             for (xr, or) in x.chunks_exact(width).zip(alone.chunks_exact_mut(width)) {

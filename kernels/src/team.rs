@@ -237,6 +237,16 @@ pub fn pool_threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// How a step's team shares `len` items of elementwise or per-row work (norms, the routers'
+/// choices, the expert sums' conversion): pieces of about two a thread, each a multiple of
+/// `unit` items — or `None`, to do it on this thread, when no team is active or `len` is below
+/// `min` (below it the claims cost what the split saves).
+pub fn piece_len(len: usize, unit: usize, min: usize) -> Option<usize> {
+    let team = active().filter(|_| len >= min)?;
+    let unit = unit.max(1);
+    Some(len.div_ceil(2 * unit * team.threads()).max(1) * unit)
+}
+
 /// The team active on this thread, if any.
 pub fn active() -> Option<&'static Team> {
     // SAFETY: the pointer is set only inside `with_team`, which holds the Arc for as long as it

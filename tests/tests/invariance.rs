@@ -220,6 +220,26 @@ fn decode_logits_do_not_depend_on_the_engines_thread_count() {
     }
 }
 
+/// A long prompt in one step on two threads — its norms, routers' choices and expert sums
+/// shared over the step's team — gives every row the logits a one-thread engine gives it a token
+/// at a time, bit for bit.
+#[test]
+fn a_long_prompt_over_the_team_gives_every_row_its_one_token_logits() {
+    let out = tempfile::tempdir().unwrap();
+    let container = demo_int4_container(out.path());
+    let load = |threads: usize| rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| Engine::load(&container).unwrap());
+    let (one, two) = (load(1), load(2));
+    let vocab = one.spec.vocab_size;
+    // 80 rows: past every team bound of the demo's prompt (32 rows; 64 rows of its 256 wide).
+    let ids: Vec<u32> = (0..80u32).map(|i| (i * 389 + 17) % vocab as u32).collect();
+    let all = two.logits_all(&ids).unwrap();
+    let mut session = one.new_session();
+    for (at, id) in ids.iter().enumerate() {
+        let row = one.step(&mut session, &[*id]).unwrap();
+        assert_eq!(bits(&row), bits(&all[at * vocab..(at + 1) * vocab]), "position {at}");
+    }
+}
+
 /// The demo model as an int4-g32 container with int8 layers and head (what `shimmer convert`
 /// makes by default), under `dir`.
 fn demo_int4_container(dir: &std::path::Path) -> std::path::PathBuf {

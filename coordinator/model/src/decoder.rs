@@ -999,12 +999,10 @@ impl Decoder {
         times.router += t_experts - t_router;
         let mut acc = vec![0i64; n * hd];
         experts.dispatch(&MoeBatch { layer, hidden: hd, rows: x, top_k: k, experts: &ids, weights: &weights }, &mut acc)?;
-        if shimmer_kernels::team::active().is_some() && n >= 32 {
+        match shimmer_kernels::team::piece_len(n, hd, TEAM_MIN_SUM_ROWS).map(|rows| rows * hd) {
             // A prompt's sums over the step's team (elementwise: the same bits in any split).
-            let per = out.len().div_ceil(2 * shimmer_kernels::team::pool_threads()).max(1);
-            shimmer_kernels::team::chunks_mut(out, per, false, |c, o| fixed::to_f32(&acc[c * per..c * per + o.len()], o));
-        } else {
-            fixed::to_f32(&acc, out);
+            Some(per) => shimmer_kernels::team::chunks_mut(out, per, false, |c, o| fixed::to_f32(&acc[c * per..c * per + o.len()], o)),
+            None => fixed::to_f32(&acc, out),
         }
         if let Some((shared, gate)) = shared {
             // transformers adds the shared expert to the routed sum before the residual.
@@ -1062,6 +1060,10 @@ impl Decoder {
 /// Dense weight bytes a decode step must read for it to run as a team: m1b (93 MB int8) gains
 /// 10–17 %, the demo model (3–6 MB) loses.
 const TEAM_MIN_STEP_BYTES: u64 = 16 << 20;
+
+/// Rows from which a step's team shares converting the experts' fixed-point sums (below it, as
+/// for a 16-sequence batch's decode step, the claims cost what the split saves).
+const TEAM_MIN_SUM_ROWS: usize = 32;
 
 /// Multiply-adds of an LM head from which a one-row step splits it over a team of its own
 /// (`Decoder::head_as_team`).

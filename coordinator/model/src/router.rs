@@ -55,8 +55,7 @@ impl Router {
         // A prompt's rows choose over the step's team (a prompt of 64 rows spent ~4 % of its
         // time choosing on one thread while the other waited); each row chooses exactly as alone,
         // and the parts join in row order.
-        if let Some(team) = shimmer_kernels::team::active().filter(|_| n >= PARALLEL_MIN_ROWS) {
-            let per = n.div_ceil(2 * team.threads()).max(PARALLEL_MIN_ROWS / 2);
+        if let Some(per) = shimmer_kernels::team::piece_len(n, 1, PARALLEL_MIN_ROWS) {
             let mut parts: Vec<Choices<'_>> = scores
                 .chunks_mut(per * e)
                 .zip(tokens[..n].chunks(per))
@@ -360,7 +359,9 @@ mod tests {
     /// choosing — choose and weigh exactly as each routed alone.
     #[test]
     fn rows_routed_together_match_each_routed_alone() {
-        let (experts, hidden, rows) = (12, 40, 21);
+        let (experts, hidden, rows) = (12, 40, 45);
+        // Past the team's bound, in pieces of unequal length.
+        const { assert!(45 >= PARALLEL_MIN_ROWS) };
         let w: Vec<f32> = (0..experts * hidden).map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 0.3).collect();
         let x: Vec<f32> = (0..rows * hidden).map(|i| ((i * 104_729 % 2003) as f32 / 2003.0 - 0.5) * 2.0).collect();
         let tokens: Vec<u32> = (0..rows as u32).collect();
