@@ -37,6 +37,8 @@ pub struct BenchReport {
     pub decode_tok_s: f64,
     /// Expert bytes read from storage per decoded token.
     pub decode_read_bytes_per_token: f64,
+    /// Of those, prefetches that no access used (issued during the decode, less those used).
+    pub decode_unused_prefetch_bytes_per_token: f64,
     /// Time the decode waited on expert reads, as a fraction of decode time.
     pub decode_io_wait_fraction: f64,
     pub decode_hit_rate: f64,
@@ -50,7 +52,7 @@ pub struct BenchReport {
     /// How the store read its experts ("uring" or "threads"; empty without a store).
     pub io_engine: String,
     pub io_depth: usize,
-    /// disk bandwidth ÷ expert bytes read per decoded token.
+    /// disk bandwidth ÷ expert bytes a decoded token needed (read, less unused prefetches).
     pub disk_limit_tok_s: Option<f64>,
     /// decode tok/s ÷ the disk limit.
     pub fraction_of_disk_limit: Option<f64>,
@@ -205,8 +207,9 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     // Each repetition on a fresh sequence; the store's counters over every decode (a streaming
     // run's later repetitions find the cache the earlier ones left, as llama-bench's do).
     let (mut prefill_runs_ms, mut decode_runs_ms) = (Vec::new(), Vec::new());
-    // Over every repetition's decode: bytes read, accesses, hits, I/O wait (ms).
-    let mut decode_io: Option<(u64, u64, u64, f64)> = None;
+    // Over every repetition's decode: bytes read, accesses, hits, I/O wait (ms), bytes of
+    // prefetches that went unused.
+    let mut decode_io: Option<(u64, u64, u64, f64, u64)> = None;
     let mut after = None;
     for _ in 0..bench.repetitions.max(1) {
         let mut session = engine.new_session();
@@ -220,8 +223,9 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         after = engine.store_telemetry();
         if let (Some(b), Some(a)) = (&before, &after) {
             let (accesses, hits, wait_ms) = delta(a, b);
-            let (bytes, n, h, w) = decode_io.unwrap_or_default();
-            decode_io = Some((bytes + (a.bytes_read - b.bytes_read), n + accesses, h + hits, w + wait_ms));
+            let unused = (a.prefetch_issued - b.prefetch_issued).saturating_sub(a.prefetch_useful - b.prefetch_useful);
+            let (bytes, n, h, w, u) = decode_io.unwrap_or_default();
+            decode_io = Some((bytes + (a.bytes_read - b.bytes_read), n + accesses, h + hits, w + wait_ms, u + unused * a.expert_bytes));
         }
     }
     let decode_total_ms: f64 = decode_runs_ms.iter().sum();
@@ -244,9 +248,10 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     let batched = if bench.parallel > 0 { Some(engine.on_compute_thread(|| batched(&engine, &text_ids, ids.len(), bench.parallel))?) } else { None };
 
     let gen = (bench.gen_tokens.max(1) * decode_runs_ms.len()) as f64;
-    let (mut read_per_token, mut io_wait_fraction, mut hit_rate) = (0.0, 0.0, 1.0);
-    if let Some((bytes, accesses, hits, wait_ms)) = decode_io {
+    let (mut read_per_token, mut io_wait_fraction, mut hit_rate, mut unused_per_token) = (0.0, 0.0, 1.0, 0.0);
+    if let Some((bytes, accesses, hits, wait_ms, unused)) = decode_io {
         read_per_token = bytes as f64 / gen;
+        unused_per_token = (unused.min(bytes)) as f64 / gen;
         io_wait_fraction = if decode_total_ms > 0.0 { wait_ms / decode_total_ms } else { 0.0 };
         hit_rate = if accesses > 0 { hits as f64 / accesses as f64 } else { 1.0 };
     }
@@ -284,7 +289,10 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         let few = &for_threads[..for_threads.len().min(64)];
         disk1 = probe(1, few);
     }
-    let disk_limit = disk.filter(|_| read_per_token > 0.0).map(|gbs| gbs * 1e9 / read_per_token);
+    // Against the reads a token needed: a prefetch that went unused is disk time spent, not a
+    // read the limit may count (it would let wasted reads raise the fraction).
+    let needed_per_token = read_per_token - unused_per_token;
+    let disk_limit = disk.filter(|_| needed_per_token > 0.0).map(|gbs| gbs * 1e9 / needed_per_token);
     let decode_tok_s = if decode_ms > 0.0 { bench.gen_tokens as f64 / (decode_ms / 1e3) } else { 0.0 };
 
     let capacity = after.as_ref().map(|t| t.capacity_experts as usize).unwrap_or(usize::MAX);
@@ -330,6 +338,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         decode_ms,
         decode_tok_s,
         decode_read_bytes_per_token: read_per_token,
+        decode_unused_prefetch_bytes_per_token: unused_per_token,
         decode_io_wait_fraction: io_wait_fraction,
         decode_hit_rate: hit_rate,
         disk_gb_s_at_depth: disk,

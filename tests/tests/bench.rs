@@ -36,6 +36,11 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     let limit = r["disk_limit_tok_s"].as_f64().unwrap();
     let frac = r["fraction_of_disk_limit"].as_f64().unwrap();
     assert!((frac - r["decode_tok_s"].as_f64().unwrap() / limit).abs() < 1e-9);
+    // The limit counts the reads a token needed: unused prefetches are not part of it.
+    let (read, unused) = (r["decode_read_bytes_per_token"].as_f64().unwrap(), r["decode_unused_prefetch_bytes_per_token"].as_f64().unwrap());
+    assert!((0.0..=read).contains(&unused), "{r}");
+    let needed_limit = r["disk_gb_s_at_depth"].as_f64().unwrap() * 1e9 / (read - unused);
+    assert!((limit - needed_limit).abs() <= 1e-9 * limit, "{limit} against {needed_limit}");
     // Belady bounds every demand-only policy replayed at the same capacity.
     let replay: Vec<(String, f64)> = serde_json::from_value(r["replay"].clone()).unwrap();
     let belady = replay.iter().find(|(p, _)| p.starts_with("Belady")).expect("Belady in the replay").1;

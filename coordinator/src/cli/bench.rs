@@ -125,8 +125,9 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
         )?;
         writeln!(
             out,
-            "reads    {:.2} MB per decoded token; decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used",
+            "reads    {:.2} MB per decoded token ({:.2} MB of them unused prefetches); decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used",
             r.decode_read_bytes_per_token / 1e6,
+            r.decode_unused_prefetch_bytes_per_token / 1e6,
             r.decode_io_wait_fraction * 100.0,
             t.prefetch_issued,
             t.prefetch_useful
@@ -145,7 +146,7 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
         )?;
     }
     if let (Some(limit), Some(frac)) = (r.disk_limit_tok_s, r.fraction_of_disk_limit) {
-        writeln!(out, "limit    {:.2} tok/s if decode only waited for the disk; achieved {:.3} of it", limit, frac)?;
+        writeln!(out, "limit    {:.2} tok/s if decode only waited for the disk's needed reads; achieved {:.3} of it", limit, frac)?;
     }
     for (policy, rate) in &r.replay {
         writeln!(out, "replay   {policy:<22} {rate:.3}")?;

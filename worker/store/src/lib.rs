@@ -52,7 +52,7 @@ use serde::Serialize;
 use shimmer_common::spec::LayerMlp;
 use shimmer_common::ModelSpec;
 
-use crate::policy::{Decision, Key, LayerLru};
+use crate::policy::{Decision, HintStep, Key, LayerLru};
 use crate::usage::Usage;
 use shimmer_experts::{AccelJob, Accelerator, DispatchError, Expert, ExpertDispatch, MoeBatch};
 pub use source::Source;
@@ -296,6 +296,8 @@ struct Inner {
     /// Model layer → position among MoE layers (the policy's layer index).
     moe_position: Vec<Option<u16>>,
     num_experts: usize,
+    /// Experts each row selects: a hint of `top_k` experts is one row's prediction.
+    top_k: usize,
     /// Experts of every MoE layer together.
     all_experts: usize,
     io_depth: usize,
@@ -435,6 +437,7 @@ impl ExpertStore {
             source,
             moe_position,
             num_experts: spec.moe.num_experts,
+            top_k: spec.moe.top_k,
             io_depth,
             prefetch: opts.prefetch,
             state: Mutex::new(State { policy, slots: HashMap::new(), prefetched_unused: HashSet::new(), ready: 0 }),
@@ -493,7 +496,7 @@ impl ExpertStore {
             let mut st = lock(&inner.state);
             let pins: Vec<Key> = st.policy.pinned().iter().enumerate().flat_map(|(l, p)| p.iter().map(move |e| (l as u16, *e))).collect();
             for key in pins {
-                if let Some(d) = st.policy.decide_hint(key) {
+                if let Some(d) = st.policy.decide_hint(key, HintStep::Pins) {
                     if let Some(job) = inner.admit_prefetch(&mut st, key, d) {
                         jobs.push(job);
                     }
@@ -1040,6 +1043,7 @@ impl ExpertDispatch for ExpertStore {
         unique.sort_unstable();
         unique.dedup();
         let cap = inner.io_depth;
+        let step = HintStep::of_rows(experts.len() / inner.top_k.max(1));
         let mut jobs = Vec::new();
         {
             let mut q = lock(&inner.queues);
@@ -1049,7 +1053,7 @@ impl ExpertDispatch for ExpertStore {
                 if !st.slots.contains_key(&key) && q.hinted_outstanding + jobs.len() >= cap {
                     continue;
                 }
-                if let Some(d) = st.policy.decide_hint(key) {
+                if let Some(d) = st.policy.decide_hint(key, step) {
                     if let Some(job) = inner.admit_prefetch(&mut st, key, d) {
                         jobs.push(job);
                     }

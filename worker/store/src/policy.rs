@@ -41,12 +41,17 @@ pub struct LayerLru {
     prefetch: bool,
     prefetch_min_free: usize,
     /// Prefetched experts not yet used by a demand access.
-    prefetched: std::collections::HashSet<Key>,
-    /// Per layer: prefetches issued and used (halved together as they grow, so recent behaviour
-    /// counts most), and hints seen while prefetch was held back (every 4th is let through).
-    prefetch_issued: Vec<f64>,
-    prefetch_used: Vec<f64>,
-    held_back: Vec<u32>,
+    prefetched: HashMap<Key, HintStep>,
+    /// Per layer and kind of step: how often its hints came true — prefetches while the layer
+    /// prefetches, and held-back hints (`shadow`) while it does not, so a layer's predictions
+    /// keep being judged without a read.
+    record: Vec<[HintRecord; 2]>,
+    /// Per layer: hints held back, with the layer's miss count when each was made and the kind of
+    /// step that made it. One counts as used if its expert is accessed before the layer has
+    /// missed `free_slots` more times (about as long as a prefetched expert would have stayed
+    /// resident); older ones count as unused.
+    shadow: Vec<Vec<(u16, u64, HintStep)>>,
+    misses: Vec<u64>,
     tick: u64,
     label: String,
 }
@@ -54,7 +59,7 @@ pub struct LayerLru {
 /// Below this share of prefetches used, a layer's hints are mostly held back: a wasted prefetch
 /// costs a read and evicts an expert that may have been needed.
 pub const PREFETCH_MIN_USEFUL: f64 = 0.5;
-/// Prefetches a layer issues before its usefulness is judged.
+/// Hints a layer judges (unread) before it first reads one.
 const PREFETCH_WARMUP: f64 = 16.0;
 
 impl LayerLru {
@@ -67,9 +72,9 @@ impl LayerLru {
             prefetch: false,
             prefetch_min_free: 1,
             prefetched: Default::default(),
-            prefetch_issued: vec![0.0; layers],
-            prefetch_used: vec![0.0; layers],
-            held_back: vec![0; layers],
+            record: vec![[HintRecord::default(); 2]; layers],
+            shadow: vec![Vec::new(); layers],
+            misses: vec![0; layers],
             tick: 0,
             label: "LRU".into(),
         }
@@ -112,8 +117,12 @@ impl LayerLru {
     pub fn decide(&mut self, (layer, e): Key) -> Decision {
         self.tick += 1;
         let l = layer as usize;
-        if self.prefetched.remove(&(layer, e)) {
-            self.prefetch_used[l] += 1.0;
+        if let Some(step) = self.prefetched.remove(&(layer, e)) {
+            self.record[l][step as usize].used += 1.0;
+        }
+        if let Some(i) = self.shadow[l].iter().position(|(x, ..)| *x == e) {
+            let (_, _, step) = self.shadow[l].swap_remove(i);
+            self.record[l][step as usize].used += 1.0;
         }
         if self.pinned[l].contains(&e) {
             let hit = !self.pins_loaded.insert((layer, e));
@@ -123,6 +132,10 @@ impl LayerLru {
             slot.1 = self.tick;
             return Decision { hit: true, kept: true, evicted: None };
         }
+        self.misses[l] += 1;
+        let (now, window) = (self.misses[l], self.free_slots(l) as u64);
+        // A held-back hint whose expert a prefetch would have lost by now came out wrong.
+        self.shadow[l].retain(|(_, at, _)| now - at <= window);
         if self.free_slots(l) == 0 {
             return Decision { hit: false, kept: false, evicted: None };
         }
@@ -138,39 +151,47 @@ impl LayerLru {
     }
 
     /// A lookahead hint with the full decision: `Some` when the policy wants the expert read now
-    /// (prefetch on, not resident, a slot available), with what that evicts.
-    pub fn decide_hint(&mut self, key: Key) -> Option<Decision> {
+    /// (prefetch on, not resident, a slot available, the layer's hints from this kind of step
+    /// mostly right), with what that evicts.
+    pub fn decide_hint(&mut self, key: Key, step: HintStep) -> Option<Decision> {
         let l = key.0 as usize;
         if !self.prefetch || self.free_slots(l) < self.prefetch_min_free.max(1) {
             return None;
         }
+        if step == HintStep::Pins {
+            let d = self.decide(key);
+            return (!d.hit && d.kept).then_some(d);
+        }
+        // Adaptive: a layer acts on its hints only while they mostly come true — a wasted read
+        // costs the disk time a needed one waits for, and evicts an expert that may be needed;
+        // a wrong hint's refresh of a resident expert keeps it over one that is needed. Until
+        // then (from the start, and whenever they stop coming true) it judges them without acting,
+        // so it starts, and resumes, when they prove right.
+        let record = self.record[l][step as usize];
+        let trusted = record.issued >= PREFETCH_WARMUP && record.used >= PREFETCH_MIN_USEFUL * record.issued;
         if self.is_resident(key) {
-            // A hinted resident expert is refreshed (it is about to be used), never re-read.
-            self.tick += 1;
-            if let Some(slot) = self.resident[l].iter_mut().find(|(x, _)| *x == key.1) {
-                slot.1 = self.tick;
+            if trusted {
+                // About to be used: refreshed, never re-read.
+                self.tick += 1;
+                if let Some(slot) = self.resident[l].iter_mut().find(|(x, _)| *x == key.1) {
+                    slot.1 = self.tick;
+                }
             }
             return None;
         }
-        // Adaptive: a layer whose prefetches mostly go unused stops prefetching, but lets every
-        // 8th hint through so that it notices when predictions improve.
-        let (issued, used) = (self.prefetch_issued[l], self.prefetch_used[l]);
-        if issued >= PREFETCH_WARMUP && used < PREFETCH_MIN_USEFUL * issued {
-            self.held_back[l] += 1;
-            if !self.held_back[l].is_multiple_of(4) {
-                return None;
+        if !trusted {
+            if !self.shadow[l].iter().any(|(x, ..)| *x == key.1) {
+                self.shadow[l].push((key.1, self.misses[l], step));
+                self.record[l][step as usize].count();
             }
+            return None;
         }
         let d = self.decide(key);
         if d.hit || !d.kept {
             return None;
         }
-        self.prefetched.insert(key);
-        self.prefetch_issued[l] += 1.0;
-        if self.prefetch_issued[l] >= 64.0 {
-            self.prefetch_issued[l] /= 2.0;
-            self.prefetch_used[l] /= 2.0;
-        }
+        self.prefetched.insert(key, step);
+        self.record[l][step as usize].count();
         Some(d)
     }
 
@@ -183,6 +204,9 @@ impl LayerLru {
     pub fn forget(&mut self, (layer, e): Key) {
         self.pins_loaded.remove(&(layer, e));
         self.prefetched.remove(&(layer, e));
+        if let Some(s) = self.shadow.get_mut(layer as usize) {
+            s.retain(|(x, ..)| *x != e);
+        }
         if let Some(r) = self.resident.get_mut(layer as usize) {
             r.retain(|(x, _)| *x != e);
         }
@@ -190,6 +214,45 @@ impl LayerLru {
 
     pub fn pinned(&self) -> &[Vec<u16>] {
         &self.pinned
+    }
+}
+
+/// The kind of step a hint came from. A step of many rows (a prompt, a batch) predicts the union
+/// of its rows' choices, which near-uniform routers make easy to hit; one row's prediction is
+/// judged on its own record, or a prompt's success would switch on prefetching that decode wastes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HintStep {
+    OneRow = 0,
+    ManyRows = 1,
+    /// Not a prediction: the learned pins read at start. Always read, never judged.
+    Pins = 2,
+}
+
+impl HintStep {
+    pub fn of_rows(rows: usize) -> Self {
+        if rows > 1 {
+            HintStep::ManyRows
+        } else {
+            HintStep::OneRow
+        }
+    }
+}
+
+/// Hints judged and hints that came true, halved together as they grow so recent behaviour
+/// counts most.
+#[derive(Debug, Clone, Copy, Default)]
+struct HintRecord {
+    issued: f64,
+    used: f64,
+}
+
+impl HintRecord {
+    fn count(&mut self) {
+        self.issued += 1.0;
+        if self.issued >= 64.0 {
+            self.issued /= 2.0;
+            self.used /= 2.0;
+        }
     }
 }
 
@@ -210,7 +273,7 @@ impl CachePolicy for LayerLru {
         self.touch_or_load(key)
     }
     fn hint(&mut self, key: Key) -> bool {
-        self.decide_hint(key).is_some()
+        self.decide_hint(key, HintStep::OneRow).is_some()
     }
     fn is_resident(&self, key: Key) -> bool {
         LayerLru::is_resident(self, key)
@@ -325,6 +388,11 @@ mod tests {
         assert!(!p.access((0, 2))); // evicts 1, never 9
         assert!(p.access((0, 9)));
         let mut q = LayerLru::new(1, 2).with_prefetch(1);
+        // A layer reads hints only once they have proved right (judged unread at first).
+        for i in 0..PREFETCH_WARMUP as u16 {
+            assert!(!q.hint((0, 10 + i)), "hint {i} read before the layer's hints were judged");
+            q.access((0, 10 + i));
+        }
         assert!(q.hint((0, 4)));
         assert!(q.access((0, 4)));
         assert!(!q.hint((0, 4)), "already resident: no read");
@@ -335,14 +403,27 @@ mod tests {
     #[test]
     fn prefetch_that_goes_unused_is_held_back_and_resumes_when_useful() {
         let mut p = LayerLru::new(1, 8).with_prefetch(1);
-        // Hints that are never used: after the warm-up, at most one hint in four reads.
+        // Hints that come true: read once judged right.
+        let mut reads = 0;
+        for i in 0..100u16 {
+            reads += p.hint((0, 1000 + i)) as usize;
+            p.access((0, 1000 + i));
+        }
+        assert!(reads > 100 - 2 * PREFETCH_WARMUP as usize, "useful hints read: {reads} of 100");
+        // Hints that are never used: read only until the record turns, then judged unread.
         let mut reads = 0;
         for i in 0..400u16 {
             reads += p.hint((0, 100 + i % 50)) as usize;
             p.access((0, i % 3));
         }
-        assert!(reads <= 16 + 400 / 4, "{reads} prefetch reads for useless hints");
-        // Hints that are then used: prefetch comes back.
+        assert!(reads <= 64, "{reads} prefetch reads for useless hints");
+        let mut late = 0;
+        for i in 0..400u16 {
+            late += p.hint((0, 300 + i % 50)) as usize;
+            p.access((0, i % 3));
+        }
+        assert_eq!(late, 0, "useless hints read after the layer's record turned");
+        // Hints that are then used: judged right while held back, so prefetch comes back.
         let mut late_reads = 0;
         for i in 0..400u16 {
             let k = (0, 200 + i % 40);
@@ -353,6 +434,55 @@ mod tests {
             p.access(k);
         }
         assert!(late_reads > 90, "useful prefetch was not resumed ({late_reads} of the last 100 hints)");
+    }
+
+    #[test]
+    fn a_held_back_hint_counts_as_used_only_while_a_prefetch_would_have_stayed() {
+        // Four slots: a prefetched expert would have been evicted within four misses. Each round
+        // hints one expert, then misses `gap` other experts, then uses the hinted one.
+        let reads_with_gap = |gap: u16| {
+            let mut p = LayerLru::new(1, 4).with_prefetch(1);
+            for i in 0..PREFETCH_WARMUP as u16 {
+                p.hint((0, 1000 + i)); // judged, never used: the layer is held back
+            }
+            let (mut reads, mut other) = (0, 2000);
+            for round in 0..200u16 {
+                let k = (0, round % 100);
+                reads += p.hint(k) as usize;
+                for _ in 0..gap {
+                    p.access((0, other));
+                    other += 1;
+                }
+                p.access(k);
+            }
+            reads
+        };
+        assert_eq!(reads_with_gap(6), 0, "hints used only after six misses are wrong for four slots");
+        assert!(reads_with_gap(2) > 150, "hints used within two misses resume prefetching");
+    }
+
+    #[test]
+    fn one_rows_hints_and_many_rows_hints_are_judged_apart() {
+        // A prompt's hints all come true, a decode step's never: decode stops reading its
+        // hints, the prompt's keep being read.
+        let mut p = LayerLru::new(1, 8).with_prefetch(1);
+        let (mut prompt_reads, mut decode_reads) = (0, 0);
+        for round in 0..100u16 {
+            let k = (0, round % 60);
+            prompt_reads += p.decide_hint(k, HintStep::ManyRows).is_some() as usize;
+            p.access(k);
+            decode_reads += p.decide_hint((0, 100 + round % 60), HintStep::OneRow).is_some() as usize;
+            p.access((0, 200 + round % 60));
+        }
+        assert_eq!(decode_reads, 0, "one-row hints that never come true are never read");
+        assert!(prompt_reads >= 100 - 2 * PREFETCH_WARMUP as usize, "many-row hints that come true are read ({prompt_reads} of 100)");
+        // The learned pins read at start are not predictions: read, and never judged.
+        let mut q = LayerLru::new(1, 8).with_prefetch(1);
+        for e in 0..PREFETCH_WARMUP as u16 * 2 {
+            q.decide_hint((0, 300 + e), HintStep::OneRow);
+        }
+        assert!(q.decide_hint((0, 7), HintStep::Pins).is_some());
+        assert!(q.decide_hint((0, 8), HintStep::OneRow).is_none(), "the layer's one-row hints stay held back");
     }
 
     #[test]

@@ -195,9 +195,10 @@ mod tests {
                 assert!(p.hit_rate <= opt + 1e-12, "{} beats Belady", p.policy);
             }
         }
-        // Perfect lookahead: every layer-1 access was prefetched just before.
+        // Perfect lookahead: every layer-1 access was prefetched just before, once the layer's
+        // first hints (judged unread) had proved right.
         let pf = r.policies.iter().find(|p| p.policy == "LRU+pins+prefetch").unwrap();
-        assert_eq!(pf.per_layer[1], 1.0);
+        assert!(pf.per_layer[1] > 0.97, "layer 1 hit rate {}", pf.per_layer[1]);
         assert!(pf.prefetch_reads > 0);
         assert_eq!(r.next_layer_recall, vec![None, Some(1.0)]);
     }
