@@ -179,6 +179,10 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     let k = k.min(values.len());
     let mut top: Vec<usize> = Vec::with_capacity(k + 1);
     for (i, v) in values.iter().enumerate() {
+        // Most values fall short of the k-th kept: one comparison, the same answer as the search.
+        if top.len() == k && top.last().is_none_or(|&j| values[j].total_cmp(v).is_ge()) {
+            continue;
+        }
         // Every index already kept is smaller than `i`, so it stays ahead of an equal value.
         let at = top.partition_point(|&j| values[j].total_cmp(v).is_ge());
         if at < k {
