@@ -346,20 +346,22 @@ fn key_block_dots(isa: Isa, keys: &[f32], stride: usize, (b0, b1): (usize, usize
             let count = (b1 - j0).min(width);
             let base = keys[j0 * stride..].as_ptr();
             if isa == Isa::Avx512 {
-                let mut t4 = [[0.0f32; 16]; TILE];
+                // Straight into each vector's row of the block: sixteen lanes from `at`, those
+                // past `count` unspecified and never read (a row is read up to its keys' count).
+                let at = j0 - b0;
+                assert!(at + 16 <= KEY_BLOCK, "a key block is whole sixteens from its start");
+                let rows = p.as_mut_ptr().cast::<f32>().wrapping_add(at);
                 // SAFETY: AVX-512F is available (`isa`); keys j0..j0 + count, each `len` long at
-                // `stride`, are inside `keys` (asserted above); the tile's queries are one length.
+                // `stride`, are inside `keys` (asserted above); the tile's queries are one length;
+                // vector v's sixteen lanes land in p[v][at..at + 16] (asserted inside the row).
                 unsafe {
                     match *qs {
-                        [a] => x86::dots16_tile_avx512::<1>(base, stride, count, &[a], &mut t4),
-                        [a, b] => x86::dots16_tile_avx512::<2>(base, stride, count, &[a, b], &mut t4),
-                        [a, b, c] => x86::dots16_tile_avx512::<3>(base, stride, count, &[a, b, c], &mut t4),
-                        [a, b, c, e] => x86::dots16_tile_avx512::<4>(base, stride, count, &[a, b, c, e], &mut t4),
+                        [a] => x86::dots16_tile_avx512::<1>(base, stride, count, &[a], rows, KEY_BLOCK),
+                        [a, b] => x86::dots16_tile_avx512::<2>(base, stride, count, &[a, b], rows, KEY_BLOCK),
+                        [a, b, c] => x86::dots16_tile_avx512::<3>(base, stride, count, &[a, b, c], rows, KEY_BLOCK),
+                        [a, b, c, e] => x86::dots16_tile_avx512::<4>(base, stride, count, &[a, b, c, e], rows, KEY_BLOCK),
                         _ => {}
                     }
-                }
-                for (pv, tv) in p.iter_mut().zip(&t4).take(qs.len()) {
-                    pv[j0 - b0..j0 - b0 + count].copy_from_slice(&tv[..count]);
                 }
                 j0 += count;
                 continue;
@@ -659,22 +661,33 @@ mod x86 {
     /// AVX-512F must be available and every key readable for `q.len()` values.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn dots16_avx512(keys: *const f32, stride: usize, count: usize, q: &[f32], out: &mut [f32; 16]) {
-        dots16_tile_avx512::<1>(keys, stride, count, &[q], std::slice::from_mut(out));
+        dots16_tile_avx512::<1>(keys, stride, count, &[q], out.as_mut_ptr(), 16);
     }
 
     /// `dots16_avx512` for `V` query vectors of one length at once: each key chunk is loaded once
     /// for all of them (a GQA group's heads, or a prompt's rows, score the same keys). Each
     /// (key, vector) dot is the same multiply-adds and tree as alone.
     ///
+    /// Vector `v`'s sixteen results go to `out + v·out_stride`.
+    ///
     /// # Safety
-    /// As `dots16_avx512`, every `qs[v]` as long as `qs[0]`, and `out` at least `V` long.
+    /// As `dots16_avx512`, every `qs[v]` as long as `qs[0]`, and sixteen floats writable at
+    /// `out + v·out_stride` for every `v < V`.
     #[target_feature(enable = "avx512f,fma")]
     #[inline]
-    pub(super) unsafe fn dots16_tile_avx512<const V: usize>(keys: *const f32, stride: usize, count: usize, qs: &[&[f32]; V], out: &mut [[f32; 16]]) {
+    pub(super) unsafe fn dots16_tile_avx512<const V: usize>(keys: *const f32, stride: usize, count: usize, qs: &[&[f32]; V], out: *mut f32, out_stride: usize) {
         let d = qs[0].len();
         let (full, rest) = (d / 64, d % 64);
-        let mut c = [[_mm512_setzero_ps(); 16]; V];
-        for j in 0..count.min(16) {
+        // Every key's partial sums are written below (keys past `count` as zeros), so the
+        // sixteen registers a vector need no clearing first (a 1–4 KB memset per sixteen keys).
+        let mut c = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; V];
+        let count = count.min(16);
+        for cv in c.iter_mut() {
+            for x in &mut cv[count..] {
+                x.write(_mm512_setzero_ps());
+            }
+        }
+        for j in 0..count {
             let k = keys.add(j * stride);
             let mut acc = [[_mm512_setzero_ps(); 4]; V];
             for ch in 0..full {
@@ -702,11 +715,13 @@ mod x86 {
             }
             // s = 32 (lanes 0–15 with 32–47, 16–31 with 48–63), then s = 16.
             for (cv, a) in c.iter_mut().zip(&acc) {
-                cv[j] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                cv[j].write(_mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
             }
         }
-        for (cv, o) in c.iter().zip(out.iter_mut()) {
-            _mm512_storeu_ps(o.as_mut_ptr(), tree16(cv));
+        for (v, cv) in c.iter().enumerate() {
+            // SAFETY: keys 0..count were written in the loop, count..16 before it.
+            let cv: &[__m512; 16] = &*(cv as *const [std::mem::MaybeUninit<__m512>; 16]).cast::<[__m512; 16]>();
+            _mm512_storeu_ps(out.add(v * out_stride), tree16(cv));
         }
     }
 
