@@ -252,6 +252,9 @@ fn accumulate_values<'a, const K: usize>(mut vectors: [&mut (&mut [f32], &[f32])
         for j in 0..keys {
             // A value row is `d` long (the caller's layout): the slice is exactly W long.
             let Ok(x): Result<&[f32; W], _> = value(j)[c * W..(c + 1) * W].try_into() else { unreachable!("a {W}-element slice") };
+            // Loaded once into registers for all K vectors (as memory operands of each vector's
+            // multiplies it was loaded K times: on Zen 4 the loads, not the arithmetic, bound it).
+            let x: [f32; W] = *x;
             for (acc, (_, e)) in a.iter_mut().zip(&vectors) {
                 let e = e[j];
                 for i in 0..W {
