@@ -692,15 +692,9 @@ mod x86 {
                 _ => {}
             }
         }
-        // Every key's partial sums are written below (keys past `count` as zeros), so the
-        // sixteen registers a vector need no clearing first (a 1–4 KB memset per sixteen keys).
-        let mut c = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; V];
         let count = count.min(16);
-        for cv in c.iter_mut() {
-            for x in &mut cv[count..] {
-                x.write(_mm512_setzero_ps());
-            }
-        }
+        let mut c = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; V];
+        zero_past(&mut c, count);
         for j in 0..count {
             let k = keys.add(j * stride);
             let mut acc = [[_mm512_setzero_ps(); 4]; V];
@@ -727,16 +721,11 @@ mod x86 {
                     a[r] = _mm512_fmadd_ps(kv, _mm512_maskz_loadu_ps(m, q.as_ptr().add(o)), a[r]);
                 }
             }
-            // s = 32 (lanes 0–15 with 32–47, 16–31 with 48–63), then s = 16.
             for (cv, a) in c.iter_mut().zip(&acc) {
-                cv[j].write(_mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+                cv[j].write(fold_chunks(a));
             }
         }
-        for (v, cv) in c.iter().enumerate() {
-            // SAFETY: keys 0..count were written in the loop, count..16 before it.
-            let cv: &[__m512; 16] = &*(cv as *const [std::mem::MaybeUninit<__m512>; 16]).cast::<[__m512; 16]>();
-            _mm512_storeu_ps(out.add(v * out_stride), tree16(cv));
-        }
+        store_trees(&c, out, out_stride);
     }
 
     /// `dots16_tile_avx512` for vectors of exactly `F` chunks of 64 (`V·F ≤ 4`), the queries held
@@ -763,13 +752,9 @@ mod x86 {
                 }
             }
         }
-        let mut c = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; V];
         let count = count.min(16);
-        for cv in c.iter_mut() {
-            for x in &mut cv[count..] {
-                x.write(_mm512_setzero_ps());
-            }
-        }
+        let mut c = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; V];
+        zero_past(&mut c, count);
         for j in 0..count {
             let k = keys.add(j * stride);
             let mut acc = [[_mm512_setzero_ps(); 4]; V];
@@ -782,11 +767,42 @@ mod x86 {
                 }
             }
             for (cv, a) in c.iter_mut().zip(&acc) {
-                cv[j].write(_mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+                cv[j].write(fold_chunks(a));
             }
         }
+        store_trees(&c, out, out_stride);
+    }
+
+    /// Zeroes the partial sums of keys `count..16` for each of `V` vectors (the others are
+    /// written before they are read: clearing them all cost a 1–4 KB memset per sixteen keys).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn zero_past<const V: usize>(c: &mut [[std::mem::MaybeUninit<__m512>; 16]; V], count: usize) {
+        for cv in c.iter_mut() {
+            for x in &mut cv[count..] {
+                x.write(_mm512_setzero_ps());
+            }
+        }
+    }
+
+    /// A key's 64 lanes folded to 16 by the tree's s = 32 (lanes 0–15 with 32–47, 16–31 with
+    /// 48–63), then s = 16.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn fold_chunks(a: &[__m512; 4]) -> __m512 {
+        _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]))
+    }
+
+    /// Each vector's sixteen dots (the rest of the tree) to `out + v·out_stride`.
+    ///
+    /// # Safety
+    /// Every key's partial sums written (`zero_past`, then keys `0..count`), and sixteen
+    /// floats writable at every `out + v·out_stride`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store_trees<const V: usize>(c: &[[std::mem::MaybeUninit<__m512>; 16]; V], out: *mut f32, out_stride: usize) {
         for (v, cv) in c.iter().enumerate() {
-            // SAFETY: keys 0..count were written in the loop, count..16 before it.
+            // SAFETY: every element written (the caller's contract); MaybeUninit<T> has T's layout.
             let cv: &[__m512; 16] = &*(cv as *const [std::mem::MaybeUninit<__m512>; 16]).cast::<[__m512; 16]>();
             _mm512_storeu_ps(out.add(v * out_stride), tree16(cv));
         }
