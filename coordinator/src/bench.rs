@@ -160,11 +160,29 @@ pub struct BatchedReport {
     pub decode_ms: f64,
 }
 
-fn delta(after: &StoreTelemetry, before: &StoreTelemetry) -> (u64, u64, f64) {
-    let accesses = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits + t.disk_misses;
-    let hits = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits;
-    let (a, h) = (accesses(after) - accesses(before), hits(after) - hits(before));
-    (a, h, after.io_wait_ms - before.io_wait_ms)
+/// The store's counters over decode steps (every repetition's, summed).
+#[derive(Default, Clone, Copy)]
+struct DecodeIo {
+    bytes_read: u64,
+    accesses: u64,
+    hits: u64,
+    wait_ms: f64,
+    /// Bytes of prefetches issued in the window that no access used there.
+    unused_prefetch_bytes: u64,
+}
+
+impl DecodeIo {
+    /// Adds what the store did between `before` and `after`.
+    fn add(&mut self, after: &StoreTelemetry, before: &StoreTelemetry) {
+        let accesses = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits + t.disk_misses;
+        let hits = |t: &StoreTelemetry| t.ram_hits + t.in_flight_hits;
+        let unused = (after.prefetch_issued - before.prefetch_issued).saturating_sub(after.prefetch_useful - before.prefetch_useful);
+        self.bytes_read += after.bytes_read - before.bytes_read;
+        self.accesses += accesses(after) - accesses(before);
+        self.hits += hits(after) - hits(before);
+        self.wait_ms += after.io_wait_ms - before.io_wait_ms;
+        self.unused_prefetch_bytes += unused * after.expert_bytes;
+    }
 }
 
 pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<BenchReport> {
@@ -207,9 +225,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
     // Each repetition on a fresh sequence; the store's counters over every decode (a streaming
     // run's later repetitions find the cache the earlier ones left, as llama-bench's do).
     let (mut prefill_runs_ms, mut decode_runs_ms) = (Vec::new(), Vec::new());
-    // Over every repetition's decode: bytes read, accesses, hits, I/O wait (ms), bytes of
-    // prefetches that went unused.
-    let mut decode_io: Option<(u64, u64, u64, f64, u64)> = None;
+    let mut decode_io: Option<DecodeIo> = None;
     let mut after = None;
     for _ in 0..bench.repetitions.max(1) {
         let mut session = engine.new_session();
@@ -222,10 +238,7 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         decode_runs_ms.push(t1.elapsed().as_secs_f64() * 1e3);
         after = engine.store_telemetry();
         if let (Some(b), Some(a)) = (&before, &after) {
-            let (accesses, hits, wait_ms) = delta(a, b);
-            let unused = (a.prefetch_issued - b.prefetch_issued).saturating_sub(a.prefetch_useful - b.prefetch_useful);
-            let (bytes, n, h, w, u) = decode_io.unwrap_or_default();
-            decode_io = Some((bytes + (a.bytes_read - b.bytes_read), n + accesses, h + hits, w + wait_ms, u + unused * a.expert_bytes));
+            decode_io.get_or_insert_default().add(a, b);
         }
     }
     let decode_total_ms: f64 = decode_runs_ms.iter().sum();
@@ -249,11 +262,11 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
 
     let gen = (bench.gen_tokens.max(1) * decode_runs_ms.len()) as f64;
     let (mut read_per_token, mut io_wait_fraction, mut hit_rate, mut unused_per_token) = (0.0, 0.0, 1.0, 0.0);
-    if let Some((bytes, accesses, hits, wait_ms, unused)) = decode_io {
-        read_per_token = bytes as f64 / gen;
-        unused_per_token = (unused.min(bytes)) as f64 / gen;
-        io_wait_fraction = if decode_total_ms > 0.0 { wait_ms / decode_total_ms } else { 0.0 };
-        hit_rate = if accesses > 0 { hits as f64 / accesses as f64 } else { 1.0 };
+    if let Some(io) = decode_io {
+        read_per_token = io.bytes_read as f64 / gen;
+        unused_per_token = io.unused_prefetch_bytes.min(io.bytes_read) as f64 / gen;
+        io_wait_fraction = if decode_total_ms > 0.0 { io.wait_ms / decode_total_ms } else { 0.0 };
+        hit_rate = if io.accesses > 0 { io.hits as f64 / io.accesses as f64 } else { 1.0 };
     }
 
     // The disk, measured now, the way the store reads it.

@@ -56,8 +56,8 @@ pub struct LayerLru {
     label: String,
 }
 
-/// Below this share of prefetches used, a layer's hints are mostly held back: a wasted prefetch
-/// costs a read and evicts an expert that may have been needed.
+/// Below this share of its hints come true, a layer holds them back (judged, not read): a wasted
+/// prefetch costs a read and evicts an expert that may have been needed.
 pub const PREFETCH_MIN_USEFUL: f64 = 0.5;
 /// Hints a layer judges (unread) before it first reads one.
 const PREFETCH_WARMUP: f64 = 16.0;
