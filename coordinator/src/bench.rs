@@ -41,6 +41,11 @@ pub struct BenchReport {
     pub decode_unused_prefetch_bytes_per_token: f64,
     /// Time the decode waited on expert reads, as a fraction of decode time.
     pub decode_io_wait_fraction: f64,
+    /// Time with at least one expert read in flight (its checksum and decoding included), as a
+    /// fraction of decode time: what is left is time the disk had nothing to do.
+    pub decode_disk_busy_fraction: f64,
+    /// Bytes read ÷ that busy time: the bandwidth the decode's reads got while the disk worked.
+    pub decode_read_gb_s_while_busy: f64,
     pub decode_hit_rate: f64,
     /// O_DIRECT (when the filesystem allows) read bandwidth of the experts file, whole blobs,
     /// `io_depth` in flight: the better of threads and an io_uring ring.
@@ -167,6 +172,7 @@ struct DecodeIo {
     accesses: u64,
     hits: u64,
     wait_ms: f64,
+    busy_s: f64,
     /// Bytes of prefetches issued in the window that no access used there.
     unused_prefetch_bytes: u64,
 }
@@ -181,6 +187,7 @@ impl DecodeIo {
         self.accesses += accesses(after) - accesses(before);
         self.hits += hits(after) - hits(before);
         self.wait_ms += after.io_wait_ms - before.io_wait_ms;
+        self.busy_s += after.read_busy_s - before.read_busy_s;
         self.unused_prefetch_bytes += unused * after.expert_bytes;
     }
 }
@@ -262,10 +269,13 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
 
     let gen = (bench.gen_tokens.max(1) * decode_runs_ms.len()) as f64;
     let (mut read_per_token, mut io_wait_fraction, mut hit_rate, mut unused_per_token) = (0.0, 0.0, 1.0, 0.0);
+    let (mut busy_fraction, mut gb_s_while_busy) = (0.0, 0.0);
     if let Some(io) = decode_io {
         read_per_token = io.bytes_read as f64 / gen;
         unused_per_token = io.unused_prefetch_bytes.min(io.bytes_read) as f64 / gen;
         io_wait_fraction = if decode_total_ms > 0.0 { io.wait_ms / decode_total_ms } else { 0.0 };
+        busy_fraction = if decode_total_ms > 0.0 { io.busy_s * 1e3 / decode_total_ms } else { 0.0 };
+        gb_s_while_busy = if io.busy_s > 0.0 { io.bytes_read as f64 / io.busy_s / 1e9 } else { 0.0 };
         hit_rate = if io.accesses > 0 { io.hits as f64 / io.accesses as f64 } else { 1.0 };
     }
 
@@ -353,6 +363,8 @@ pub fn run(dir: &Path, opts: &ExpertOptions, bench: &BenchOptions) -> Result<Ben
         decode_read_bytes_per_token: read_per_token,
         decode_unused_prefetch_bytes_per_token: unused_per_token,
         decode_io_wait_fraction: io_wait_fraction,
+        decode_disk_busy_fraction: busy_fraction,
+        decode_read_gb_s_while_busy: gb_s_while_busy,
         decode_hit_rate: hit_rate,
         disk_gb_s_at_depth: disk,
         disk_gb_s_threads: disk_threads,

@@ -41,6 +41,12 @@ fn bench_reports_speed_with_disk_limit_and_belady_from_the_same_run() {
     assert!((0.0..=read).contains(&unused), "{r}");
     let needed_limit = r["disk_gb_s_at_depth"].as_f64().unwrap() * 1e9 / (read - unused);
     assert!((limit - needed_limit).abs() <= 1e-9 * limit, "{limit} against {needed_limit}");
+    // The disk's busy time lies within the decode's, and the reads it carried are the decode's.
+    let (busy, while_busy) = (r["decode_disk_busy_fraction"].as_f64().unwrap(), r["decode_read_gb_s_while_busy"].as_f64().unwrap());
+    assert!(busy > 0.0 && busy <= 1.01, "{r}");
+    let decode_s = r["decode_ms"].as_f64().unwrap() / 1e3;
+    let implied = read * 24.0 / (busy * decode_s) / 1e9;
+    assert!((while_busy - implied).abs() <= 1e-6 * implied, "{while_busy} against {implied}");
     // Belady bounds every demand-only policy replayed at the same capacity.
     let replay: Vec<(String, f64)> = serde_json::from_value(r["replay"].clone()).unwrap();
     let belady = replay.iter().find(|(p, _)| p.starts_with("Belady")).expect("Belady in the replay").1;

@@ -125,10 +125,12 @@ pub(super) fn bench(a: BenchArgs) -> Result<ExitCode> {
         )?;
         writeln!(
             out,
-            "reads    {:.2} MB per decoded token ({:.2} MB of them unused prefetches); decode waited on I/O {:.1}% of its time; prefetch {} issued / {} used",
+            "reads    {:.2} MB per decoded token ({:.2} MB of them unused prefetches); decode waited on I/O {:.1}% of its time, reads were in flight {:.1}% of it at {:.2} GB/s; prefetch {} issued / {} used",
             r.decode_read_bytes_per_token / 1e6,
             r.decode_unused_prefetch_bytes_per_token / 1e6,
             r.decode_io_wait_fraction * 100.0,
+            r.decode_disk_busy_fraction * 100.0,
+            r.decode_read_gb_s_while_busy,
             t.prefetch_issued,
             t.prefetch_useful
         )?;
