@@ -205,7 +205,8 @@ fn the_demos_quantised_containers_give_the_cpus_bits_on_the_gpu() {
 
 /// The tiers learned from routing heat: with a usage file, the hottest experts of each layer are
 /// pinned in VRAM (as many as half its budget holds) and the next ones in RAM; a second run keeps
-/// every pinned expert resident in VRAM although the budget is small, with the CPU's bits.
+/// every pinned expert resident in VRAM although the budget is small — uploaded at start, before
+/// the first step — with the CPU's bits.
 #[test]
 fn learned_heat_pins_the_hottest_experts_in_vram() {
     let dir = demo();
@@ -234,6 +235,14 @@ fn learned_heat_pins_the_hottest_experts_in_vram() {
     let warm = store(Some(t.clone()));
     let pins = t.pins();
     assert_eq!(pins.len() as u64, 2 * moe, "two of each layer's hottest experts are VRAM's: {pins:?}");
+    // The pins are uploaded at start, before any step wants them.
+    let start = std::time::Instant::now();
+    while !pins.iter().all(|k| t.is_resident(*k)) {
+        assert!(start.elapsed() < std::time::Duration::from_secs(120), "VRAM pins not warmed at start: {:?}", t.telemetry());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let g = t.telemetry();
+    assert_eq!((g.uploads, g.device_experts + g.cpu_experts), (pins.len() as u64, 0), "warmed, nothing computed yet: {g:?}");
     let ram_pins = warm.store_telemetry().unwrap().pinned_experts;
     // As many in RAM as without a GPU (the demo's prompt used enough experts per layer), but
     // the next ones by heat: the hottest are VRAM's.

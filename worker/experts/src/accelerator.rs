@@ -35,6 +35,12 @@ pub trait Accelerator: Send + Sync {
     /// Keep these (layer, expert) pairs once they are uploaded: the hottest by learned heat.
     fn pin(&self, _experts: &[(usize, u32)]) {}
 
+    /// Uploads `expert` of `layer` (one of the pins) ahead of its first use, if it fits beside
+    /// what is held; computes nothing. Whether it is held now.
+    fn warm(&self, _layer: usize, _expert: u32, _weights: &Expert) -> bool {
+        false
+    }
+
     /// The CPU computed experts it declined, of `byte_rows` (expert bytes × rows), in `elapsed`:
     /// what it weighs an upload against.
     fn cpu_took(&self, _byte_rows: u64, _elapsed: std::time::Duration) {}

@@ -193,6 +193,19 @@ impl Residency {
         Decision::Admit { evict }
     }
 
+    /// Whether to upload `key` (of `bytes` bytes) ahead of its first use, at start: only a pin,
+    /// only into room the budget has (warming evicts nothing), and it counts as no request (the
+    /// frequencies and recency stay the routing's).
+    pub fn warm(&self, key: ExpertKey, bytes: u64) -> Decision {
+        if self.resident.contains_key(&key) {
+            Decision::Hit
+        } else if self.pinned.contains(&key) && bytes <= self.budget - self.used {
+            Decision::Admit { evict: Vec::new() }
+        } else {
+            Decision::Cpu
+        }
+    }
+
     /// The upload `request` asked for is done.
     pub fn admitted(&mut self, key: ExpertKey, bytes: u64) {
         if self.resident.insert(key, (bytes, self.clock)).is_none() {
@@ -482,47 +495,69 @@ impl VramTier {
                     state.residency.evicted(k);
                     self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                 }
-                let image = match ExpertImage::of(expert) {
-                    Ok(image) => image,
-                    Err(e) => {
-                        tracing::debug!("expert {:?} stays on the CPU: {e}", job.key);
-                        state.unsupported.insert(job.key);
-                        return false;
-                    }
-                };
-                let started = std::time::Instant::now();
-                let uploaded = self.device.upload(&image);
-                if uploaded.is_ok() {
-                    state.residency.uploaded_in(image.bytes.len() as u64, started.elapsed().as_secs_f64());
-                }
-                match uploaded {
-                    Ok(resident) => {
-                        // The residency counts the expert's bytes as the CPU holds them, which
-                        // is what the budget means to a user (`--vram-gb`).
-                        state.residency.admitted(job.key, bytes);
-                        state.resident.insert(job.key, resident);
-                        self.counters.uploads.fetch_add(1, Ordering::Relaxed);
-                        self.counters.upload_bytes.fetch_add(image.bytes.len() as u64, Ordering::Relaxed);
-                        self.publish(state);
-                        true
-                    }
-                    Err(GpuError::Unsupported(why)) => {
-                        tracing::debug!("expert {:?} stays on the CPU: {why}", job.key);
-                        state.unsupported.insert(job.key);
-                        false
-                    }
-                    Err(e @ GpuError::OutOfMemory(_)) => {
-                        // The device holds less than the budget said: what fits now is the budget.
-                        self.counters.fault(&e);
-                        state.residency.shrink_to_used();
-                        tracing::warn!("the GPU ran out of memory at {} resident bytes; that is its budget from now on ({e})", state.residency.used());
-                        false
-                    }
-                    Err(e) => {
-                        self.fault(state, now, e);
-                        false
-                    }
-                }
+                self.upload(state, now, job.key, expert)
+            }
+        }
+    }
+
+    /// Uploads `expert` of `layer` ahead of its first use if it is one of the pins and fits
+    /// beside what is resident (nothing is evicted for it); computes nothing. Whether it is
+    /// resident now. A store warms its VRAM pins this way at start, so the first tokens find
+    /// them on the device.
+    pub fn warm(&self, now: Instant, key: ExpertKey, expert: &Expert) -> bool {
+        let mut state = self.state();
+        if !state.health.usable(now) || state.unsupported.contains(&key) {
+            return false;
+        }
+        match state.residency.warm(key, expert.bytes() as u64) {
+            Decision::Hit => true,
+            Decision::Admit { .. } => self.upload(&mut state, now, key, expert),
+            Decision::Cpu => false,
+        }
+    }
+
+    /// Uploads an expert the residency admitted (room already made); whether it is resident.
+    fn upload(&self, state: &mut TierState, now: Instant, key: ExpertKey, expert: &Expert) -> bool {
+        let bytes = expert.bytes() as u64;
+        let image = match ExpertImage::of(expert) {
+            Ok(image) => image,
+            Err(e) => {
+                tracing::debug!("expert {key:?} stays on the CPU: {e}");
+                state.unsupported.insert(key);
+                return false;
+            }
+        };
+        let started = std::time::Instant::now();
+        let uploaded = self.device.upload(&image);
+        if uploaded.is_ok() {
+            state.residency.uploaded_in(image.bytes.len() as u64, started.elapsed().as_secs_f64());
+        }
+        match uploaded {
+            Ok(resident) => {
+                // The residency counts the expert's bytes as the CPU holds them, which is what
+                // the budget means to a user (`--vram-gb`).
+                state.residency.admitted(key, bytes);
+                state.resident.insert(key, resident);
+                self.counters.uploads.fetch_add(1, Ordering::Relaxed);
+                self.counters.upload_bytes.fetch_add(image.bytes.len() as u64, Ordering::Relaxed);
+                self.publish(state);
+                true
+            }
+            Err(GpuError::Unsupported(why)) => {
+                tracing::debug!("expert {key:?} stays on the CPU: {why}");
+                state.unsupported.insert(key);
+                false
+            }
+            Err(e @ GpuError::OutOfMemory(_)) => {
+                // The device holds less than the budget said: what fits now is the budget.
+                self.counters.fault(&e);
+                state.residency.shrink_to_used();
+                tracing::warn!("the GPU ran out of memory at {} resident bytes; that is its budget from now on ({e})", state.residency.used());
+                false
+            }
+            Err(e) => {
+                self.fault(state, now, e);
+                false
             }
         }
     }
@@ -575,6 +610,10 @@ impl shimmer_experts::Accelerator for VramTier {
 
     fn pin(&self, experts: &[(usize, u32)]) {
         self.set_pins(experts.iter().map(|&(layer, expert)| ExpertKey { layer: layer as u32, expert }));
+    }
+
+    fn warm(&self, layer: usize, expert: u32, weights: &Expert) -> bool {
+        VramTier::warm(self, Instant::now(), ExpertKey { layer: layer as u32, expert }, weights)
     }
 
     fn forward(&self, layer: usize, jobs: &[shimmer_experts::AccelJob<'_>]) -> Vec<Option<Vec<f32>>> {

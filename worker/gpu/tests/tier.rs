@@ -116,6 +116,51 @@ fn pinned_experts_are_never_evicted() {
     assert_eq!(r.request(key(1, 3), 100, 1, &[]), Decision::Admit { evict: vec![key(1, 1)] });
 }
 
+/// Warming at start uploads pins only, into room the budget has: it evicts nothing, and it is no
+/// request (a warmed pin's first real request is a hit, and an unpinned expert asked for as
+/// often as the warmed ones still finds them no easier to displace than before).
+#[test]
+fn warming_uploads_pins_into_free_room_only() {
+    let mut r = Residency::new(300);
+    r.set_pins([key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
+    assert_eq!(r.warm(key(0, 9), 100), Decision::Cpu, "not a pin");
+    assert_eq!(r.warm(key(0, 1), 400), Decision::Cpu, "larger than the budget");
+    for e in 1..=3 {
+        assert_eq!(r.warm(key(0, e), 100), Decision::Admit { evict: vec![] }, "pin {e}");
+        r.admitted(key(0, e), 100);
+    }
+    assert_eq!(r.warm(key(0, 1), 100), Decision::Hit);
+    assert_eq!(r.warm(key(0, 4), 100), Decision::Cpu, "full: warming makes no room");
+    assert_eq!(r.used(), 300);
+    assert_eq!(r.request(key(0, 2), 100, 1, &[]), Decision::Hit);
+}
+
+/// The tier's warm uploads a pinned expert without computing anything; the first step that wants
+/// it finds it resident and gets the CPU's bits. Unpinned experts, and any after a fault, are not
+/// warmed.
+#[test]
+fn a_warmed_pin_is_resident_before_its_first_step() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(3, hidden, inter);
+    let device = std::sync::Arc::new(FakeDevice::new(1 << 30));
+    let tier = VramTier::new(Box::new(device.clone()), 1 << 30, None);
+    tier.set_pins([key(0, 0), key(0, 1)]);
+    let now = Instant::now();
+    assert!(tier.warm(now, key(0, 0), &all[0]));
+    assert!(!tier.warm(now, key(0, 2), &all[2]), "not a pin");
+    assert!(tier.is_resident(key(0, 0)) && !tier.is_resident(key(0, 2)));
+    assert_eq!(device.calls(), (1, 0), "one upload, no submission");
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0 - 2.0).collect();
+    let (outs, on_device) = step(&tier, now, &all, &[0], &rows);
+    assert_eq!((on_device, &outs[0]), (1, &cpu(&all[0], &rows)));
+    assert_eq!(tier.telemetry().vram_hits, 1, "the warmed pin was a hit");
+    // A device backing off after a fault warms nothing.
+    device.fail_next(GpuError::Device("VK_ERROR_UNKNOWN".into()));
+    step(&tier, now, &all, &[0], &rows);
+    assert!(!tier.warm(now, key(0, 1), &all[1]));
+    assert!(!tier.is_resident(key(0, 1)));
+}
+
 #[test]
 fn health_backs_off_doubling_to_a_ceiling_and_recovers() {
     let t0 = Instant::now();

@@ -362,6 +362,7 @@ impl ExpertStore {
             });
         }
         let slots_per_layer = ((capacity / moe_layers as u64) as usize).min(spec.moe.num_experts);
+        let mut vram_pins: Vec<(usize, u32)> = Vec::new();
         let pins = match (&opts.assigned, &opts.usage) {
             (Some(a), _) => a.iter().map(|l| l.iter().copied().take(slots_per_layer.saturating_sub(top_k)).collect()).collect(),
             (None, Some(u)) => {
@@ -373,8 +374,12 @@ impl ExpertStore {
                 let per_layer: Vec<(usize, Vec<u16>)> =
                     spec.layers.iter().zip(hottest).enumerate().filter(|(_, (k, _))| **k == LayerMlp::Moe).map(|(l, (_, p))| (l, p)).collect();
                 if let Some(a) = opts.accelerator.as_ref().filter(|_| above > 0) {
-                    let vram: Vec<(usize, u32)> = per_layer.iter().flat_map(|(l, hot)| hot.iter().take(above).map(move |e| (*l, *e as u32))).collect();
-                    a.pin(&vram);
+                    // By rank, then layer: warming at start reaches every layer's hottest first.
+                    let mut ranked: Vec<(usize, usize, u32)> =
+                        per_layer.iter().flat_map(|(l, hot)| hot.iter().take(above).enumerate().map(move |(rank, e)| (rank, *l, *e as u32))).collect();
+                    ranked.sort_unstable();
+                    vram_pins = ranked.into_iter().map(|(_, l, e)| (l, e)).collect();
+                    a.pin(&vram_pins);
                 }
                 per_layer.into_iter().map(|(_, hot)| hot.into_iter().skip(above).collect()).collect()
             }
@@ -481,9 +486,17 @@ impl ExpertStore {
         };
         #[cfg(not(target_os = "linux"))]
         let readers = inner.spawn_readers();
-        let store = ExpertStore { inner, readers };
+        let mut store = ExpertStore { inner, readers };
         if opts.prefetch {
             store.warm_pins();
+            if !vram_pins.is_empty() {
+                let inner = store.inner.clone();
+                let warming = std::thread::Builder::new().name("vram-warm".into()).spawn(move || inner.warm_vram_pins(&vram_pins));
+                match warming {
+                    Ok(handle) => store.readers.push(handle),
+                    Err(e) => tracing::warn!("cannot start warming the VRAM pins ({e}): they are uploaded on first use"),
+                }
+            }
         }
         Ok(store)
     }
@@ -877,6 +890,33 @@ impl Inner {
         st.prefetched_unused.insert(key);
         self.counters.prefetch_issued.fetch_add(1, Ordering::Relaxed);
         Some(Job { key, layer: self.layer_of_position(key.0), expert: key.1 as usize, pending, prefetch: true })
+    }
+
+    /// Reads each VRAM pin and hands it to the accelerator to upload, one at a time, so the first
+    /// tokens find them on the device instead of uploading them on the way. Stops when the store
+    /// shuts down or the accelerator declines one (full, backing off after a fault, or a format
+    /// it cannot compute: the rest would be declined too). These reads are the tier's: they stay
+    /// out of the RAM tier's slots and counters.
+    fn warm_vram_pins(&self, pins: &[(usize, u32)]) {
+        let Some(a) = self.accelerator.as_deref() else { return };
+        for &(layer, expert) in pins {
+            if lock(&self.queues).shutdown {
+                return;
+            }
+            if a.holds(layer, expert) {
+                continue;
+            }
+            match self.source.read(layer, expert as usize) {
+                Ok((weights, _)) => {
+                    if !a.warm(layer, expert, &weights) {
+                        tracing::debug!("the accelerator declined pinned expert {expert} of layer {layer}: the rest are uploaded on first use");
+                        return;
+                    }
+                }
+                // Read again, with its error reported, when a step wants it.
+                Err(e) => tracing::debug!("warming pinned expert {expert} of layer {layer}: {e}"),
+            }
+        }
     }
 
     fn telemetry(&self) -> StoreTelemetry {
