@@ -276,6 +276,29 @@ pub fn engine_with_experts_as(dir: &Path, scheme: shimmer_common::quant::QuantSc
     shimmer_coordinator::Engine::new(&model, dense, shimmer_coordinator::engine::Experts::InProcess(Box::new(experts))).unwrap()
 }
 
+/// Every logit of a teacher-forced 20-token pass (as bits) and a 10-token greedy continuation of
+/// its first six: what "the same model" means to a placement test.
+pub fn logits_and_greedy(engine: &shimmer_coordinator::Engine) -> (Vec<u32>, Vec<u32>) {
+    let v = engine.spec.vocab_size as u32;
+    let ids: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % v.min(400)).collect();
+    let logits: Vec<u32> = engine.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
+    let mut session = engine.new_session();
+    let opts =
+        shimmer_coordinator::engine::GenerateOptions { max_tokens: 10, sampling: shimmer_coordinator::sampling::SamplingParams::default(), stop: vec![] };
+    let gen = engine.generate(&mut session, &ids[..6], &opts, |_| true).unwrap();
+    (logits, gen.output_ids)
+}
+
+/// Panics naming the first logit that differs, or the greedy tokens.
+#[track_caller]
+pub fn assert_same_answers(got: &(Vec<u32>, Vec<u32>), want: &(Vec<u32>, Vec<u32>), what: &str) {
+    if let Some(i) = got.0.iter().zip(&want.0).position(|(a, b)| a != b) {
+        panic!("{what}: logit {i} differs: {} vs {}", f32::from_bits(got.0[i]), f32::from_bits(want.0[i]));
+    }
+    assert_eq!(got.0.len(), want.0.len(), "{what}: logit count");
+    assert_eq!(got.1, want.1, "{what}: greedy tokens");
+}
+
 /// An operator's CA in `dir` and, per label, a certificate it signs for `hosts` (IP addresses or
 /// names; usable by a server and a client): PEM paths (ca, [(cert, key)]).
 pub fn operator_ca(dir: &std::path::Path, ca_label: &str, leaves: &[&str], hosts: &[&str]) -> (String, Vec<(String, String)>) {

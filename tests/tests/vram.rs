@@ -9,8 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shimmer_coordinator::engine::{Engine, ExpertOptions, GenerateOptions, RamBudget, UsageFile};
-use shimmer_coordinator::sampling::SamplingParams;
+use shimmer_coordinator::engine::{Engine, ExpertOptions, RamBudget, UsageFile};
 use shimmer_gpu::vulkan::VulkanDevice;
 use shimmer_gpu::VramTier;
 use shimmer_tests::{fixture, fixtures, shimmer};
@@ -19,24 +18,13 @@ fn demo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
 }
 
-/// All logits of a teacher-forced pass (as bits) and a greedy continuation.
 fn answers(engine: &Engine) -> (Vec<u32>, Vec<u32>) {
-    let v = engine.spec.vocab_size as u32;
-    let ids: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % v.min(400)).collect();
-    let logits: Vec<u32> = engine.logits_all(&ids).unwrap().iter().map(|x| x.to_bits()).collect();
-    let mut session = engine.new_session();
-    let opts = GenerateOptions { max_tokens: 10, sampling: SamplingParams::default(), stop: vec![] };
-    let gen = engine.generate(&mut session, &ids[..6], &opts, |_| true).unwrap();
-    (logits, gen.output_ids)
+    shimmer_tests::logits_and_greedy(engine)
 }
 
 #[track_caller]
 fn same(got: &(Vec<u32>, Vec<u32>), want: &(Vec<u32>, Vec<u32>), what: &str) {
-    if let Some(i) = got.0.iter().zip(&want.0).position(|(a, b)| a != b) {
-        panic!("{what}: logit {i} differs: {} vs {}", f32::from_bits(got.0[i]), f32::from_bits(want.0[i]));
-    }
-    assert_eq!(got.0.len(), want.0.len(), "{what}: logit count");
-    assert_eq!(got.1, want.1, "{what}: greedy tokens");
+    shimmer_tests::assert_same_answers(got, want, what)
 }
 
 fn tier(budget: u64, fault_every: Option<u64>) -> Arc<VramTier> {

@@ -271,6 +271,13 @@ impl DeviceExpert {
     pub fn intermediate(&self) -> usize {
         self.gate.rows
     }
+
+    /// A second name for the same allocation, for a `Job` submitted while the tier's lock is
+    /// released (the tier keeps the expert resident until the job is done). Never released
+    /// itself: only the tier's own `DeviceExpert` is.
+    pub(crate) fn view(&self) -> DeviceExpert {
+        DeviceExpert { handle: self.handle, bytes: self.bytes, gate: self.gate, up: self.up, down: self.down }
+    }
 }
 
 /// One expert over the rows that chose it: `rows` is `n × hidden`, row-major.

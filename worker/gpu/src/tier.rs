@@ -337,6 +337,12 @@ struct TierState {
     health: Health,
     /// Experts the device cannot compute (their format): asked once, then left on the CPU.
     unsupported: HashSet<ExpertKey>,
+    /// Experts of submissions running with the lock released (one entry per submission that
+    /// holds one): never evicted meanwhile.
+    in_flight: Vec<ExpertKey>,
+    /// Counts losses of the device (every resident expert released): a submission that saw
+    /// another value when it started discards its outputs.
+    losses: u64,
 }
 
 /// Reads `SHIMMER_GPU_FAULT`: a positive integer, or an error naming the value.
@@ -361,6 +367,8 @@ impl VramTier {
                 resident: HashMap::new(),
                 health: Health::default(),
                 unsupported: HashSet::new(),
+                in_flight: Vec::new(),
+                losses: 0,
             }),
             counters: GpuCounters::default(),
             fault_every,
@@ -449,13 +457,29 @@ impl VramTier {
         }
         if !on_device.is_empty() && state.health.usable(now) {
             let n = self.submissions.fetch_add(1, Ordering::Relaxed) + 1;
+            // The device runs the submission with the tier's lock released, so another thread
+            // (the CPU's share of the same layer) can have its experts placed meanwhile; the
+            // experts in flight cannot be evicted until it is done.
+            let views: Vec<DeviceExpert> = on_device.iter().map(|&i| state.resident[&jobs[i].key].view()).collect();
+            let losses = state.losses;
+            state.in_flight.extend_from_slice(&busy);
+            drop(state);
             let result = if self.fault_every.is_some_and(|every| n.is_multiple_of(every)) {
                 Err(GpuError::Injected)
             } else {
-                let device_jobs: Vec<Job<'_>> = on_device.iter().map(|&i| Job { expert: &state.resident[&jobs[i].key], rows: jobs[i].rows }).collect();
+                let device_jobs: Vec<Job<'_>> = on_device.iter().zip(&views).map(|(&i, expert)| Job { expert, rows: jobs[i].rows }).collect();
                 self.device.forward(&device_jobs)
             };
+            state = self.state();
+            for k in &busy {
+                if let Some(at) = state.in_flight.iter().position(|f| f == k) {
+                    state.in_flight.swap_remove(at);
+                }
+            }
             match result {
+                // The device was lost meanwhile (its experts released): whatever this
+                // submission returned is not trusted; the CPU computes these experts.
+                _ if state.losses != losses => {}
                 Ok(outputs) if outputs.len() == on_device.len() => {
                     state.health.success();
                     for (&i, ys) in on_device.iter().zip(outputs) {
@@ -479,6 +503,14 @@ impl VramTier {
         if state.unsupported.contains(&job.key) {
             return false;
         }
+        // Experts another submission is computing are as busy as this step's own.
+        let with_flights: Vec<ExpertKey>;
+        let busy = if state.in_flight.is_empty() {
+            busy
+        } else {
+            with_flights = busy.iter().chain(&state.in_flight).copied().collect();
+            &with_flights
+        };
         let Some(expert) = job.expert else {
             // No weights at hand: only a resident expert can run (and counts as used).
             return state.residency.is_resident(job.key) && state.residency.request(job.key, 0, rows_of(job), busy) == Decision::Hit;
@@ -568,6 +600,7 @@ impl VramTier {
         tracing::warn!("GPU fault ({}): {e}; its experts run on the CPU, device retried in {rest:?}", e.kind());
         if matches!(e, GpuError::Lost(_)) {
             // A lost device's memory is gone: everything is uploaded again when it comes back.
+            state.losses += 1;
             for (k, resident) in state.resident.drain() {
                 self.device.release(resident);
                 state.residency.evicted(k);

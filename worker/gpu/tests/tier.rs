@@ -353,3 +353,88 @@ fn jobs_without_weights_run_only_on_resident_experts() {
     use shimmer_experts::Accelerator;
     assert!(tier.holds(0, 0) && !tier.holds(0, 1) && !tier.holds(1, 0));
 }
+
+/// A device whose submissions wait at a gate the test opens: a submission "in flight".
+struct Gated {
+    inner: FakeDevice,
+    /// (submissions waiting at the gate, gate open)
+    gate: std::sync::Mutex<(usize, bool)>,
+    changed: std::sync::Condvar,
+}
+
+use shimmer_gpu::device::Device;
+
+impl Device for Gated {
+    fn name(&self) -> String {
+        "gated".into()
+    }
+    fn memory_bytes(&self) -> u64 {
+        self.inner.memory_bytes()
+    }
+    fn upload(&self, image: &shimmer_gpu::device::ExpertImage) -> Result<shimmer_gpu::DeviceExpert, GpuError> {
+        self.inner.upload(image)
+    }
+    fn release(&self, expert: shimmer_gpu::DeviceExpert) {
+        self.inner.release(expert)
+    }
+    fn forward(&self, jobs: &[shimmer_gpu::device::Job<'_>]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let mut g = self.gate.lock().unwrap();
+        g.0 += 1;
+        self.changed.notify_all();
+        while !g.1 {
+            g = self.changed.wait(g).unwrap();
+        }
+        drop(g);
+        self.inner.forward(jobs)
+    }
+}
+
+/// A submission runs with the tier's lock released: while one is in flight another thread's
+/// experts are placed (here: left on the CPU at once, since the only room is the in-flight
+/// expert's, which must not be evicted), and the in-flight one still returns the CPU's bits.
+#[test]
+fn a_submission_in_flight_leaves_the_tier_to_other_threads_and_keeps_its_experts() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(2, hidden, inter);
+    let bytes = all[0].bytes() as u64;
+    let device = std::sync::Arc::new(Gated { inner: FakeDevice::new(1 << 30), gate: Default::default(), changed: Default::default() });
+    // Room for one expert; expert 0 resident first (the gate open for its upload's step).
+    let tier = VramTier::new(Box::new(device.clone()), bytes, None);
+    let rows: Vec<f32> = (0..hidden).map(|i| i as f32 / 8.0 - 2.0).collect();
+    let now = Instant::now();
+    device.gate.lock().unwrap().1 = true;
+    step(&tier, now, &all, &[0], &rows);
+    assert!(tier.is_resident(key(0, 0)));
+    device.gate.lock().unwrap().1 = false;
+    std::thread::scope(|s| {
+        let in_flight = s.spawn(|| tier.forward(now, &[TierJob { key: key(0, 0), expert: None, rows: &rows }]));
+        {
+            let mut g = device.gate.lock().unwrap();
+            while g.0 < 2 {
+                g = device.changed.wait(g).unwrap();
+            }
+        }
+        // Expert 1, asked for often enough to displace expert 0 if it were idle — on a thread
+        // of its own, so that a tier holding its lock through the submission fails the test
+        // instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (tier, all, rows) = (&tier, &all, &rows);
+        s.spawn(move || {
+            let got: Vec<_> = (0..8).map(|_| tier.forward(now, &[TierJob { key: key(0, 1), expert: Some(&all[1]), rows }])).collect();
+            let _ = tx.send((got, tier.is_resident(key(0, 0))));
+        });
+        let placed = rx.recv_timeout(Duration::from_secs(30));
+        {
+            let mut g = device.gate.lock().unwrap();
+            g.1 = true;
+            device.changed.notify_all();
+        }
+        let (got, kept) = placed.expect("another thread's experts were placed while a submission was in flight");
+        assert!(got.iter().all(|g| *g == vec![None]), "the only room is in flight: the CPU computes expert 1");
+        assert!(kept, "an expert in flight is not evicted");
+        assert_eq!(in_flight.join().unwrap(), vec![Some(cpu(&all[0], rows))]);
+    });
+    // Once it is done, expert 1 (asked for more often) displaces it.
+    assert_eq!(tier.forward(now, &[TierJob { key: key(0, 1), expert: Some(&all[1]), rows: &rows }]), vec![Some(cpu(&all[1], &rows))]);
+    assert!(!tier.is_resident(key(0, 0)));
+}

@@ -2,7 +2,7 @@
 //! container's experts file or an unconverted checkpoint — and the container format itself.
 //!
 //! Owns: the tiered expert store (this file; DESIGN.md §4), reading and verifying blobs
-//! (`source`), the sans-IO cache policies and Belady's optimum (`policy`), routing-trace replay
+//! (`source`), the accelerator's share of a layer on a thread of its own (`offload`), the sans-IO cache policies and Belady's optimum (`policy`), routing-trace replay
 //! against them (`trace_analysis`), the container's manifest (`container`) and the converter that
 //! writes it (`convert`), and the routing-heat file pins are learned from (`usage`).
 //!
@@ -24,7 +24,8 @@
 //!   submits each batch with one system call and hands large blobs to decoder threads.
 //! - Batch-union: each expert a batch selects is read at most once and applied to every row that
 //!   chose it; compute starts on resident experts while the missing ones are being read, and each
-//!   read expert is computed as soon as it arrives.
+//!   read expert is computed as soon as it arrives. The experts an accelerator holds are
+//!   computed meanwhile on its own thread (`offload`).
 //!
 //! Must never: change which expert a row uses or the arithmetic applied to it (the sums are the
 //! same fixed-point accumulation as `dispatch.rs`), serve bytes whose checksum failed, or let a
@@ -33,6 +34,7 @@
 pub mod container;
 pub mod convert;
 pub mod gguf_import;
+mod offload;
 pub mod policy;
 pub mod probe;
 pub mod source;
@@ -54,7 +56,7 @@ use shimmer_common::ModelSpec;
 
 use crate::policy::{Decision, HintStep, Key, LayerLru};
 use crate::usage::Usage;
-use shimmer_experts::{AccelJob, Accelerator, DispatchError, Expert, ExpertDispatch, MoeBatch};
+use shimmer_experts::{Accelerator, DispatchError, Expert, ExpertDispatch, MoeBatch};
 pub use source::Source;
 
 pub const DEFAULT_IO_DEPTH: usize = 16;
@@ -310,6 +312,8 @@ struct Inner {
     usage: Mutex<Option<Usage>>,
     telemetry_base: StoreTelemetry,
     accelerator: Option<Arc<dyn Accelerator>>,
+    /// The accelerator's share of each layer, on a thread of its own.
+    offload: Option<offload::Offload>,
     /// Wakes the ring's thread (when reads go through io_uring).
     #[cfg(target_os = "linux")]
     ring_waker: Option<uring::Waker>,
@@ -453,6 +457,7 @@ impl ExpertStore {
             counters: Counters::default(),
             usage: Mutex::new(opts.usage),
             telemetry_base,
+            offload: opts.accelerator.clone().map(offload::Offload::start),
             accelerator: opts.accelerator,
             #[cfg(target_os = "linux")]
             ring_waker: ring.as_ref().map(uring::Ring::waker),
@@ -610,6 +615,9 @@ impl ExpertStore {
 
 impl Drop for ExpertStore {
     fn drop(&mut self) {
+        if let Some(o) = &self.inner.offload {
+            o.stop();
+        }
         lock(&self.inner.queues).shutdown = true;
         self.inner.wake_all();
         for r in self.readers.drain(..) {
@@ -1022,21 +1030,18 @@ impl ExpertDispatch for ExpertStore {
         let (on_device, keys): (Vec<Key>, Vec<Key>) = keys.partition(|k| accelerator.is_some_and(|a| a.holds(layer, k.1 as u32)));
         let on_device: Vec<usize> = on_device.into_iter().map(|k| k.1 as usize).collect();
         self.look_up(layer, keys, &mut ready, &mut waiting);
-        if let Some(a) = accelerator.filter(|_| !on_device.is_empty()) {
-            let gathered: Vec<Vec<f32>> = on_device.iter().map(|&e| shimmer_experts::dispatch::gather_rows(batch, &users[e])).collect();
-            let jobs: Vec<AccelJob<'_>> = on_device.iter().zip(&gathered).map(|(&e, xs)| AccelJob { expert: e as u32, weights: None, rows: xs }).collect();
-            let outputs = a.forward(layer, &jobs);
-            let mut declined = Vec::new();
-            for (i, &e) in on_device.iter().enumerate() {
-                match outputs.get(i).and_then(Option::as_ref) {
-                    Some(ys) if ys.len() == gathered[i].len() => shimmer_experts::dispatch::add_weighted(batch, &users[e], ys, acc)?,
-                    // A fault, or evicted meanwhile: from RAM or disk like any other expert.
-                    _ => declined.push((pos, e as u16)),
-                }
+        // The accelerator's share runs on its own thread while this one computes the CPU's (if
+        // there is any): a layer split between VRAM and RAM takes the longer of the two.
+        let mut device_share = match (&inner.offload, on_device.is_empty()) {
+            (Some(o), false) => {
+                let rows: Vec<Vec<f32>> = on_device.iter().map(|&e| shimmer_experts::dispatch::gather_rows(batch, &users[e])).collect();
+                let overlap = !ready.is_empty() || !waiting.is_empty();
+                Some(o.submit(layer, on_device.iter().map(|&e| e as u32).collect(), rows, overlap))
             }
-            self.look_up(layer, declined, &mut ready, &mut waiting);
-        }
-        // Compute what is ready while the rest is read; then each read expert as it arrives.
+            _ => None,
+        };
+        // Compute what is ready while the rest is read; then each read expert as it arrives;
+        // then what the accelerator declined (a fault, or evicted meanwhile), from RAM or disk.
         loop {
             if !ready.is_empty() {
                 let work: Vec<shimmer_experts::dispatch::Work<'_>> = ready.iter().map(|(e, x)| (*e as u32, x.as_ref(), users[*e].as_slice())).collect();
@@ -1044,7 +1049,17 @@ impl ExpertDispatch for ExpertStore {
                 ready.clear();
             }
             if waiting.is_empty() {
-                return Ok(());
+                let Some(share) = device_share.take() else { return Ok(()) };
+                let outputs = share.wait();
+                let mut declined = Vec::new();
+                for (i, &e) in on_device.iter().enumerate() {
+                    match outputs.get(i).and_then(Option::as_ref) {
+                        Some(ys) if ys.len() == users[e].len() * batch.hidden => shimmer_experts::dispatch::add_weighted(batch, &users[e], ys, acc)?,
+                        _ => declined.push((pos, e as u16)),
+                    }
+                }
+                self.look_up(layer, declined, &mut ready, &mut waiting);
+                continue;
             }
             // Take everything already read; if nothing is, wait for the first outstanding read.
             let mut still = Vec::new();
