@@ -2,9 +2,10 @@
 //! container's experts file or an unconverted checkpoint — and the container format itself.
 //!
 //! Owns: the tiered expert store (this file; DESIGN.md §4), reading and verifying blobs
-//! (`source`), the accelerator's share of a layer on a thread of its own (`offload`), the sans-IO cache policies and Belady's optimum (`policy`), routing-trace replay
-//! against them (`trace_analysis`), the container's manifest (`container`) and the converter that
-//! writes it (`convert`), and the routing-heat file pins are learned from (`usage`).
+//! (`source`), the accelerator's share of a layer on a thread of its own (`offload`), the
+//! sans-IO cache policies and Belady's optimum (`policy`), routing-trace replay against them
+//! (`trace_analysis`), the container's manifest (`container`) and the converter that writes it
+//! (`convert`), and the routing-heat file pins are learned from (`usage`).
 //!
 //! Must never: open a socket or start an async runtime; change which expert a row uses or the
 //! arithmetic applied to it; serve bytes whose checksum failed; let a failed read leave the
