@@ -70,6 +70,8 @@ pub struct Costs {
     pub upload_s_per_byte: Option<f64>,
     /// Seconds the CPU takes per expert byte and row.
     pub cpu_s_per_byte_row: Option<f64>,
+    /// Seconds the device takes per expert byte and row (a submission's time over its jobs).
+    pub device_s_per_byte_row: Option<f64>,
 }
 
 impl Costs {
@@ -135,6 +137,19 @@ impl Residency {
         }
     }
 
+    /// The device computed experts of `byte_rows` (expert bytes × rows) in one submission of
+    /// `seconds`.
+    pub fn device_took(&mut self, byte_rows: u64, seconds: f64) {
+        if byte_rows > 0 {
+            self.costs.device_s_per_byte_row = Costs::blend(self.costs.device_s_per_byte_row, seconds / byte_rows as f64);
+        }
+    }
+
+    /// The bytes a resident expert holds (as the CPU counts them).
+    pub fn bytes_of(&self, key: ExpertKey) -> Option<u64> {
+        self.resident.get(&key).map(|r| r.0)
+    }
+
     fn frequency(&self, key: &ExpertKey) -> u32 {
         self.frequency.get(key).copied().unwrap_or(0)
     }
@@ -161,13 +176,16 @@ impl Residency {
         if bytes > self.budget {
             return Decision::Cpu;
         }
-        // An upload must pay for itself over the uses this expert's frequency predicts — unless
-        // the expert is pinned: its learned heat already says it keeps coming back, and this
-        // run's few requests (and how fast the CPU happens to be) must not keep a pin off the
-        // device.
+        // An upload must pay for itself over the uses this expert's frequency predicts: the
+        // upload and the device's time for those uses at most the CPU's time for them (a device
+        // slower than this CPU gets no new experts) — unless the expert is pinned: its learned
+        // heat already says it keeps coming back, and this run's few requests (and how fast the
+        // CPU happens to be) must not keep a pin off the device.
         let pinned = self.pinned.contains(&key);
         if let (false, Some(up), Some(cpu)) = (pinned, self.costs.upload_s_per_byte, self.costs.cpu_s_per_byte_row) {
-            if up * bytes as f64 > cpu * (bytes * rows.max(1) as u64) as f64 * freq as f64 {
+            let uses = (bytes * rows.max(1) as u64) as f64 * freq as f64;
+            let device = self.costs.device_s_per_byte_row.unwrap_or(0.0);
+            if up * bytes as f64 + device * uses > cpu * uses {
                 return Decision::Cpu;
             }
         }
@@ -415,6 +433,11 @@ impl VramTier {
         self.state().residency.set_pins(keys);
     }
 
+    /// What the tier has measured: uploads, the device's and the CPU's compute.
+    pub fn costs(&self) -> Costs {
+        self.state().residency.costs()
+    }
+
     /// The pinned experts, in order.
     pub fn pins(&self) -> Vec<ExpertKey> {
         let mut pins = self.state().residency.pins();
@@ -464,12 +487,14 @@ impl VramTier {
             let losses = state.losses;
             state.in_flight.extend_from_slice(&busy);
             drop(state);
+            let started = std::time::Instant::now();
             let result = if self.fault_every.is_some_and(|every| n.is_multiple_of(every)) {
                 Err(GpuError::Injected)
             } else {
                 let device_jobs: Vec<Job<'_>> = on_device.iter().zip(&views).map(|(&i, expert)| Job { expert, rows: jobs[i].rows }).collect();
                 self.device.forward(&device_jobs)
             };
+            let took = started.elapsed().as_secs_f64();
             state = self.state();
             for k in &busy {
                 if let Some(at) = state.in_flight.iter().position(|f| f == k) {
@@ -482,6 +507,9 @@ impl VramTier {
                 _ if state.losses != losses => {}
                 Ok(outputs) if outputs.len() == on_device.len() => {
                     state.health.success();
+                    let rows = |i: usize, expert: &DeviceExpert| jobs[i].rows.len().checked_div(expert.hidden()).unwrap_or(1) as u64;
+                    let byte_rows: u64 = on_device.iter().zip(&views).map(|(&i, x)| state.residency.bytes_of(jobs[i].key).unwrap_or(0) * rows(i, x)).sum();
+                    state.residency.device_took(byte_rows, took);
                     for (&i, ys) in on_device.iter().zip(outputs) {
                         out[i] = Some(ys);
                     }

@@ -89,6 +89,40 @@ fn an_upload_must_pay_for_itself() {
     assert!(r.costs().upload_s_per_byte.is_some() && r.costs().cpu_s_per_byte_row.is_some());
 }
 
+/// The device's own time counts: an upload pays for itself only by what the device saves per
+/// use, so a device slower than this CPU gets no new experts however often they are asked for —
+/// except pins; a faster one needs the uses that its saving repays the upload in.
+#[test]
+fn an_upload_must_pay_for_itself_on_the_devices_time_too() {
+    let mut slow = Residency::new(1 << 20);
+    slow.uploaded_in(1000, 1e-3); // 1 µs a byte
+    slow.cpu_took(1000, 1e-3); // 1 µs a byte and row
+    slow.device_took(1000, 2e-3); // 2 µs a byte and row: slower than the CPU
+    slow.set_pins([key(0, 9)]);
+    for _ in 0..50 {
+        assert_eq!(slow.request(key(0, 1), 1000, 1, &[]), Decision::Cpu);
+    }
+    assert_eq!(slow.request(key(0, 9), 1000, 1, &[]), Decision::Admit { evict: vec![] }, "a pin whatever the costs");
+    let mut fast = Residency::new(1 << 20);
+    fast.uploaded_in(1000, 1e-3);
+    fast.cpu_took(1000, 1e-3);
+    fast.device_took(1000, 0.25e-3); // saves 0.75 µs a byte and row
+    assert_eq!(fast.request(key(0, 1), 1000, 1, &[]), Decision::Cpu, "1 ms to upload against 0.75 ms saved");
+    assert_eq!(fast.request(key(0, 1), 1000, 1, &[]), Decision::Admit { evict: vec![] }, "two uses save 1.5 ms");
+    assert!(fast.costs().device_s_per_byte_row.is_some());
+}
+
+/// The tier measures the device's time per byte and row from its submissions.
+#[test]
+fn the_tier_measures_the_devices_time() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(1, hidden, inter);
+    let tier = VramTier::new(Box::new(FakeDevice::new(1 << 30)), 1 << 30, None);
+    let rows: Vec<f32> = (0..3 * hidden).map(|i| i as f32 / 64.0 - 1.0).collect();
+    step(&tier, Instant::now(), &all, &[0], &rows);
+    assert!(tier.costs().device_s_per_byte_row.is_some_and(|s| s > 0.0), "{:?}", tier.costs());
+}
+
 /// A pinned expert is uploaded on its first request even where an unpinned one's upload would
 /// not pay for itself: the heat it was pinned for is the evidence (the VRAM test's pins once
 /// stayed on the CPU when the CPU kernels got faster).
