@@ -90,6 +90,36 @@ fn vram_ram_and_disk_splits_give_the_cpus_bits() {
     }
 }
 
+/// Two devices (two instances of the driver here): a layer's experts dealt out over both, the
+/// CPU's bits with the experts split across the two devices, RAM and disk, and both devices
+/// hold experts.
+#[test]
+fn two_devices_share_the_experts_with_the_cpus_bits() {
+    let dir = demo();
+    let want = answers(&open(&dir, None, None));
+    let e = expert_bytes(&dir);
+    let device = || Box::new(VulkanDevice::open().unwrap_or_else(|e| panic!("no usable Vulkan device ({e})"))) as Box<dyn shimmer_gpu::Device>;
+    let t = Arc::new(VramTier::on_devices(vec![(device(), 6 * e), (device(), 6 * e)], None));
+    let spec = shimmer_common::ModelSpec::from_dir(&dir).unwrap();
+    let moe = spec.layers.iter().filter(|k| **k == shimmer_common::spec::LayerMlp::Moe).count() as f64;
+    let ram = (moe * spec.moe.num_experts as f64 * 0.4) * e as f64 / 1e9;
+    let got = answers(&open(&dir, Some(ram), Some(t.clone())));
+    same(&got, &want, "two devices, RAM and disk");
+    let g = t.telemetry();
+    assert!(g.device_experts > 0 && g.resident_bytes <= 12 * e, "{g:?}");
+    let mut owners = std::collections::BTreeSet::new();
+    for (layer, kind) in spec.layers.iter().enumerate() {
+        if *kind == shimmer_common::spec::LayerMlp::Moe {
+            for (expert, held) in t.resident_in_layer(layer, spec.moe.num_experts).into_iter().enumerate() {
+                if held {
+                    owners.insert(t.owner(shimmer_gpu::ExpertKey { layer: layer as u32, expert: expert as u32 }));
+                }
+            }
+        }
+    }
+    assert_eq!(owners.into_iter().collect::<Vec<_>>(), vec![0, 1], "both devices hold experts ({g:?})");
+}
+
 /// `SHIMMER_GPU_FAULT`-style injection (every 2nd submission fails) and an expert budget that
 /// forces uploads: the failed submissions are recomputed on the CPU with the same bits.
 #[test]

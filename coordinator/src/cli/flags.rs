@@ -38,12 +38,14 @@ pub(super) struct StoreArgs {
     /// Neither read nor write routing heat.
     #[arg(long)]
     pub(super) no_usage: bool,
-    /// Compute experts on a GPU from its memory (the VRAM tier above RAM): `auto` uses a GPU
-    /// when this binary has a backend for it (cargo feature `vulkan`), `vulkan` insists (and also
-    /// accepts drivers that run on the CPU, such as lavapipe), `none` never.
+    /// Compute experts on GPUs from their memory (the VRAM tier above RAM): `auto` uses GPUs
+    /// when this binary has a backend for them (cargo features `cuda`, `vulkan`), `vulkan`
+    /// insists (and also accepts drivers that run on the CPU, such as lavapipe), `none` never.
+    /// Every device of the backend is used (all CUDA devices the driver shows, or every Vulkan
+    /// device of the best kind present), each holding its share of every layer's experts.
     #[arg(long, value_name = "auto|cuda|vulkan|none", default_value = "auto")]
     pub(super) gpu: shimmer_gpu::GpuChoice,
-    /// GPU memory for experts in GB (default: 90 % of the device's).
+    /// GPU memory for experts in GB on each device (default: 90 % of each device's).
     #[arg(long, value_name = "GB")]
     pub(super) vram_gb: Option<f64>,
 }

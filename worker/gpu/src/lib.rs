@@ -2,7 +2,8 @@
 //! giving the bits the CPU gives.
 //!
 //! Owns: the device seam (`Device`: upload an expert, compute a batch of experts over their
-//! rows), the tier over it (`VramTier`: which experts are resident under a byte budget, what
+//! rows), the tier over a node's devices (`VramTier`: which device each expert belongs to,
+//! which experts are resident under each device's byte budget, what
 //! runs on the device and what falls back to the CPU, faults and their back-off, the fault
 //! injection hook `SHIMMER_GPU_FAULT`), and the backends: Vulkan through `ash` (feature
 //! `vulkan`, shaders in `shaders/`), CUDA through `cudarc` (feature `cuda`, kernels in `cuda/`),
@@ -84,13 +85,108 @@ pub fn open(choice: GpuChoice) -> Result<Option<Box<dyn Device>>, GpuError> {
     }
 }
 
-/// The VRAM tier on the device `choice` names, holding at most `budget_bytes` (default: 90 % of
-/// the device's memory); `SHIMMER_GPU_FAULT` read here.
+/// Every device of the backend `choice` names, each opened and self-tested: all CUDA devices
+/// the driver shows (`CUDA_VISIBLE_DEVICES` narrows them), or every Vulkan device of the best
+/// kind present (`vulkan::best_devices`). A device that fails to open or its self-test is left
+/// out with a warning while others open; `Ok(empty)` for `none`, and for `auto` when there is no
+/// usable GPU.
+pub fn open_all(choice: GpuChoice) -> Result<Vec<Box<dyn Device>>, GpuError> {
+    match choice {
+        GpuChoice::None => Ok(Vec::new()),
+        GpuChoice::Cuda => open_every(cuda_devices()?, open_cuda_at),
+        GpuChoice::Vulkan => open_every(vulkan_devices(true)?, |i| open_vulkan_at(true, i)),
+        GpuChoice::Auto => {
+            let cuda = cuda_devices().and_then(|n| open_every(n, open_cuda_at));
+            let found = cuda.or_else(|cuda| vulkan_devices(false).and_then(|v| open_every(v, |i| open_vulkan_at(false, i))).map_err(|vulkan| (cuda, vulkan)));
+            match found {
+                Ok(devices) => Ok(devices),
+                Err((cuda, vulkan)) => {
+                    tracing::info!("no GPU: {cuda}; {vulkan}");
+                    Ok(Vec::new())
+                }
+            }
+        }
+    }
+}
+
+/// Opens each of `which`; the devices that opened, or the first error when none did.
+fn open_every(which: Vec<usize>, open: impl Fn(usize) -> Result<Box<dyn Device>, GpuError>) -> Result<Vec<Box<dyn Device>>, GpuError> {
+    let mut devices = Vec::new();
+    let mut first_error = None;
+    for i in which {
+        match open(i) {
+            Ok(d) => devices.push(d),
+            Err(e) => {
+                tracing::warn!("GPU {i} is not used: {e}");
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match (devices.is_empty(), first_error) {
+        (true, Some(e)) => Err(e),
+        (true, None) => Err(GpuError::Unavailable("no device".into())),
+        _ => Ok(devices),
+    }
+}
+
+/// The VRAM tier over every device `choice` names (`open_all`), each holding at most
+/// `budget_bytes` (default: 90 % of its memory); `SHIMMER_GPU_FAULT` read here.
 pub fn tier(choice: GpuChoice, budget_bytes: Option<u64>) -> Result<Option<std::sync::Arc<VramTier>>, GpuError> {
     let fault_every = tier::fault_every_from_env().map_err(GpuError::Unavailable)?;
-    let Some(device) = open(choice)? else { return Ok(None) };
-    let budget = budget_bytes.unwrap_or(device.memory_bytes() / 10 * 9);
-    Ok(Some(std::sync::Arc::new(VramTier::new(device, budget, fault_every))))
+    let devices = open_all(choice)?;
+    if devices.is_empty() {
+        return Ok(None);
+    }
+    let budgeted = devices.into_iter().map(|d| {
+        let budget = budget_bytes.unwrap_or(d.memory_bytes() / 10 * 9);
+        (d, budget)
+    });
+    Ok(Some(std::sync::Arc::new(VramTier::on_devices(budgeted.collect(), fault_every))))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<Vec<usize>, GpuError> {
+    // SAFETY: loading the driver library to see whether it is there (its initialisers run).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(GpuError::Unavailable("no CUDA driver (libcuda.so.1 cannot be loaded)".into()));
+    }
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| GpuError::Unavailable(format!("counting CUDA devices: {e}")))?;
+    Ok((0..n.max(0) as usize).collect())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Result<Vec<usize>, GpuError> {
+    open_cuda().map(|_| Vec::new())
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda_at(ordinal: usize) -> Result<Box<dyn Device>, GpuError> {
+    Ok(Box::new(cuda::CudaDevice::open(ordinal)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda_at(_ordinal: usize) -> Result<Box<dyn Device>, GpuError> {
+    open_cuda()
+}
+
+#[cfg(feature = "vulkan")]
+fn vulkan_devices(cpu_drivers: bool) -> Result<Vec<usize>, GpuError> {
+    vulkan::best_devices(cpu_drivers)
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn vulkan_devices(cpu_drivers: bool) -> Result<Vec<usize>, GpuError> {
+    open_vulkan(cpu_drivers).map(|_| Vec::new())
+}
+
+#[cfg(feature = "vulkan")]
+fn open_vulkan_at(cpu_drivers: bool, index: usize) -> Result<Box<dyn Device>, GpuError> {
+    Ok(Box::new(vulkan::VulkanDevice::open_with(&vulkan::Options { cpu_drivers, device_index: Some(index), ..vulkan::Options::default() })?))
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn open_vulkan_at(cpu_drivers: bool, _index: usize) -> Result<Box<dyn Device>, GpuError> {
+    open_vulkan(cpu_drivers)
 }
 
 #[cfg(feature = "cuda")]

@@ -339,14 +339,47 @@ pub struct TierJob<'a> {
     pub rows: &'a [f32],
 }
 
-/// A device, the experts resident on it and the decisions above.
+/// The devices of a node, the experts resident on each and the decisions above. Each expert
+/// belongs to one device (`VramTier::owner`: a layer's experts spread over all of them), so
+/// several GPUs hold several times the experts and compute a layer's share in parallel.
 pub struct VramTier {
-    device: Box<dyn Device>,
-    state: Mutex<TierState>,
+    parts: Vec<Part>,
     counters: GpuCounters,
     /// `SHIMMER_GPU_FAULT=N`: the N-th and every N-th later submission fails.
     fault_every: Option<u64>,
     submissions: AtomicU64,
+}
+
+/// One device and what it holds.
+struct Part {
+    device: Box<dyn Device>,
+    state: Mutex<TierState>,
+    /// This device's share of the tier's resident gauges.
+    resident_bytes: AtomicU64,
+    resident_experts: AtomicU64,
+}
+
+impl Part {
+    fn new(device: Box<dyn Device>, budget: u64) -> Self {
+        let budget = budget.min(device.memory_bytes());
+        Part {
+            device,
+            state: Mutex::new(TierState {
+                residency: Residency::new(budget),
+                resident: HashMap::new(),
+                health: Health::default(),
+                unsupported: HashSet::new(),
+                in_flight: Vec::new(),
+                losses: 0,
+            }),
+            resident_bytes: AtomicU64::new(0),
+            resident_experts: AtomicU64::new(0),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, TierState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 struct TierState {
@@ -377,29 +410,33 @@ pub fn fault_every_from_env() -> Result<Option<u64>, String> {
 impl VramTier {
     /// A tier on `device` holding at most `budget` bytes (capped at the device's memory).
     pub fn new(device: Box<dyn Device>, budget: u64, fault_every: Option<u64>) -> Self {
-        let budget = budget.min(device.memory_bytes());
+        Self::on_devices(vec![(device, budget)], fault_every)
+    }
+
+    /// A tier over several devices of one node, each holding at most its budget in bytes
+    /// (capped at its memory). At least one device.
+    pub fn on_devices(devices: Vec<(Box<dyn Device>, u64)>, fault_every: Option<u64>) -> Self {
+        assert!(!devices.is_empty(), "a VRAM tier needs a device");
         VramTier {
-            device,
-            state: Mutex::new(TierState {
-                residency: Residency::new(budget),
-                resident: HashMap::new(),
-                health: Health::default(),
-                unsupported: HashSet::new(),
-                in_flight: Vec::new(),
-                losses: 0,
-            }),
+            parts: devices.into_iter().map(|(d, budget)| Part::new(d, budget)).collect(),
             counters: GpuCounters::default(),
             fault_every,
             submissions: AtomicU64::new(0),
         }
     }
 
+    /// The devices, named as the banner shows them.
     pub fn device_name(&self) -> String {
-        self.device.name()
+        self.parts.iter().map(|p| p.device.name()).collect::<Vec<_>>().join("; ")
     }
 
+    pub fn devices(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// The bytes all devices together may hold.
     pub fn budget(&self) -> u64 {
-        self.state().residency.budget()
+        self.parts.iter().map(|p| p.state().residency.budget()).sum()
     }
 
     pub fn counters(&self) -> &GpuCounters {
@@ -410,7 +447,7 @@ impl VramTier {
         let c = &self.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         GpuTelemetry {
-            device: self.device.name(),
+            device: self.device_name(),
             budget_bytes: self.budget(),
             resident_bytes: load(&c.resident_bytes),
             resident_experts: load(&c.resident_experts),
@@ -424,42 +461,88 @@ impl VramTier {
         }
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, TierState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// The device an expert belongs to: a layer's experts dealt out over the devices in turn,
+    /// each layer starting one further on, so that every device holds a share of every layer.
+    pub fn owner(&self, key: ExpertKey) -> usize {
+        (key.layer as usize + key.expert as usize) % self.parts.len()
     }
 
-    /// Keeps `keys` resident once they are uploaded (the store's learned pins).
+    fn part(&self, key: ExpertKey) -> &Part {
+        &self.parts[self.owner(key)]
+    }
+
+    /// Keeps `keys` resident once they are uploaded (the store's learned pins), each on the
+    /// device it belongs to.
     pub fn set_pins(&self, keys: impl IntoIterator<Item = ExpertKey>) {
-        self.state().residency.set_pins(keys);
+        let mut each: Vec<Vec<ExpertKey>> = vec![Vec::new(); self.parts.len()];
+        for k in keys {
+            each[self.owner(k)].push(k);
+        }
+        for (part, keys) in self.parts.iter().zip(each) {
+            part.state().residency.set_pins(keys);
+        }
     }
 
-    /// What the tier has measured: uploads, the device's and the CPU's compute.
+    /// What the first device's residency has measured: uploads, its compute and the CPU's.
     pub fn costs(&self) -> Costs {
-        self.state().residency.costs()
+        self.parts[0].state().residency.costs()
     }
 
     /// The pinned experts, in order.
     pub fn pins(&self) -> Vec<ExpertKey> {
-        let mut pins = self.state().residency.pins();
+        let mut pins: Vec<ExpertKey> = self.parts.iter().flat_map(|p| p.state().residency.pins()).collect();
         pins.sort_unstable();
         pins
     }
 
     pub fn is_resident(&self, key: ExpertKey) -> bool {
-        self.state().residency.is_resident(key)
+        self.part(key).state().residency.is_resident(key)
     }
 
     /// Which of `experts` experts of `layer` are resident (the dashboard's Brain).
     pub fn resident_in_layer(&self, layer: usize, experts: usize) -> Vec<bool> {
-        let state = self.state();
-        (0..experts).map(|e| state.residency.is_resident(ExpertKey { layer: layer as u32, expert: e as u32 })).collect()
+        (0..experts).map(|e| self.is_resident(ExpertKey { layer: layer as u32, expert: e as u32 })).collect()
     }
 
-    /// Computes what it can of `jobs` on the device: for each job its outputs, or `None` for
-    /// the caller to compute on the CPU.
+    /// Computes what it can of `jobs` on the devices, each device its own experts at the same
+    /// time as the others: for each job its outputs, or `None` for the caller to compute on the
+    /// CPU.
     pub fn forward(&self, now: Instant, jobs: &[TierJob<'_>]) -> Vec<Option<Vec<f32>>> {
+        if let [only] = self.parts.as_slice() {
+            return self.forward_on(only, now, jobs);
+        }
+        let mut each: Vec<Vec<usize>> = vec![Vec::new(); self.parts.len()];
+        for (i, job) in jobs.iter().enumerate() {
+            each[self.owner(job.key)].push(i);
+        }
+        let run = |part: &Part, mine: &[usize]| {
+            let subset: Vec<TierJob<'_>> = mine.iter().map(|&i| TierJob { key: jobs[i].key, expert: jobs[i].expert, rows: jobs[i].rows }).collect();
+            self.forward_on(part, now, &subset)
+        };
+        let busy: Vec<(usize, &Part)> = self.parts.iter().enumerate().filter(|(d, _)| !each[*d].is_empty()).collect();
+        let results: Vec<(usize, Vec<Option<Vec<f32>>>)> = match busy.as_slice() {
+            [] => Vec::new(),
+            [(d, part)] => vec![(*d, run(part, &each[*d]))],
+            // Several devices: each submission from a thread of its own, so that they run together.
+            _ => std::thread::scope(|s| {
+                let (run, each) = (&run, &each);
+                let handles: Vec<_> = busy.iter().map(|&(d, part)| (d, s.spawn(move || run(part, &each[d])))).collect();
+                handles.into_iter().map(|(d, h)| (d, h.join().unwrap_or_else(|_| vec![None; each[d].len()]))).collect()
+            }),
+        };
         let mut out: Vec<Option<Vec<f32>>> = jobs.iter().map(|_| None).collect();
-        let mut state = self.state();
+        for (d, outputs) in results {
+            for (&i, ys) in each[d].iter().zip(outputs) {
+                out[i] = ys;
+            }
+        }
+        out
+    }
+
+    /// `forward` on one device, for jobs whose experts it owns.
+    fn forward_on(&self, part: &Part, now: Instant, jobs: &[TierJob<'_>]) -> Vec<Option<Vec<f32>>> {
+        let mut out: Vec<Option<Vec<f32>>> = jobs.iter().map(|_| None).collect();
+        let mut state = part.state();
         if jobs.is_empty() || !state.health.usable(now) {
             self.counters.cpu_experts.fetch_add(jobs.len() as u64, Ordering::Relaxed);
             return out;
@@ -469,7 +552,7 @@ impl VramTier {
         let mut resident_before = Vec::new();
         for (i, job) in jobs.iter().enumerate() {
             let was_resident = state.residency.is_resident(job.key);
-            if self.place(&mut state, now, job, &busy) {
+            if self.place(part, &mut state, now, job, &busy) {
                 on_device.push(i);
                 busy.push(job.key);
                 resident_before.push(was_resident);
@@ -492,10 +575,10 @@ impl VramTier {
                 Err(GpuError::Injected)
             } else {
                 let device_jobs: Vec<Job<'_>> = on_device.iter().zip(&views).map(|(&i, expert)| Job { expert, rows: jobs[i].rows }).collect();
-                self.device.forward(&device_jobs)
+                part.device.forward(&device_jobs)
             };
             let took = started.elapsed().as_secs_f64();
-            state = self.state();
+            state = part.state();
             for k in &busy {
                 if let Some(at) = state.in_flight.iter().position(|f| f == k) {
                     state.in_flight.swap_remove(at);
@@ -516,8 +599,8 @@ impl VramTier {
                     let hits = resident_before.iter().filter(|r| **r).count() as u64;
                     self.counters.vram_hits.fetch_add(hits, Ordering::Relaxed);
                 }
-                Ok(outputs) => self.fault(&mut state, now, GpuError::Device(format!("{} outputs for {} jobs", outputs.len(), on_device.len()))),
-                Err(e) => self.fault(&mut state, now, e),
+                Ok(outputs) => self.fault(part, &mut state, now, GpuError::Device(format!("{} outputs for {} jobs", outputs.len(), on_device.len()))),
+                Err(e) => self.fault(part, &mut state, now, e),
             }
         }
         let done = out.iter().filter(|o| o.is_some()).count() as u64;
@@ -527,7 +610,7 @@ impl VramTier {
     }
 
     /// Makes `job`'s expert resident if the policy says so; whether it is.
-    fn place(&self, state: &mut TierState, now: Instant, job: &TierJob<'_>, busy: &[ExpertKey]) -> bool {
+    fn place(&self, part: &Part, state: &mut TierState, now: Instant, job: &TierJob<'_>, busy: &[ExpertKey]) -> bool {
         if state.unsupported.contains(&job.key) {
             return false;
         }
@@ -550,12 +633,12 @@ impl VramTier {
             Decision::Admit { evict } => {
                 for k in evict {
                     if let Some(e) = state.resident.remove(&k) {
-                        self.device.release(e);
+                        part.device.release(e);
                     }
                     state.residency.evicted(k);
                     self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                 }
-                self.upload(state, now, job.key, expert)
+                self.upload(part, state, now, job.key, expert)
             }
         }
     }
@@ -565,19 +648,20 @@ impl VramTier {
     /// resident now. A store warms its VRAM pins this way at start, so the first tokens find
     /// them on the device.
     pub fn warm(&self, now: Instant, key: ExpertKey, expert: &Expert) -> bool {
-        let mut state = self.state();
+        let part = self.part(key);
+        let mut state = part.state();
         if !state.health.usable(now) || state.unsupported.contains(&key) {
             return false;
         }
         match state.residency.warm(key, expert.bytes() as u64) {
             Decision::Hit => true,
-            Decision::Admit { .. } => self.upload(&mut state, now, key, expert),
+            Decision::Admit { .. } => self.upload(part, &mut state, now, key, expert),
             Decision::Cpu => false,
         }
     }
 
     /// Uploads an expert the residency admitted (room already made); whether it is resident.
-    fn upload(&self, state: &mut TierState, now: Instant, key: ExpertKey, expert: &Expert) -> bool {
+    fn upload(&self, part: &Part, state: &mut TierState, now: Instant, key: ExpertKey, expert: &Expert) -> bool {
         let bytes = expert.bytes() as u64;
         let image = match ExpertImage::of(expert) {
             Ok(image) => image,
@@ -588,7 +672,7 @@ impl VramTier {
             }
         };
         let started = std::time::Instant::now();
-        let uploaded = self.device.upload(&image);
+        let uploaded = part.device.upload(&image);
         if uploaded.is_ok() {
             state.residency.uploaded_in(image.bytes.len() as u64, started.elapsed().as_secs_f64());
         }
@@ -600,7 +684,7 @@ impl VramTier {
                 state.resident.insert(key, resident);
                 self.counters.uploads.fetch_add(1, Ordering::Relaxed);
                 self.counters.upload_bytes.fetch_add(image.bytes.len() as u64, Ordering::Relaxed);
-                self.publish(state);
+                self.publish(part, state);
                 true
             }
             Err(GpuError::Unsupported(why)) => {
@@ -616,13 +700,13 @@ impl VramTier {
                 false
             }
             Err(e) => {
-                self.fault(state, now, e);
+                self.fault(part, state, now, e);
                 false
             }
         }
     }
 
-    fn fault(&self, state: &mut TierState, now: Instant, e: GpuError) {
+    fn fault(&self, part: &Part, state: &mut TierState, now: Instant, e: GpuError) {
         self.counters.fault(&e);
         let rest = state.health.fault(now);
         tracing::warn!("GPU fault ({}): {e}; its experts run on the CPU, device retried in {rest:?}", e.kind());
@@ -630,16 +714,20 @@ impl VramTier {
             // A lost device's memory is gone: everything is uploaded again when it comes back.
             state.losses += 1;
             for (k, resident) in state.resident.drain() {
-                self.device.release(resident);
+                part.device.release(resident);
                 state.residency.evicted(k);
             }
-            self.publish(state);
+            self.publish(part, state);
         }
     }
 
-    fn publish(&self, state: &TierState) {
-        self.counters.resident_bytes.store(state.residency.used(), Ordering::Relaxed);
-        self.counters.resident_experts.store(state.residency.len() as u64, Ordering::Relaxed);
+    /// One device's resident bytes and experts changed: the tier's gauges are the sum.
+    fn publish(&self, part: &Part, state: &TierState) {
+        part.resident_bytes.store(state.residency.used(), Ordering::Relaxed);
+        part.resident_experts.store(state.residency.len() as u64, Ordering::Relaxed);
+        let sum = |f: fn(&Part) -> &AtomicU64| self.parts.iter().map(|p| f(p).load(Ordering::Relaxed)).sum::<u64>();
+        self.counters.resident_bytes.store(sum(|p| &p.resident_bytes), Ordering::Relaxed);
+        self.counters.resident_experts.store(sum(|p| &p.resident_experts), Ordering::Relaxed);
     }
 }
 
@@ -651,13 +739,13 @@ fn rows_of(job: &TierJob<'_>) -> usize {
 
 impl std::fmt::Debug for VramTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VramTier").field("device", &self.device.name()).field("budget", &self.budget()).finish()
+        f.debug_struct("VramTier").field("devices", &self.device_name()).field("budget", &self.budget()).finish()
     }
 }
 
 impl shimmer_experts::Accelerator for VramTier {
     fn holds(&self, layer: usize, expert: u32) -> bool {
-        let state = self.state();
+        let state = self.part(ExpertKey { layer: layer as u32, expert }).state();
         state.health.usable(Instant::now()) && state.residency.is_resident(ExpertKey { layer: layer as u32, expert })
     }
 
@@ -666,7 +754,9 @@ impl shimmer_experts::Accelerator for VramTier {
     }
 
     fn cpu_took(&self, byte_rows: u64, elapsed: std::time::Duration) {
-        self.state().residency.cpu_took(byte_rows, elapsed.as_secs_f64());
+        for part in &self.parts {
+            part.state().residency.cpu_took(byte_rows, elapsed.as_secs_f64());
+        }
     }
 
     fn pin(&self, experts: &[(usize, u32)]) {
@@ -686,11 +776,11 @@ impl shimmer_experts::Accelerator for VramTier {
 
 impl Drop for VramTier {
     fn drop(&mut self) {
-        let mut state = self.state();
-        let resident: Vec<DeviceExpert> = state.resident.drain().map(|(_, e)| e).collect();
-        drop(state);
-        for e in resident {
-            self.device.release(e);
+        for part in &self.parts {
+            let resident: Vec<DeviceExpert> = part.state().resident.drain().map(|(_, e)| e).collect();
+            for e in resident {
+                part.device.release(e);
+            }
         }
     }
 }

@@ -472,3 +472,41 @@ fn a_submission_in_flight_leaves_the_tier_to_other_threads_and_keeps_its_experts
     assert_eq!(tier.forward(now, &[TierJob { key: key(0, 1), expert: Some(&all[1]), rows: &rows }]), vec![Some(cpu(&all[1], &rows))]);
     assert!(!tier.is_resident(key(0, 0)));
 }
+
+/// Several devices: each expert belongs to one (a layer's experts dealt out in turn), each
+/// device holds at most its own budget, the tier computes each device's share and gives the
+/// CPU's bits; a fault on one device backs off that device only.
+#[test]
+fn several_devices_share_a_layers_experts_and_fail_alone() {
+    let (hidden, inter) = (32, 24);
+    let all = experts(6, hidden, inter);
+    let bytes = all[0].bytes() as u64;
+    let devices: Vec<std::sync::Arc<FakeDevice>> = (0..2).map(|_| std::sync::Arc::new(FakeDevice::new(1 << 30))).collect();
+    let tier = VramTier::on_devices(devices.iter().map(|d| (Box::new(d.clone()) as Box<dyn shimmer_gpu::Device>, 2 * bytes)).collect(), None);
+    assert_eq!((tier.devices(), tier.budget()), (2, 4 * bytes));
+    assert_eq!((tier.owner(key(0, 0)), tier.owner(key(0, 1)), tier.owner(key(1, 0))), (0, 1, 1), "dealt out, each layer one further on");
+    let rows: Vec<f32> = (0..2 * hidden).map(|i| i as f32 / 32.0 - 1.0).collect();
+    let now = Instant::now();
+    let chosen = [0, 1, 2, 3];
+    let (outs, on_device) = step(&tier, now, &all, &chosen, &rows);
+    for (o, &e) in outs.iter().zip(&chosen) {
+        assert_eq!(o, &cpu(&all[e as usize], &rows), "expert {e}");
+    }
+    assert_eq!(on_device, 4, "two experts on each device");
+    for (d, device) in devices.iter().enumerate() {
+        assert_eq!(device.resident().0, 2, "device {d} holds its own two");
+        assert_eq!(device.calls().1, 1, "device {d}: one submission");
+    }
+    assert_eq!(tier.telemetry().resident_experts, 4);
+    // Device 1 fails its next submission: its experts go back to the CPU and it rests; device 0
+    // goes on computing its own.
+    devices[1].fail_next(GpuError::Device("VK_ERROR_UNKNOWN".into()));
+    let (outs, on_device) = step(&tier, now, &all, &chosen, &rows);
+    assert_eq!(on_device, 2);
+    for (o, &e) in outs.iter().zip(&chosen) {
+        assert_eq!(o, &cpu(&all[e as usize], &rows), "expert {e} after the fault");
+    }
+    let (_, on_device) = step(&tier, now, &all, &chosen, &rows);
+    assert_eq!(on_device, 2, "device 1 backs off; device 0 does not");
+    assert_eq!(tier.counters().total_faults(), 1);
+}

@@ -250,3 +250,23 @@ fn the_devices_own_fma_is_used_only_when_it_gives_the_cpus_bits() {
         }
     }
 }
+
+/// `--gpu` spreads experts over every device of the best kind present: all discrete GPUs, else
+/// all integrated, …; on this machine that is the one CPU driver, and only with `cpu_drivers`.
+#[test]
+fn the_devices_of_the_best_kind_are_the_ones_used() {
+    use shimmer_gpu::vulkan::{best_devices, best_ranked};
+    assert_eq!(best_ranked(&[3, 0, 1, 0]), vec![1, 3], "both discrete GPUs, not the integrated one or lavapipe");
+    assert_eq!(best_ranked(&[3, 1]), vec![1]);
+    assert_eq!(best_ranked(&[]), Vec::<usize>::new());
+    let with_cpu = best_devices(true).unwrap();
+    assert!(!with_cpu.is_empty(), "lavapipe counts with cpu_drivers");
+    for i in with_cpu {
+        VulkanDevice::open_with(&Options { device_index: Some(i), ..Options::default() }).unwrap_or_else(|e| panic!("device {i}: {e}"));
+    }
+    // Without them, a driver on the CPU is never among the chosen.
+    for i in best_devices(false).unwrap_or_default() {
+        let d = VulkanDevice::open_with(&Options { device_index: Some(i), cpu_drivers: false, ..Options::default() }).unwrap();
+        assert!(!d.name().contains("llvmpipe"), "{}", d.name());
+    }
+}

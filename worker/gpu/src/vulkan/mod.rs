@@ -213,6 +213,31 @@ fn device_rank(kind: vk::PhysicalDeviceType) -> u32 {
     }
 }
 
+/// Every device of the best kind present, as `Options::device_index` counts them: all the
+/// discrete GPUs, else all the integrated ones, else the virtual ones, else (with
+/// `cpu_drivers`) the drivers that run on the CPU — the devices `--gpu` spreads experts over.
+pub fn best_devices(cpu_drivers: bool) -> Result<Vec<usize>, GpuError> {
+    // SAFETY: as in `open_with`; the instance is destroyed before returning.
+    unsafe {
+        let entry = ash::Entry::load().map_err(|e| GpuError::Unavailable(format!("no Vulkan loader ({e}); install libvulkan1 and a driver")))?;
+        let app = vk::ApplicationInfo::default().application_name(c"shimmer").engine_name(c"shimmer").api_version(vk::API_VERSION_1_2);
+        let instance = entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None).map_err(|r| match r {
+            vk::Result::ERROR_INCOMPATIBLE_DRIVER => GpuError::Unavailable("no Vulkan driver (ERROR_INCOMPATIBLE_DRIVER)".into()),
+            r => vk_error("creating a Vulkan instance", r),
+        })?;
+        let usable = State::usable_devices(&instance, cpu_drivers);
+        instance.destroy_instance(None);
+        let ranks: Vec<u32> = usable?.iter().map(|(_, p, _)| device_rank(p.device_type)).collect();
+        Ok(best_ranked(&ranks))
+    }
+}
+
+/// The indices of the devices of the best (lowest) rank.
+pub fn best_ranked(ranks: &[u32]) -> Vec<usize> {
+    let best = ranks.iter().copied().min();
+    ranks.iter().enumerate().filter(|(_, r)| Some(**r) == best).map(|(i, _)| i).collect()
+}
+
 fn version(v: u32) -> String {
     format!("{}.{}.{}", vk::api_version_major(v), vk::api_version_minor(v), vk::api_version_patch(v))
 }
@@ -366,9 +391,10 @@ impl State {
     }
 
     /// The device to use, its properties, its compute queue family and its banner name.
-    unsafe fn pick(instance: &ash::Instance, options: &Options) -> Result<(vk::PhysicalDevice, vk::PhysicalDeviceProperties, u32, String), GpuError> {
+    /// The devices `Options::device_index` counts: Vulkan 1.2, a compute queue, and not a driver
+    /// that runs on the CPU unless `cpu_drivers`; each with its compute queue family.
+    unsafe fn usable_devices(instance: &ash::Instance, cpu_drivers: bool) -> Result<Vec<(vk::PhysicalDevice, vk::PhysicalDeviceProperties, u32)>, GpuError> {
         let physical = instance.enumerate_physical_devices().map_err(|r| vk_error("listing Vulkan devices", r))?;
-        // Usable: Vulkan 1.2 and a compute queue.
         let mut usable = Vec::new();
         for pd in physical {
             let props = instance.get_physical_device_properties(pd);
@@ -376,13 +402,18 @@ impl State {
                 continue;
             }
             let families = instance.get_physical_device_queue_family_properties(pd);
-            if !options.cpu_drivers && props.device_type == vk::PhysicalDeviceType::CPU {
+            if !cpu_drivers && props.device_type == vk::PhysicalDeviceType::CPU {
                 continue;
             }
             if let Some(family) = families.iter().position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE)) {
                 usable.push((pd, props, family as u32));
             }
         }
+        Ok(usable)
+    }
+
+    unsafe fn pick(instance: &ash::Instance, options: &Options) -> Result<(vk::PhysicalDevice, vk::PhysicalDeviceProperties, u32, String), GpuError> {
+        let usable = Self::usable_devices(instance, options.cpu_drivers)?;
         let chosen = match options.device_index {
             Some(i) => usable.get(i).copied().ok_or_else(|| GpuError::Unavailable(format!("no Vulkan 1.2 device {i} (there are {})", usable.len())))?,
             None => usable.iter().copied().min_by_key(|(_, p, _)| device_rank(p.device_type)).ok_or_else(|| {
