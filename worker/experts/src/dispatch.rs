@@ -324,31 +324,45 @@ fn apply_on_cpu(batch: &MoeBatch<'_>, work: &[Work<'_>], acc: &mut [i64]) -> Res
         ys
     };
     let add = |acc: &mut [i64], rows: &[(usize, f32)], ys: &[f32]| add_weighted(batch, rows, ys, acc);
-    if let Some(team) = shimmer_kernels::team::active().filter(|_| work.len() > 1 && macs >= TEAM_MIN_MACS) {
-        // A forward step's team is awake: its threads take an expert each.
-        let outputs: Vec<std::sync::OnceLock<Vec<f32>>> = work.iter().map(|_| std::sync::OnceLock::new()).collect();
-        let order = largest_first(work);
-        team.run(work.len(), &|i| {
-            let i = order[i];
-            let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
-        });
-        // `run` returns only after every task finished (and raises a task's panic).
-        let outputs: Vec<Vec<f32>> = outputs.into_iter().map(|ys| ys.into_inner().expect("every expert's output is set")).collect();
-        add_by_row_blocks(team, batch, work, &outputs, acc)?;
-    } else if macs < SERIAL_MACS {
-        // The sum is fixed-point, so adding each expert as it is done gives the same bits.
-        let mut scratch = FfnScratch::default();
-        for w in work {
-            let ys = one(&mut scratch, w);
-            add(acc, w.2, &ys)?;
+    // Here: over the step's team if one is active, else on this thread or the pool.
+    let run_here = |acc: &mut [i64]| -> Result<(), DispatchError> {
+        if let Some(team) = shimmer_kernels::team::active().filter(|_| work.len() > 1 && macs >= TEAM_MIN_MACS) {
+            // A forward step's team is awake: its threads take an expert each.
+            let outputs: Vec<std::sync::OnceLock<Vec<f32>>> = work.iter().map(|_| std::sync::OnceLock::new()).collect();
+            let order = largest_first(work);
+            team.run(work.len(), &|i| {
+                let i = order[i];
+                let _ = outputs[i].set(one(&mut FfnScratch::default(), &work[i]));
+            });
+            // `run` returns only after every task finished (and raises a task's panic).
+            let outputs: Vec<Vec<f32>> = outputs.into_iter().map(|ys| ys.into_inner().expect("every expert's output is set")).collect();
+            add_by_row_blocks(team, batch, work, &outputs, acc)?;
+        } else if macs < SERIAL_MACS {
+            // The sum is fixed-point, so adding each expert as it is done gives the same bits.
+            let mut scratch = FfnScratch::default();
+            for w in work {
+                let ys = one(&mut scratch, w);
+                add(acc, w.2, &ys)?;
+            }
+        } else {
+            let outputs: Vec<Vec<f32>> = work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect();
+            for (w, ys) in work.iter().zip(&outputs) {
+                add(acc, w.2, ys)?;
+            }
         }
-    } else {
-        let outputs: Vec<Vec<f32>> = work.par_iter().map_init(FfnScratch::default, |scratch, w| one(scratch, w)).collect();
-        for (w, ys) in work.iter().zip(&outputs) {
-            add(acc, w.2, ys)?;
-        }
+        Ok(())
+    };
+    if shimmer_kernels::team::active().is_none() && work.len() > 1 && (TEAM_MIN_MACS..SERIAL_MACS).contains(&macs) && shimmer_kernels::team::pool_threads() > 1
+    {
+        // A one-row step of a small model runs without a team (its products are too small to
+        // split), but its experts are worth spreading: a team of their own takes them an expert
+        // a thread (its helper waits awake between teams, so forming one makes no system call).
+        // The demo's decode step: 0.80–0.93 of the time it took on this thread alone
+        // (`docs/benchmarks.md`, "Experts over a team of their own"). Where another thread's
+        // team holds the helpers, `with_pool_team` runs this without one: on this thread.
+        return shimmer_kernels::team::with_pool_team(|| run_here(acc));
     }
-    Ok(())
+    run_here(acc)
 }
 
 #[cfg(test)]
@@ -360,6 +374,46 @@ mod tests {
     fn team_turn() -> std::sync::MutexGuard<'static, ()> {
         static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
         TURN.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `f` in a pool of one thread: no team forms, every expert runs on this thread.
+    fn one_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a one-thread pool").install(f)
+    }
+
+    /// A one-row step without a team (a small model's decode), in a pool of two: its experts go
+    /// over a team of their own, with the bits they give on one thread.
+    #[test]
+    fn a_one_row_steps_experts_over_a_team_of_their_own_are_the_same_bits() {
+        let _turn = team_turn();
+        let (h, inter, n_experts) = (64usize, 96usize, 4usize);
+        let mut s = 11u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        };
+        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
+        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
+        let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.41).cos()).collect();
+        let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.1 + e as f32 * 0.2)]).collect();
+        let work: Vec<Work<'_>> = experts.iter().zip(&rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect();
+        let ids: Vec<u32> = (0..n_experts as u32).collect();
+        let weights: Vec<f32> = rows.iter().map(|r| r[0].1).collect();
+        let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
+        assert!((TEAM_MIN_MACS..SERIAL_MACS).contains(&(3 * h * inter * n_experts)), "a team of their own forms");
+        let mut alone = vec![0i64; h];
+        one_thread(|| apply_experts(&batch, &work, None, &mut alone)).unwrap();
+        let mut two = vec![0i64; h];
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap()
+            .install(|| {
+                assert!(shimmer_kernels::team::active().is_none() && shimmer_kernels::team::pool_threads() == 2);
+                apply_experts(&batch, &work, None, &mut two)
+            })
+            .unwrap();
+        assert_eq!(two, alone);
     }
 
     /// Experts spread over a forward step's team add up to the bits they give on one thread.
@@ -382,7 +436,7 @@ mod tests {
         let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
         assert!(3 * h * inter * n_experts >= TEAM_MIN_MACS, "the team path is taken");
         let mut alone = vec![0i64; h];
-        apply_experts(&batch, &work, None, &mut alone).unwrap();
+        one_thread(|| apply_experts(&batch, &work, None, &mut alone)).unwrap();
         let teamed = shimmer_kernels::team::with_team(2, || {
             assert!(shimmer_kernels::team::active().is_some());
             let mut acc = vec![0i64; h];
@@ -415,7 +469,7 @@ mod tests {
             assert!(work.len() > 1 && 3 * h * inter * n_rows * top_k >= TEAM_MIN_MACS, "the team path is taken");
             assert_ne!(largest_first(&work), (0..work.len()).collect::<Vec<_>>(), "the team takes the experts out of their order");
             let mut alone = vec![0i64; n_rows * h];
-            let alone_result = apply_experts(&batch, &work, None, &mut alone).map(|_| alone);
+            let alone_result = one_thread(|| apply_experts(&batch, &work, None, &mut alone)).map(|_| alone);
             let teamed = shimmer_kernels::team::with_team(2, || {
                 assert!(shimmer_kernels::team::active().is_some());
                 let mut acc = vec![0i64; n_rows * h];
