@@ -8,8 +8,8 @@
 //! for the demo model's ~1 µs one-row products the claims cost what splitting saves
 //! (`docs/benchmarks.md`, issue 18, third pass).
 //!
-//! A one-row step that runs alone may still split one large product (the demo model's LM head)
-//! over a team of its own: between teams a helper waits awake for `SPIN_IDLE` (decode steps
+//! A one-row step that runs alone may still split one large product (the demo model's LM head),
+//! or spread a layer's experts (`apply_experts`), over a team of its own: between teams a helper waits awake for `SPIN_IDLE` (decode steps
 //! come sooner, so it stays awake through a generation), and `prewake` wakes a sleeping one a
 //! little ahead — posting a team then makes no system call.
 //!
