@@ -381,29 +381,59 @@ mod tests {
         rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a one-thread pool").install(f)
     }
 
+    /// One row choosing each of `n` random f32 experts (hidden 64, intermediate 96), the e-th
+    /// weighted `w0 + e·dw`.
+    struct OneRow {
+        experts: Vec<Expert>,
+        x: Vec<f32>,
+        rows: Vec<[(usize, f32); 1]>,
+        ids: Vec<u32>,
+        weights: Vec<f32>,
+    }
+
+    impl OneRow {
+        const HIDDEN: usize = 64;
+        const INTER: usize = 96;
+
+        fn new(seed: u64, n: usize, (w0, dw): (f32, f32)) -> Self {
+            let (h, inter) = (Self::HIDDEN, Self::INTER);
+            let mut s = seed;
+            let mut next = || {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            };
+            let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
+            let experts = (0..n).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
+            let x = (0..h).map(|i| (i as f32 * 0.37 + seed as f32).sin()).collect();
+            let rows: Vec<[(usize, f32); 1]> = (0..n).map(|e| [(0usize, w0 + e as f32 * dw)]).collect();
+            let weights = rows.iter().map(|r| r[0].1).collect();
+            OneRow { experts, x, rows, ids: (0..n as u32).collect(), weights }
+        }
+
+        fn work(&self) -> Vec<Work<'_>> {
+            self.experts.iter().zip(&self.rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect()
+        }
+
+        fn batch(&self) -> MoeBatch<'_> {
+            MoeBatch { layer: 0, hidden: Self::HIDDEN, rows: &self.x, top_k: self.ids.len(), experts: &self.ids, weights: &self.weights }
+        }
+
+        fn macs(&self) -> usize {
+            3 * Self::HIDDEN * Self::INTER * self.ids.len()
+        }
+    }
+
     /// A one-row step without a team (a small model's decode), in a pool of two: its experts go
     /// over a team of their own, with the bits they give on one thread.
     #[test]
     fn a_one_row_steps_experts_over_a_team_of_their_own_are_the_same_bits() {
         let _turn = team_turn();
-        let (h, inter, n_experts) = (64usize, 96usize, 4usize);
-        let mut s = 11u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-        };
-        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
-        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
-        let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.41).cos()).collect();
-        let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.1 + e as f32 * 0.2)]).collect();
-        let work: Vec<Work<'_>> = experts.iter().zip(&rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect();
-        let ids: Vec<u32> = (0..n_experts as u32).collect();
-        let weights: Vec<f32> = rows.iter().map(|r| r[0].1).collect();
-        let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
-        assert!((TEAM_MIN_MACS..SERIAL_MACS).contains(&(3 * h * inter * n_experts)), "a team of their own forms");
-        let mut alone = vec![0i64; h];
+        let case = OneRow::new(11, 4, (0.1, 0.2));
+        let (batch, work) = (case.batch(), case.work());
+        assert!((TEAM_MIN_MACS..SERIAL_MACS).contains(&case.macs()), "a team of their own forms");
+        let mut alone = vec![0i64; OneRow::HIDDEN];
         one_thread(|| apply_experts(&batch, &work, None, &mut alone)).unwrap();
-        let mut two = vec![0i64; h];
+        let mut two = vec![0i64; OneRow::HIDDEN];
         rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
@@ -420,21 +450,9 @@ mod tests {
     #[test]
     fn experts_over_a_team_are_the_same_bits() {
         let _turn = team_turn();
-        let (h, inter, n_experts) = (64usize, 96usize, 8usize);
-        let mut s = 5u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-        };
-        let mut m = |rows: usize, cols: usize| Matrix::new(rows, cols, WeightData::F32((0..rows * cols).map(|_| next()).collect()));
-        let experts: Vec<Expert> = (0..n_experts).map(|_| Expert::new(m(inter, h), m(inter, h), m(h, inter))).collect();
-        let x: Vec<f32> = (0..h).map(|i| (i as f32 * 0.37).sin()).collect();
-        let rows: Vec<[(usize, f32); 1]> = (0..n_experts).map(|e| [(0usize, 0.05 + e as f32 * 0.1)]).collect();
-        let work: Vec<Work<'_>> = experts.iter().zip(&rows).enumerate().map(|(i, (e, r))| (i as u32, e, &r[..])).collect();
-        let ids: Vec<u32> = (0..n_experts as u32).collect();
-        let weights: Vec<f32> = rows.iter().map(|r| r[0].1).collect();
-        let batch = MoeBatch { layer: 0, hidden: h, rows: &x, top_k: n_experts, experts: &ids, weights: &weights };
-        assert!(3 * h * inter * n_experts >= TEAM_MIN_MACS, "the team path is taken");
+        let case = OneRow::new(5, 8, (0.05, 0.1));
+        let (batch, work, h) = (case.batch(), case.work(), OneRow::HIDDEN);
+        assert!(case.macs() >= TEAM_MIN_MACS, "the team path is taken");
         let mut alone = vec![0i64; h];
         one_thread(|| apply_experts(&batch, &work, None, &mut alone)).unwrap();
         let teamed = shimmer_kernels::team::with_team(2, || {
