@@ -12,19 +12,10 @@ use std::sync::Arc;
 use shimmer_coordinator::engine::{Engine, ExpertOptions, RamBudget, UsageFile};
 use shimmer_gpu::vulkan::VulkanDevice;
 use shimmer_gpu::VramTier;
-use shimmer_tests::{fixture, fixtures, shimmer};
+use shimmer_tests::{assert_same_answers as same, fixture, fixtures, logits_and_greedy as answers, shimmer};
 
 fn demo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
-}
-
-fn answers(engine: &Engine) -> (Vec<u32>, Vec<u32>) {
-    shimmer_tests::logits_and_greedy(engine)
-}
-
-#[track_caller]
-fn same(got: &(Vec<u32>, Vec<u32>), want: &(Vec<u32>, Vec<u32>), what: &str) {
-    shimmer_tests::assert_same_answers(got, want, what)
 }
 
 fn tier(budget: u64, fault_every: Option<u64>) -> Arc<VramTier> {

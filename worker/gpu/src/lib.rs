@@ -124,7 +124,7 @@ fn open_every(which: Vec<usize>, open: impl Fn(usize) -> Result<Box<dyn Device>,
     }
     match (devices.is_empty(), first_error) {
         (true, Some(e)) => Err(e),
-        (true, None) => Err(GpuError::Unavailable("no device".into())),
+        (true, None) => Err(GpuError::Unavailable("no device to open".into())),
         _ => Ok(devices),
     }
 }
@@ -151,7 +151,10 @@ fn cuda_devices() -> Result<Vec<usize>, GpuError> {
         return Err(GpuError::Unavailable("no CUDA driver (libcuda.so.1 cannot be loaded)".into()));
     }
     let n = cudarc::driver::CudaContext::device_count().map_err(|e| GpuError::Unavailable(format!("counting CUDA devices: {e}")))?;
-    Ok((0..n.max(0) as usize).collect())
+    if n <= 0 {
+        return Err(GpuError::Unavailable("no CUDA device (the driver shows none; is CUDA_VISIBLE_DEVICES empty?)".into()));
+    }
+    Ok((0..n as usize).collect())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -171,7 +174,15 @@ fn open_cuda_at(_ordinal: usize) -> Result<Box<dyn Device>, GpuError> {
 
 #[cfg(feature = "vulkan")]
 fn vulkan_devices(cpu_drivers: bool) -> Result<Vec<usize>, GpuError> {
-    vulkan::best_devices(cpu_drivers)
+    let found = vulkan::best_devices(cpu_drivers)?;
+    if found.is_empty() {
+        return Err(GpuError::Unavailable(if cpu_drivers {
+            "no Vulkan 1.2 device with a compute queue".into()
+        } else {
+            "no Vulkan 1.2 GPU (drivers that run on the CPU, such as lavapipe, are used only with --gpu vulkan)".into()
+        }));
+    }
+    Ok(found)
 }
 
 #[cfg(not(feature = "vulkan"))]
